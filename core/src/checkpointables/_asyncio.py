@@ -1,0 +1,138 @@
+"""Running coroutines from synchronous code, and background work with a result."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["AsyncResponse", "run_sync", "start_background", "completed"]
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs ``coro`` to completion from synchronous code, even inside a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside an event loop (e.g. a notebook): use a helper thread.
+    ctx = contextvars.copy_context()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(ctx.run, asyncio.run, coro).result()
+
+
+class AsyncResponse(Generic[T]):
+    """The result of work running in the background.
+
+    ``result(timeout)`` waits and returns it, or re-raises the background
+    error with its traceback; ``done()`` tells without waiting.
+
+    Example::
+
+        response = cp.save_pytree_async(path, state)
+        ...                       # keep training
+        response.result()         # raises if the save failed
+    """
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[AsyncResponse[T]], None]] = []
+        self._lock = threading.Lock()
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._value, self._error = value, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def done(self) -> bool:
+        """Whether the background work has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> T:
+        """Waits for the work and returns its result.
+
+        Raises:
+          TimeoutError: the work is still running after ``timeout`` seconds.
+          Exception: whatever the background work raised, with its traceback.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(
+                f"{self._description} is still running after {timeout} s; call result() again "
+                f"to keep waiting."
+            )
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits like ``result`` and returns the background error, or ``None``."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self._description} is still running after {timeout} s.")
+        return self._error
+
+    def add_done_callback(self, callback: Callable[[AsyncResponse[T]], None]) -> None:
+        """Calls ``callback(self)`` when the work finishes (at once if it has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<AsyncResponse {self._description}: {state}>"
+
+
+def completed(value: T, description: str = "operation") -> AsyncResponse[T]:
+    """An ``AsyncResponse`` that is already done with ``value``."""
+    response: AsyncResponse[T] = AsyncResponse(description)
+    response._finish(value)
+    return response
+
+
+def start_background(
+    work: Callable[[], T], description: str, *, daemon: bool = False
+) -> AsyncResponse[T]:
+    """Runs ``work()`` on a new thread, in a copy of the caller's contextvars.
+
+    The thread is not a daemon by default, so the interpreter waits for a
+    running save before it exits instead of cutting it off.
+    """
+    response: AsyncResponse[T] = AsyncResponse(description)
+    ctx = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            value = ctx.run(work)
+        except BaseException as e:
+            response._finish(error=e)
+        else:
+            response._finish(value)
+
+    thread = threading.Thread(
+        target=run, name=f"checkpointables: {description}"[:60], daemon=daemon
+    )
+    thread.start()
+    return response
+
+
+async def gather_awaitables(awaitables: list[Any]) -> list[Any]:
+    """Awaits every awaitable concurrently; returns their results in order."""
+    return list(await asyncio.gather(*awaitables))
+
+
+def monotonic_deadline(timeout_secs: float) -> float:
+    """A ``time.monotonic()`` deadline ``timeout_secs`` from now."""
+    return time.monotonic() + timeout_secs

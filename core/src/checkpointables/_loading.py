@@ -1,0 +1,189 @@
+"""``load_checkpointables``, ``checkpointables_metadata`` and their async forms."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from checkpointables import _inflight, errors, handlers, layout
+from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
+from checkpointables.context import Context, get_context
+from checkpointables.metadata import CheckpointMetadata, read_checkpoint_metadata
+
+
+class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
+    """A requested checkpointable is not in the checkpoint."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
+    """Validates ``path`` as a finished checkpoint and reads its metadata."""
+    path = epath.Path(path)
+    _inflight.wait_for(path, context.async_options.timeout_secs)
+    layout.validate_checkpoint_directory(path)
+    return path, read_checkpoint_metadata(path)
+
+
+def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:
+    """``item_handlers`` as a dict (empty for flat V0 checkpoints)."""
+    item_handlers = meta.get("item_handlers")
+    return dict(item_handlers) if isinstance(item_handlers, dict) else {}
+
+
+def _recognizers(directory: epath.Path) -> dict[str, bool]:
+    result = {}
+    for r in handlers.registered_handlers():
+        recognizes = getattr(r.handler_cls, "recognizes", None)
+        if recognizes is not None:
+            result[r.name] = bool(recognizes(directory))
+    return result
+
+
+def resolve_load_handler(
+    directory: epath.Path,
+    name: str,
+    recorded: str | None,
+    abstract: Any,
+    context: Context,
+) -> Any:
+    """The handler instance that loads checkpointable ``name`` from ``directory``."""
+    forced = context.checkpointables_options.handlers.get(name)
+    _, instance = handlers.resolve_for_load(
+        handlers.registered_handlers(),
+        name=name,
+        recorded_typestr=recorded,
+        abstract=abstract,
+        forced=None if forced is None else handlers.get(forced),
+        recognizers=_recognizers(directory) if recorded is None else None,
+    )
+    return instance
+
+
+def _requested(
+    path: epath.Path, meta: Mapping[str, Any], abstract_checkpointables: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    typestrs = recorded_typestrs(meta)
+    available = layout.checkpointable_directories(path, typestrs)
+    if abstract_checkpointables is None or not abstract_checkpointables:
+        return dict.fromkeys(available)
+    if isinstance(abstract_checkpointables, CheckpointMetadata):
+        abstract_checkpointables = abstract_checkpointables.metadata
+    if not isinstance(abstract_checkpointables, Mapping):
+        raise ValueError(
+            "abstract_checkpointables must be a dict of name to abstract checkpointable, got "
+            f"{type(abstract_checkpointables).__name__}; to load one pytree use cp.load_pytree."
+        )
+    missing = [n for n in abstract_checkpointables if n not in available]
+    if missing:
+        raise CheckpointableNotFoundError(
+            f"Checkpoint {path} has no checkpointable named {missing}; it holds {available}."
+        )
+    return dict(abstract_checkpointables)
+
+
+def load_items_async(
+    path: epath.Path,
+    meta: Mapping[str, Any],
+    items: Mapping[str, tuple[epath.Path, Any]],
+    context: Context,
+) -> AsyncResponse[dict[str, Any]]:
+    """Loads ``{name: (directory, abstract)}`` with the recorded handlers."""
+    typestrs = recorded_typestrs(meta)
+    flat_typestr = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
+    instances = {}
+    for name, (directory, abstract) in items.items():
+        recorded = typestrs.get(name, flat_typestr if directory == path else None)
+        instances[name] = resolve_load_handler(directory, name, recorded, abstract, context)
+
+    async def blocking_phase() -> list[Any]:
+        return await gather_awaitables(
+            [instances[n].load(directory, abstract) for n, (directory, abstract) in items.items()]
+        )
+
+    def background() -> dict[str, Any]:
+        values = run_sync(gather_awaitables(awaitables))
+        return dict(zip(items, values, strict=True))
+
+    with context:  # Handlers read options through get_context().
+        awaitables = run_sync(blocking_phase())
+        return start_background(background, f"load of {path}", daemon=True)
+
+
+def load_checkpointables_async(
+    path: epath.PathLike,
+    abstract_checkpointables: Mapping[str, Any] | None = None,
+    *,
+    context: Context | None = None,
+) -> AsyncResponse[dict[str, Any]]:
+    """Starts loading checkpointables; reading happens in the background.
+
+    ``abstract_checkpointables`` selects names (a value of ``None`` loads that
+    name as saved) and guides each load; ``None`` loads everything.
+    """
+    context = get_context(context)
+    path, meta = open_checkpoint(path, context)
+    requested = _requested(path, meta, abstract_checkpointables)
+    return load_items_async(
+        path, meta, {n: (path / n, a) for n, a in requested.items()}, context
+    )
+
+
+def load_checkpointables(
+    path: epath.PathLike, abstract_checkpointables: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Loads checkpointables from a checkpoint.
+
+    Example::
+
+        everything = cp.load_checkpointables(path)
+        just_state = cp.load_checkpointables(path, {"pytree": abstract_state})
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      cp.errors.NotACheckpointError: ``path`` is not a finished checkpoint.
+      KeyError: a requested name is not in the checkpoint.
+      cp.errors.MissingHandlerError: a needed handler is not installed.
+    """
+    return load_checkpointables_async(path, abstract_checkpointables).result()
+
+
+def item_metadata(
+    directory: epath.Path, name: str, recorded: str | None, context: Context
+) -> Any:
+    """The abstract form of one checkpointable, from its handler."""
+    instance = resolve_load_handler(directory, name, recorded, None, context)
+    return run_sync(instance.metadata(directory))
+
+
+def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[str, Any]]:
+    """What a checkpoint holds: ``.metadata`` maps each name to its abstract form.
+
+    Example::
+
+        meta = cp.checkpointables_metadata(path)
+        meta.metadata["pytree"], meta.custom_metadata
+    """
+    context = get_context()
+    path, meta = open_checkpoint(path, context)
+    typestrs = recorded_typestrs(meta)
+    names = layout.checkpointable_directories(path, typestrs)
+    result = {n: item_metadata(path / n, n, typestrs.get(n), context) for n in names}
+    return checkpoint_metadata_for(path, meta, result)
+
+
+def checkpoint_metadata_for(
+    path: epath.Path, meta: Mapping[str, Any], value: Any
+) -> CheckpointMetadata[Any]:
+    """Wraps ``value`` with the timestamps and custom metadata of a checkpoint."""
+    return CheckpointMetadata(
+        path,
+        metadata=value,
+        custom_metadata=meta.get("custom_metadata"),
+        init_timestamp_nsecs=meta.get("init_timestamp_nsecs"),
+        commit_timestamp_nsecs=meta.get("commit_timestamp_nsecs"),
+        metrics=meta.get("metrics"),
+    )

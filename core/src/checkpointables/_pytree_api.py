@@ -1,0 +1,202 @@
+"""The pytree free functions: one checkpointable, handled by the ``pytree`` plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from etils import epath
+
+from checkpointables import _loading, _saving, errors, handlers, layout
+from checkpointables._asyncio import AsyncResponse
+from checkpointables.context import Context, get_context
+from checkpointables.metadata import CheckpointMetadata
+
+PYTREE_HANDLER_NAME = "pytree"
+DEFAULT_NAME = "pytree"
+# Tried in this order when no name is given; then any other pytree present.
+PREFERRED_NAMES = ("pytree", "state")
+TREE_METADATA_FILE = "_METADATA"
+
+
+def pytree_registration() -> handlers.HandlerRegistration:
+    """The registration of the handler named ``pytree``, or a pip-install hint."""
+    for r in handlers.registered_handlers():
+        if r.name == PYTREE_HANDLER_NAME:
+            return r
+    raise errors.MissingHandlerError(
+        "Saving and loading pytrees needs the pytree plugin, which is not installed or failed "
+        "to load (see `checkpointables plugins`): pip install checkpointables-pytree."
+    )
+
+
+def save_pytree_async(
+    path: epath.PathLike,
+    pytree: Any,
+    *,
+    checkpointable_name: str = DEFAULT_NAME,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> AsyncResponse[None]:
+    """Saves a pytree; returns once device data is copied to host.
+
+    The caller may change or delete its arrays as soon as this returns.
+    """
+    layout.validate_checkpointable_name(checkpointable_name)
+    if pytree is None:
+        raise ValueError("The pytree to save is None; there is nothing to save.")
+    return _saving.save_checkpointables_async(
+        path,
+        {checkpointable_name: pytree},
+        overwrite=overwrite,
+        custom_metadata=custom_metadata,
+        forced_handlers={checkpointable_name: pytree_registration().handler_cls},
+    )
+
+
+def save_pytree(
+    path: epath.PathLike,
+    pytree: Any,
+    *,
+    checkpointable_name: str = DEFAULT_NAME,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """Saves a pytree of arrays and scalars, and waits until it is committed.
+
+    Example::
+
+        cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
+    """
+    save_pytree_async(
+        path,
+        pytree,
+        checkpointable_name=checkpointable_name,
+        overwrite=overwrite,
+        custom_metadata=custom_metadata,
+    ).result()
+
+
+def find_pytree(
+    path: epath.Path, meta: Mapping[str, Any], checkpointable_name: str | None
+) -> tuple[str, epath.Path]:
+    """The name and directory of the pytree to load from checkpoint ``path``."""
+    typestrs = _loading.recorded_typestrs(meta)
+    available = layout.checkpointable_directories(path, typestrs)
+    if checkpointable_name is not None:
+        layout.validate_checkpointable_name(checkpointable_name)
+        if checkpointable_name not in available:
+            raise _loading.CheckpointableNotFoundError(
+                f"Checkpoint {path} has no checkpointable named {checkpointable_name!r}; it holds "
+                f"{available}."
+            )
+        return checkpointable_name, path / checkpointable_name
+    if isinstance(meta.get("item_handlers"), str) or (
+        not typestrs and (path / TREE_METADATA_FILE).exists()
+    ):
+        return DEFAULT_NAME, path  # A flat (Orbax V0) checkpoint: the pytree is the root.
+    try:
+        registration: handlers.HandlerRegistration | None = pytree_registration()
+    except errors.MissingHandlerError:
+        registration = None
+
+    def is_pytree(name: str) -> bool:
+        recorded = typestrs.get(name)
+        if recorded is not None and registration is not None:
+            return registration.matches_typestr(recorded)
+        return (path / name / TREE_METADATA_FILE).exists()
+
+    ordered = [n for n in PREFERRED_NAMES if n in available] + [
+        n for n in available if n not in PREFERRED_NAMES
+    ]
+    for name in ordered:
+        if is_pytree(name):
+            return name, path / name
+    raise _loading.CheckpointableNotFoundError(
+        f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
+        f"or use cp.load_checkpointables."
+    )
+
+
+def _with_partial_load(context: Context, partial_load: bool) -> Context:
+    if not partial_load:
+        return context
+    return context.replace(
+        pytree_options=attrs.evolve(context.pytree_options, partial_load=True)
+    )
+
+
+def load_pytree_async(
+    path: epath.PathLike,
+    abstract_pytree: Any = None,
+    *,
+    checkpointable_name: str | None = None,
+    partial_load: bool = False,
+) -> AsyncResponse[Any]:
+    """Starts loading a pytree; reading happens in the background."""
+    context = _with_partial_load(get_context(), partial_load)
+    path, meta = _loading.open_checkpoint(path, context)
+    if isinstance(abstract_pytree, CheckpointMetadata):
+        abstract_pytree = abstract_pytree.metadata
+    name, directory = find_pytree(path, meta, checkpointable_name)
+    response = _loading.load_items_async(path, meta, {name: (directory, abstract_pytree)}, context)
+    return _Unwrapped(response, name)
+
+
+class _Unwrapped(AsyncResponse[Any]):
+    """An ``AsyncResponse`` for one entry of a dict-valued response."""
+
+    def __init__(self, inner: AsyncResponse[dict[str, Any]], name: str) -> None:
+        super().__init__(repr(inner))
+        self._inner, self._name = inner, name
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._inner.result(timeout)[self._name]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._inner.exception(timeout)
+
+
+def load_pytree(
+    path: epath.PathLike,
+    abstract_pytree: Any = None,
+    *,
+    checkpointable_name: str | None = None,
+    partial_load: bool = False,
+) -> Any:
+    """Loads a pytree.
+
+    With no ``abstract_pytree`` it loads as saved, on any machine (arrays saved
+    as ``jax.Array`` come back on the default device). Abstract leaves choose
+    the result: ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` gives a
+    ``jax.Array`` with that sharding; ``np.empty(shape, dtype)`` gives NumPy;
+    ``0.0`` gives a float; ``None`` or ``cp.PLACEHOLDER`` skips the leaf.
+
+    Example::
+
+        state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
+    """
+    return load_pytree_async(
+        path, abstract_pytree, checkpointable_name=checkpointable_name, partial_load=partial_load
+    ).result()
+
+
+def pytree_metadata(
+    path: epath.PathLike, *, checkpointable_name: str | None = None
+) -> CheckpointMetadata[Any]:
+    """The abstract tree of a stored pytree (usable as ``abstract_pytree``), cheaply."""
+    context = get_context()
+    path, meta = _loading.open_checkpoint(path, context)
+    name, directory = find_pytree(path, meta, checkpointable_name)
+    recorded = _loading.recorded_typestrs(meta).get(name)
+    if recorded is None and isinstance(meta.get("item_handlers"), str):
+        recorded = meta["item_handlers"]
+    if recorded is None:
+        recorded = pytree_registration().typestr
+    with context:
+        value = _loading.item_metadata(directory, name, recorded, context)
+    return _loading.checkpoint_metadata_for(path, meta, value)

@@ -1,0 +1,165 @@
+"""``save_checkpointables`` and its async form: the one save path of the library."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from checkpointables import _inflight, errors, handlers, layout, multihost
+from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
+from checkpointables.context import Context, get_context
+from checkpointables.metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
+from checkpointables.path import PathAwaitingCreation
+
+
+def _json_or_raise(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a dict, got {type(value).__name__}.")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{what} must be JSON-serializable ({e}); convert arrays and objects to "
+            f"numbers, strings, lists or dicts."
+        ) from e
+    return dict(value)
+
+
+def _forced_handler(context: Context, name: str) -> type | None:
+    forced = context.checkpointables_options.handlers.get(name)
+    return None if forced is None else handlers.get(forced)
+
+
+def resolve_save_handlers(
+    checkpointables: Mapping[str, Any], context: Context, forced: Mapping[str, type] | None = None
+) -> dict[str, tuple[str, Any]]:
+    """Maps each name to ``(typestr, handler instance)``; raises before anything is written."""
+    registrations = handlers.registered_handlers()
+    chosen = {}
+    for name, obj in checkpointables.items():
+        forced_cls = _forced_handler(context, name) or (forced or {}).get(name)
+        registration, instance = handlers.resolve_for_save(
+            registrations, obj, name=name, forced=forced_cls
+        )
+        chosen[name] = (
+            registration.typestr if registration else handlers.typestr(type(instance)),
+            instance,
+        )
+    return chosen
+
+
+def save_checkpointables_async(
+    path: epath.PathLike,
+    checkpointables: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    forced_handlers: Mapping[str, type] | None = None,
+    context: Context | None = None,
+) -> AsyncResponse[None]:
+    """Saves several checkpointables into one checkpoint; returns after the blocking phase.
+
+    Each checkpointable goes to ``path/<name>/`` through the handler chosen for
+    it (see ``cp.handlers``). Nothing appears at ``path`` until every handler
+    finished and the checkpoint is committed.
+
+    Raises (before anything is written):
+      ValueError: a bad name, an empty dict, or metadata that is not JSON.
+      FileExistsError: ``path`` exists and ``overwrite`` is false.
+      cp.errors.NoHandlerForObjectError: no handler accepts an object.
+    """
+    context = get_context(context)
+    path = epath.Path(path)
+    layout.validate_checkpointables_dict(checkpointables)
+    custom = _json_or_raise(custom_metadata, "custom_metadata")
+    metric_values = _json_or_raise(metrics, "metrics")
+    timeout = context.async_options.timeout_secs
+    _inflight.wait_for(path, timeout)
+    if layout.is_temporary_path(path):
+        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+    if path.exists() and not overwrite:
+        raise FileExistsError(
+            f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
+            f"removed only after the new one is complete), or choose another path."
+        )
+    chosen = resolve_save_handlers(checkpointables, context, forced_handlers)
+    init_ns = time.time_ns()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = layout.temporary_path_for(path)
+    mode = context.file_options.path_permission_mode
+
+    def create_directories() -> None:
+        tmp.mkdir(mode=mode if mode is not None else 0o777)
+        for name in checkpointables:
+            (tmp / name).mkdir(mode=mode if mode is not None else 0o777)
+
+    root = PathAwaitingCreation(tmp, create_directories)
+
+    async def blocking_phase() -> list[Any]:
+        return await gather_awaitables(
+            [instance.save(root / name, checkpointables[name]) for name, (_, instance) in chosen.items()]
+        )
+
+    try:
+        with context:  # Handlers read options through get_context().
+            background_awaitables = run_sync(blocking_phase())
+    except BaseException:
+        layout.remove_tree(tmp)
+        raise
+
+    def background() -> None:
+        try:
+            root.create_now()
+            run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
+            if multihost.is_primary_host(context):
+                (tmp / layout.MARKER_FILE).touch()
+                (tmp / layout.COMMIT_SUCCESS_FILE).write_text(
+                    f"Checkpoint commit was successful to {path}"
+                )
+                layout.write_file_durably(
+                    tmp / CHECKPOINT_METADATA_FILE,
+                    checkpoint_metadata_json(
+                        item_handlers={name: ts for name, (ts, _) in chosen.items()},
+                        custom_metadata=custom,
+                        metrics=metric_values,
+                        init_timestamp_nsecs=init_ns,
+                        commit_timestamp_nsecs=time.time_ns(),
+                    ),
+                )
+                layout.fsync_tree(tmp)
+                layout.commit(tmp, path, overwrite=overwrite)
+        except BaseException:
+            layout.remove_tree(tmp)
+            raise
+
+    with context:
+        response = start_background(background, f"save of {path}")
+    _inflight.track(path, response)
+    return response
+
+
+def save_checkpointables(
+    path: epath.PathLike,
+    checkpointables: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """Saves several checkpointables into one checkpoint and waits until it is committed.
+
+    Example::
+
+        cp.save_checkpointables(path, {"pytree": state, "dataset": iterator},
+                                custom_metadata={"run": "exp-7"})
+    """
+    save_checkpointables_async(
+        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
+    ).result()
+

@@ -1,0 +1,161 @@
+"""Choosing a handler: pure functions of the registrations and the object or metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from checkpointables import errors
+from checkpointables.plugins import HandlerRegistration
+
+# Typestr prefixes of handlers shipped by known distributions: for the
+# "pip install" hint when a checkpoint needs a plugin that is not installed.
+_KNOWN_DISTRIBUTIONS: tuple[tuple[str, str], ...] = (
+    ("checkpointables_pytree.", "checkpointables-pytree"),
+    ("checkpointables_json.", "checkpointables-json"),
+    ("checkpointables_proto.", "checkpointables-proto"),
+    ("checkpointables_grain.", "checkpointables-grain"),
+    ("orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.", "checkpointables-pytree"),
+    ("orbax.checkpoint._src.handlers.pytree_checkpoint_handler.", "checkpointables-pytree"),
+    ("orbax.checkpoint._src.handlers.standard_checkpoint_handler.", "checkpointables-pytree"),
+    ("orbax.checkpoint.experimental.v1._src.handlers.json_handler.", "checkpointables-json"),
+    ("orbax.checkpoint._src.handlers.json_checkpoint_handler.", "checkpointables-json"),
+    ("orbax.checkpoint.experimental.v1._src.handlers.proto_handler.", "checkpointables-proto"),
+    ("orbax.checkpoint._src.handlers.proto_checkpoint_handler.", "checkpointables-proto"),
+    ("grain.", "checkpointables-grain"),
+)
+
+
+def install_hint(recorded_typestr: str) -> str:
+    """A sentence telling which distribution provides a typestr, or ``""``."""
+    for prefix, distribution in _KNOWN_DISTRIBUTIONS:
+        if recorded_typestr.startswith(prefix):
+            return (
+                f" It is provided by the {distribution} plugin: "
+                f"pip install {distribution}, then run again."
+            )
+    return ""
+
+
+def _describe(registrations: Sequence[HandlerRegistration]) -> str:
+    return ", ".join(f"{r.name} ({r.typestr})" for r in registrations) or "none registered"
+
+
+def resolve_for_save(
+    registrations: Sequence[HandlerRegistration],
+    checkpointable: Any,
+    *,
+    name: str,
+    forced: type | None = None,
+) -> tuple[HandlerRegistration | None, Any]:
+    """Chooses the handler that saves ``checkpointable`` under ``name``.
+
+    ``registrations`` must be in resolution order. A handler forced for the
+    name (by ``CheckpointablesOptions``) wins; then a handler registered for
+    this checkpointable name; then the first whose ``is_handleable`` accepts
+    the object.
+
+    Returns:
+      ``(registration, handler instance)``; the registration is ``None`` for a
+      forced handler that was never registered.
+    """
+    if checkpointable is None:
+        raise ValueError(f"Checkpointable {name!r} is None; there is nothing to save.")
+    if forced is not None:
+        instance = forced()
+        if not instance.is_handleable(checkpointable):
+            raise errors.NoHandlerForObjectError(
+                f"The handler forced for checkpointable {name!r} "
+                f"({forced.__module__}.{forced.__qualname__}) cannot save an object of type "
+                f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}. "
+                f"Remove it from CheckpointablesOptions or pass an object it accepts."
+            )
+        match = next((r for r in registrations if r.handler_cls is forced), None)
+        return match, instance
+    scoped = [r for r in registrations if r.checkpointable_name == name]
+    generic = [r for r in registrations if r.checkpointable_name is None]
+    for r in scoped + generic:
+        instance = r.handler_cls()
+        if instance.is_handleable(checkpointable):
+            return r, instance
+    raise errors.NoHandlerForObjectError(
+        f"No handler can save checkpointable {name!r} of type "
+        f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}. "
+        f"Handlers tried, in order: {_describe(scoped + generic)}. Give the object "
+        f"save/load methods (cp.StatefulCheckpointable), register a handler for it with "
+        f"cp.handlers.register_handler, or install the plugin that handles it."
+    )
+
+
+def resolve_for_load(
+    registrations: Sequence[HandlerRegistration],
+    *,
+    name: str,
+    recorded_typestr: str | None,
+    abstract: Any = None,
+    forced: type | None = None,
+    recognizers: Mapping[str, bool] | None = None,
+) -> tuple[HandlerRegistration | None, Any]:
+    """Chooses the handler that loads checkpointable ``name``.
+
+    1. A handler forced for the name wins.
+    2. With an abstract checkpointable, the handler of the recorded typestr is
+       used if its ``is_abstract_handleable`` is true or ``None`` (undecided);
+       if it is false, the first handler, in resolution order, that says true
+       takes over (the abstract object redirects the load).
+    3. Otherwise the handler whose typestr or secondary typestr matches.
+    4. With no typestr recorded (older checkpoints), the first handler that
+       ``recognizers`` says recognizes the directory.
+
+    Typestrs are only compared with registered handlers: nothing named in a
+    checkpoint is ever imported.
+    """
+    if forced is not None:
+        match = next((r for r in registrations if r.handler_cls is forced), None)
+        return match, forced()
+
+    def redirect() -> tuple[HandlerRegistration, Any] | None:
+        for r in registrations:
+            if r.checkpointable_name not in (None, name):
+                continue
+            instance = r.handler_cls()
+            if instance.is_abstract_handleable(abstract) is True:
+                return r, instance
+        return None
+
+    by_typestr = None
+    if recorded_typestr is not None:
+        by_typestr = next(
+            (r for r in registrations if r.matches_typestr(recorded_typestr)), None
+        )
+    if by_typestr is not None:
+        instance = by_typestr.handler_cls()
+        if abstract is None or instance.is_abstract_handleable(abstract) is not False:
+            return by_typestr, instance
+        other = redirect()
+        if other is not None:
+            return other
+        raise errors.MissingHandlerError(
+            f"Checkpointable {name!r} was saved by {recorded_typestr}, whose handler cannot load "
+            f"into the given abstract object of type {type(abstract).__qualname__}, and no other "
+            f"registered handler accepts that abstract object ({_describe(registrations)}). "
+            f"Pass an abstract object the handler accepts, or None."
+        )
+    if abstract is not None:
+        other = redirect()
+        if other is not None:
+            return other
+    if recorded_typestr is None and recognizers:
+        for r in registrations:
+            if recognizers.get(r.name):
+                return r, r.handler_cls()
+    if recorded_typestr is None:
+        raise errors.MissingHandlerError(
+            f"The checkpoint records no handler for checkpointable {name!r} and no registered "
+            f"handler recognizes its directory ({_describe(registrations)}). Force one with "
+            f"cp.options.CheckpointablesOptions.create_with_handlers({name}=...)."
+        )
+    raise errors.MissingHandlerError(
+        f"Checkpointable {name!r} was saved by handler {recorded_typestr!r}, which is not "
+        f"registered here (registered: {_describe(registrations)}).{install_hint(recorded_typestr)}"
+    )

@@ -1,0 +1,62 @@
+"""Every hook a checkpointables plugin can implement.
+
+A plugin is a module named by an entry point in the group ``checkpointables``.
+It implements any of these hooks with ``@checkpointables.hookimpl``::
+
+    import checkpointables as cp
+
+    @cp.hookimpl
+    def register_checkpointable_handlers(register):
+        register(PointHandler, priority=50)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+__all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "PLUGIN_API_VERSION"]
+
+PROJECT_NAME = "checkpointables"
+# Bumped when a hook changes incompatibly; plugins may check it.
+PLUGIN_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_checkpointable_handlers(register: Callable[..., Any]) -> None:
+    """Registers checkpointable handlers.
+
+    Called once per plugin when handlers are first needed (the first save,
+    load or listing), and again after ``cp.plugins.refresh()``.
+
+    Args:
+      register: call it as ``register(handler_cls, *, priority=None, name=None,
+        checkpointable_name=None, secondary_typestrs=())`` for each handler.
+        Lower priority values are tried earlier when saving; ties are broken by
+        name. ``secondary_typestrs`` are other typestrs (e.g. older names) the
+        handler can load.
+
+    Returns:
+      Nothing.
+    """
+
+
+@hookspec
+def register_leaf_handlers(register: Callable[..., Any]) -> None:
+    """Registers pytree leaf handlers.
+
+    Called once per plugin when a ``StandardLeafHandlerRegistry`` is first
+    built, and again after ``cp.plugins.refresh()``.
+
+    Args:
+      register: call it as ``register(leaf_type, abstract_type, handler_cls,
+        *, secondary_typestrs=())``.
+
+    Returns:
+      Nothing.
+    """

@@ -1,0 +1,203 @@
+"""The checkpoint directory: names, validation, temporary paths and the atomic commit.
+
+A checkpoint is written under a temporary sibling directory and renamed into
+place only after every handler finished and ``_CHECKPOINT_METADATA`` is
+written and flushed to disk. An interrupted save therefore leaves at most a
+directory whose name says it is temporary; it is never mistaken for a
+checkpoint and never touches an existing one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+
+from etils import epath
+
+from checkpointables import errors
+from checkpointables.metadata import CHECKPOINT_METADATA_FILE
+
+__all__ = [
+    "MARKER_FILE",
+    "COMMIT_SUCCESS_FILE",
+    "RESERVED_NAMES",
+    "validate_checkpointable_name",
+    "is_temporary_path",
+    "temporary_path_for",
+    "validate_checkpoint_directory",
+    "is_checkpoint",
+    "fsync_tree",
+    "commit",
+]
+
+MARKER_FILE = "orbax.checkpoint"
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+TMP_INFIX = ".checkpointables-tmp-"
+OLD_INFIX = ".checkpointables-old-"
+_FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
+RESERVED_NAMES = frozenset(
+    {"metrics", "AUTO", CHECKPOINT_METADATA_FILE, MARKER_FILE, COMMIT_SUCCESS_FILE, "descriptor"}
+)
+_TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$")
+
+
+def validate_checkpointable_name(name: object) -> str:
+    """Returns ``name`` if it can name a subdirectory; raises ``ValueError`` otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"Checkpointable names must be strings, got {name!r}.")
+    if not name:
+        raise ValueError("Checkpointable names must not be empty.")
+    if "/" in name or "\\" in name or name in (".", "..") or ".." in name or "\0" in name:
+        raise ValueError(
+            f"Checkpointable name {name!r} is not a plain directory name: it must not contain "
+            f"'/', '\\', '..' or NUL. Choose a name like 'params' or 'dataset'."
+        )
+    if name in RESERVED_NAMES or name.startswith("."):
+        raise ValueError(
+            f"Checkpointable name {name!r} is reserved (reserved: {sorted(RESERVED_NAMES)} and "
+            f"names starting with '.'). Choose another name."
+        )
+    return name
+
+
+def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, object]:
+    """Checks the argument of ``save_checkpointables`` before anything is written."""
+    if not isinstance(checkpointables, Mapping):
+        raise ValueError(
+            f"save_checkpointables takes a dict of name to checkpointable, got "
+            f"{type(checkpointables).__name__}. To save one pytree use cp.save_pytree."
+        )
+    if not checkpointables:
+        raise ValueError("save_checkpointables got an empty dict; there is nothing to save.")
+    for name in checkpointables:
+        validate_checkpointable_name(name)
+    return checkpointables
+
+
+def is_temporary_path(path: epath.PathLike) -> bool:
+    """Whether ``path`` is an unfinished save's directory (ours or Orbax's)."""
+    name = epath.Path(path).name
+    return TMP_INFIX in name or OLD_INFIX in name or any(m in name for m in _FOREIGN_TMP_MARKERS)
+
+
+def temporary_path_for(final: epath.Path, infix: str = TMP_INFIX) -> epath.Path:
+    """A fresh sibling of ``final`` named so nobody mistakes it for a checkpoint.
+
+    The name records the creation time and process id, so a later cleanup can
+    tell abandoned directories from ones still being written.
+    """
+    return final.parent / f"{final.name}{infix}{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def parse_temporary_name(name: str) -> tuple[str, int, int] | None:
+    """``(final name, creation time ns, pid)`` for our temporary names, else ``None``."""
+    match = _TMP_PATTERN.search(name)
+    if match is None:
+        return None
+    return name[: match.start()], int(match.group(2)), int(match.group(3))
+
+
+def validate_checkpoint_directory(path: epath.Path) -> None:
+    """Raises unless ``path`` is a finished checkpoint.
+
+    Raises:
+      FileNotFoundError: nothing exists at ``path``.
+      errors.NotACheckpointError: ``path`` is a file, a temporary directory, or
+        has no ``_CHECKPOINT_METADATA``.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"No checkpoint at {path}: the path does not exist.")
+    if not path.is_dir():
+        raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
+    if is_temporary_path(path):
+        raise errors.NotACheckpointError(
+            f"{path} is the temporary directory of a save that did not finish; it is not a "
+            f"checkpoint. Load the final path instead, or delete this directory."
+        )
+    if not (path / CHECKPOINT_METADATA_FILE).exists():
+        contents = sorted(p.name for p in path.iterdir())[:8]
+        what = "empty" if not contents else f"holds {contents}"
+        hint = ""
+        if any((path / n / CHECKPOINT_METADATA_FILE).exists() for n in contents):
+            hint = " It looks like a root of several checkpoints: load one of its steps."
+        raise errors.NotACheckpointError(
+            f"{path} is not a finished checkpoint: it has no {CHECKPOINT_METADATA_FILE} "
+            f"(the directory is {what}).{hint}"
+        )
+
+
+def is_checkpoint(path: epath.PathLike) -> bool:
+    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0)."""
+    try:
+        validate_checkpoint_directory(epath.Path(path))
+    except (FileNotFoundError, errors.NotACheckpointError, OSError):
+        return False
+    return True
+
+
+def _fsync(path: str, directory: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: epath.Path) -> None:
+    """Flushes every file and directory under ``root`` to disk.
+
+    Handlers should flush what they write; this makes the commit safe even for
+    handlers that do not. Flushing an already clean file is cheap.
+    """
+    for dirpath, _, filenames in os.walk(os.fspath(root)):
+        for filename in filenames:
+            _fsync(os.path.join(dirpath, filename), directory=False)
+        _fsync(dirpath, directory=True)
+
+
+def write_file_durably(path: epath.Path, text: str) -> None:
+    """Writes ``text`` and flushes it to disk before returning."""
+    with open(os.fspath(path), "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_tree(path: epath.Path) -> None:
+    """Deletes a directory tree, ignoring a path that is already gone."""
+    shutil.rmtree(os.fspath(path), ignore_errors=True)
+
+
+def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
+    """Atomically publishes ``tmp`` as ``final``.
+
+    With ``overwrite``, an existing ``final`` is first renamed aside (so that a
+    crash between the two renames leaves it whole under a ``.checkpointables-old-``
+    name), then deleted once the new checkpoint is in place.
+    """
+    aside: epath.Path | None = None
+    if final.exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"{final} appeared while the save was running; the new checkpoint is kept at "
+                f"{tmp}. Pass overwrite=True to replace it."
+            )
+        aside = temporary_path_for(final, OLD_INFIX)
+        os.rename(os.fspath(final), os.fspath(aside))
+    os.rename(os.fspath(tmp), os.fspath(final))
+    _fsync(os.fspath(final.parent), directory=True)
+    if aside is not None:
+        remove_tree(aside)
+
+
+def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> list[str]:
+    """Names of the checkpointables stored in checkpoint ``path``, sorted."""
+    names = {n for n in recorded if (path / n).is_dir()}
+    for child in path.iterdir():
+        if child.is_dir() and child.name not in RESERVED_NAMES and not child.name.startswith("."):
+            names.add(child.name)
+    return sorted(names)

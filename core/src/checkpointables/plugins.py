@@ -1,0 +1,303 @@
+"""Plugin discovery: entry points in the group ``checkpointables``, through pluggy.
+
+Discovery is lazy (the first save, load or listing triggers it, never
+``import checkpointables``), cached, and refreshed by :func:`refresh`. A plugin
+that fails to import or to register is skipped with a ``RuntimeWarning`` and
+shows in :func:`list_plugins` with its error; the others keep working.
+``CHECKPOINTABLES_DISABLE_PLUGINS=a,b`` blocks plugins by entry-point name.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import attrs
+import importlib_metadata
+import pluggy
+
+from checkpointables import hookspecs
+from checkpointables.protocols import typestr
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DISABLE_ENV_VAR",
+    "HandlerRegistration",
+    "LeafRegistration",
+    "PluginInfo",
+    "list_plugins",
+    "refresh",
+    "handler_registrations",
+    "leaf_registrations",
+]
+
+ENTRY_POINT_GROUP = "checkpointables"
+DISABLE_ENV_VAR = "CHECKPOINTABLES_DISABLE_PLUGINS"
+DEFAULT_PRIORITY = 50
+USER_PLUGIN = "<register_handler>"
+
+
+@attrs.frozen
+class HandlerRegistration:
+    """One checkpointable handler as registered, with where it came from."""
+
+    handler_cls: type
+    name: str
+    priority: int
+    typestr: str
+    secondary_typestrs: tuple[str, ...]
+    checkpointable_name: str | None
+    plugin: str
+
+    @property
+    def sort_key(self) -> tuple[int, str]:
+        """Save resolution tries handlers in this order."""
+        return (self.priority, self.name)
+
+    def matches_typestr(self, recorded: str) -> bool:
+        """Whether this handler wrote, or can read, data recorded as ``recorded``."""
+        return recorded == self.typestr or recorded in self.secondary_typestrs
+
+
+@attrs.frozen
+class LeafRegistration:
+    """One pytree leaf handler as registered by a plugin."""
+
+    leaf_type: type
+    abstract_type: Any
+    handler_cls: type
+    secondary_typestrs: tuple[str, ...]
+    plugin: str
+
+
+@attrs.frozen
+class PluginInfo:
+    """What :func:`list_plugins` reports about one entry point."""
+
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    status: Literal["loaded", "disabled", "failed"]
+    error: str | None
+    handlers: tuple[HandlerRegistration, ...]
+    leaf_handlers: tuple[LeafRegistration, ...]
+
+
+def _default_handler_name(handler_cls: type) -> str:
+    name = handler_cls.__name__
+    if name.endswith("Handler") and len(name) > len("Handler"):
+        name = name[: -len("Handler")]
+    return name.lower()
+
+
+def make_handler_registration(
+    handler_cls: type,
+    *,
+    plugin: str,
+    priority: int | None = None,
+    name: str | None = None,
+    checkpointable_name: str | None = None,
+    secondary_typestrs: Iterable[str] = (),
+) -> HandlerRegistration:
+    """Validates a ``register(...)`` call and builds its registration."""
+    if not isinstance(handler_cls, type):
+        raise TypeError(
+            f"register() takes a handler class, got {handler_cls!r} "
+            f"({type(handler_cls).__name__}); pass the class, not an instance."
+        )
+    missing = [
+        m
+        for m in ("save", "load", "metadata", "is_handleable", "is_abstract_handleable")
+        if not callable(getattr(handler_cls, m, None))
+    ]
+    if missing:
+        raise TypeError(
+            f"{typestr(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
+        )
+    if priority is not None and not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}.")
+    return HandlerRegistration(
+        handler_cls=handler_cls,
+        name=name or _default_handler_name(handler_cls),
+        priority=DEFAULT_PRIORITY if priority is None else priority,
+        typestr=typestr(handler_cls),
+        secondary_typestrs=tuple(secondary_typestrs),
+        checkpointable_name=checkpointable_name,
+        plugin=plugin,
+    )
+
+
+def _disabled_names() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV_VAR, "")
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+@attrs.frozen
+class _Discovery:
+    plugins: tuple[PluginInfo, ...]
+    handlers: tuple[HandlerRegistration, ...]
+    leaves: tuple[LeafRegistration, ...]
+
+
+def _entry_points() -> list[importlib_metadata.EntryPoint]:
+    seen: dict[tuple[str, str], importlib_metadata.EntryPoint] = {}
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        seen.setdefault((ep.name, ep.value), ep)
+    # Sorted by name so that discovery never depends on sys.path order.
+    return sorted(seen.values(), key=lambda ep: (ep.name, ep.value))
+
+
+def _short_error(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def _collect(
+    hook_function: Callable[..., Any], make: Callable[..., Any]
+) -> list[Any]:
+    """Calls one plugin's hook with a ``register`` callback; returns what it registered."""
+    collected: list[Any] = []
+
+    def register(*args: Any, **kwargs: Any) -> Any:
+        collected.append(make(*args, **kwargs))
+        return args[0] if args else None
+
+    hook_function(register=register)
+    return collected
+
+
+def discover(
+    entry_points: Sequence[importlib_metadata.EntryPoint] | None = None,
+    disabled: set[str] | None = None,
+) -> _Discovery:
+    """Loads every plugin and collects its registrations. Pure apart from imports.
+
+    ``entry_points`` and ``disabled`` default to the installed entry points and
+    the environment variable; tests may pass their own.
+    """
+    eps = _entry_points() if entry_points is None else list(entry_points)
+    disabled = _disabled_names() if disabled is None else disabled
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    infos: list[PluginInfo] = []
+    handlers: list[HandlerRegistration] = []
+    leaves: list[LeafRegistration] = []
+    taken_names: dict[str, HandlerRegistration] = {}
+    for ep in eps:
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else None
+        version = dist.version if dist is not None else None
+
+        def info(
+            status: Literal["loaded", "disabled", "failed"],
+            error: str | None = None,
+            hs: Sequence[HandlerRegistration] = (),
+            ls: Sequence[LeafRegistration] = (),
+            *,
+            ep: importlib_metadata.EntryPoint = ep,
+            dist_name: str | None = dist_name,
+            version: str | None = version,
+        ) -> PluginInfo:
+            return PluginInfo(
+                name=ep.name,
+                value=ep.value,
+                distribution=dist_name,
+                version=version,
+                status=status,
+                error=error,
+                handlers=tuple(sorted(hs, key=lambda h: h.sort_key)),
+                leaf_handlers=tuple(ls),
+            )
+
+        if ep.name in disabled:
+            infos.append(info("disabled", f"disabled by {DISABLE_ENV_VAR}"))
+            continue
+        try:
+            module = ep.load()
+            manager.register(module, name=ep.name)
+            plugin_handlers: list[HandlerRegistration] = []
+            plugin_leaves: list[LeafRegistration] = []
+            for impl in manager.hook.register_checkpointable_handlers.get_hookimpls():
+                if impl.plugin_name == ep.name:
+                    plugin_handlers += _collect(
+                        impl.function,
+                        lambda cls, _ep=ep.name, **kw: make_handler_registration(
+                            cls, plugin=_ep, **kw
+                        ),
+                    )
+            for impl in manager.hook.register_leaf_handlers.get_hookimpls():
+                if impl.plugin_name == ep.name:
+                    plugin_leaves += _collect(
+                        impl.function,
+                        lambda leaf, abstract, cls, _ep=ep.name, secondary_typestrs=(): (
+                            LeafRegistration(leaf, abstract, cls, tuple(secondary_typestrs), _ep)
+                        ),
+                    )
+            for h in plugin_handlers:
+                other = taken_names.get(h.name)
+                if other is not None and other.handler_cls is not h.handler_cls:
+                    raise ValueError(
+                        f"handler name {h.name!r} is already taken by {other.typestr} "
+                        f"from plugin {other.plugin!r}; pass register(..., name=...) to choose another"
+                    )
+        except Exception as e:  # A broken plugin must not break the others.
+            if manager.get_plugin(ep.name) is not None:
+                manager.unregister(name=ep.name)
+            message = _short_error(e)
+            warnings.warn(
+                f"checkpointables plugin {ep.name!r} ({ep.value}) from distribution "
+                f"{dist_name or 'unknown'} failed to load and is skipped: {message}. "
+                f"Reinstall or fix it, or set {DISABLE_ENV_VAR}={ep.name} to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            infos.append(info("failed", message))
+            continue
+        for h in plugin_handlers:
+            taken_names.setdefault(h.name, h)
+        handlers += plugin_handlers
+        leaves += plugin_leaves
+        infos.append(info("loaded", None, plugin_handlers, plugin_leaves))
+    return _Discovery(
+        plugins=tuple(infos),
+        handlers=tuple(sorted(handlers, key=lambda h: h.sort_key)),
+        leaves=tuple(leaves),
+    )
+
+
+_lock = threading.RLock()
+_cached: _Discovery | None = None
+
+
+def _discovery() -> _Discovery:
+    global _cached
+    with _lock:
+        if _cached is None:
+            _cached = discover()
+        return _cached
+
+
+def refresh() -> None:
+    """Forgets discovered plugins; the next use discovers them again."""
+    global _cached
+    with _lock:
+        _cached = None
+
+
+def list_plugins() -> list[PluginInfo]:
+    """Every entry point in the group, loaded or not, sorted by name."""
+    return list(_discovery().plugins)
+
+
+def handler_registrations() -> tuple[HandlerRegistration, ...]:
+    """Handlers registered by plugins, in resolution order."""
+    return _discovery().handlers
+
+
+def leaf_registrations() -> tuple[LeafRegistration, ...]:
+    """Leaf handlers registered by plugins, in plugin-name order."""
+    return _discovery().leaves

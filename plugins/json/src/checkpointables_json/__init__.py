@@ -1,0 +1,116 @@
+"""checkpointables plugin: JSON-like objects stored as ``<name>/data.json``.
+
+Dicts and lists of strings, numbers, booleans and ``None`` (no arrays) are
+claimed by this handler ahead of the generic pytree handler, so they stay
+human-readable on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Awaitable
+from typing import Any
+
+import checkpointables as cp
+from etils import epath
+
+__all__ = ["JsonHandler", "is_json_like"]
+
+DATA_FILE = "data.json"
+# Older file names this handler also reads: Orbax V0's JsonCheckpointHandler.
+_LEGACY_FILES = ("metadata",)
+_ORBAX_TYPESTRS = (
+    "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler",
+    "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
+    "orbax.checkpoint.experimental.v1._src.handlers.json_handler.MetricsHandler",
+)
+
+
+def is_json_like(obj: Any, _depth: int = 0) -> bool:
+    """Whether ``obj`` round-trips through JSON unchanged: dicts with string keys,
+    lists, strings, finite numbers, booleans and ``None``.
+
+    Tuples are excluded (they would come back as lists) and so are NumPy
+    values and arrays.
+    """
+    if _depth > 100:
+        return False
+    if obj is None or isinstance(obj, bool | str):
+        return True
+    if type(obj) is int:
+        return True
+    if type(obj) is float:
+        return math.isfinite(obj)
+    if type(obj) is list:
+        return all(is_json_like(v, _depth + 1) for v in obj)
+    if type(obj) is dict:
+        return all(
+            isinstance(k, str) and is_json_like(v, _depth + 1) for k, v in obj.items()
+        )
+    return False
+
+
+class JsonHandler:
+    """Saves JSON-like objects as ``data.json``; loads them back as saved."""
+
+    async def save(self, directory: cp.path.PathAwaitingCreation, checkpointable: Any) -> Awaitable[None]:
+        """Encodes now (a snapshot), writes in the background on the primary host."""
+        text = json.dumps(checkpointable)
+
+        async def write() -> None:
+            path = await directory.await_creation()
+            if cp.multihost.is_primary_host():
+                with open(os.fspath(path / DATA_FILE), "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        return write()
+
+    async def load(self, directory: epath.Path, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+        """Returns an awaitable that reads the stored object."""
+        file = self._find(directory)
+
+        async def read() -> Any:
+            try:
+                return json.loads(file.read_text())
+            except json.JSONDecodeError as e:
+                raise cp.errors.MetadataError(
+                    f"{file} is not valid JSON ({e}); the checkpointable is damaged."
+                ) from e
+
+        return read()
+
+    async def metadata(self, directory: epath.Path) -> Any:
+        """JSON objects are their own metadata: returns the stored object."""
+        return await (await self.load(directory))
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        """True for JSON-like objects (see ``is_json_like``)."""
+        return is_json_like(checkpointable)
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
+        """Undecided for everything: the recorded typestr decides."""
+        return None
+
+    @staticmethod
+    def recognizes(directory: epath.Path) -> bool:
+        """Whether ``directory`` looks like a JSON checkpointable (for untyped checkpoints)."""
+        return any((directory / n).is_file() for n in (DATA_FILE, *_LEGACY_FILES))
+
+    @staticmethod
+    def _find(directory: epath.Path) -> epath.Path:
+        for name in (DATA_FILE, *_LEGACY_FILES):
+            if (directory / name).is_file():
+                return directory / name
+        raise FileNotFoundError(
+            f"{directory} holds no {DATA_FILE}; it is not a JSON checkpointable or was damaged."
+        )
+
+
+@cp.hookimpl
+def register_checkpointable_handlers(register: Any) -> None:
+    """Registers the JSON handler ahead of the pytree handler (priority 60 < 90)."""
+    register(JsonHandler, priority=60, name="json", secondary_typestrs=_ORBAX_TYPESTRS)
