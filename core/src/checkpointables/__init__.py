@@ -39,7 +39,7 @@ from checkpointables._saving import save_checkpointables, save_checkpointables_a
 from checkpointables.context import Context, configure
 from checkpointables.hookspecs import hookimpl
 from checkpointables.layout import is_checkpoint
-from checkpointables.metadata import CheckpointMetadata
+from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.protocols import CheckpointableHandler, StatefulCheckpointable
 
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ from etils import epath
 from checkpointables import _inflight, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.context import Context, get_context
-from checkpointables.metadata import CheckpointMetadata, read_checkpoint_metadata
+from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
 
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):

@@ -11,7 +11,7 @@ from etils import epath
 from checkpointables import _loading, _saving, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse
 from checkpointables.context import Context, get_context
-from checkpointables.metadata import CheckpointMetadata
+from checkpointables.checkpoint_metadata import CheckpointMetadata
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"

@@ -12,7 +12,7 @@ from etils import epath
 from checkpointables import _inflight, errors, handlers, layout, multihost
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.context import Context, get_context
-from checkpointables.metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
+from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
 from checkpointables.path import PathAwaitingCreation
 
 

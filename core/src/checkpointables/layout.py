@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from etils import epath
 
 from checkpointables import errors
-from checkpointables.metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
 
 __all__ = [
     "MARKER_FILE",

@@ -1,0 +1,167 @@
+"""The ``checkpointables`` command: ``plugins``, ``inspect``, ``verify``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from checkpointables import handlers, plugins
+
+    infos = plugins.list_plugins()
+    if not infos:
+        print("No plugins installed. pip install checkpointables for the pytree and JSON plugins.")
+    for info in infos:
+        where = f"{info.distribution or '?'} {info.version or ''}".strip()
+        print(f"{info.name}  ({where})  [{info.status}]  {info.value}")
+        if info.error:
+            print(f"    error: {info.error}")
+        for h in info.handlers:
+            scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
+            print(f"    handler {h.name}: priority {h.priority}{scope}  {h.typestr}")
+        for leaf in info.leaf_handlers:
+            print(
+                f"    leaf handler {leaf.handler_cls.__name__}: "
+                f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
+            )
+    print("\nSave resolution order (priority, name):")
+    for i, h in enumerate(handlers.registered_handlers(), 1):
+        print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")
+    return 0
+
+
+def _describe_leaf(leaf: Any) -> tuple[str, int]:
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if shape is not None and dtype is not None:
+        import numpy as np
+
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        sharding = getattr(leaf, "sharding", None)
+        extra = f" sharding={sharding}" if sharding is not None else ""
+        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={np.dtype(dtype)}{extra}", size
+    if isinstance(leaf, type):
+        return f"{leaf.__name__}", 0
+    return f"{type(leaf).__name__} {leaf!r}"[:120], 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import jax
+
+    from checkpointables import _loading
+    from checkpointables.context import get_context
+
+    context = get_context()
+    path, meta = _loading.open_checkpoint(args.path, context)
+    typestrs = _loading.recorded_typestrs(meta)
+    print(f"checkpoint {path}")
+    for key in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
+        print(f"  {key}: {meta.get(key)}")
+    print(f"  custom_metadata: {meta.get('custom_metadata')}")
+    if meta.get("metrics"):
+        print(f"  metrics: {meta.get('metrics')}")
+    total = 0
+    items = _inspected_items(path, meta)
+    for name, directory in items:
+        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
+        print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
+        try:
+            value = _loading.item_metadata(directory, name, recorded, context)
+        except Exception as e:  # Show what can be shown; the error names the problem.
+            print(f"  cannot read metadata: {type(e).__name__}: {e}")
+            continue
+        leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
+        if not leaves:
+            print(f"  {value!r}"[:200])
+        for keypath, leaf in leaves:
+            text, size = _describe_leaf(leaf)
+            total += size
+            print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+    print(f"\ntotal array bytes: {total:,}")
+    return 0
+
+
+def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
+    from checkpointables import _loading, layout
+
+    if isinstance(meta.get("item_handlers"), str):
+        return [("<root>", path)]
+    names = layout.checkpointable_directories(path, _loading.recorded_typestrs(meta))
+    return [(n, path / n) for n in names]
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpointables import _loading
+    from checkpointables._asyncio import run_sync
+    from checkpointables.context import get_context
+
+    context = get_context()
+    path, meta = _loading.open_checkpoint(args.path, context)
+    typestrs = _loading.recorded_typestrs(meta)
+    failures = 0
+    for name, directory in _inspected_items(path, meta):
+        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
+        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
+        verify = getattr(handler, "verify", None)
+        if verify is None:
+            print(f"{name}: not checked ({type(handler).__name__} has no verify())")
+            continue
+        problems = run_sync(verify(directory))
+        if problems:
+            failures += len(problems)
+            for problem in problems:
+                print(f"{name}: FAILED {problem}")
+        else:
+            print(f"{name}: ok")
+    print("all checksums ok" if not failures else f"{failures} problem(s) found")
+    return 1 if failures else 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from checkpointables import demo
+
+    return demo.main(args.directory, steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``checkpointables`` command."""
+    parser = argparse.ArgumentParser(
+        prog="checkpointables", description="Checkpointing for JAX: tools and a demo."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list installed plugins and their handlers")
+    p.set_defaults(run=_plugins)
+    p = sub.add_parser("inspect", help="print what a checkpoint holds, without loading arrays")
+    p.add_argument("path")
+    p.set_defaults(run=_inspect)
+    p = sub.add_parser(
+        "verify", help="read every chunk and check its checksum; exit status 1 on any failure"
+    )
+    p.add_argument("path")
+    p.set_defaults(run=_verify)
+    p = sub.add_parser("demo", help="train a small JAX model with checkpoints, then resume it")
+    p.add_argument("directory", nargs="?", default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    from checkpointables import errors
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (errors.CheckpointError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

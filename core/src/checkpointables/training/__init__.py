@@ -1,0 +1,1 @@
+"""Training loops: a sequence of checkpoints, one per step (see issue 4)."""
