@@ -12,7 +12,30 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["AsyncResponse", "run_sync", "start_background", "completed"]
+__all__ = ["AsyncResponse", "run_sync", "start_background", "completed", "caller_waits"]
+
+_caller_waits: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "checkpointables_caller_waits", default=False
+)
+
+
+def caller_waits() -> bool:
+    """True during the blocking phase of a synchronous save (``save_pytree``, ...).
+
+    The caller cannot touch its objects until the save returns, so a handler
+    may skip the defensive host copies an async save needs, and save memory.
+    """
+    return _caller_waits.get()
+
+
+class waiting_caller:  # noqa: N801 - used like a function: `with waiting_caller():`
+    """Marks the enclosed blocking phase as belonging to a synchronous save."""
+
+    def __enter__(self) -> None:
+        self._token = _caller_waits.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _caller_waits.reset(self._token)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -9,7 +9,7 @@ import attrs
 from etils import epath
 
 from checkpointables import _loading, _saving, errors, handlers, layout
-from checkpointables._asyncio import AsyncResponse
+from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.context import Context, get_context
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 
@@ -69,13 +69,15 @@ def save_pytree(
 
         cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
     """
-    save_pytree_async(
-        path,
-        pytree,
-        checkpointable_name=checkpointable_name,
-        overwrite=overwrite,
-        custom_metadata=custom_metadata,
-    ).result()
+    with waiting_caller():
+        response = save_pytree_async(
+            path,
+            pytree,
+            checkpointable_name=checkpointable_name,
+            overwrite=overwrite,
+            custom_metadata=custom_metadata,
+        )
+    response.result()
 
 
 def find_pytree(

@@ -10,7 +10,13 @@ from typing import Any
 from etils import epath
 
 from checkpointables import _inflight, errors, handlers, layout, multihost
-from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
+from checkpointables._asyncio import (
+    AsyncResponse,
+    gather_awaitables,
+    run_sync,
+    start_background,
+    waiting_caller,
+)
 from checkpointables.context import Context, get_context
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
 from checkpointables.path import PathAwaitingCreation
@@ -159,7 +165,9 @@ def save_checkpointables(
         cp.save_checkpointables(path, {"pytree": state, "dataset": iterator},
                                 custom_metadata={"run": "exp-7"})
     """
-    save_checkpointables_async(
-        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
-    ).result()
+    with waiting_caller():
+        response = save_checkpointables_async(
+            path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
+        )
+    response.result()
 
