@@ -36,10 +36,10 @@ from checkpointables._pytree_api import (
     save_pytree_async,
 )
 from checkpointables._saving import save_checkpointables, save_checkpointables_async
+from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, configure
 from checkpointables.hookspecs import hookimpl
 from checkpointables.layout import is_checkpoint
-from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.protocols import CheckpointableHandler, StatefulCheckpointable
 
 __version__ = "0.1.0"

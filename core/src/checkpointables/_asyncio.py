@@ -28,7 +28,7 @@ def caller_waits() -> bool:
     return _caller_waits.get()
 
 
-class waiting_caller:  # noqa: N801 - used like a function: `with waiting_caller():`
+class waiting_caller:
     """Marks the enclosed blocking phase as belonging to a synchronous save."""
 
     def __enter__(self) -> None:

@@ -9,8 +9,8 @@ from etils import epath
 
 from checkpointables import _inflight, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
-from checkpointables.context import Context, get_context
 from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
+from checkpointables.context import Context, get_context
 
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
@@ -127,9 +127,7 @@ def load_checkpointables_async(
     context = get_context(context)
     path, meta = open_checkpoint(path, context)
     requested = _requested(path, meta, abstract_checkpointables)
-    return load_items_async(
-        path, meta, {n: (path / n, a) for n, a in requested.items()}, context
-    )
+    return load_items_async(path, meta, {n: (path / n, a) for n, a in requested.items()}, context)
 
 
 def load_checkpointables(
@@ -151,9 +149,7 @@ def load_checkpointables(
     return load_checkpointables_async(path, abstract_checkpointables).result()
 
 
-def item_metadata(
-    directory: epath.Path, name: str, recorded: str | None, context: Context
-) -> Any:
+def item_metadata(directory: epath.Path, name: str, recorded: str | None, context: Context) -> Any:
     """The abstract form of one checkpointable, from its handler."""
     instance = resolve_load_handler(directory, name, recorded, None, context)
     return run_sync(instance.metadata(directory))

@@ -10,8 +10,8 @@ from etils import epath
 
 from checkpointables import _loading, _saving, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, waiting_caller
-from checkpointables.context import Context, get_context
 from checkpointables.checkpoint_metadata import CheckpointMetadata
+from checkpointables.context import Context, get_context
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
@@ -124,9 +124,7 @@ def find_pytree(
 def _with_partial_load(context: Context, partial_load: bool) -> Context:
     if not partial_load:
         return context
-    return context.replace(
-        pytree_options=attrs.evolve(context.pytree_options, partial_load=True)
-    )
+    return context.replace(pytree_options=attrs.evolve(context.pytree_options, partial_load=True))
 
 
 def load_pytree_async(

@@ -9,7 +9,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _inflight, errors, handlers, layout, multihost
+from checkpointables import _inflight, handlers, layout, multihost
 from checkpointables._asyncio import (
     AsyncResponse,
     gather_awaitables,
@@ -17,8 +17,8 @@ from checkpointables._asyncio import (
     start_background,
     waiting_caller,
 )
-from checkpointables.context import Context, get_context
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
+from checkpointables.context import Context, get_context
 from checkpointables.path import PathAwaitingCreation
 
 
@@ -110,7 +110,10 @@ def save_checkpointables_async(
 
     async def blocking_phase() -> list[Any]:
         return await gather_awaitables(
-            [instance.save(root / name, checkpointables[name]) for name, (_, instance) in chosen.items()]
+            [
+                instance.save(root / name, checkpointables[name])
+                for name, (_, instance) in chosen.items()
+            ]
         )
 
     try:
@@ -170,4 +173,3 @@ def save_checkpointables(
             path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
         )
     response.result()
-

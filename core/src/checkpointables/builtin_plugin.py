@@ -38,7 +38,9 @@ class StatefulCheckpointableHandler:
         """Runs the object's blocking phase and returns its background phase."""
         return await checkpointable.save(directory)
 
-    async def load(self, directory: epath.Path, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
         """Returns an awaitable that loads into ``abstract_checkpointable`` and returns it."""
         if not _is_stateful(abstract_checkpointable):
             raise ValueError(

@@ -63,9 +63,7 @@ class CheckpointMetadata(Generic[T]):
         """The commit time as an aware UTC datetime."""
         if self.commit_timestamp_nsecs is None:
             return None
-        return datetime.datetime.fromtimestamp(
-            self.commit_timestamp_nsecs / 1e9, tz=datetime.timezone.utc
-        )
+        return datetime.datetime.fromtimestamp(self.commit_timestamp_nsecs / 1e9, tz=datetime.UTC)
 
     def __repr__(self) -> str:
         return (

@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.set_defaults(run=_verify)
     p = sub.add_parser("demo", help="train a small JAX model with checkpoints, then resume it")
-    p.add_argument("directory", nargs="?", default=None, help="where to write (default: a temp dir)")
+    p.add_argument(
+        "directory", nargs="?", default=None, help="where to write (default: a temp dir)"
+    )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
     return parser

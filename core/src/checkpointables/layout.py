@@ -90,7 +90,9 @@ def temporary_path_for(final: epath.Path, infix: str = TMP_INFIX) -> epath.Path:
     The name records the creation time and process id, so a later cleanup can
     tell abandoned directories from ones still being written.
     """
-    return final.parent / f"{final.name}{infix}{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return (
+        final.parent / f"{final.name}{infix}{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
 
 
 def parse_temporary_name(name: str) -> tuple[str, int, int] | None:

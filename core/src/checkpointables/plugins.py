@@ -156,9 +156,7 @@ def _short_error(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
-def _collect(
-    hook_function: Callable[..., Any], make: Callable[..., Any]
-) -> list[Any]:
+def _collect(hook_function: Callable[..., Any], make: Callable[..., Any]) -> list[Any]:
     """Calls one plugin's hook with a ``register`` callback; returns what it registered."""
     collected: list[Any] = []
 
@@ -168,6 +166,69 @@ def _collect(
 
     hook_function(register=register)
     return collected
+
+
+def _sort_handlers(registrations: Iterable[HandlerRegistration]) -> tuple[HandlerRegistration, ...]:
+    return tuple(sorted(registrations, key=lambda r: r.sort_key))
+
+
+def _load_plugin(
+    ep: importlib_metadata.EntryPoint,
+    manager: pluggy.PluginManager,
+    taken_names: dict[str, HandlerRegistration],
+) -> tuple[list[HandlerRegistration], list[LeafRegistration]]:
+    """Imports one plugin and calls its hooks; raises if anything about it is wrong."""
+    manager.register(ep.load(), name=ep.name)
+    handlers: list[HandlerRegistration] = []
+    leaves: list[LeafRegistration] = []
+
+    def make_handler(cls: type, **kwargs: Any) -> HandlerRegistration:
+        return make_handler_registration(cls, plugin=ep.name, **kwargs)
+
+    def make_leaf(
+        leaf_type: type,
+        abstract_type: Any,
+        handler_cls: type,
+        secondary_typestrs: Iterable[str] = (),
+    ) -> LeafRegistration:
+        return LeafRegistration(
+            leaf_type, abstract_type, handler_cls, tuple(secondary_typestrs), ep.name
+        )
+
+    for impl in manager.hook.register_checkpointable_handlers.get_hookimpls():
+        if impl.plugin_name == ep.name:
+            handlers += _collect(impl.function, make_handler)
+    for impl in manager.hook.register_leaf_handlers.get_hookimpls():
+        if impl.plugin_name == ep.name:
+            leaves += _collect(impl.function, make_leaf)
+    for h in handlers:
+        other = taken_names.get(h.name)
+        if other is not None and other.handler_cls is not h.handler_cls:
+            raise ValueError(
+                f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
+                f"{other.plugin!r}; pass register(..., name=...) to choose another"
+            )
+    return handlers, leaves
+
+
+def _plugin_info(
+    ep: importlib_metadata.EntryPoint,
+    status: Literal["loaded", "disabled", "failed"],
+    error: str | None = None,
+    handlers: Sequence[HandlerRegistration] = (),
+    leaves: Sequence[LeafRegistration] = (),
+) -> PluginInfo:
+    dist = getattr(ep, "dist", None)
+    return PluginInfo(
+        name=ep.name,
+        value=ep.value,
+        distribution=dist.metadata["Name"] if dist is not None else None,
+        version=dist.version if dist is not None else None,
+        status=status,
+        error=error,
+        handlers=_sort_handlers(handlers),
+        leaf_handlers=tuple(leaves),
+    )
 
 
 def discover(
@@ -188,85 +249,32 @@ def discover(
     leaves: list[LeafRegistration] = []
     taken_names: dict[str, HandlerRegistration] = {}
     for ep in eps:
-        dist = getattr(ep, "dist", None)
-        dist_name = dist.metadata["Name"] if dist is not None else None
-        version = dist.version if dist is not None else None
-
-        def info(
-            status: Literal["loaded", "disabled", "failed"],
-            error: str | None = None,
-            hs: Sequence[HandlerRegistration] = (),
-            ls: Sequence[LeafRegistration] = (),
-            *,
-            ep: importlib_metadata.EntryPoint = ep,
-            dist_name: str | None = dist_name,
-            version: str | None = version,
-        ) -> PluginInfo:
-            return PluginInfo(
-                name=ep.name,
-                value=ep.value,
-                distribution=dist_name,
-                version=version,
-                status=status,
-                error=error,
-                handlers=tuple(sorted(hs, key=lambda h: h.sort_key)),
-                leaf_handlers=tuple(ls),
-            )
-
         if ep.name in disabled:
-            infos.append(info("disabled", f"disabled by {DISABLE_ENV_VAR}"))
+            infos.append(_plugin_info(ep, "disabled", f"disabled by {DISABLE_ENV_VAR}"))
             continue
         try:
-            module = ep.load()
-            manager.register(module, name=ep.name)
-            plugin_handlers: list[HandlerRegistration] = []
-            plugin_leaves: list[LeafRegistration] = []
-            for impl in manager.hook.register_checkpointable_handlers.get_hookimpls():
-                if impl.plugin_name == ep.name:
-                    plugin_handlers += _collect(
-                        impl.function,
-                        lambda cls, _ep=ep.name, **kw: make_handler_registration(
-                            cls, plugin=_ep, **kw
-                        ),
-                    )
-            for impl in manager.hook.register_leaf_handlers.get_hookimpls():
-                if impl.plugin_name == ep.name:
-                    plugin_leaves += _collect(
-                        impl.function,
-                        lambda leaf, abstract, cls, _ep=ep.name, secondary_typestrs=(): (
-                            LeafRegistration(leaf, abstract, cls, tuple(secondary_typestrs), _ep)
-                        ),
-                    )
-            for h in plugin_handlers:
-                other = taken_names.get(h.name)
-                if other is not None and other.handler_cls is not h.handler_cls:
-                    raise ValueError(
-                        f"handler name {h.name!r} is already taken by {other.typestr} "
-                        f"from plugin {other.plugin!r}; pass register(..., name=...) to choose another"
-                    )
+            plugin_handlers, plugin_leaves = _load_plugin(ep, manager, taken_names)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
             message = _short_error(e)
+            dist = getattr(ep, "dist", None)
             warnings.warn(
                 f"checkpointables plugin {ep.name!r} ({ep.value}) from distribution "
-                f"{dist_name or 'unknown'} failed to load and is skipped: {message}. "
-                f"Reinstall or fix it, or set {DISABLE_ENV_VAR}={ep.name} to silence this.",
+                f"{dist.metadata['Name'] if dist is not None else 'unknown'} failed to load and "
+                f"is skipped: {message}. Reinstall or fix it, or set {DISABLE_ENV_VAR}={ep.name} "
+                f"to silence this.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            infos.append(info("failed", message))
+            infos.append(_plugin_info(ep, "failed", message))
             continue
         for h in plugin_handlers:
             taken_names.setdefault(h.name, h)
         handlers += plugin_handlers
         leaves += plugin_leaves
-        infos.append(info("loaded", None, plugin_handlers, plugin_leaves))
-    return _Discovery(
-        plugins=tuple(infos),
-        handlers=tuple(sorted(handlers, key=lambda h: h.sort_key)),
-        leaves=tuple(leaves),
-    )
+        infos.append(_plugin_info(ep, "loaded", None, plugin_handlers, plugin_leaves))
+    return _Discovery(plugins=tuple(infos), handlers=_sort_handlers(handlers), leaves=tuple(leaves))
 
 
 _lock = threading.RLock()

@@ -35,7 +35,8 @@ def register_handler(
         checkpointable name only, ahead of resolution.
       secondary_typestrs: other typestrs (older names) this handler can load.
 
-    Registering the same class again replaces its earlier registration.
+    Registering the same class again replaces its earlier registration. A
+    name that a plugin also uses refers to this handler in ``get`` from now on.
     """
     registration = plugins.make_handler_registration(
         handler_cls,
@@ -45,12 +46,6 @@ def register_handler(
         checkpointable_name=checkpointable_name,
         secondary_typestrs=secondary_typestrs,
     )
-    for other in plugins.handler_registrations():
-        if other.name == registration.name and other.handler_cls is not handler_cls:
-            raise ValueError(
-                f"Handler name {registration.name!r} is already used by {other.typestr} "
-                f"(plugin {other.plugin!r}); pass name=... to register_handler."
-            )
     with _lock:
         _user_registrations[handler_cls] = registration
     return handler_cls
@@ -87,7 +82,9 @@ def get(name_or_typestr: Any) -> type:
             f"cp.handlers.get takes a handler name, typestr or class, got {name_or_typestr!r}."
         )
     registrations = registered_handlers()
-    for r in registrations:
+    # Handlers registered in this process shadow plugins' handlers of the same name.
+    by_origin = sorted(registrations, key=lambda r: r.plugin != plugins.USER_PLUGIN)
+    for r in by_origin:
         if r.name == name_or_typestr:
             return r.handler_cls
     for r in registrations:

@@ -125,9 +125,7 @@ def resolve_for_load(
 
     by_typestr = None
     if recorded_typestr is not None:
-        by_typestr = next(
-            (r for r in registrations if r.matches_typestr(recorded_typestr)), None
-        )
+        by_typestr = next((r for r in registrations if r.matches_typestr(recorded_typestr)), None)
     if by_typestr is not None:
         instance = by_typestr.handler_cls()
         if abstract is None or instance.is_abstract_handleable(abstract) is not False:

@@ -7,7 +7,8 @@ that writes files must first ``await directory.await_creation()``.
 
 from __future__ import annotations
 
-from checkpointables.path._awaiting import PathAwaitingCreation
 from etils.epath import Path, PathLike
+
+from checkpointables.path._awaiting import PathAwaitingCreation
 
 __all__ = ["Path", "PathLike", "PathAwaitingCreation"]

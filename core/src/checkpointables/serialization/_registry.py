@@ -28,9 +28,7 @@ def _protocol_members(cls: Any) -> frozenset[str] | None:
         if base is object or base.__name__ in ("Protocol", "Generic"):
             continue
         members.update(getattr(base, "__annotations__", {}))
-        members.update(
-            n for n, v in vars(base).items() if callable(v) and not n.startswith("_")
-        )
+        members.update(n for n, v in vars(base).items() if callable(v) and not n.startswith("_"))
     return frozenset(members)
 
 
@@ -152,9 +150,10 @@ class LeafHandlerRegistry:
         """The handler class for loading into ``abstract`` (an instance or a type)."""
         entry = self.entry_for_abstract(abstract)
         if entry is None:
+            known = [getattr(e.abstract_type, "__name__", e.abstract_type) for e in self._entries]
             raise UnregisteredTypeError(
                 f"No leaf handler accepts the abstract leaf {abstract!r}; registered abstract "
-                f"types: {[getattr(e.abstract_type, '__name__', e.abstract_type) for e in self._entries]}."
+                f"types: {known}."
             )
         return entry.handler_cls
 

@@ -79,7 +79,9 @@ class HandlerConformance:
             path = tmp_path / f"ckpt{i}"
             self._save(path, obj)
             assert cp.is_checkpoint(path)
-            loaded = cp.load_checkpointables(path, {self.checkpointable_name: self.abstract_for(obj)})
+            loaded = cp.load_checkpointables(
+                path, {self.checkpointable_name: self.abstract_for(obj)}
+            )
             self.assert_loaded_equal(loaded[self.checkpointable_name], obj)
 
     def test_resolution_picks_handler(self, tmp_path: Any) -> None:
@@ -98,7 +100,9 @@ class HandlerConformance:
             recorded = read_checkpoint_metadata(path)["item_handlers"][self.checkpointable_name]
             assert cp.handlers.get(recorded) is self.handler_cls
             # Loading needs no forcing: the recorded typestr finds the handler.
-            loaded = cp.load_checkpointables(path, {self.checkpointable_name: self.abstract_for(obj)})
+            loaded = cp.load_checkpointables(
+                path, {self.checkpointable_name: self.abstract_for(obj)}
+            )
             self.assert_loaded_equal(loaded[self.checkpointable_name], obj)
 
     def test_metadata(self, tmp_path: Any) -> None:
@@ -107,6 +111,7 @@ class HandlerConformance:
             self._save(path, obj, custom_metadata={"sample": i})
             meta = cp.checkpointables_metadata(path)
             assert meta.custom_metadata == {"sample": i}
+            assert meta.init_timestamp_nsecs is not None and meta.commit_timestamp_nsecs is not None
             assert meta.commit_timestamp_nsecs >= meta.init_timestamp_nsecs > 0
             self.assert_metadata_matches(meta.metadata[self.checkpointable_name], obj)
 
@@ -134,7 +139,9 @@ class HandlerConformance:
         else:
             raise AssertionError("saving over an existing checkpoint must raise FileExistsError")
         self._save(path, objs[-1], overwrite=True)
-        loaded = cp.load_checkpointables(path, {self.checkpointable_name: self.abstract_for(objs[-1])})
+        loaded = cp.load_checkpointables(
+            path, {self.checkpointable_name: self.abstract_for(objs[-1])}
+        )
         self.assert_loaded_equal(loaded[self.checkpointable_name], objs[-1])
         assert [p for p in os.listdir(tmp_path) if p != "ckpt"] == []
 

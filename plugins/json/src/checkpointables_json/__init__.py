@@ -46,16 +46,16 @@ def is_json_like(obj: Any, _depth: int = 0) -> bool:
     if type(obj) is list:
         return all(is_json_like(v, _depth + 1) for v in obj)
     if type(obj) is dict:
-        return all(
-            isinstance(k, str) and is_json_like(v, _depth + 1) for k, v in obj.items()
-        )
+        return all(isinstance(k, str) and is_json_like(v, _depth + 1) for k, v in obj.items())
     return False
 
 
 class JsonHandler:
     """Saves JSON-like objects as ``data.json``; loads them back as saved."""
 
-    async def save(self, directory: cp.path.PathAwaitingCreation, checkpointable: Any) -> Awaitable[None]:
+    async def save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
+    ) -> Awaitable[None]:
         """Encodes now (a snapshot), writes in the background on the primary host."""
         text = json.dumps(checkpointable)
 
@@ -69,7 +69,9 @@ class JsonHandler:
 
         return write()
 
-    async def load(self, directory: epath.Path, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
         """Returns an awaitable that reads the stored object."""
         file = self._find(directory)
 

@@ -1,0 +1,176 @@
+"""An example third-party checkpointables plugin.
+
+It ships a ``Point`` type and two ways to checkpoint it: ``PointHandler``
+(a whole checkpointable) and ``PointLeafHandler`` (a leaf inside pytrees).
+Both are registered through the entry point in this package's
+``pyproject.toml``::
+
+    [project.entry-points.checkpointables]
+    example-point = "checkpointables_example_point"
+
+so that users never import this module to save or load a ``Point``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import checkpointables as cp
+from etils import epath
+
+__all__ = ["Point", "AbstractPoint", "PointHandler", "PointLeafHandler"]
+
+
+@dataclasses.dataclass
+class Point:
+    """A point with numeric coordinates."""
+
+    x: int | float
+    y: int | float
+
+
+@dataclasses.dataclass
+class AbstractPoint:
+    """The types of a ``Point``'s coordinates, used to guide loading."""
+
+    x: type = int
+    y: type = int
+
+    @classmethod
+    def from_point(cls, point: Point) -> AbstractPoint:
+        """The abstract form of ``point``."""
+        return cls(type(point.x), type(point.y))
+
+
+_TYPES = {"int": int, "float": float}
+
+
+def _write_json(path: epath.Path, value: Any) -> None:
+    with open(os.fspath(path), "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class PointHandler:
+    """Saves one ``Point`` as ``point.json`` plus ``point_metadata.json``."""
+
+    async def save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Point
+    ) -> Awaitable[None]:
+        """Copies the coordinates now; writes them in the background."""
+        values = dataclasses.asdict(checkpointable)
+        types = {k: type(v).__name__ for k, v in values.items()}
+
+        async def write() -> None:
+            path = await directory.await_creation()
+            if cp.multihost.is_primary_host():
+                await asyncio.gather(
+                    asyncio.to_thread(_write_json, path / "point.json", values),
+                    asyncio.to_thread(_write_json, path / "point_metadata.json", types),
+                )
+
+        return write()
+
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: AbstractPoint | None = None
+    ) -> Awaitable[Point]:
+        """Reads the point, casting coordinates to the abstract point's types if given."""
+
+        async def read() -> Point:
+            values = json.loads((directory / "point.json").read_text())
+            if abstract_checkpointable is None:
+                return Point(**values)
+            return Point(
+                abstract_checkpointable.x(values["x"]), abstract_checkpointable.y(values["y"])
+            )
+
+        return read()
+
+    async def metadata(self, directory: epath.Path) -> AbstractPoint:
+        """The stored coordinate types."""
+        types = json.loads((directory / "point_metadata.json").read_text())
+        return AbstractPoint(**{k: _TYPES[v] for k, v in types.items()})
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        """True for ``Point`` instances."""
+        return isinstance(checkpointable, Point)
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
+        """True for ``AbstractPoint`` instances."""
+        return isinstance(abstract_checkpointable, AbstractPoint)
+
+
+class PointLeafHandler:
+    """Saves ``Point`` leaves of a pytree as ``<leaf name>.point.json`` files."""
+
+    def __init__(self, context: cp.Context | None = None) -> None:
+        del context
+
+    async def serialize(
+        self,
+        params: Sequence[cp.serialization.SerializationParam[Point]],
+        serialization_context: cp.serialization.SerializationContext,
+    ) -> Awaitable[None]:
+        """Copies the points now; writes them in the background (primary host only)."""
+        values = [(p.name, dataclasses.asdict(p.value)) for p in params]
+
+        async def write() -> None:
+            directory = await serialization_context.parent_dir.await_creation()
+            if cp.multihost.is_primary_host():
+                for name, value in values:
+                    _write_json(directory / f"{name}.point.json", value)
+
+        return write()
+
+    async def deserialize(
+        self,
+        params: Sequence[cp.serialization.DeserializationParam[AbstractPoint]],
+        deserialization_context: cp.serialization.DeserializationContext,
+    ) -> Awaitable[Sequence[Point]]:
+        """Returns an awaitable reading the points in the order of ``params``."""
+
+        async def read() -> list[Point]:
+            points = []
+            for p in params:
+                values = json.loads(
+                    (deserialization_context.parent_dir / f"{p.name}.point.json").read_text()
+                )
+                point = Point(**values)
+                if isinstance(p.value, AbstractPoint):
+                    point = Point(p.value.x(point.x), p.value.y(point.y))
+                points.append(point)
+            return points
+
+        return read()
+
+    async def metadata(
+        self,
+        params: Sequence[cp.serialization.DeserializationParam[None]],
+        deserialization_context: cp.serialization.DeserializationContext,
+    ) -> Sequence[AbstractPoint]:
+        """The abstract form of each stored point."""
+        result = []
+        for p in params:
+            values = json.loads(
+                (deserialization_context.parent_dir / f"{p.name}.point.json").read_text()
+            )
+            result.append(AbstractPoint(type(values["x"]), type(values["y"])))
+        return result
+
+
+@cp.hookimpl
+def register_checkpointable_handlers(register: Any) -> None:
+    """Registers ``PointHandler`` for ``Point`` checkpointables."""
+    register(PointHandler, priority=50, name="example-point")
+
+
+@cp.hookimpl
+def register_leaf_handlers(register: Any) -> None:
+    """Registers ``PointLeafHandler`` for ``Point`` leaves in pytrees."""
+    register(Point, AbstractPoint, PointLeafHandler)

@@ -1,0 +1,249 @@
+"""Saving and loading through the free functions, with the JSON and stateful handlers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import checkpointables as cp
+import pytest
+
+from .helpers import Boom, StatefulPoint
+
+
+def test_json_and_stateful_round_trip(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(
+        path,
+        {"extra": {"foo": "bar", "n": [1, 2.5, None, True]}, "point": StatefulPoint(1, 2)},
+        custom_metadata={"run": "exp-7"},
+    )
+    assert cp.is_checkpoint(path)
+    assert sorted(os.listdir(path)) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "extra",
+        "orbax.checkpoint",
+        "point",
+    ]
+    assert (path / "orbax.checkpoint").read_text() == ""
+    assert json.loads((path / "extra" / "data.json").read_text())["foo"] == "bar"
+    meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+    assert meta["item_handlers"] == {
+        "extra": "checkpointables_json.JsonHandler",
+        "point": "checkpointables.builtin_plugin.StatefulCheckpointableHandler",
+    }
+    assert meta["custom_metadata"] == {"run": "exp-7"}
+    assert meta["commit_timestamp_nsecs"] >= meta["init_timestamp_nsecs"] > 0
+
+    fresh = StatefulPoint(0, 0)
+    loaded = cp.load_checkpointables(path, {"extra": None, "point": fresh})
+    assert loaded["extra"] == {"foo": "bar", "n": [1, 2.5, None, True]}
+    assert loaded["point"] is fresh and (fresh.x, fresh.y) == (1, 2)
+
+
+def test_load_subset_and_everything(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"a": {"x": 1}, "b": [1, 2]})
+    assert cp.load_checkpointables(path, {"b": None}) == {"b": [1, 2]}
+    assert cp.load_checkpointables(path) == {"a": {"x": 1}, "b": [1, 2]}
+    with pytest.raises(KeyError, match="no checkpointable named \\['c'\\]"):
+        cp.load_checkpointables(path, {"c": None})
+
+
+def test_stateful_object_needs_an_instance_to_load(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"point": StatefulPoint(1, 2)})
+    with pytest.raises(ValueError, match="pass an instance"):
+        cp.load_checkpointables(path)
+
+
+def test_checkpointables_metadata(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(
+        path, {"extra": {"k": 1}, "point": StatefulPoint(1, 2)}, custom_metadata={"a": 1}
+    )
+    meta = cp.checkpointables_metadata(path)
+    assert meta.metadata == {"extra": {"k": 1}, "point": None}
+    assert meta.custom_metadata == {"a": 1}
+    assert meta.path == path
+    assert meta.commit_timestamp is not None
+
+
+def test_async_save_returns_response_and_load_waits_for_it(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    response = cp.save_checkpointables_async(path, {"extra": {"k": 1}})
+    assert isinstance(response, cp.AsyncResponse)
+    # A load of the same path waits for the save in flight.
+    assert cp.load_checkpointables(path) == {"extra": {"k": 1}}
+    assert response.done() and response.result() is None
+
+
+def test_caller_may_mutate_objects_after_async_save_returns(tmp_path) -> None:
+    data = {"values": [1, 2, 3]}
+    point = StatefulPoint(1, 2)
+    response = cp.save_checkpointables_async(tmp_path / "ckpt", {"data": data, "point": point})
+    data["values"].append(4)
+    point.x = 100
+    response.result()
+    fresh = StatefulPoint(0, 0)
+    loaded = cp.load_checkpointables(tmp_path / "ckpt", {"data": None, "point": fresh})
+    assert loaded["data"] == {"values": [1, 2, 3]} and fresh.x == 1
+
+
+def test_overwrite_replaces_only_when_asked(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"extra": {"v": 1}})
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        cp.save_checkpointables(path, {"extra": {"v": 2}})
+    assert cp.load_checkpointables(path) == {"extra": {"v": 1}}
+    cp.save_checkpointables(path, {"extra": {"v": 2}}, overwrite=True)
+    assert cp.load_checkpointables(path) == {"extra": {"v": 2}}
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize(
+    "name", ["", "a/b", "..", "x..y", "metrics", "AUTO", ".hidden", "_CHECKPOINT_METADATA"]
+)
+def test_bad_names_are_rejected_before_anything_is_written(tmp_path, name) -> None:
+    with pytest.raises(ValueError):
+        cp.save_checkpointables(tmp_path / "ckpt", {name: {"k": 1}})
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="empty dict"):
+        cp.save_checkpointables(tmp_path / "c", {})
+    with pytest.raises(ValueError, match="dict of name"):
+        cp.save_checkpointables(tmp_path / "c", [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="custom_metadata must be JSON"):
+        cp.save_checkpointables(tmp_path / "c", {"a": {"k": 1}}, custom_metadata={"x": object()})
+    assert os.listdir(tmp_path) == []
+
+
+def test_unhandleable_object_names_checkpointable_and_type(tmp_path) -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(cp.errors.NoHandlerForObjectError) as info:
+        cp.save_checkpointables(tmp_path / "c", {"thing": Opaque()})
+    assert "'thing'" in str(info.value) and "Opaque" in str(info.value)
+    assert "stateful" in str(info.value) and "json" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_load_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        cp.load_checkpointables(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(cp.errors.NotACheckpointError, match="empty"):
+        cp.load_checkpointables(tmp_path / "empty")
+    assert not cp.is_checkpoint(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cp.errors.NotACheckpointError, match="is a file"):
+        cp.load_checkpointables(tmp_path / "file")
+
+
+def test_malformed_metadata_names_the_file(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"extra": {"k": 1}})
+    (path / "_CHECKPOINT_METADATA").write_text("{not json")
+    with pytest.raises(cp.errors.MetadataError, match="_CHECKPOINT_METADATA"):
+        cp.load_checkpointables(path)
+    (path / "_CHECKPOINT_METADATA").write_text("[1, 2]")
+    with pytest.raises(cp.errors.CheckpointError, match="_CHECKPOINT_METADATA"):
+        cp.checkpointables_metadata(path)
+
+
+def test_failed_background_save_leaves_nothing_and_keeps_old_checkpoint(
+    tmp_path, misbehaving_handlers
+) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"extra": {"v": 1}})
+    response = cp.save_checkpointables_async(path, {"bad": Boom()}, overwrite=True)
+    with pytest.raises(OSError, match="disk on fire") as info:
+        response.result()
+    # The traceback reaches into the handler's background code.
+    assert any(
+        frame.name == "write"
+        for frame in __import__("traceback").extract_tb(info.value.__traceback__)
+    )
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert cp.load_checkpointables(path) == {"extra": {"v": 1}}
+    new_path = tmp_path / "new"
+    with pytest.raises(OSError):
+        cp.save_checkpointables(new_path, {"bad": Boom()})
+    assert not new_path.exists() and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_unfinished_save_is_temporary_and_not_a_checkpoint(tmp_path, misbehaving_handlers) -> None:
+    from .helpers import Gate
+
+    gate = Gate()
+    response = cp.save_checkpointables_async(tmp_path / "ckpt", {"gate": gate})
+    assert gate.started.wait(30)
+    (leftover,) = os.listdir(tmp_path)
+    assert leftover.startswith("ckpt.checkpointables-tmp-")
+    assert cp.layout.is_temporary_path(tmp_path / leftover)
+    assert not cp.is_checkpoint(tmp_path / leftover)
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(cp.errors.NotACheckpointError, match="did not finish"):
+        cp.load_checkpointables(tmp_path / leftover)
+    gate.release.set()
+    response.result(30)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_load_async_really_runs_in_background(tmp_path, misbehaving_handlers) -> None:
+    from .helpers import Gate, GatedHandler
+
+    saving_gate = Gate()
+    saving_gate.release.set()
+    cp.save_checkpointables(tmp_path / "ckpt", {"gate": saving_gate})
+    GatedHandler.gate = Gate()
+    response = cp.load_checkpointables_async(tmp_path / "ckpt")
+    assert GatedHandler.gate.started.wait(30)
+    assert not response.done()
+    with pytest.raises(TimeoutError, match="still running"):
+        response.result(timeout=0.01)
+    GatedHandler.gate.release.set()
+    assert response.result(30) == {"gate": "ok"}
+
+
+def test_later_save_to_same_path_waits_for_earlier(tmp_path, misbehaving_handlers) -> None:
+    from .helpers import Gate
+
+    gate = Gate()
+    first = cp.save_checkpointables_async(tmp_path / "ckpt", {"gate": gate})
+    assert gate.started.wait(30)
+    gate_release_later = __import__("threading").Timer(0.2, gate.release.set)
+    gate_release_later.start()
+    second = cp.save_checkpointables_async(tmp_path / "ckpt", {"extra": {"v": 2}}, overwrite=True)
+    assert first.done()
+    second.result(30)
+    assert cp.load_checkpointables(tmp_path / "ckpt") == {"extra": {"v": 2}}
+
+
+def test_forcing_a_handler_by_name_through_context(tmp_path) -> None:
+    json_handler = cp.handlers.get("json")
+    options = cp.options.CheckpointablesOptions.create_with_handlers(extra=json_handler)
+    with cp.Context(checkpointables_options=options):
+        cp.save_checkpointables(tmp_path / "c", {"extra": {"foo": "bar"}})
+    assert (tmp_path / "c" / "extra" / "data.json").exists()
+    with (
+        cp.Context(checkpointables_options=options),
+        pytest.raises(cp.errors.NoHandlerForObjectError),
+    ):
+        cp.save_checkpointables(tmp_path / "d", {"extra": StatefulPoint(1, 2)})
+
+
+def test_path_permission_mode(tmp_path) -> None:
+    with cp.Context(file_options=cp.options.FileOptions(path_permission_mode=0o750)):
+        cp.save_checkpointables(tmp_path / "c", {"extra": {"k": 1}})
+    assert (os.stat(tmp_path / "c" / "extra").st_mode & 0o777) == 0o750 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,72 @@
+"""The JSON plugin: conformance suite plus what makes it JSON."""
+
+from __future__ import annotations
+
+import json
+
+import checkpointables as cp
+import numpy as np
+from checkpointables.testing import HandlerConformance
+from checkpointables_json import is_json_like
+
+
+class TestJsonConformance(HandlerConformance):
+    handler_name = "json"
+
+    def make_checkpointables(self):
+        return [
+            {"foo": "bar"},
+            {"nested": {"list": [1, 2.5, None, True, "s"]}},
+            [1, 2, 3],
+            "text",
+            7,
+        ]
+
+    def make_unhandleable(self):
+        return [
+            {"a": np.arange(3)},
+            {1: "int key"},
+            (1, 2),
+            float("nan"),
+            np.float32(1.0),
+            object(),
+        ]
+
+
+def test_plain_json_goes_to_json_and_stays_readable(tmp_path) -> None:
+    cp.save_checkpointables(tmp_path / "c", {"extra": {"foo": "bar"}})
+    assert json.loads((tmp_path / "c" / "extra" / "data.json").read_text()) == {"foo": "bar"}
+
+
+def test_is_json_like() -> None:
+    assert is_json_like({"a": [1, {"b": None}], "c": 1.5, "d": False})
+    assert not is_json_like({"a": (1, 2)})
+    assert not is_json_like({"a": np.int64(1)})
+    assert not is_json_like({"a": float("inf")})
+
+
+def test_reads_orbax_v0_metadata_file_name(tmp_path) -> None:
+    # Orbax's V0 JsonCheckpointHandler wrote `<item>/metadata` and recorded its own typestr.
+    root = tmp_path / "c"
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / "metadata").write_text('{"k": 1}')
+    (root / "_CHECKPOINT_METADATA").write_text(
+        json.dumps(
+            {
+                "item_handlers": {
+                    "meta": "orbax.checkpoint._src.handlers.json_checkpoint_handler."
+                    "JsonCheckpointHandler"
+                }
+            }
+        )
+    )
+    assert cp.load_checkpointables(root) == {"meta": {"k": 1}}
+
+
+def test_damaged_data_json_names_the_file(tmp_path) -> None:
+    import pytest
+
+    cp.save_checkpointables(tmp_path / "c", {"extra": {"foo": "bar"}})
+    (tmp_path / "c" / "extra" / "data.json").write_text("{oops")
+    with pytest.raises(cp.errors.MetadataError, match="data.json"):
+        cp.load_checkpointables(tmp_path / "c")
