@@ -97,14 +97,30 @@ def save_checkpointables_async(
         )
     chosen = resolve_save_handlers(checkpointables, context, forced_handlers)
     init_ns = time.time_ns()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = layout.temporary_path_for(path)
+    primary = multihost.is_primary_host(context)
+    # Every process must use the same temporary directory: the primary names it.
+    operation = f"save/{multihost.next_operation_id()}" if multihost.is_coordinated(context) else ""
+    if primary:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = epath.Path(
+        multihost.broadcast_from_primary(
+            f"{operation}/tmp",
+            str(layout.temporary_path_for(path)) if primary else None,
+            context=context,
+        )
+    )
     mode = context.file_options.path_permission_mode
 
     def create_directories() -> None:
-        tmp.mkdir(mode=mode if mode is not None else 0o777)
-        for name in checkpointables:
-            (tmp / name).mkdir(mode=mode if mode is not None else 0o777)
+        error = None
+        if primary:
+            try:
+                tmp.mkdir(mode=mode if mode is not None else 0o777)
+                for name in checkpointables:
+                    (tmp / name).mkdir(mode=mode if mode is not None else 0o777)
+            except OSError as e:
+                error = e
+        multihost.sync_global_processes(f"{operation}/created", error=error, context=context)
 
     root = PathAwaitingCreation(tmp, create_directories)
 
@@ -120,32 +136,51 @@ def save_checkpointables_async(
         with context:  # Handlers read options through get_context().
             background_awaitables = run_sync(blocking_phase())
     except BaseException:
-        layout.remove_tree(tmp)
+        if primary:
+            layout.remove_tree(tmp)
         raise
 
+    def commit() -> None:
+        for name, (_, instance) in chosen.items():
+            finalize = getattr(instance, "finalize", None)
+            if finalize is not None:
+                run_sync(finalize(tmp / name))
+        (tmp / layout.MARKER_FILE).touch()
+        (tmp / layout.COMMIT_SUCCESS_FILE).write_text(f"Checkpoint commit was successful to {path}")
+        layout.write_file_durably(
+            tmp / CHECKPOINT_METADATA_FILE,
+            checkpoint_metadata_json(
+                item_handlers={name: ts for name, (ts, _) in chosen.items()},
+                custom_metadata=custom,
+                metrics=metric_values,
+                init_timestamp_nsecs=init_ns,
+                commit_timestamp_nsecs=time.time_ns(),
+            ),
+        )
+        layout.fsync_tree(tmp)
+        layout.commit(tmp, path, overwrite=overwrite)
+
     def background() -> None:
+        error: BaseException | None = None
         try:
             root.create_now()
             run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
-            if multihost.is_primary_host(context):
-                (tmp / layout.MARKER_FILE).touch()
-                (tmp / layout.COMMIT_SUCCESS_FILE).write_text(
-                    f"Checkpoint commit was successful to {path}"
-                )
-                layout.write_file_durably(
-                    tmp / CHECKPOINT_METADATA_FILE,
-                    checkpoint_metadata_json(
-                        item_handlers={name: ts for name, (ts, _) in chosen.items()},
-                        custom_metadata=custom,
-                        metrics=metric_values,
-                        init_timestamp_nsecs=init_ns,
-                        commit_timestamp_nsecs=time.time_ns(),
-                    ),
-                )
-                layout.fsync_tree(tmp)
-                layout.commit(tmp, path, overwrite=overwrite)
+        except BaseException as e:
+            error = e
+        try:
+            # Every process finished writing (or one failed, and all fail) ...
+            multihost.sync_global_processes(f"{operation}/written", error=error, context=context)
+            error = None
+            if primary:
+                try:
+                    commit()  # ... then the primary alone commits ...
+                except BaseException as e:
+                    error = e
+            # ... and nobody returns before the checkpoint is visible.
+            multihost.sync_global_processes(f"{operation}/committed", error=error, context=context)
         except BaseException:
-            layout.remove_tree(tmp)
+            if primary:
+                layout.remove_tree(tmp)
             raise
 
     with context:

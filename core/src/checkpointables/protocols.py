@@ -25,7 +25,17 @@ class CheckpointableHandler(Protocol, Generic[T, AbstractT]):
     snapshotting mutable state). The awaitable it returns is the *background*
     phase, run on a background thread.
 
-    A handler class must be constructible with no arguments.
+    A handler class must be constructible with no arguments. Optional
+    methods used when present:
+
+    - ``recognizes(directory) -> bool`` (a staticmethod): for checkpoints that
+      recorded no handler (older formats), whether the directory is this
+      handler's.
+    - ``async finalize(directory)``: called once, on the primary host, after
+      every process finished its background writes and before the commit
+      (e.g. to merge per-process files).
+    - ``async verify(directory) -> list[str]``: reads everything back and
+      describes each problem found (``checkpointables verify``).
 
     Example::
 
