@@ -99,13 +99,27 @@ def load_items_async(
         recorded = typestrs.get(name, flat_typestr if directory == path else None)
         instances[name] = resolve_load_handler(directory, name, recorded, abstract, context)
 
+    async def named(name: str, directory: epath.Path, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except Exception as e:
+            e.add_note(f"while loading checkpointable {name!r} from {directory}")
+            raise
+
     async def blocking_phase() -> list[Any]:
         return await gather_awaitables(
-            [instances[n].load(directory, abstract) for n, (directory, abstract) in items.items()]
+            [
+                named(n, directory, instances[n].load(directory, abstract))
+                for n, (directory, abstract) in items.items()
+            ]
         )
 
     def background() -> dict[str, Any]:
-        values = run_sync(gather_awaitables(awaitables))
+        values = run_sync(
+            gather_awaitables(
+                [named(n, d, a) for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)]
+            )
+        )
         return dict(zip(items, values, strict=True))
 
     with context:  # Handlers read options through get_context().

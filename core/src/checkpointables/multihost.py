@@ -149,6 +149,8 @@ def sync_global_processes(
     me = process_index()
     status = "ok" if error is None else f"error: {type(error).__name__}: {error}"[:2000]
     client.key_value_set(f"{directory}/{me}", status)  # type: ignore[attr-defined]
+    if error is not None:
+        raise error  # Published: the others fail at once instead of waiting for us.
     expected = participating_processes(context)
     deadline = time.monotonic() + timeout
     while True:
@@ -160,8 +162,6 @@ def sync_global_processes(
             raise ProcessFailedError(f"Phase {name!r} failed on other processes: {details}.")
         missing = [p for p in expected if p not in arrived]
         if not missing:
-            if error is not None:
-                raise error
             return
         if time.monotonic() > deadline:
             raise BarrierTimeoutError(

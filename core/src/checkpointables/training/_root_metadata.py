@@ -1,0 +1,77 @@
+"""The root's own metadata file, in the place and format Orbax uses.
+
+``<root>/metadata/_ROOT_METADATA`` holds
+``{"internal_metadata": {}, "custom_metadata": {...}}``, so Orbax's
+Checkpointer reads ours and we read theirs (also its older
+``<root>/metadata/metadata``). The first run that passes ``custom_metadata``
+writes it; later runs keep it, as Orbax does, so a resumed run cannot
+silently rewrite what the run was started with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from checkpointables import errors, layout
+
+logger = logging.getLogger(__name__)
+
+METADATA_DIR = "metadata"
+ROOT_METADATA_FILE = "_ROOT_METADATA"
+_LEGACY_FILE = "metadata"
+
+
+def read(root: epath.Path) -> dict[str, Any]:
+    """The stored custom metadata of ``root`` (``{}`` if there is none).
+
+    Raises:
+      cp.errors.MetadataError: the file exists but is not the expected JSON.
+    """
+    for name in (ROOT_METADATA_FILE, _LEGACY_FILE):
+        file = root / METADATA_DIR / name
+        try:
+            text = file.read_text()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise errors.MetadataError(
+                f"{file} is not valid JSON ({e}); the root's metadata is damaged. Restore it or "
+                f"delete the file (custom_metadata is then empty)."
+            ) from e
+        if not isinstance(value, dict):
+            raise errors.MetadataError(
+                f"{file} holds a JSON {type(value).__name__}, expected an object."
+            )
+        custom = value.get("custom_metadata", {})
+        return dict(custom) if isinstance(custom, dict) else {}
+    return {}
+
+
+def write_if_absent(root: epath.Path, custom_metadata: Mapping[str, Any]) -> bool:
+    """Writes the root metadata unless a file exists; returns whether it wrote.
+
+    The file appears whole or not at all (written aside, flushed, renamed).
+    """
+    directory = root / METADATA_DIR
+    file = directory / ROOT_METADATA_FILE
+    if file.exists() or (directory / _LEGACY_FILE).exists():
+        logger.info("Keeping the existing root metadata of %s.", root)
+        return False
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"internal_metadata": {}, "custom_metadata": dict(custom_metadata)})
+    tmp = layout.temporary_path_for(file)
+    try:
+        layout.write_file_durably(tmp, text)
+        os.replace(os.fspath(tmp), os.fspath(file))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True

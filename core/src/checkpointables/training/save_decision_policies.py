@@ -1,0 +1,196 @@
+"""When the training ``Checkpointer`` saves: ``save_decision_policy=...``.
+
+A policy is any object with the method of ``SaveDecisionPolicy``; the classes
+here cover the usual cases and compose with ``AnySavePolicy``. A ``save*``
+call with ``force=True`` saves whatever the policy says.
+
+Example::
+
+    policy = cp.training.save_decision_policies.AnySavePolicy([
+        cp.training.save_decision_policies.EveryNStepsPolicy(1000),
+        cp.training.save_decision_policies.SpecificStepsPolicy([10, 100]),
+    ])
+
+A policy of your own::
+
+    class EveryTenMinutes:
+        def should_save(self, step, previous_steps, *, context):
+            if not previous_steps:
+                return True
+            last = previous_steps[-1].commit_timestamp_nsecs or 0
+            return context.time_nsecs - last >= 600 * 10**9
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from checkpointables.training.step_info import StepInfo
+
+__all__ = [
+    "DecisionContext",
+    "SaveDecisionPolicy",
+    "EveryNStepsPolicy",
+    "SpecificStepsPolicy",
+    "ContinuousCheckpointingPolicy",
+    "InitialSavePolicy",
+    "AnySavePolicy",
+    "default_policy",
+]
+
+
+@attrs.frozen
+class DecisionContext:
+    """What a policy may need besides the steps.
+
+    Attributes:
+      is_saving_in_progress: a save of this Checkpointer has not committed yet.
+      time_nsecs: the current time (ns since the epoch), read once per decision
+        so that policies agree on it and tests can set it.
+    """
+
+    is_saving_in_progress: bool = False
+    time_nsecs: int = attrs.field(factory=time.time_ns)
+
+
+@runtime_checkable
+class SaveDecisionPolicy(Protocol):
+    """Decides whether a step is saved.
+
+    ``step`` describes the candidate (its ``metrics`` are empty and its
+    ``commit_timestamp_nsecs`` is ``None``: it is not saved yet);
+    ``previous_steps`` are the committed steps of the root, sorted by step.
+    Must be cheap and must not raise for any step >= 0.
+    """
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """Whether to save ``step``."""
+        ...
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}.")
+
+
+@attrs.frozen
+class EveryNStepsPolicy:
+    """Saves steps that are multiples of ``steps`` (0, N, 2N, ...).
+
+    Attributes:
+      steps: the interval, > 0.
+    """
+
+    steps: int = attrs.field(validator=_positive_int)
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """True when ``step.step`` is a multiple of the interval."""
+        return step.step % self.steps == 0
+
+
+def _steps_set(values: Iterable[int]) -> frozenset[int]:
+    result = frozenset(values)
+    bad = [s for s in result if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad:
+        raise ValueError(f"SpecificStepsPolicy takes integers >= 0, got {sorted(map(repr, bad))}.")
+    return result
+
+
+@attrs.frozen
+class SpecificStepsPolicy:
+    """Saves exactly the listed steps.
+
+    Attributes:
+      steps: the steps to save.
+    """
+
+    steps: frozenset[int] = attrs.field(converter=_steps_set)
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """True when ``step.step`` is listed."""
+        return step.step in self.steps
+
+
+def _interval_or_none(instance: object, attribute: object, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not value >= 0):
+        raise ValueError(f"minimum_interval_secs must be >= 0 or None, got {value!r}.")
+
+
+@attrs.frozen
+class ContinuousCheckpointingPolicy:
+    """Saves whenever no save is in flight: the next save starts as soon as the last commits.
+
+    Saves asked for while one is in flight are skipped (``save*`` returns
+    ``False``) instead of waiting, so training never blocks on storage.
+
+    Attributes:
+      minimum_interval_secs: also skip until this long has passed since the
+        latest committed step was committed (``None``: no minimum).
+    """
+
+    minimum_interval_secs: float | None = attrs.field(default=None, validator=_interval_or_none)
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """False while saving; else True once the minimum interval has passed."""
+        if context.is_saving_in_progress:
+            return False
+        if self.minimum_interval_secs is None:
+            return True
+        times = [p.commit_timestamp_nsecs for p in previous_steps if p.commit_timestamp_nsecs]
+        if not times:
+            return True
+        return context.time_nsecs - max(times) >= self.minimum_interval_secs * 1e9
+
+
+@attrs.frozen
+class InitialSavePolicy:
+    """Saves the first step of a root that has no committed step and no save in flight."""
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """True when nothing was saved yet."""
+        return not previous_steps and not context.is_saving_in_progress
+
+
+@attrs.frozen
+class AnySavePolicy:
+    """Saves when any of ``policies`` says so.
+
+    Attributes:
+      policies: the policies to ask, in order (the first True wins).
+    """
+
+    policies: tuple[SaveDecisionPolicy, ...] = attrs.field(converter=tuple)
+
+    @policies.validator
+    def _check(self, attribute: object, value: tuple[object, ...]) -> None:
+        for policy in value:
+            if not callable(getattr(policy, "should_save", None)):
+                raise TypeError(
+                    f"AnySavePolicy takes save decision policies (objects with a should_save "
+                    f"method), got {policy!r}."
+                )
+
+    def should_save(
+        self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
+    ) -> bool:
+        """True when any policy is."""
+        return any(p.should_save(step, previous_steps, context=context) for p in self.policies)
+
+
+def default_policy() -> AnySavePolicy:
+    """The policy of a Checkpointer created without one: the first step, then continuously."""
+    return AnySavePolicy([InitialSavePolicy(), ContinuousCheckpointingPolicy()])
