@@ -6,9 +6,8 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 import checkpointables as cp
+import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

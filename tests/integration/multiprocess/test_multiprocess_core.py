@@ -6,9 +6,8 @@ import os
 import signal
 import time
 
-import pytest
-
 import checkpointables as cp
+import pytest
 
 from .launcher import run_job
 
