@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import inspect
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -152,8 +153,20 @@ def start_background(
 
 
 async def gather_awaitables(awaitables: list[Any]) -> list[Any]:
-    """Awaits every awaitable concurrently; returns their results in order."""
-    return list(await asyncio.gather(*awaitables))
+    """Awaits every awaitable concurrently; returns their results in order.
+
+    If any fails, the first error is raised once all have finished, and the
+    coroutines the others returned (their background phases, which will now
+    never run) are closed, so no "never awaited" warning follows the error.
+    """
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        for r in results:
+            if inspect.iscoroutine(r):
+                r.close()
+        raise failures[0]
+    return list(results)
 
 
 def monotonic_deadline(timeout_secs: float) -> float:

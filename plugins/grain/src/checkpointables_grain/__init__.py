@@ -1,0 +1,315 @@
+"""checkpointables plugin: Grain dataset iterators, saved as per-process JSON state.
+
+Save the iterator beside the model; load into a fresh iterator of the same
+pipeline and it yields exactly what the original would have yielded next::
+
+    it = iter(dataset)                       # grain.DatasetIterator, or iter(grain.DataLoader)
+    cp.save_checkpointables(path, {"pytree": state, "dataset": it})
+    ...
+    fresh = iter(dataset)
+    restored = cp.load_checkpointables(path, {"dataset": fresh})["dataset"]   # is fresh
+
+Each process writes its own ``process_<i>-of-<n>.json`` (Grain's own file
+names and contents, so Grain and Orbax read these checkpoints and we read
+theirs); JSON only, nothing is pickled. The iterator state is captured in the
+blocking phase of a save, so the training loop may keep iterating at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+from collections.abc import Awaitable
+from typing import Any
+
+import attrs
+import checkpointables as cp
+from etils import epath
+
+from checkpointables_grain import _files, _grain_types, _state_json
+from checkpointables_grain._grain_types import DATA_LOADER_ITERATOR, DATASET_ITERATOR
+
+__all__ = [
+    "GrainIteratorHandler",
+    "GrainIteratorMetadata",
+    "IteratorStateError",
+    "ProcessCountMismatchError",
+    "UnsupportedStateError",
+]
+
+# Grain's own Orbax V0 handlers (current and older module paths): checkpoints
+# they wrote have the same per-process files.
+_GRAIN_TYPESTRS = (
+    "grain._src.python.checkpoint.handler.CheckpointHandler",
+    "grain._src.python.checkpoint_handlers.CheckpointHandler",
+    "grain._src.python.checkpoint_handlers.PyGrainCheckpointHandler",
+)
+
+
+class IteratorStateError(cp.errors.CheckpointError, ValueError):
+    """The iterator given to load into cannot take the saved state.
+
+    Raised when no iterator is given, when it is a different kind of iterator
+    than the one saved, or when its ``set_state`` rejects the state (a
+    different pipeline).
+    """
+
+
+class ProcessCountMismatchError(IteratorStateError):
+    """The iterator states were saved by a different number of processes.
+
+    Grain iterator states are per process; restore with the process count
+    that saved them.
+    """
+
+
+class UnsupportedStateError(cp.errors.CheckpointError, TypeError):
+    """An iterator's ``get_state()`` holds a value that cannot be stored as JSON exactly."""
+
+
+@attrs.frozen
+class GrainIteratorMetadata:
+    """What ``checkpointables_metadata`` reports for a saved Grain iterator.
+
+    Attributes:
+      iterator_type: ``"DatasetIterator"`` (from ``iter(dataset)``) or
+        ``"DataLoaderIterator"`` (from ``iter(grain.DataLoader(...))``);
+        ``None`` when not recorded (checkpoints written by Grain or Orbax).
+      process_count: how many processes saved a state.
+      grain_version: the Grain version that produced the states, if recorded.
+    """
+
+    iterator_type: str | None
+    process_count: int | None
+    grain_version: str | None = None
+
+
+@functools.cache
+def _grain_version() -> str | None:
+    try:
+        return importlib.metadata.version("grain")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _kind_name(kind: str | None) -> str:
+    if kind == DATA_LOADER_ITERATOR:
+        return "a grain.DataLoader iterator (iter(data_loader))"
+    if kind == DATASET_ITERATOR:
+        return "a grain.DatasetIterator (iter(dataset))"
+    return "an unknown iterator"
+
+
+def _state_text(iterator: Any, kind: str, name: str) -> str:
+    """The iterator's current state as the text of its state file."""
+    if kind == DATA_LOADER_ITERATOR:
+        # DataLoader iterators hand out their state as UTF-8 JSON bytes.
+        raw = iterator.get_state()
+        try:
+            text = bytes(raw).decode("utf-8")
+            json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedStateError(
+                f"The state of data loader iterator {name!r} is not UTF-8 JSON ({e}); "
+                f"it cannot be stored as a JSON state file."
+            ) from e
+        return text
+    try:
+        return _state_json.dumps(iterator.get_state())
+    except _state_json.StateEncodingError as e:
+        raise UnsupportedStateError(f"Cannot save the state of iterator {name!r}: {e}") from e
+
+
+def _target_iterator(directory: epath.Path, abstract: Any) -> tuple[Any, str]:
+    """The iterator to restore into, and its kind."""
+    name = directory.name
+    if _grain_types.is_iterable_source(abstract):
+        abstract = iter(abstract)
+    kind = _grain_types.iterator_kind(abstract)
+    if kind is None:
+        given = "nothing" if abstract is None else f"a {type(abstract).__qualname__}"
+        raise IteratorStateError(
+            f"Checkpointable {name!r} is a saved Grain iterator position; it can only be loaded "
+            f"into a fresh iterator of the same pipeline, but {given} was given. Pass one: "
+            f"load_checkpointables(path, {{{name!r}: iter(dataset)}}), or leave {name!r} out "
+            f"of the abstract checkpointables to skip it."
+        )
+    return abstract, kind
+
+
+def _this_process_file(directory: epath.Path, info: dict[str, Any] | None) -> epath.Path:
+    """This process's state file; raises if the process counts differ or it is missing."""
+    index, count = cp.multihost.process_index(), cp.multihost.process_count()
+    files = _files.state_files(directory)
+    saved_counts = sorted({n for _, n in files})
+    saved = info["process_count"] if info else (saved_counts[0] if len(saved_counts) == 1 else None)
+    if saved is not None and saved != count:
+        example = _files.state_file_name(0, saved)
+        raise ProcessCountMismatchError(
+            f"Checkpointable {directory.name!r} holds the Grain iterator states of {saved} "
+            f"process(es) ({example}, ...), but this job has {count}. Iterator states are per "
+            f"process: restore with {saved} process(es), or leave {directory.name!r} out of the "
+            f"abstract checkpointables and start the data pipeline afresh."
+        )
+    file = files.get((index, count))
+    if file is None:
+        held = sorted(f.name for f in files.values()) or "no state files"
+        raise cp.errors.IntegrityError(
+            f"{directory} has no {_files.state_file_name(index, count)} for process {index} of "
+            f"{count} (it holds {held}). The checkpoint is incomplete: a process did not "
+            f"finish writing its iterator state."
+        )
+    return file
+
+
+def _read_info(directory: epath.Path) -> dict[str, Any] | None:
+    try:
+        return _files.read_info(directory)
+    except ValueError as e:
+        raise cp.errors.MetadataError(
+            f"{e}; the checkpointable {directory.name!r} is damaged."
+        ) from e
+
+
+def _parse_state(file: epath.Path, kind: str) -> Any:
+    """The state stored in ``file``, in the form ``set_state`` of ``kind`` takes."""
+    try:
+        text = file.read_text(encoding="utf-8")
+        if kind == DATA_LOADER_ITERATOR:
+            json.loads(text)  # Reject damage here, with the file's name.
+            return text.encode("utf-8")
+        return _state_json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise cp.errors.IntegrityError(f"{file} is not a readable iterator state ({e}).") from e
+
+
+class GrainIteratorHandler:
+    """Saves Grain iterators as JSON state, one file per process; restores into fresh ones.
+
+    The abstract checkpointable is a fresh iterator of the same pipeline
+    (restored in place and returned), or the dataset / ``grain.DataLoader``
+    itself (a new iterator is made with ``iter()``).
+    """
+
+    async def save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
+    ) -> Awaitable[None]:
+        """Captures the state now, so the caller may keep iterating; writes it later."""
+        kind = _grain_types.iterator_kind(checkpointable)
+        if kind is None:
+            raise TypeError(f"{type(checkpointable).__qualname__} is not a Grain iterator.")
+        text = _state_text(checkpointable, kind, directory.name)
+        index, count = cp.multihost.process_index(), cp.multihost.process_count()
+        info = None
+        if cp.multihost.is_primary_host():
+            info = json.dumps(
+                {
+                    "format_version": _files.FORMAT_VERSION,
+                    "iterator_type": kind,
+                    "process_count": count,
+                    "grain_version": _grain_version(),
+                },
+                indent=2,
+            )
+
+        async def write() -> None:
+            path = await directory.await_creation()
+            _files.write_durably(path / _files.state_file_name(index, count), text)
+            if info is not None:
+                _files.write_durably(path / _files.INFO_FILE, info)
+
+        return write()
+
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
+        """Checks iterator kind and process count now; returns an awaitable that restores."""
+        iterator, kind = _target_iterator(directory, abstract_checkpointable)
+        info = _read_info(directory)
+        saved_kind = info.get("iterator_type") if info else None
+        if saved_kind is not None and saved_kind != kind:
+            raise IteratorStateError(
+                f"Checkpointable {directory.name!r} was saved from {_kind_name(saved_kind)}, but "
+                f"{_kind_name(kind)} was given to load it into; their states differ. Pass "
+                f"{_kind_name(saved_kind)} over the same data."
+            )
+        file = _this_process_file(directory, info)
+
+        async def restore() -> Any:
+            state = _parse_state(file, kind)
+            try:
+                iterator.set_state(state)
+            except Exception as e:  # Grain's own errors here are terse KeyErrors and the like.
+                raise IteratorStateError(
+                    f"The iterator given for {directory.name!r} rejected the saved state "
+                    f"({type(e).__name__}: {e}). Load into a fresh iterator of the same pipeline "
+                    f"(same sources, transformations, seeds and options) as the one saved."
+                ) from e
+            return iterator
+
+        return restore()
+
+    async def metadata(self, directory: epath.Path) -> GrainIteratorMetadata:
+        """The saved iterator's kind and process count, from the files alone."""
+        info = _read_info(directory)
+        if info is not None:
+            return GrainIteratorMetadata(
+                iterator_type=info.get("iterator_type"),
+                process_count=info["process_count"],
+                grain_version=info.get("grain_version"),
+            )
+        counts = {n for _, n in _files.state_files(directory)}
+        return GrainIteratorMetadata(
+            iterator_type=None, process_count=counts.pop() if len(counts) == 1 else None
+        )
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        """True for ``grain.DatasetIterator`` and ``grain.DataLoader`` iterators."""
+        return _grain_types.iterator_kind(checkpointable) is not None
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
+        """True for Grain iterators, datasets and data loaders; undecided otherwise."""
+        if _grain_types.iterator_kind(abstract_checkpointable) is not None:
+            return True
+        if _grain_types.is_iterable_source(abstract_checkpointable):
+            return True
+        return None
+
+    @staticmethod
+    def recognizes(directory: epath.Path) -> bool:
+        """Whether ``directory`` holds per-process iterator states (for untyped checkpoints)."""
+        return bool(_files.state_files(directory))
+
+    async def verify(self, directory: epath.Path) -> list[str]:
+        """Problems found in the stored states: missing processes, unreadable files."""
+        try:
+            info = _read_info(directory)
+        except cp.errors.MetadataError as e:
+            return [str(e)]
+        files = _files.state_files(directory)
+        counts = sorted({n for _, n in files})
+        if info is not None:
+            counts = [info["process_count"]]
+        if not counts:
+            return [f"{directory} holds no process_<i>-of-<n>.json iterator state files."]
+        kind = (info or {}).get("iterator_type") or DATASET_ITERATOR
+        problems = []
+        for count in counts:
+            for index in range(count):
+                file = files.get((index, count))
+                if file is None:
+                    problems.append(f"{directory} lacks {_files.state_file_name(index, count)}.")
+                    continue
+                try:
+                    _parse_state(file, kind)
+                except cp.errors.IntegrityError as e:
+                    problems.append(str(e))
+        return problems
+
+
+@cp.hookimpl
+def register_checkpointable_handlers(register: Any) -> None:
+    """Registers the Grain handler at priority 10, ahead of the generic stateful
+    handler (20), which would otherwise claim Grain iterators by their save/load methods."""
+    register(GrainIteratorHandler, priority=10, name="grain", secondary_typestrs=_GRAIN_TYPESTRS)

@@ -1,0 +1,203 @@
+"""checkpointables plugin: protocol buffer messages stored as ``<name>/proto.pbtxt``.
+
+Any ``google.protobuf.message.Message`` can be a checkpointable::
+
+    cp.save_checkpointables(path, {"config": config_message})
+    cp.load_checkpointables(path, {"config": MyConfig})   # or None: found by type name
+
+The file is protobuf text format, readable by people and by Orbax's
+``ProtoHandler``; a header comment records the full message type name so a
+load without the class can find it among the message types the program has
+already imported. Nothing named in a checkpoint is ever imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+import checkpointables as cp
+from etils import epath
+
+from checkpointables_proto import _textproto, _types
+from checkpointables_proto._textproto import PROTO_FILE
+
+__all__ = [
+    "ProtoHandler",
+    "MessageTypeNotFoundError",
+    "MessageTypeMismatchError",
+    "PROTO_FILE",
+]
+
+_ORBAX_TYPESTRS = (
+    "orbax.checkpoint.experimental.v1._src.handlers.proto_handler.ProtoHandler",
+    "orbax.checkpoint._src.handlers.proto_checkpoint_handler.ProtoCheckpointHandler",
+)
+
+
+class MessageTypeNotFoundError(cp.errors.MissingHandlerError):
+    """Loading needs a message class that the program has not imported, or that is unrecorded.
+
+    The message names the type; import the module that defines it (its
+    ``_pb2``), or pass the class as the abstract checkpointable.
+    """
+
+
+class MessageTypeMismatchError(cp.errors.CheckpointError, TypeError):
+    """The abstract checkpointable is not the message type that was saved."""
+
+
+class ProtoHandler:
+    """Saves protobuf messages as text format; loads them into their class.
+
+    The abstract checkpointable is the message class (``{"config": MyConfig}``),
+    an instance of it (only its type is used), the full type name, or ``None``
+    to use the type recorded at save time.
+    """
+
+    async def save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
+    ) -> Awaitable[None]:
+        """Renders the message now (messages are mutable), writes it in the background."""
+        text = _textproto.render(checkpointable)
+        primary = cp.multihost.is_primary_host()
+
+        async def write() -> None:
+            path = await directory.await_creation()
+            if primary:  # Every process holds the same message; one file is enough.
+                _textproto.write_durably(path / PROTO_FILE, text)
+
+        return write()
+
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
+        """Checks the type now; returns an awaitable that reads and parses the message."""
+        file = _data_file(directory)
+        recorded = _textproto.recorded_type_name(file)
+        message_class = _message_class_for(directory, recorded, abstract_checkpointable)
+
+        async def read() -> Any:
+            from google.protobuf import text_format
+
+            try:
+                return text_format.Parse(file.read_text(encoding="utf-8"), message_class())
+            except UnicodeDecodeError as e:
+                raise cp.errors.IntegrityError(
+                    f"{file} is not UTF-8 text ({e}); the checkpointable {directory.name!r} "
+                    f"is damaged."
+                ) from e
+            except text_format.ParseError as e:
+                if "not found in descriptor pool" in str(e):
+                    # A google.protobuf.Any holding a type the program has not imported.
+                    raise MessageTypeNotFoundError(
+                        f"{file} holds a google.protobuf.Any whose type is not imported here "
+                        f"({e}). Import the module that defines that type before loading."
+                    ) from e
+                raise cp.errors.IntegrityError(
+                    f"{file} is not a valid text-format {_types.type_name(message_class)} "
+                    f"({e}); the checkpointable {directory.name!r} is damaged."
+                ) from e
+
+        return read()
+
+    async def metadata(self, directory: epath.Path) -> type | str | None:
+        """The saved message type: its class if the program has imported it, else its
+        full name; ``None`` for files that do not record it (written by Orbax)."""
+        recorded = _textproto.recorded_type_name(_data_file(directory))
+        if recorded is None:
+            return None
+        return _types.find_message_class(recorded) or recorded
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        """True for protobuf message instances."""
+        return _types.is_message(checkpointable)
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
+        """True for message classes and instances; undecided for anything else."""
+        if _types.is_message_class(abstract_checkpointable) or _types.is_message(
+            abstract_checkpointable
+        ):
+            return True
+        return None
+
+    @staticmethod
+    def recognizes(directory: epath.Path) -> bool:
+        """Whether ``directory`` holds a ``proto.pbtxt`` (for checkpoints with no typestr)."""
+        return (directory / PROTO_FILE).is_file()
+
+    async def verify(self, directory: epath.Path) -> list[str]:
+        """Problems found in the stored message (empty when it is sound).
+
+        The message is parsed when the program has imported its type; otherwise
+        it can only be skimmed (tokens and braces), which catches truncation.
+        """
+        try:
+            file = _data_file(directory)
+            recorded = _textproto.recorded_type_name(file)
+            message_class = None if recorded is None else _types.find_message_class(recorded)
+            if message_class is not None:
+                await (await self.load(directory, message_class))
+                return []
+            problem = _textproto.skim(file.read_text(encoding="utf-8"))
+        except (cp.errors.CheckpointError, OSError, UnicodeDecodeError) as e:
+            return [str(e)]
+        return [] if problem is None else [f"{file} is damaged: {problem}."]
+
+
+def _data_file(directory: epath.Path) -> epath.Path:
+    file = directory / PROTO_FILE
+    if not file.is_file():
+        raise cp.errors.IntegrityError(
+            f"{directory} holds no {PROTO_FILE}: the proto checkpointable {directory.name!r} "
+            f"is missing its data. The checkpoint is damaged or was not written by a proto handler."
+        )
+    return file
+
+
+def _message_class_for(directory: epath.Path, recorded: str | None, abstract: Any) -> type:
+    """The class to parse into, from the abstract checkpointable and the recorded type."""
+    name = directory.name
+    if _types.is_message(abstract):
+        abstract = type(abstract)
+    if _types.is_message_class(abstract):
+        given = _types.type_name(abstract)
+        if recorded is not None and given != recorded:
+            raise MessageTypeMismatchError(
+                f"Checkpointable {name!r} holds a {recorded} message, but {given} was given to "
+                f"load it into. Pass {recorded} (or None to use the recorded type)."
+            )
+        return abstract
+    if abstract is not None and not isinstance(abstract, str):
+        raise MessageTypeMismatchError(
+            f"The abstract checkpointable for proto checkpointable {name!r} must be a message "
+            f"class, a message, its full type name or None; got {type(abstract).__qualname__}."
+        )
+    if isinstance(abstract, str) and recorded is not None and abstract != recorded:
+        raise MessageTypeMismatchError(
+            f"Checkpointable {name!r} holds a {recorded} message, not {abstract}."
+        )
+    wanted = abstract if isinstance(abstract, str) else recorded
+    if wanted is None:
+        raise MessageTypeNotFoundError(
+            f"{directory / PROTO_FILE} does not record its message type (it was written without "
+            f"a '# proto-message:' header, e.g. by Orbax). Pass the message class: "
+            f"load_checkpointables(path, {{{name!r}: MyMessage}})."
+        )
+    found = _types.find_message_class(wanted)
+    if found is None:
+        short = wanted.rsplit(".", 1)[-1]
+        raise MessageTypeNotFoundError(
+            f"Checkpointable {name!r} holds a {wanted} message, and no module defining {wanted} "
+            f"has been imported. Import the module that defines it (its _pb2 module) before "
+            f"loading, or pass the class: load_checkpointables(path, {{{name!r}: {short}}}). "
+            f"Checkpoints never import modules themselves."
+        )
+    return found
+
+
+@cp.hookimpl
+def register_checkpointable_handlers(register: Any) -> None:
+    """Registers the proto handler ahead of the JSON and pytree handlers (priority 30),
+    also reading what Orbax's proto handlers wrote."""
+    register(ProtoHandler, priority=30, name="proto", secondary_typestrs=_ORBAX_TYPESTRS)

@@ -1,0 +1,71 @@
+"""Where iterator states live in a checkpointable directory.
+
+Each process writes ``process_<i>-of-<n>.json`` (the names Grain's own
+checkpointing uses). The primary process also writes ``grain_iterator.json``,
+describing the save as a whole: which kind of iterator, how many processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from etils import epath
+
+__all__ = [
+    "INFO_FILE",
+    "FORMAT_VERSION",
+    "state_file_name",
+    "state_files",
+    "read_info",
+    "write_durably",
+]
+
+INFO_FILE = "grain_iterator.json"
+FORMAT_VERSION = 1
+_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def state_file_name(process_index: int, process_count: int) -> str:
+    """The state file of one process, e.g. ``process_0-of-2.json``."""
+    return f"process_{process_index}-of-{process_count}.json"
+
+
+def state_files(directory: epath.Path) -> dict[tuple[int, int], epath.Path]:
+    """Every state file in ``directory``, keyed by ``(process index, process count)``."""
+    found = {}
+    for entry in directory.iterdir():
+        match = _STATE_FILE.fullmatch(entry.name)
+        if match is not None:
+            found[(int(match.group(1)), int(match.group(2)))] = entry
+    return found
+
+
+def read_info(directory: epath.Path) -> dict[str, Any] | None:
+    """The contents of ``grain_iterator.json``, or ``None`` when there is none.
+
+    Checkpoints written by Grain's own handlers, or by Orbax, have none.
+
+    Raises:
+      ValueError: the file exists but is not a JSON object.
+    """
+    file = directory / INFO_FILE
+    if not file.is_file():
+        return None
+    try:
+        info = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from e
+    if not isinstance(info, dict) or not isinstance(info.get("process_count"), int):
+        raise ValueError(f"{file} is not a JSON object with an integer 'process_count'")
+    return info
+
+
+def write_durably(path: epath.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` and flushes it to disk before returning."""
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

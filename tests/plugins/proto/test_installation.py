@@ -1,0 +1,63 @@
+"""The proto plugin as installed: listed, lazy, and missed with a pip hint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import checkpointables as cp
+from checkpointables import cli
+from google.protobuf import duration_pb2
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_listed_by_the_plugins_command(capsys) -> None:
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "proto  (checkpointables-proto 0.1.0)  [loaded]  checkpointables_proto" in out
+    assert "handler proto: priority 30  checkpointables_proto.ProtoHandler" in out
+
+
+def test_missing_plugin_names_the_distribution_to_install(tmp_path) -> None:
+    cp.save_checkpointables(tmp_path / "c", {"config": duration_pb2.Duration(seconds=1)})
+    result = _run(
+        f"""
+        import checkpointables as cp
+        try:
+            cp.load_checkpointables({str(tmp_path / "c")!r})
+        except cp.errors.MissingHandlerError as e:
+            print("MISSING", e)
+        """,
+        CHECKPOINTABLES_DISABLE_PLUGINS="proto",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MISSING" in result.stdout
+    assert "checkpointables_proto.ProtoHandler" in result.stdout
+    assert "pip install checkpointables-proto" in result.stdout
+
+
+def test_programs_without_protobuf_never_import_it(tmp_path) -> None:
+    result = _run(
+        f"""
+        import sys
+        import checkpointables as cp
+        cp.save_checkpointables({str(tmp_path / "c")!r}, {{"x": {{"a": 1}}}})
+        assert cp.load_checkpointables({str(tmp_path / "c")!r}) == {{"x": {{"a": 1}}}}
+        assert "proto" in [p.name for p in cp.plugins.list_plugins() if p.status == "loaded"]
+        print("PROTOBUF", sorted(m for m in sys.modules if m.startswith("google.protobuf")))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "PROTOBUF []" in result.stdout
