@@ -21,6 +21,7 @@ from checkpointables import (
     path,
     plugins,
     serialization,
+    training,
 )
 from checkpointables._asyncio import AsyncResponse
 from checkpointables._loading import (
@@ -92,4 +93,5 @@ __all__ = [
     "path",
     "plugins",
     "serialization",
+    "training",
 ]

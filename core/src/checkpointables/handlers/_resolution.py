@@ -41,6 +41,17 @@ def _describe(registrations: Sequence[HandlerRegistration]) -> str:
     return ", ".join(f"{r.name} ({r.typestr})" for r in registrations) or "none registered"
 
 
+def _reason(instance: Any, checkpointable: Any) -> str:
+    """Why a handler rejects an object: its optional ``unhandleable_reason(obj)``, or ``""``."""
+    explain = getattr(instance, "unhandleable_reason", None)
+    if explain is None:
+        return ""
+    try:
+        return explain(checkpointable) or ""
+    except Exception:  # An explanation must never hide the real error.
+        return ""
+
+
 def resolve_for_save(
     registrations: Sequence[HandlerRegistration],
     checkpointable: Any,
@@ -64,24 +75,30 @@ def resolve_for_save(
     if forced is not None:
         instance = forced()
         if not instance.is_handleable(checkpointable):
+            why = _reason(instance, checkpointable)
             raise errors.NoHandlerForObjectError(
                 f"The handler forced for checkpointable {name!r} "
                 f"({forced.__module__}.{forced.__qualname__}) cannot save an object of type "
-                f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}. "
+                f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
+                f"{f' ({why})' if why else ''}. "
                 f"Remove it from CheckpointablesOptions or pass an object it accepts."
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
         return match, instance
     scoped = [r for r in registrations if r.checkpointable_name == name]
     generic = [r for r in registrations if r.checkpointable_name is None]
+    reasons = ""
     for r in scoped + generic:
         instance = r.handler_cls()
         if instance.is_handleable(checkpointable):
             return r, instance
+        why = _reason(instance, checkpointable)
+        if why:
+            reasons += f" {r.name}: {why}."
     raise errors.NoHandlerForObjectError(
         f"No handler can save checkpointable {name!r} of type "
         f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}. "
-        f"Handlers tried, in order: {_describe(scoped + generic)}. Give the object "
+        f"Handlers tried, in order: {_describe(scoped + generic)}.{reasons} Give the object "
         f"save/load methods (cp.StatefulCheckpointable), register a handler for it with "
         f"cp.handlers.register_handler, or install the plugin that handles it."
     )

@@ -23,7 +23,7 @@ A policy of your own returns one bool per step::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -214,6 +214,10 @@ class BestN:
         ]
 
 
+def _policy_tuple(policies: Iterable[PreservationPolicy]) -> tuple[PreservationPolicy, ...]:
+    return tuple(policies)
+
+
 @attrs.frozen
 class AnyPreservationPolicy:
     """Keeps a step when any of ``policies`` keeps it.
@@ -222,7 +226,7 @@ class AnyPreservationPolicy:
       policies: the policies to combine.
     """
 
-    policies: tuple[PreservationPolicy, ...] = attrs.field(converter=tuple)
+    policies: tuple[PreservationPolicy, ...] = attrs.field(converter=_policy_tuple)
 
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:

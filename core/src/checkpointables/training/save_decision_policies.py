@@ -165,6 +165,10 @@ class InitialSavePolicy:
         return not previous_steps and not context.is_saving_in_progress
 
 
+def _policy_tuple(policies: Iterable[SaveDecisionPolicy]) -> tuple[SaveDecisionPolicy, ...]:
+    return tuple(policies)
+
+
 @attrs.frozen
 class AnySavePolicy:
     """Saves when any of ``policies`` says so.
@@ -173,7 +177,7 @@ class AnySavePolicy:
       policies: the policies to ask, in order (the first True wins).
     """
 
-    policies: tuple[SaveDecisionPolicy, ...] = attrs.field(converter=tuple)
+    policies: tuple[SaveDecisionPolicy, ...] = attrs.field(converter=_policy_tuple)
 
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:

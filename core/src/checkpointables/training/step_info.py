@@ -16,6 +16,10 @@ def _frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+def _to_path(value: epath.PathLike) -> epath.Path:
+    return epath.Path(value)
+
+
 @attrs.frozen
 class StepInfo:
     """A committed checkpoint of a training run, as ``Checkpointer.steps()`` lists it.
@@ -33,7 +37,7 @@ class StepInfo:
     """
 
     step: int
-    path: epath.Path = attrs.field(converter=epath.Path)
+    path: epath.Path = attrs.field(converter=_to_path)
     metrics: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict, eq=False)
     commit_timestamp_nsecs: int | None = None
 
@@ -42,9 +46,7 @@ class StepInfo:
         """The commit time as an aware UTC datetime, or ``None``."""
         if self.commit_timestamp_nsecs is None:
             return None
-        return datetime.datetime.fromtimestamp(
-            self.commit_timestamp_nsecs / 1e9, tz=datetime.timezone.utc
-        )
+        return datetime.datetime.fromtimestamp(self.commit_timestamp_nsecs / 1e9, tz=datetime.UTC)
 
 
 @attrs.frozen
@@ -57,5 +59,5 @@ class RootMetadata:
         by the run that first wrote the root (``{}`` if none).
     """
 
-    directory: epath.Path = attrs.field(converter=epath.Path)
+    directory: epath.Path = attrs.field(converter=_to_path)
     custom_metadata: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
