@@ -247,3 +247,27 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_overwrite_swaps_atomically_and_leaves_no_debris(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    for version in range(3):
+        cp.save_checkpointables(path, {"extra": {"v": version}}, overwrite=True)
+        assert cp.load_checkpointables(path) == {"extra": {"v": version}}
+        assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_load_pytree_async_callbacks_fire(tmp_path) -> None:
+    import numpy as np
+
+    cp.save_pytree(tmp_path / "c", {"a": np.arange(3)})
+    response = cp.load_pytree_async(tmp_path / "c")
+    seen = []
+    response.add_done_callback(lambda r: seen.append(r.result()["a"].tolist()))
+    response.result()
+    import time
+
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [[0, 1, 2]]

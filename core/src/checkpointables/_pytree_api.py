@@ -160,6 +160,9 @@ class _Unwrapped(AsyncResponse[Any]):
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._inner.exception(timeout)
 
+    def add_done_callback(self, callback: Any) -> None:
+        self._inner.add_done_callback(lambda _: callback(self))
+
 
 def load_pytree(
     path: epath.PathLike,

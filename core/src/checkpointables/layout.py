@@ -9,9 +9,12 @@ checkpoint and never touches an existing one.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -174,12 +177,35 @@ def remove_tree(path: epath.Path) -> None:
     shutil.rmtree(os.fspath(path), ignore_errors=True)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swaps two paths (Linux ``renameat2``); False where unsupported."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    result = renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # The file system cannot swap: fall back to two renames.
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
 def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
     """Atomically publishes ``tmp`` as ``final``.
 
-    With ``overwrite``, an existing ``final`` is first renamed aside (so that a
-    crash between the two renames leaves it whole under a ``.checkpointables-old-``
-    name), then deleted once the new checkpoint is in place.
+    With ``overwrite``, the new and old directories are swapped in one atomic
+    step where the file system allows it (the old one then sits at ``tmp``'s
+    temporary name and is deleted). Elsewhere the old one is first renamed
+    aside under a ``.checkpointables-old-`` name, so that a crash between the
+    two renames leaves it whole and recognizable.
     """
     aside: epath.Path | None = None
     if final.exists():
@@ -188,6 +214,10 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
                 f"{final} appeared while the save was running; the new checkpoint is kept at "
                 f"{tmp}. Pass overwrite=True to replace it."
             )
+        if _exchange(os.fspath(tmp), os.fspath(final)):
+            _fsync(os.fspath(final.parent), directory=True)
+            remove_tree(tmp)
+            return
         aside = temporary_path_for(final, OLD_INFIX)
         os.rename(os.fspath(final), os.fspath(aside))
     os.rename(os.fspath(tmp), os.fspath(final))
