@@ -1,0 +1,45 @@
+"""checkpointables plugin: pytrees of arrays, scalars and strings, in Orbax's format.
+
+Installed with ``pip install checkpointables`` and found through the entry
+point ``pytree`` (module ``checkpointables_pytree.plugin``); use it through
+``cp.save_pytree`` / ``cp.load_pytree``::
+
+    import checkpointables as cp
+
+    cp.save_pytree(path, {"params": params, "step": 10})
+    state = cp.load_pytree(path)                                  # as saved, on any machine
+    state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
+
+The classes here are for plugin authors and for ``isinstance`` checks on
+what ``cp.pytree_metadata`` returns.
+"""
+
+from __future__ import annotations
+
+from checkpointables_pytree._handler import PyTreeHandler
+from checkpointables_pytree._leaf_handlers import (
+    ArrayLeafHandler,
+    BytesLeafHandler,
+    NumpyLeafHandler,
+    ScalarLeafHandler,
+    StringLeafHandler,
+    choose_inner_chunk_shape,
+)
+from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+
+__all__ = [
+    # The checkpointable handler.
+    "PyTreeHandler",
+    # Leaf handlers.
+    "ArrayLeafHandler",
+    "NumpyLeafHandler",
+    "ScalarLeafHandler",
+    "StringLeafHandler",
+    "BytesLeafHandler",
+    # What cp.pytree_metadata returns for array leaves.
+    "ArrayMetadata",
+    "NumpyMetadata",
+    "StorageMetadata",
+    # Storage helpers.
+    "choose_inner_chunk_shape",
+]

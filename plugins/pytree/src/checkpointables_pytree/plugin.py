@@ -1,0 +1,52 @@
+"""The pytree plugin's hook implementations (entry point ``pytree`` in group ``checkpointables``).
+
+It registers ``PyTreeHandler`` under the name ``pytree`` at priority 90, after
+the JSON handler (60), so plain JSON-like objects stay human-readable and
+everything holding arrays comes here, and the standard leaf handlers. Orbax's
+typestrs are secondary typestrs, so Orbax checkpoints load too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import checkpointables as cp
+from checkpointables.serialization import AbstractArray, AbstractShardedArray
+from checkpointables_pytree._handler import ORBAX_TYPESTRS, PyTreeHandler
+from checkpointables_pytree._leaf_handlers import (
+    BYTES,
+    JAX_ARRAY,
+    NUMPY_ARRAY,
+    SCALAR,
+    STRING,
+    ArrayLeafHandler,
+    BytesLeafHandler,
+    NumpyLeafHandler,
+    ScalarLeafHandler,
+    StringLeafHandler,
+)
+
+PRIORITY = 90
+
+
+@cp.hookimpl
+def register_checkpointable_handlers(register: Any) -> None:
+    """Registers ``PyTreeHandler`` as ``pytree`` (priority 90), reading Orbax's pytree typestrs too."""
+    register(PyTreeHandler, priority=PRIORITY, name="pytree", secondary_typestrs=ORBAX_TYPESTRS)
+
+
+@cp.hookimpl
+def register_leaf_handlers(register: Any) -> None:
+    """Registers the leaf handlers of ``jax.Array``, ``np.ndarray``, scalars, ``str`` and ``bytes``."""
+    register(jax.Array, AbstractShardedArray, ArrayLeafHandler, secondary_typestrs=(JAX_ARRAY,))
+    register(np.ndarray, AbstractArray, NumpyLeafHandler, secondary_typestrs=(NUMPY_ARRAY,))
+    # Scalars: each type is its own abstract type (0.0 loads a float, np.float32(0) a
+    # np.float32). np.generic covers NumPy and ml_dtypes scalars; np.str_ and np.bytes_ are
+    # also str and bytes, which come first in their MRO.
+    for scalar_type in (int, float, bool, complex, np.generic):
+        register(scalar_type, scalar_type, ScalarLeafHandler, secondary_typestrs=(SCALAR,))
+    register(str, str, StringLeafHandler, secondary_typestrs=(STRING,))
+    register(bytes, bytes, BytesLeafHandler, secondary_typestrs=(BYTES,))

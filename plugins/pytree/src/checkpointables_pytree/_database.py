@@ -1,0 +1,602 @@
+"""Array I/O for one pytree directory: a TensorStore OCDBT database of zarr3 arrays.
+
+Opening a zarr3 driver costs about 150 us of Python per array, which dominates
+trees of many small arrays. So arrays are split by size:
+
+* small arrays (up to ``SMALL_ARRAY_BYTES``) are encoded here into the exact
+  zarr3 keys the driver would write (``<name>/zarr.json`` and one shard per
+  chunk, see ``_zarr3``) and written through one OCDBT kvstore in a few large
+  transactions; their checksums are computed in one batch;
+* large arrays go through TensorStore's zarr3 driver, a few at a time (at most
+  ``IN_FLIGHT_BYTES`` being encoded or decoded at once, to bound memory), with
+  their ``zarr.json`` batched with the small arrays' keys.
+
+Everything of one save or load shares one ``ts.Context``, so every handle on
+the database shares its caches and its writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+import checkpointables as cp
+from checkpointables_pytree import _crc32c, _errors, _gc, _zarr3
+
+__all__ = [
+    "SMALL_ARRAY_BYTES",
+    "ArrayWrite",
+    "ArrayWriter",
+    "ArrayRead",
+    "ArrayReader",
+    "StoredArray",
+    "make_context",
+    "kvstore_spec",
+    "database_directory",
+]
+
+SMALL_ARRAY_BYTES = 1 << 20
+# Small arrays per transaction: bounds the memory a batch of encoded keys takes.
+SMALL_BATCH_BYTES = 64 << 20
+# Large arrays being encoded/decoded at once: bounds the extra memory of a save or load.
+IN_FLIGHT_BYTES = 128 << 20
+OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
+
+
+def make_context() -> ts.Context:
+    """A TensorStore context for one save or load."""
+    return ts.Context(
+        {
+            "file_io_concurrency": {"limit": 128},
+            # Files are flushed once, by the commit that fsyncs the whole checkpoint.
+            "file_io_sync": False,
+            # Array chunks are read once: caching them would only double memory.
+            "cache_pool": {"total_bytes_limit": 0},
+            # B-tree nodes are read by every key lookup: cache them.
+            "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        }
+    )
+
+
+def _base(directory: epath.PathLike) -> Any:
+    text = os.fspath(directory)
+    if "://" in text:
+        return text  # gs://..., s3://...: TensorStore parses the URL.
+    return {"driver": "file", "path": text}
+
+
+def kvstore_spec(database: epath.PathLike, *, path: str | None = None, create: bool = False) -> dict[str, Any]:
+    """The spec of the OCDBT kvstore rooted at ``database`` (optionally at ``path`` in it)."""
+    spec: dict[str, Any] = {"driver": "ocdbt", "base": _base(database), "cache_pool": "cache_pool#ocdbt"}
+    if create:
+        spec["config"] = dict(OCDBT_CONFIG)
+    if path is not None:
+        spec["path"] = path
+    return spec
+
+
+def database_directory(pytree_directory: epath.Path) -> epath.Path:
+    """Where this process writes arrays.
+
+    One process writes straight into the pytree directory's database. In a
+    multi-process save each process writes its own ``ocdbt.process_<i>``
+    database, which the primary host merges into the root at commit (as
+    Orbax does), so that no two processes ever write one manifest.
+    """
+    if cp.multihost.process_count() == 1:
+        return pytree_directory
+    return pytree_directory / f"ocdbt.process_{cp.multihost.process_index()}"
+
+
+class ByteLimiter:
+    """Lets tasks hold up to ``limit`` bytes at once (a task larger than that runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._condition: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        """Waits until ``nbytes`` fit, holds them for the ``async with`` body."""
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        condition = self._condition
+        nbytes = min(max(nbytes, 1), self._limit)
+        async with condition:
+            await condition.wait_for(lambda: self._used + nbytes <= self._limit)
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            async with condition:
+                self._used -= nbytes
+                condition.notify_all()
+
+
+async def _settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Lets the other tasks finish after one failed.
+
+    Cancelling a task that awaits a TensorStore future leaves the future's
+    callback pointing at this event loop, which may be closed by the time
+    the I/O ends; waiting for them is safe, and bounded by their I/O.
+    """
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- Writing -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ArrayWrite:
+    """One array to write: its layout and the chunks this process owns.
+
+    ``chunks`` maps a chunk index to that chunk's data (edge chunks may be
+    smaller than ``layout.chunk_shape``).
+    """
+
+    what: str
+    layout: _zarr3.ZarrLayout
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    inner_chunk_shape: tuple[int, ...] | None = None
+    compression: bool = False
+    write_metadata: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data this process writes for the array."""
+        return sum(int(data.nbytes) for _, data in self.chunks)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the array is small and plain enough to be encoded here."""
+        layout = self.layout
+        return (
+            not self.compression
+            and self.inner_chunk_shape in (None, layout.chunk_shape)
+            and _zarr3.is_direct_dtype(layout.dtype)
+            and self.nbytes <= SMALL_ARRAY_BYTES
+            and layout.chunk_nbytes <= SMALL_ARRAY_BYTES
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        """The zarr3 metadata of the array."""
+        layout = self.layout
+        return _zarr3.metadata_dict(
+            layout.shape,
+            layout.dtype,
+            layout.chunk_shape,
+            self.inner_chunk_shape,
+            compression=self.compression,
+        )
+
+    def zarr_json(self) -> bytes:
+        """The bytes of the array's ``zarr.json``."""
+        layout = self.layout
+        if self.inner_chunk_shape in (None, layout.chunk_shape) and not self.compression:
+            return _zarr3.zarr_json(layout.shape, layout.dtype, layout.chunk_shape)
+        import json
+
+        return json.dumps(self.metadata(), separators=(",", ":"), sort_keys=True).encode()
+
+
+def _full_chunk(data: np.ndarray, layout: _zarr3.ZarrLayout) -> np.ndarray:
+    """``data`` as a C-contiguous full chunk (edge chunks are padded with zeros)."""
+    if data.shape != layout.chunk_shape:
+        full = np.zeros(layout.chunk_shape, dtype=layout.dtype)
+        full[tuple(slice(0, s) for s in data.shape)] = data
+        return full
+    return np.ascontiguousarray(data, dtype=layout.dtype)
+
+
+def chunk_crc32(data: np.ndarray, layout: _zarr3.ZarrLayout) -> int:
+    """The zlib CRC-32 of a chunk as stored (edge chunks padded)."""
+    return zlib.crc32(_full_chunk(data, layout).reshape(-1).view(np.uint8))
+
+
+class ArrayWriter:
+    """Collects the arrays of one save, then writes them all (``run``)."""
+
+    def __init__(self, directory: cp.path.PathAwaitingCreation) -> None:
+        self._directory = directory
+        self._items: list[ArrayWrite] = []
+
+    def add(self, item: ArrayWrite) -> None:
+        """Schedules ``item``; nothing is written before ``run``."""
+        self._items.append(item)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no array was added."""
+        return not self._items
+
+    async def run(self) -> None:
+        """Writes every array added; returns once all are committed to the database."""
+        if not self._items:
+            return
+        root = await self._directory.await_creation()
+        database = database_directory(root)
+        context = make_context()
+        kvstore = await ts.KvStore.open(kvstore_spec(database, create=True), context=context)
+        large = [i for i in self._items if not i.direct]
+        small = [i for i in self._items if i.direct]
+        limiter = ByteLimiter(IN_FLIGHT_BYTES)
+        # Large arrays are encoded by TensorStore's threads while this thread
+        # encodes the small ones.
+        large_tasks = [
+            asyncio.ensure_future(self._write_large(item, database, context, limiter)) for item in large
+        ]
+        try:
+            metadata_only = [i for i in large if i.write_metadata]
+            for batch in _batches(small, SMALL_BATCH_BYTES):
+                await self._write_small(kvstore, batch, metadata_only)
+                metadata_only = []
+            if metadata_only:
+                await self._write_small(kvstore, [], metadata_only)
+            if large_tasks:
+                await asyncio.gather(*large_tasks)
+        except BaseException:
+            await _settle(large_tasks)
+            raise
+
+    async def _write_small(
+        self, kvstore: ts.KvStore, items: Sequence[ArrayWrite], metadata_only: Sequence[ArrayWrite]
+    ) -> None:
+        with _gc.paused():
+            transaction = self._stage_small(kvstore, items, metadata_only)
+        await transaction.commit_async()
+
+    def _stage_small(
+        self, kvstore: ts.KvStore, items: Sequence[ArrayWrite], metadata_only: Sequence[ArrayWrite]
+    ) -> ts.Transaction:
+        keys: list[str] = []
+        chunks: list[np.ndarray] = []
+        for item in items:
+            layout = item.layout
+            for index, data in item.chunks:
+                keys.append(_zarr3.chunk_key(layout.name, index))
+                chunks.append(_full_chunk(data, layout).reshape(-1).view(np.uint8))
+        checksums = _crc32c.crc32c_many(chunks).tolist()
+        transaction = ts.Transaction()
+        write = kvstore.with_transaction(transaction).write
+        for item in (*items, *metadata_only):
+            if item.write_metadata:
+                write(item.layout.name + "/zarr.json", item.zarr_json())
+        for key, chunk, checksum in zip(keys, chunks, checksums, strict=True):
+            write(key, _zarr3.encode_shard(memoryview(chunk), checksum))
+        del chunks
+        return transaction
+
+    async def _write_large(
+        self, item: ArrayWrite, database: epath.Path, context: ts.Context, limiter: ByteLimiter
+    ) -> None:
+        layout = item.layout
+        async with limiter.hold(item.nbytes):
+            store = await ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": kvstore_spec(database, path=layout.name + "/"),
+                    "metadata": item.metadata(),
+                    # zarr.json is written with the small arrays' batch.
+                    "assume_metadata": True,
+                    "store_data_equal_to_fill_value": True,
+                },
+                context=context,
+            )
+            futures = [
+                store[layout.region(index)].write(data, can_reference_source_data_indefinitely=True)
+                for index, data in item.chunks
+            ]
+            for future in futures:
+                await future
+
+
+def _batches(items: Sequence[ArrayWrite], budget: int) -> list[list[ArrayWrite]]:
+    batches: list[list[ArrayWrite]] = [[]]
+    used = 0
+    for item in items:
+        if batches[-1] and used + item.nbytes > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(item)
+        used += item.nbytes
+    return [b for b in batches if b]
+
+
+async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
+    """The values of many keys (``b""`` for a missing key), read in one TensorStore batch.
+
+    Awaiting each future from the event loop would cost a thread wake-up per
+    key; one worker thread collects them all instead.
+    """
+    with ts.Batch() as batch:
+        futures = [kvstore.read(key, batch=batch) for key in keys]
+    return await asyncio.to_thread(lambda: [f.result().value for f in futures])
+
+
+# -- Reading -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredArray:
+    """What ``_METADATA`` recorded about an array this library wrote.
+
+    ``direct`` means: uncompressed, one inner chunk per shard, so its keys can
+    be read and checked without the zarr3 driver. ``crc32`` holds each chunk's
+    zlib CRC-32 (C speed to check), when the writer recorded them.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    direct: bool
+    crc32: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole array."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @functools.cached_property
+    def chunk_indices(self) -> list[tuple[int, ...]]:
+        """Every chunk index, in C order."""
+        return _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
+
+
+Region = tuple[slice, ...]
+
+
+@dataclasses.dataclass
+class ArrayRead:
+    """One array to read.
+
+    Attributes:
+      label: names the leaf in errors: a string, or an object with a ``keystr``
+        (computed only when an error needs it).
+      name: the array's name in the database.
+      stored: its recorded layout, or ``None`` (then the driver reads its ``zarr.json``).
+      target_shape: the shape the caller wants (``None``: as stored). A
+        different shape raises, unless ``allow_resize`` (zero padding or truncation).
+      regions: the parts of the target to return (``None``: all of it).
+      convert: turns the list of region arrays into the leaf, right after
+        reading, so that at most a few arrays are held twice at once.
+    """
+
+    label: Any
+    name: str
+    stored: StoredArray | None
+    convert: Callable[[list[np.ndarray]], Any]
+    target_shape: tuple[int, ...] | None = None
+    regions: list[Region] | None = None
+    allow_resize: bool = False
+    result: Any = None
+
+    @property
+    def what(self) -> str:
+        """How errors name the leaf (``label`` is a string, or has a ``keystr``)."""
+        return self.label if isinstance(self.label, str) else self.label.keystr
+
+    @property
+    def direct(self) -> bool:
+        """Whether its keys are read and checked here, in a batch."""
+        stored = self.stored
+        return stored is not None and stored.direct and stored.nbytes <= SMALL_ARRAY_BYTES
+
+
+def _check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+    target = read.target_shape if read.target_shape is not None else stored_shape
+    if tuple(target) != tuple(stored_shape):
+        if len(target) != len(stored_shape) or not read.allow_resize:
+            raise cp.errors.TreeMismatchError(
+                f"{read.what}: the abstract tree asks for shape {tuple(target)}, but the checkpoint "
+                f"stores shape {tuple(stored_shape)}. Pass the stored shape, or allow zero padding and "
+                f"truncation with cp.options.ArrayOptions(enable_padding_and_truncation=True)."
+            )
+    return tuple(target)
+
+
+def _intersect(region: Region, shape: tuple[int, ...]) -> tuple[Region, Region] | None:
+    """The part of ``region`` inside ``shape``: (source slices, destination slices)."""
+    source, destination = [], []
+    for r, size in zip(region, shape, strict=True):
+        start, stop = r.start or 0, r.stop
+        hi = min(stop, size)
+        if hi <= start:
+            return None
+        source.append(slice(start, hi))
+        destination.append(slice(0, hi - start))
+    return tuple(source), tuple(destination)
+
+
+def _regions(read: ArrayRead, target: tuple[int, ...]) -> list[Region]:
+    if read.regions is not None:
+        return read.regions
+    return [tuple(slice(0, s) for s in target)]
+
+
+def _region_shape(region: Region) -> tuple[int, ...]:
+    return tuple((r.stop or 0) - (r.start or 0) for r in region)
+
+
+def _cut(full: np.ndarray, region: Region, stored_shape: tuple[int, ...]) -> np.ndarray:
+    """Region of the target, taken from the whole stored array (zero-padded beyond it)."""
+    if all(r.start in (0, None) and r.stop == s for r, s in zip(region, stored_shape, strict=True)):
+        return full
+    out = np.zeros(_region_shape(region), dtype=full.dtype)
+    parts = _intersect(region, stored_shape)
+    if parts is not None:
+        source, destination = parts
+        out[destination] = full[source]
+    return out
+
+
+class ArrayReader:
+    """Collects the arrays of one load, then reads them all (``run``)."""
+
+    def __init__(self, directory: epath.Path, *, ocdbt: bool = True, zarr3: bool = True) -> None:
+        self._directory = directory
+        self._ocdbt = ocdbt
+        self._zarr3 = zarr3
+        self._reads: list[ArrayRead] = []
+
+    def array_spec(self, name: str) -> dict[str, Any]:
+        if self._ocdbt:
+            kvstore: Any = kvstore_spec(self._directory, path=name + "/")
+        else:  # Orbax's use_ocdbt=False layout: one directory per array.
+            kvstore = _base(self._directory / name)
+            if isinstance(kvstore, dict):
+                kvstore["path"] += "/"
+        return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
+
+    def add(self, read: ArrayRead) -> None:
+        """Schedules ``read``; ``read.result`` is set by ``run``.
+
+        Raises:
+          cp.errors.TreeMismatchError: the recorded shape differs from the target's.
+        """
+        if read.stored is not None:
+            _check_shape(read, read.stored.shape)  # Fail before any read, when possible.
+        self._reads.append(read)
+
+    async def run(self) -> None:
+        """Reads every scheduled array and converts it."""
+        if not self._reads:
+            return
+        context = make_context()
+        direct = [r for r in self._reads if r.direct]
+        others = [r for r in self._reads if not r.direct]
+        limiter = ByteLimiter(IN_FLIGHT_BYTES)
+        tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
+        try:
+            if direct:
+                kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+                for batch in _read_batches(direct, SMALL_BATCH_BYTES):
+                    await self._read_direct(kvstore, batch)
+            if tasks:
+                await asyncio.gather(*tasks)
+        except BaseException:
+            await _settle(tasks)
+            raise
+
+    async def _read_direct(self, kvstore: ts.KvStore, reads: Sequence[ArrayRead]) -> None:
+        keys: list[str] = []
+        for read in reads:
+            name = read.name
+            keys.extend(_zarr3.chunk_key(name, i) for i in read.stored.chunk_indices)  # type: ignore[union-attr]
+        try:
+            values = await read_values(kvstore, keys)
+        except Exception as e:  # An OCDBT node that fails to decode.
+            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        with _gc.paused():
+            self._decode(reads, values)
+
+    def _decode(self, reads: Sequence[ArrayRead], values: list[bytes]) -> None:
+        # Decode every shard; check recorded zlib CRC-32s at once, the others in one CRC-32C batch.
+        position = 0
+        decoded: list[list[memoryview]] = []
+        unchecked: list[tuple[ArrayRead, memoryview, int]] = []
+        for read in reads:
+            stored = read.stored
+            assert stored is not None
+            indices = stored.chunk_indices
+            nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
+            trailer = _zarr3.shard_trailer(nbytes)
+            views = []
+            for n, index in enumerate(indices):
+                value = values[position + n]
+                if len(value) != nbytes + 24 or value[nbytes + 4 :] != trailer:
+                    problem = "is missing" if not value else "does not have the layout that was written"
+                    raise _errors.integrity_error(read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}")
+                data = memoryview(value)[:nbytes]
+                if stored.crc32 is not None:
+                    if zlib.crc32(data) != stored.crc32[n]:
+                        raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
+                else:
+                    unchecked.append((read, data, int.from_bytes(value[nbytes : nbytes + 4], "little")))
+                views.append(data)
+            position += len(indices)
+            decoded.append(views)
+        if unchecked:
+            computed = _crc32c.crc32c_many([data for _, data, _ in unchecked])
+            stored_sums = np.fromiter((c for _, _, c in unchecked), np.uint32, len(unchecked))
+            bad = np.flatnonzero(computed != stored_sums)
+            if bad.size:
+                names = sorted({unchecked[i][0].what for i in bad.tolist()})
+                raise _errors.integrity_error(", ".join(names), "a chunk's CRC-32C checksum does not match its data")
+        for read, views in zip(reads, decoded, strict=True):
+            stored = read.stored
+            assert stored is not None
+            full = _assemble(read.name, stored, views)
+            if read.regions is None and read.target_shape in (None, stored.shape):
+                read.result = read.convert([full])
+            else:
+                target = _check_shape(read, stored.shape)
+                read.result = read.convert([_cut(full, r, stored.shape) for r in _regions(read, target)])
+
+    async def _read_with_driver(self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter) -> None:
+        spec = self.array_spec(read.name)
+        spec["fill_missing_data_reads"] = False  # A missing chunk is damage, not zeros.
+        try:
+            store = await ts.open(spec, context=context, open=True)
+        except Exception as e:
+            raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+        stored_shape = tuple(int(s) for s in store.shape)
+        target = _check_shape(read, stored_shape)
+        regions = _regions(read, target)
+        nbytes = sum(math.prod(_region_shape(r)) for r in regions) * store.dtype.numpy_dtype.itemsize
+        async with limiter.hold(nbytes):
+            pieces = []
+            for region in regions:
+                parts = _intersect(region, stored_shape) if region else ((), ())
+                if parts is None:
+                    pieces.append(np.zeros(_region_shape(region), dtype=store.dtype.numpy_dtype))
+                    continue
+                source, destination = parts
+                try:
+                    data = await store[source].read() if source else await store.read()
+                except Exception as e:
+                    raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+                if data.shape != _region_shape(region):
+                    padded = np.zeros(_region_shape(region), dtype=data.dtype)
+                    padded[destination] = data
+                    data = padded
+                pieces.append(data)
+            read.result = read.convert(pieces)
+
+
+def _assemble(name: str, stored: StoredArray, views: list[memoryview]) -> np.ndarray:
+    """The whole array from its decoded chunks (a fresh, writable array)."""
+    if len(views) == 1 and stored.chunk_shape == stored.shape:
+        return np.frombuffer(views[0], dtype=stored.dtype).reshape(stored.shape).copy()
+    layout = _zarr3.ZarrLayout(name, stored.shape, stored.dtype, stored.chunk_shape)
+    full = np.empty(layout.shape, dtype=layout.dtype)
+    for index, view in zip(stored.chunk_indices, views, strict=True):
+        chunk = np.frombuffer(view, dtype=layout.dtype).reshape(layout.chunk_shape)
+        region = layout.region(index)
+        full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+    return full
+
+
+def _read_batches(reads: Sequence[ArrayRead], budget: int) -> list[list[ArrayRead]]:
+    batches: list[list[ArrayRead]] = [[]]
+    used = 0
+    for read in reads:
+        assert read.stored is not None
+        size = read.stored.nbytes
+        if batches[-1] and used + size > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(read)
+        used += size
+    return [b for b in batches if b]

@@ -1,0 +1,136 @@
+"""What ``cp.pytree_metadata`` returns for array leaves.
+
+Each class is a valid abstract leaf: ``ArrayMetadata`` has ``shape``, ``dtype``
+and ``sharding`` (an ``AbstractShardedArray``, restoring a ``jax.Array``),
+``NumpyMetadata`` has ``shape`` and ``dtype`` (an ``AbstractArray``, restoring
+NumPy). So ``cp.load_pytree(path, cp.pytree_metadata(path).metadata)`` loads
+the tree as saved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from checkpointables_pytree import _sharding
+
+__all__ = ["StorageMetadata", "ArrayMetadata", "NumpyMetadata"]
+
+
+class StorageMetadata:
+    """How an array is chunked on disk.
+
+    Attributes:
+      chunk_shape: the shape of each stored shard (one per written shard).
+      write_shape: the shard shape the saving process wrote (``jax.Array`` only).
+    """
+
+    __slots__ = ("chunk_shape", "write_shape")
+
+    def __init__(self, chunk_shape: tuple[int, ...] | None, write_shape: tuple[int, ...] | None = None) -> None:
+        self.chunk_shape = chunk_shape
+        self.write_shape = write_shape
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StorageMetadata)
+            and self.chunk_shape == other.chunk_shape
+            and self.write_shape == other.write_shape
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.chunk_shape, self.write_shape))
+
+    def __repr__(self) -> str:
+        return f"StorageMetadata(chunk_shape={self.chunk_shape}, write_shape={self.write_shape})"
+
+
+class _ArrayLike:
+    __slots__ = ("dtype", "shape", "storage")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, storage: StorageMetadata | None = None) -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.storage = storage
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array in memory."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+
+class ArrayMetadata(_ArrayLike):
+    """A stored ``jax.Array``: shape, dtype and the sharding it was saved with.
+
+    ``sharding`` is that sharding rebuilt on this process's devices, or
+    ``None`` when they differ (then loading places the array on the default
+    device). ``sharding_metadata`` is the raw record.
+    """
+
+    __slots__ = ("_sharding", "sharding_metadata")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any,
+        sharding_metadata: Mapping[str, Any] | None = None,
+        storage: StorageMetadata | None = None,
+    ) -> None:
+        super().__init__(shape, dtype, storage)
+        self.sharding_metadata = dict(sharding_metadata) if sharding_metadata else None
+        self._sharding: Any = ...
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding | None:
+        """The saved sharding on this process's devices, or ``None`` if they differ."""
+        if self._sharding is ...:
+            self._sharding = _sharding.rebuild(self.sharding_metadata)
+        return self._sharding
+
+    def to_shape_dtype_struct(self) -> jax.ShapeDtypeStruct:
+        """A ``jax.ShapeDtypeStruct`` with the same shape, dtype and (if available) sharding."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ArrayMetadata)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.sharding_metadata == other.sharding_metadata
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        kind = (self.sharding_metadata or {}).get("sharding_type")
+        return f"ArrayMetadata(shape={self.shape}, dtype={self.dtype}, sharding={kind})"
+
+
+class NumpyMetadata(_ArrayLike):
+    """A stored ``np.ndarray``: shape and dtype."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NumpyMetadata) and self.shape == other.shape and self.dtype == other.dtype
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"NumpyMetadata(shape={self.shape}, dtype={self.dtype})"

@@ -1,0 +1,275 @@
+"""State one save or load shares between the standard leaf handlers.
+
+``PyTreeHandler`` creates a session and hands it to the leaf handlers inside
+its ``SerializationContext`` / ``DeserializationContext`` (subclasses that add
+a ``session`` field; custom leaf handlers see the ordinary fields). Leaf
+handlers only *schedule* array I/O on the session in their blocking phase;
+the handler then runs all of it at once, so thousands of small arrays cost
+a few transactions rather than thousands of driver opens.
+
+A standard leaf handler called without a session (directly, by other code)
+makes a private one and runs it inside its own awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+from etils import epath
+
+import checkpointables as cp
+from checkpointables_pytree import _crc32c, _database, _errors, _sharding, _tree, _tree_metadata, _zarr3
+
+__all__ = [
+    "NamedSerializationParam",
+    "SaveSession",
+    "LoadSession",
+    "PyTreeSerializationContext",
+    "PyTreeDeserializationContext",
+    "STRINGS_FILE",
+    "ARRAY_METADATAS_DIR",
+]
+
+STRINGS_FILE = "_strings.json"
+ARRAY_METADATAS_DIR = "array_metadatas"
+
+
+@dataclasses.dataclass
+class SaveSession:
+    """What the standard leaf handlers collect during one save."""
+
+    directory: cp.path.PathAwaitingCreation
+    context: cp.Context
+    caller_waits: bool
+    writer: _database.ArrayWriter
+    strings: dict[str, str] = dataclasses.field(default_factory=dict)
+    shardings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    array_metadatas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Per storage name: Orbax's write_shape, and our extra value metadata.
+    write_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
+        """A session for a save into ``directory`` under ``context``."""
+        from checkpointables._asyncio import caller_waits
+
+        return cls(
+            directory=directory,
+            context=context,
+            caller_waits=caller_waits(),
+            writer=_database.ArrayWriter(directory),
+        )
+
+    def strings_text(self) -> str:
+        """The text of ``_strings.json``."""
+        return json.dumps(self.strings, ensure_ascii=False)
+
+    async def run(self, *, write_files: bool) -> None:
+        """Writes the arrays and (if ``write_files``) the strings and sharding files.
+
+        The files are written while TensorStore commits the arrays.
+        """
+        arrays = asyncio.ensure_future(self.writer.run())
+        try:
+            if write_files and (self.strings or self.shardings or self.array_metadatas):
+                self.write_files(await self.directory.await_creation())
+        finally:
+            await arrays
+
+    def write_files(self, directory: epath.Path) -> None:
+        """Writes ``_strings.json``, ``_sharding`` and ``array_metadatas/process_<i>``."""
+        primary = cp.multihost.is_primary_host(self.context)
+        if self.strings and primary:
+            write_text(directory / STRINGS_FILE, self.strings_text())
+        if self.shardings and primary:
+            _sharding.write_sharding_file(directory, self.shardings)
+        if self.array_metadatas:
+            (directory / ARRAY_METADATAS_DIR).mkdir(exist_ok=True)
+            write_text(
+                directory / ARRAY_METADATAS_DIR / f"process_{cp.multihost.process_index()}",
+                json.dumps({"array_metadatas": [{"array_metadata": m} for m in self.array_metadatas]}),
+            )
+
+
+def write_text(path: epath.Path, text: str) -> None:
+    """Writes a small file. Not flushed here: the commit fsyncs every file of the checkpoint."""
+    with open(os.fspath(path), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedSerializationParam(cp.serialization.SerializationParam[Any]):
+    """A ``SerializationParam`` whose storage name was computed once, by ``PyTreeHandler``."""
+
+    storage_name: str = ""
+
+    @property
+    def name(self) -> str:
+        """The storage name (escaped key path)."""
+        return self.storage_name
+
+
+@dataclasses.dataclass(frozen=True)
+class PyTreeSerializationContext(cp.serialization.SerializationContext):
+    """A ``SerializationContext`` carrying the save's shared session."""
+
+    session: SaveSession | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PyTreeDeserializationContext(cp.serialization.DeserializationContext):
+    """A ``DeserializationContext`` carrying the load's shared session."""
+
+    session: LoadSession | None = None
+
+
+class LoadSession:
+    """What the standard leaf handlers share during one load (or metadata read)."""
+
+    def __init__(
+        self,
+        directory: epath.Path,
+        tree: _tree_metadata.TreeMetadata,
+        context: cp.Context,
+    ) -> None:
+        self.directory = directory
+        self.tree = tree
+        self.context = context
+        self.allow_resize = bool(context.array_options.enable_padding_and_truncation)
+        self.reader = _database.ArrayReader(
+            directory, ocdbt=tree.use_ocdbt, zarr3=tree.use_zarr3
+        )
+        self.entries = {e.names: e for e in tree.entries}
+        self._info: dict[tuple[str, ...], tuple[_tree_metadata.Entry, str]] = {}
+        self._stored: dict[tuple[str, ...], _database.StoredArray | None] = {}
+        self._strings: dict[str, Any] | None = None
+        self._shardings: dict[str, dict[str, Any]] | None = None
+        self._zarr_metadata: dict[str, dict[str, Any]] = {}
+
+    def info(self, keypath: Sequence[Any]) -> tuple[_tree_metadata.Entry, str]:
+        """A leaf's recorded entry and storage name."""
+        names = _tree.key_names(keypath)
+        found = self._info.get(names)
+        if found is None:
+            found = self._info[names] = (self.entries[names], self.tree.storage_name(names))
+        return found
+
+    def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
+        """The recorded entry of a leaf."""
+        return self.entries[_tree.key_names(keypath)]
+
+    def storage_name(self, keypath: Sequence[Any]) -> str:
+        """The name a leaf's array is stored under."""
+        return self.tree.storage_name(_tree.key_names(keypath))
+
+    def stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
+        """The layout this library recorded for an array leaf, or ``None``."""
+        try:
+            return self._stored[entry.names]
+        except KeyError:
+            stored = self._stored[entry.names] = self._stored_array(entry)
+            return stored
+
+    def _stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
+        extra = entry.extra
+        if "shape" not in extra or "dtype" not in extra:
+            return None
+        dtype = _dtype(extra["dtype"])
+        if dtype is None:
+            return None
+        shape = tuple(int(s) for s in extra["shape"])
+        chunk_shape = tuple(int(s) for s in extra.get("chunk_shape", _zarr3.default_chunk_shape(shape)))
+        crc32 = extra.get("crc32")
+        return _database.StoredArray(
+            shape=shape,
+            dtype=dtype,
+            chunk_shape=chunk_shape,
+            direct=bool(extra.get("one_chunk_shards")) and self.tree.use_ocdbt and self.tree.use_zarr3,
+            crc32=tuple(int(c) for c in crc32) if isinstance(crc32, list) else None,
+        )
+
+    # -- Files read lazily -------------------------------------------------------
+
+    def strings(self) -> dict[str, Any]:
+        """The contents of ``_strings.json`` (checked against its recorded checksum)."""
+        if self._strings is None:
+            path = self.directory / STRINGS_FILE
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                raise _errors.integrity_error(
+                    f"{path}", "the file holding the tree's string leaves is missing"
+                ) from None
+            expected = self.tree.strings_crc32c
+            if expected is not None and _crc32c.crc32c(raw) != expected:
+                raise _errors.integrity_error(f"{path}", "its CRC-32C checksum does not match")
+            try:
+                document = json.loads(raw)
+            except ValueError as e:
+                raise cp.errors.MetadataError(f"{path} is not valid JSON ({e}).") from None
+            if not isinstance(document, dict):
+                raise cp.errors.MetadataError(f"{path} holds a JSON {type(document).__name__}, expected an object.")
+            self._strings = document
+        return self._strings
+
+    def sharding_record(self, storage_name: str) -> dict[str, Any] | None:
+        """The recorded sharding of a ``jax.Array`` leaf, if any."""
+        if self._shardings is None:
+            self._shardings = _sharding.read_sharding_file(self.directory)
+        return self._shardings.get(_sharding.file_key(storage_name))
+
+    async def zarr_metadata(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """``zarr.json`` (v3) or ``.zarray`` (v2) of arrays with no recorded layout, read in a batch."""
+        wanted = [n for n in dict.fromkeys(names) if n not in self._zarr_metadata]
+        if wanted:
+            file = "zarr.json" if self.tree.use_zarr3 else ".zarray"
+            if self.tree.use_ocdbt:
+                kvstore = await ts.KvStore.open(
+                    _database.kvstore_spec(self.directory), context=_database.make_context()
+                )
+                futures = [kvstore.read(f"{n}/{file}") for n in wanted]
+                values = [(await f).value for f in futures]
+            else:
+                values = []
+                for n in wanted:
+                    try:
+                        values.append((self.directory / n / file).read_bytes())
+                    except FileNotFoundError:
+                        values.append(b"")
+            for name, value in zip(wanted, values, strict=True):
+                if not value:
+                    raise _errors.integrity_error(f"array {name!r}", f"its {file} is missing")
+                try:
+                    self._zarr_metadata[name] = json.loads(value)
+                except ValueError as e:
+                    raise _errors.integrity_error(f"array {name!r}", f"its {file} is not JSON ({e})") from None
+        return {n: self._zarr_metadata[n] for n in names}
+
+
+@functools.cache
+def _dtype(name: str) -> np.dtype | None:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
+def zarr_shape_dtype(document: Mapping[str, Any]) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
+    """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``."""
+    shape = tuple(int(s) for s in document["shape"])
+    if "data_type" in document:  # zarr v3
+        dtype = np.dtype(document["data_type"])
+        chunk = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+    else:  # zarr v2
+        dtype = np.dtype(document["dtype"])
+        chunk = document.get("chunks")
+    return shape, dtype, tuple(chunk) if chunk is not None else None

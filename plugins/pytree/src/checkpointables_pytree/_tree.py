@@ -1,0 +1,267 @@
+"""Flattening pytrees into key paths, and rebuilding them.
+
+Keys are recorded the way Orbax records them: each level has a name (the dict
+key, sequence index or attribute name, as a string) and a key type
+(``SEQUENCE`` = 1 for lists, tuples and other indexed nodes, ``DICT`` = 2 for
+dicts, named tuples and attribute nodes). Empty containers and ``None`` are
+recorded too, so a tree without an abstract tree comes back whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "SEQUENCE",
+    "DICT",
+    "Leaf",
+    "Flat",
+    "flatten",
+    "flatten_abstract",
+    "key_names",
+    "keystr",
+    "unflatten",
+    "jax_keypath",
+]
+
+SEQUENCE = 1
+DICT = 2
+
+_DictKey = jax.tree_util.DictKey
+_SequenceKey = jax.tree_util.SequenceKey
+_GetAttrKey = jax.tree_util.GetAttrKey
+
+# Empty-node value types, as Orbax names them.
+EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_NONE, EMPTY_NAMEDTUPLE = (
+    "Dict",
+    "List",
+    "Tuple",
+    "None",
+    "NamedTuple",
+)
+EMPTY_TYPES = frozenset({EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_NONE, EMPTY_NAMEDTUPLE})
+
+# Types that are never pytree nodes: checked first, to keep flattening cheap.
+_LEAF_TYPES: tuple[type, ...] = (np.ndarray, np.generic, int, float, complex, str, bytes, bool)
+try:
+    _LEAF_TYPES += (jax.Array,)
+except AttributeError:  # pragma: no cover - every supported jax has jax.Array
+    pass
+
+
+def key_name(key: Any) -> str:
+    """The name of one key entry: dict key, index or attribute, as a string."""
+    if type(key) is _DictKey:
+        return str(key.key)
+    if type(key) is _SequenceKey:
+        return str(key.idx)
+    for attribute in ("key", "idx", "name"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def key_type(key: Any) -> int:
+    """``SEQUENCE`` or ``DICT`` for a key entry."""
+    if isinstance(key, (_SequenceKey, jax.tree_util.FlattenedIndexKey)):
+        return SEQUENCE
+    return DICT
+
+
+def key_names(keypath: Sequence[Any]) -> tuple[str, ...]:
+    """The names of a key path."""
+    return tuple(key_name(k) for k in keypath)
+
+
+def keystr(names: Sequence[str], key_types: Sequence[int] | None = None) -> str:
+    """A key path as users write it: ``['params']['w']``, ``[0]``; ``<root>`` for ``()``."""
+    if not names:
+        return "<root>"
+    types = key_types or [DICT] * len(names)
+    return "".join(f"[{n}]" if t == SEQUENCE else f"[{n!r}]" for n, t in zip(names, types, strict=True))
+
+
+def jax_keypath(names: Sequence[str], key_types: Sequence[int]) -> tuple[Any, ...]:
+    """A ``jax.tree_util`` key path from recorded names and key types."""
+    return tuple(
+        _SequenceKey(int(n)) if t == SEQUENCE else _DictKey(n) for n, t in zip(names, key_types, strict=True)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a flattened tree."""
+
+    keypath: tuple[Any, ...]
+    value: Any
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The key names of the leaf's path."""
+        return key_names(self.keypath)
+
+
+@dataclasses.dataclass
+class Flat:
+    """A flattened tree: its leaves, its empty nodes, and its tuple containers."""
+
+    leaves: list[Leaf] = dataclasses.field(default_factory=list)
+    empty: list[tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=list)
+    tuples: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+
+
+def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
+    try:
+        return sorted(d)  # As jax orders dict children.
+    except TypeError:
+        return list(d)
+
+
+def _is_namedtuple(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "_fields")
+
+
+def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
+    """The children of a registered pytree node with their keys, or ``None`` for a leaf."""
+    children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(children) == 1 and children[0][0] == () and children[0][1] is node:
+        return None
+    return children
+
+
+def flatten(tree: Any) -> Flat:
+    """Flattens ``tree`` into leaves (with ``jax.tree_util`` key paths) and empty nodes.
+
+    Dicts, lists, tuples, named tuples and ``None`` are walked here; any other
+    registered pytree node is expanded one level at a time by ``jax.tree_util``.
+    """
+    flat = Flat()
+    leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        t = type(node)
+        if t is dict:
+            if not node:
+                empty.append((path, EMPTY_DICT))
+                return
+            for k in _sorted_keys(node):
+                walk(node[k], (*path, _DictKey(k)))
+        elif t is list:
+            if not node:
+                empty.append((path, EMPTY_LIST))
+                return
+            for i, child in enumerate(node):
+                walk(child, (*path, _SequenceKey(i)))
+        elif t is tuple:
+            if not node:
+                empty.append((path, EMPTY_TUPLE))
+                return
+            tuples.append(path)
+            for i, child in enumerate(node):
+                walk(child, (*path, _SequenceKey(i)))
+        elif node is None:
+            empty.append((path, EMPTY_NONE))
+        elif isinstance(node, _LEAF_TYPES):
+            leaves.append(Leaf(path, node))
+        elif _is_namedtuple(node):
+            if not node:
+                empty.append((path, EMPTY_NAMEDTUPLE))
+                return
+            for field in t._fields:
+                walk(getattr(node, field), (*path, _GetAttrKey(field)))
+        else:
+            children = _one_level(node)
+            if children is None:
+                leaves.append(Leaf(path, node))
+            elif not children:
+                if isinstance(node, Mapping):
+                    empty.append((path, EMPTY_DICT))
+            else:
+                for keys, child in children:
+                    walk(child, (*path, *keys))
+
+    walk(tree, ())
+    return flat
+
+
+def _abstract_is_leaf(x: Any) -> bool:
+    if x is None:
+        return True
+    if type(x) in (dict, list, tuple) and not x:
+        return True
+    return False
+
+
+def flatten_abstract(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
+    """Flattens an abstract tree with ``jax.tree_util``; ``None`` and empty containers are leaves."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_abstract_is_leaf)
+
+
+def unflatten(
+    items: Sequence[tuple[tuple[str, ...], tuple[int, ...], Any]],
+    tuple_paths: frozenset[tuple[str, ...]] = frozenset(),
+    *,
+    on_conflict: Callable[[str], Exception] = ValueError,
+) -> Any:
+    """Rebuilds a tree from ``(names, key_types, value)`` items.
+
+    DICT levels become dicts, SEQUENCE levels lists (or tuples for the paths in
+    ``tuple_paths``), ordered by index.
+    """
+    if len(items) == 1 and not items[0][0]:
+        return items[0][2]
+    root: dict[str, Any] = {}
+    kinds: dict[tuple[str, ...], int] = {}
+    for names, types, value in items:
+        if not names:
+            raise on_conflict("the root is recorded both as a leaf and as a container")
+        node = root
+        for depth, (name, kind) in enumerate(zip(names, types, strict=True)):
+            prefix = names[:depth]
+            recorded = kinds.setdefault(prefix, kind)
+            if recorded != kind:
+                raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
+            if depth == len(names) - 1:
+                if name in node:
+                    raise on_conflict(f"{keystr(names, types)} is recorded twice")
+                node[name] = _Value(value)
+            else:
+                child = node.setdefault(name, {})
+                if isinstance(child, _Value):
+                    raise on_conflict(f"{keystr(names[: depth + 1])} is both a leaf and a container")
+                node = child
+
+    def build(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
+        kind = kinds.get(prefix, DICT)
+        if kind == SEQUENCE:
+            try:
+                ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
+            except ValueError:
+                raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
+            values = [
+                v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in ordered
+            ]
+            if ordered and int(ordered[-1][0]) != len(ordered) - 1:
+                # Indices with gaps (only possible in hand-edited metadata): keep positions.
+                padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
+                for (k, _), v in zip(ordered, values, strict=True):
+                    padded[int(k)] = v
+                values = padded
+            return tuple(values) if prefix in tuple_paths else values
+        return {k: v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in node.items()}
+
+    return build(root, ())
+
+
+class _Value:
+    """Marks a leaf value in the nested dicts ``unflatten`` builds."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value

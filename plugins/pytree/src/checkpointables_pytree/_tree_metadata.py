@@ -1,0 +1,214 @@
+"""The ``_METADATA`` file: the tree's key paths, key types and value types.
+
+The layout is Orbax's, so each tool reads the other's files::
+
+    {"tree_metadata": {
+       "('params', 'w')": {
+         "key_metadata": [{"key": "params", "key_type": 2}, {"key": "w", "key_type": 2}],
+         "value_metadata": {"value_type": "jax.Array", "skip_deserialize": false,
+                            "write_shape": [4, 8], "checkpointables": {...}}},
+       "('empty',)": {..., "value_metadata": {"value_type": "Dict", "skip_deserialize": true}}},
+     "use_ocdbt": true, "use_zarr3": true, "store_array_data_equal_to_fill_value": true,
+     "custom_metadata": null, "checkpointables": {...}}
+
+What Orbax has no field for lives under ``"checkpointables"`` keys, which
+Orbax ignores: array shapes, dtypes and chunking (so metadata and small-array
+loads need no reads), Python scalar types, tuple containers, whether storage
+names are escaped, and the checksum of ``_strings.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from etils import epath
+
+import checkpointables as cp
+from checkpointables_pytree import _tree
+
+__all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
+
+METADATA_FILE = "_METADATA"
+EXTRA = "checkpointables"
+_KEY_TYPES = frozenset({_tree.SEQUENCE, _tree.DICT})
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class Entry:
+    """One recorded leaf or empty node."""
+
+    names: tuple[str, ...]
+    key_types: tuple[int, ...]
+    value_type: str
+    skip_deserialize: bool = False
+    write_shape: tuple[int, ...] | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_empty_node(self) -> bool:
+        """Whether this records an empty container or ``None`` rather than a leaf."""
+        return self.skip_deserialize and self.value_type in _tree.EMPTY_TYPES
+
+    @property
+    def keystr(self) -> str:
+        """The key path as users write it."""
+        return _tree.keystr(self.names, self.key_types)
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry's JSON value (its map key is ``str(self.names)``)."""
+        value: dict[str, Any] = {"value_type": self.value_type, "skip_deserialize": self.skip_deserialize}
+        if self.write_shape is not None:
+            value["write_shape"] = list(self.write_shape)
+        if self.extra:
+            value[EXTRA] = self.extra
+        return {
+            "key_metadata": [
+                {"key": n, "key_type": t} for n, t in zip(self.names, self.key_types, strict=True)
+            ],
+            "value_metadata": value,
+        }
+
+
+@dataclasses.dataclass
+class TreeMetadata:
+    """The parsed ``_METADATA`` of one pytree directory."""
+
+    entries: list[Entry]
+    use_ocdbt: bool = True
+    use_zarr3: bool = True
+    tuple_paths: frozenset[tuple[str, ...]] = frozenset()
+    # True for trees this library wrote: storage names escape '.', '/' and '%'.
+    escaped_names: bool = True
+    strings_crc32c: int | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json_text(self) -> str:
+        """The text of the ``_METADATA`` file."""
+        extra = dict(self.extra)
+        extra["format_version"] = FORMAT_VERSION
+        extra["escaped_names"] = self.escaped_names
+        if self.tuple_paths:
+            extra["tuples"] = [list(p) for p in sorted(self.tuple_paths)]
+        if self.strings_crc32c is not None:
+            extra["strings_crc32c"] = self.strings_crc32c
+        document = {
+            "tree_metadata": {str(e.names): e.to_json() for e in self.entries},
+            "use_ocdbt": self.use_ocdbt,
+            "use_zarr3": self.use_zarr3,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+            EXTRA: extra,
+        }
+        return json.dumps(document, separators=(",", ":"))
+
+    def storage_name(self, names: Sequence[str]) -> str:
+        """The name a leaf's array is stored under."""
+        if self.escaped_names:
+            return cp.serialization.param_name_from_keypath(names)
+        return ".".join(names)  # Orbax's names: plain dot-joined keys.
+
+
+def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
+    """Writes ``_METADATA`` (the commit fsyncs it with the rest of the checkpoint)."""
+    with open(os.fspath(directory / METADATA_FILE), "w") as f:
+        f.write(metadata.to_json_text())
+
+
+def _bad(path: epath.Path, what: str) -> cp.errors.MetadataError:
+    return cp.errors.MetadataError(
+        f"{path} is malformed: {what}. The pytree's metadata is damaged; restore the file from a "
+        f"copy of the checkpoint."
+    )
+
+
+def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
+    try:
+        keys = value["key_metadata"]
+        meta = value["value_metadata"]
+        names = tuple(str(k["key"]) for k in keys)
+        key_types = tuple(k["key_type"] for k in keys)
+        value_type = meta.get("value_type")
+        write_shape = meta.get("write_shape")
+        extra = meta.get(EXTRA) or {}
+        skip = bool(meta.get("skip_deserialize", False))
+    except (TypeError, KeyError, AttributeError):
+        raise _bad(path, f"entry {key!r} lacks 'key_metadata' or 'value_metadata' entries") from None
+    if not _KEY_TYPES.issuperset(key_types):
+        raise _bad(path, f"entry {key!r} has a malformed key {keys!r}")
+    if _tree.SEQUENCE in key_types and not all(
+        n.lstrip("-").isdigit() for n, t in zip(names, key_types, strict=True) if t == _tree.SEQUENCE
+    ):
+        raise _bad(path, f"entry {key!r} has a sequence key that is not an index")
+    if not isinstance(value_type, str):
+        raise _bad(path, f"entry {key!r} has no 'value_type'")
+    if write_shape is not None and not (
+        isinstance(write_shape, list) and all(isinstance(d, int) for d in write_shape)
+    ):
+        raise _bad(path, f"entry {key!r} has a malformed 'write_shape'")
+    if not isinstance(extra, dict):
+        raise _bad(path, f"entry {key!r} has a malformed {EXTRA!r} field")
+    return Entry(
+        names=names,
+        key_types=key_types,
+        value_type=value_type,
+        skip_deserialize=skip,
+        write_shape=tuple(write_shape) if write_shape is not None else None,
+        extra=extra,
+    )
+
+
+def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
+    """Parses the text of a ``_METADATA`` file at ``path``.
+
+    Raises:
+      cp.errors.MetadataError: the text is not the expected JSON.
+    """
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(path, f"not valid JSON ({e})") from None
+    if not isinstance(document, Mapping) or not isinstance(document.get("tree_metadata"), Mapping):
+        raise _bad(path, "expected a JSON object with a 'tree_metadata' object")
+    entries = [_parse_entry(path, k, v) for k, v in document["tree_metadata"].items()]
+    extra = document.get(EXTRA)
+    ours = isinstance(extra, Mapping)
+    extra = dict(extra) if ours else {}
+    tuples = extra.get("tuples") or []
+    if not isinstance(tuples, list) or not all(isinstance(t, list) for t in tuples):
+        raise _bad(path, f"malformed {EXTRA!r}.tuples")
+    strings_crc = extra.get("strings_crc32c")
+    use_ocdbt = document.get("use_ocdbt")
+    return TreeMetadata(
+        entries=entries,
+        # A missing flag: Orbax then detects OCDBT by the manifest's presence.
+        use_ocdbt=bool(use_ocdbt) if use_ocdbt is not None else (path.parent / "manifest.ocdbt").exists(),
+        use_zarr3=bool(document.get("use_zarr3", False)),
+        tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
+        escaped_names=bool(extra.get("escaped_names", False)) if ours else False,
+        strings_crc32c=int(strings_crc) if isinstance(strings_crc, int) else None,
+        extra=extra,
+    )
+
+
+def read_tree_metadata(directory: epath.Path) -> TreeMetadata:
+    """Reads and parses ``directory/_METADATA``.
+
+    Raises:
+      cp.errors.MetadataError: the file is missing, unreadable or malformed.
+    """
+    path = directory / METADATA_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise cp.errors.MetadataError(
+            f"{path} does not exist, so {directory} is not a pytree checkpointable (or it was "
+            f"damaged). Check the path, or load it with the handler that saved it."
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise cp.errors.MetadataError(f"Cannot read {path}: {e}.") from e
+    return parse_tree_metadata(path, text)

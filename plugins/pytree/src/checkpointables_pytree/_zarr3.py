@@ -1,0 +1,220 @@
+"""Zarr v3 arrays as Orbax stores them: metadata, chunk keys and shard encoding.
+
+Every array is a zarr3 array whose chunks are ``sharding_indexed`` shards
+(one per written shard of the source array). Inside a shard, each inner
+chunk is the raw little-endian bytes followed by their CRC-32C, and the shard
+index at the end carries its own CRC-32C::
+
+    [data][crc32c(data)] ... [offset u64, nbytes u64]*n [crc32c(index)]
+
+The batched writer produces these bytes itself for small arrays (one inner
+chunk per shard) and the batched reader checks them; TensorStore's zarr3
+driver reads them back, as does Orbax.
+``zarr_json`` reproduces, byte for byte, the ``zarr.json`` TensorStore writes
+for the same array, so both paths leave identical files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from checkpointables_pytree import _crc32c
+
+__all__ = [
+    "zarr_dtype_name",
+    "zarr_json",
+    "chunk_key",
+    "encode_shard",
+    "shard_trailer",
+    "ZarrLayout",
+]
+
+# Data types zarr3 (TensorStore) stores as fixed-size little-endian bytes. int4
+# and friends are packed differently, so they always go through the driver.
+_DIRECT_DTYPES = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    }
+)
+_DRIVER_ONLY_DTYPES = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@functools.cache
+def _names(dtype: np.dtype) -> tuple[str | None, bool]:
+    name = dtype.name
+    stored = name if name in _DIRECT_DTYPES or name in _DRIVER_ONLY_DTYPES else None
+    return stored, _LITTLE_ENDIAN and name in _DIRECT_DTYPES
+
+
+def zarr_dtype_name(dtype: Any) -> str | None:
+    """The zarr3 ``data_type`` for a NumPy dtype, or ``None`` if zarr3 cannot store it."""
+    return _names(np.dtype(dtype))[0]
+
+
+def is_direct_dtype(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` can be encoded here (not only by the driver)."""
+    return _names(np.dtype(dtype))[1]
+
+
+def _fill_value(dtype: np.dtype) -> Any:
+    if dtype.kind == "b":
+        return False
+    if dtype.kind in "iu":
+        return 0
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    return 0.0
+
+
+def _bytes_codec(dtype: np.dtype) -> dict[str, Any]:
+    # Single-byte types have no byte order, and TensorStore records none.
+    if dtype.itemsize == 1:
+        return {"name": "bytes"}
+    return {"configuration": {"endian": "little"}, "name": "bytes"}
+
+
+def inner_codecs(dtype: Any, *, compression: bool) -> list[dict[str, Any]]:
+    """The codecs of each inner chunk: raw bytes, optional zstd, then the checksum."""
+    dtype = np.dtype(dtype)
+    codecs: list[dict[str, Any]] = [_bytes_codec(dtype)]
+    if compression:
+        codecs.append({"configuration": {"checksum": False, "level": 1}, "name": "zstd"})
+    codecs.append({"name": "crc32c"})
+    return codecs
+
+
+_INDEX_CODECS = [{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]
+
+
+def metadata_dict(
+    shape: Sequence[int],
+    dtype: Any,
+    chunk_shape: Sequence[int],
+    inner_chunk_shape: Sequence[int] | None = None,
+    *,
+    compression: bool = False,
+) -> dict[str, Any]:
+    """The ``metadata`` member of a TensorStore zarr3 spec (also ``zarr.json``'s content)."""
+    dtype = np.dtype(dtype)
+    chunk_shape = list(chunk_shape)
+    inner = list(inner_chunk_shape) if inner_chunk_shape is not None else chunk_shape
+    return {
+        "chunk_grid": {"configuration": {"chunk_shape": chunk_shape}, "name": "regular"},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [
+            {
+                "configuration": {
+                    "chunk_shape": inner,
+                    "codecs": inner_codecs(dtype, compression=compression),
+                    "index_codecs": _INDEX_CODECS,
+                },
+                "name": "sharding_indexed",
+            }
+        ],
+        "data_type": zarr_dtype_name(dtype),
+        "fill_value": _fill_value(dtype),
+        "node_type": "array",
+        "shape": list(shape),
+        "zarr_format": 3,
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _zarr_json_cached(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]) -> bytes:
+    text = json.dumps(metadata_dict(shape, dtype, chunk_shape), separators=(",", ":"), sort_keys=True)
+    return text.encode()
+
+
+def zarr_json(shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]) -> bytes:
+    """The ``zarr.json`` of an uncompressed array with one inner chunk per shard."""
+    return _zarr_json_cached(tuple(shape), np.dtype(dtype), tuple(chunk_shape))
+
+
+def default_chunk_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """One chunk for the whole array (zarr3 needs every chunk dimension >= 1)."""
+    return tuple(max(1, int(d)) for d in shape)
+
+
+def chunk_key(name: str, index: Sequence[int]) -> str:
+    """The key of chunk ``index`` of array ``name``: ``name/c/i/j``, or ``name/c`` for 0-d."""
+    if not index:
+        return f"{name}/c"
+    return f"{name}/c/" + "/".join(str(int(i)) for i in index)
+
+
+def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """How many chunks the array has along each dimension."""
+    return tuple(-(-int(s) // int(c)) for s, c in zip(shape, chunk_shape, strict=True))
+
+
+def all_chunk_indices(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every chunk index of an array, in C order (none for a zero-size array)."""
+    if tuple(shape) == tuple(chunk_shape):
+        return [(0,) * len(shape)]
+    grid = chunk_grid(shape, chunk_shape)
+    if any(g == 0 for g in grid):
+        return []
+    return [tuple(int(i) for i in idx) for idx in np.ndindex(*grid)]
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_trailer(nbytes: int) -> bytes:
+    """The index of a shard with one inner chunk of ``nbytes`` data bytes, and its checksum."""
+    index = (0).to_bytes(8, "little") + (nbytes + 4).to_bytes(8, "little")
+    return index + _crc32c.crc32c_bytes(index)
+
+
+def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
+    """A shard holding one inner chunk: ``data``, its checksum, then the index."""
+    return b"".join((data, int(checksum).to_bytes(4, "little"), shard_trailer(len(data))))
+
+
+class ZarrLayout:
+    """Where one array lives and how it is chunked."""
+
+    __slots__ = ("chunk_shape", "dtype", "name", "shape")
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]) -> None:
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.chunk_shape = tuple(int(c) for c in chunk_shape)
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one full chunk."""
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+    def region(self, index: Sequence[int]) -> tuple[slice, ...]:
+        """The part of the array that chunk ``index`` covers (clipped at the edges)."""
+        return tuple(
+            slice(i * c, min((i + 1) * c, s))
+            for i, c, s in zip(index, self.chunk_shape, self.shape, strict=True)
+        )

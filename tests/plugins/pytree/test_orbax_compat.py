@@ -1,0 +1,118 @@
+"""Pytree checkpoints and the real orbax-checkpoint (0.12.8): each reads the other's.
+
+Marked ``orbax``: deselect with ``-m "not orbax"``.
+"""
+
+from __future__ import annotations
+
+import checkpointables as cp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint import v1 as ocp_v1
+
+pytestmark = pytest.mark.orbax
+P = jax.sharding.PartitionSpec
+# Orbax warns when it restores a jax.Array from the `_sharding` file.
+ORBAX_SHARDING_WARNING = "ignore:Sharding info not provided when restoring:UserWarning"
+
+
+def _tree(mesh):
+    sharding = jax.sharding.NamedSharding(mesh, P("x", "y"))
+    return {
+        "params": {
+            "kernel": jax.device_put(jnp.arange(64.0, dtype=jnp.float32).reshape(8, 8), sharding),
+            "bias": np.linspace(0, 1, 5, dtype=np.float32),
+            "big": np.random.default_rng(0).standard_normal((300, 1000)),  # driver path
+        },
+        "opt": [jnp.zeros(3, jnp.bfloat16), {"count": jnp.array(4, jnp.int32)}],
+        "step": 12,
+        "lr": 0.125,
+        "name": "run-7",
+        "empty": {},
+        "nothing": None,
+    }
+
+
+def _assert_equal(loaded, expected) -> None:
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(expected)
+    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(expected), strict=True):
+        if isinstance(b, np.ndarray | jax.Array):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            assert a == b and type(a) is type(b)
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_v1_loads_ours(tmp_path, mesh_4x2) -> None:
+    tree = _tree(mesh_4x2)
+    cp.save_pytree(tmp_path / "c", tree)
+    _assert_equal(ocp_v1.load(tmp_path / "c"), tree)
+    # With an abstract tree Orbax reshards, reading our chunks through its own code path.
+    abstract = jax.tree_util.tree_map(
+        lambda x: ocp_v1.arrays.to_shape_dtype_struct(x) if isinstance(x, jax.Array) else x, tree
+    )
+    loaded = ocp_v1.load(tmp_path / "c", abstract)
+    assert loaded["params"]["kernel"].sharding == tree["params"]["kernel"].sharding
+    metadata = ocp_v1.metadata(tmp_path / "c").metadata
+    assert metadata["params"]["kernel"].shape == (8, 8)
+
+
+def test_orbax_v0_restores_ours(tmp_path) -> None:
+    tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": np.ones(3, np.float32), "step": 3}
+    cp.save_pytree(tmp_path / "c", tree)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "c" / "pytree", jax.tree_util.tree_map(
+            ocp.utils.to_shape_dtype_struct, tree
+        ))
+    _assert_equal(restored, tree)
+
+
+def test_we_load_orbax_v1(tmp_path, mesh_4x2, mesh_2x4) -> None:
+    tree = _tree(mesh_4x2)
+    ocp_v1.save(tmp_path / "c", tree)
+    _assert_equal(cp.load_pytree(tmp_path / "c"), tree)
+    metadata = cp.pytree_metadata(tmp_path / "c").metadata
+    assert metadata["params"]["kernel"].shape == (8, 8)
+    assert metadata["params"]["kernel"].sharding == tree["params"]["kernel"].sharding
+    assert metadata["step"] == 0 and metadata["name"] == ""
+    # Reshard an Orbax checkpoint onto another mesh.
+    target = jax.sharding.NamedSharding(mesh_2x4, P("y", "x"))
+    abstract = cp.pytree_metadata(tmp_path / "c").metadata
+    abstract["params"]["kernel"] = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=target)
+    loaded = cp.load_pytree(tmp_path / "c", abstract)
+    assert loaded["params"]["kernel"].sharding == target
+    np.testing.assert_array_equal(np.asarray(loaded["params"]["kernel"]), np.arange(64.0).reshape(8, 8))
+    # Orbax compresses chunks but checksums only shard indexes: verify still reads every chunk.
+    handler = cp.handlers.get("pytree")()
+    assert cp._asyncio.run_sync(handler.verify(tmp_path / "c" / "state")) == []
+
+
+def test_we_load_orbax_v0_standard_checkpointer(tmp_path) -> None:
+    tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": np.ones(3, np.float32), "step": 3, "e": {}}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "c", tree)
+    _assert_equal(cp.load_pytree(tmp_path / "c"), tree)
+
+
+def test_we_load_orbax_v0_checkpoint_manager(tmp_path) -> None:
+    tree = {"w": jnp.arange(4.0), "n": np.arange(3)}
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("state",)) as manager:
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+        manager.wait_until_finished()
+    _assert_equal(cp.load_pytree(tmp_path / "run" / "1"), tree)
+
+
+def test_we_load_orbax_dotted_keys_and_zarr2_without_ocdbt(tmp_path) -> None:
+    tree = {"a.b": np.arange(3), "c": {"d": np.ones(2)}}
+    ocp_v1.save(tmp_path / "dotted", tree)
+    _assert_equal(cp.load_pytree(tmp_path / "dotted"), tree)
+    options = ocp_v1.options.ArrayOptions(
+        saving=ocp_v1.options.ArrayOptions.Saving(use_ocdbt=False, use_zarr3=False)
+    )
+    with ocp_v1.Context(array_options=options):
+        ocp_v1.save(tmp_path / "zarr2", {"x": np.arange(4.0), "y": 2})
+    _assert_equal(cp.load_pytree(tmp_path / "zarr2"), {"x": np.arange(4.0), "y": 2})
