@@ -17,5 +17,6 @@ public API, with real files in ``tmp_path``::
 """
 
 from checkpointables.testing._conformance import HandlerConformance
+from checkpointables.testing._subprocess import missing_handler_message
 
-__all__ = ["HandlerConformance"]
+__all__ = ["HandlerConformance", "missing_handler_message"]
