@@ -34,7 +34,10 @@ def test_reshard_4x2_onto_2x4(tmp_path, mesh_4x2, mesh_2x4, spec) -> None:
 
 def test_reshard_onto_one_device_with_a_cast(tmp_path, mesh_4x2, one_device) -> None:
     values = _saved_on_4x2(tmp_path, mesh_4x2)
-    abstract = {"w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=one_device), "b": np.empty(8)}
+    abstract = {
+        "w": jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=one_device),
+        "b": np.empty(8),
+    }
     loaded = cp.load_pytree(tmp_path / "c", abstract)
     assert loaded["w"].sharding == one_device and loaded["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(loaded["w"]), values.astype(jnp.bfloat16))
@@ -45,7 +48,10 @@ def test_numpy_saved_loads_sharded_and_jax_saved_loads_as_numpy(tmp_path, mesh_2
     sharding = jax.sharding.NamedSharding(mesh_2x4, P("x"))
     loaded = cp.load_pytree(
         tmp_path / "c",
-        {"n": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=sharding), "j": np.empty(6, np.int64)},
+        {
+            "n": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=sharding),
+            "j": np.empty(6, np.int64),
+        },
     )
     assert isinstance(loaded["n"], jax.Array) and loaded["n"].sharding == sharding
     assert loaded["n"].dtype == jnp.float32
@@ -124,12 +130,16 @@ def test_extra_keys_always_fail_with_a_diff(tmp_path) -> None:
     for partial in (False, True):
         with pytest.raises(cp.errors.TreeMismatchError) as info:
             cp.load_pytree(tmp_path / "c", abstract, partial_load=partial)
-        assert "in the abstract tree but not in the checkpoint (2): ['b'][2], ['zzz']" in str(info.value)
+        assert "in the abstract tree but not in the checkpoint (2): ['b'][2], ['zzz']" in str(
+            info.value
+        )
 
 
 def test_a_leaf_where_the_checkpoint_has_a_subtree(tmp_path) -> None:
     cp.save_pytree(tmp_path / "c", {"a": {"x": np.ones(2)}})
-    with pytest.raises(cp.errors.TreeMismatchError, match=r"\['a'\] \(a leaf in the abstract tree, a subtree"):
+    with pytest.raises(
+        cp.errors.TreeMismatchError, match=r"\['a'\] \(a leaf in the abstract tree, a subtree"
+    ):
         cp.load_pytree(tmp_path / "c", {"a": np.empty(2)})
 
 
@@ -149,7 +159,9 @@ def test_loading_a_string_as_an_array_fails_clearly(tmp_path) -> None:
 
 def test_shape_mismatch_raises_unless_padding_is_enabled(tmp_path, mesh_2x4) -> None:
     cp.save_pytree(tmp_path / "c", {"a": np.arange(1, 7, dtype=np.float32).reshape(2, 3)})
-    with pytest.raises(cp.errors.TreeMismatchError, match=r"asks for shape \(4, 3\).*stores shape \(2, 3\)"):
+    with pytest.raises(
+        cp.errors.TreeMismatchError, match=r"asks for shape \(4, 3\).*stores shape \(2, 3\)"
+    ):
         cp.load_pytree(tmp_path / "c", {"a": np.empty((4, 3), np.float32)})
     options = cp.options.ArrayOptions(enable_padding_and_truncation=True)
     with cp.Context(array_options=options):
@@ -161,7 +173,9 @@ def test_shape_mismatch_raises_unless_padding_is_enabled(tmp_path, mesh_2x4) -> 
         )["a"]
     np.testing.assert_array_equal(padded, [[1, 2, 3], [4, 5, 6], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(truncated, [[1, 2]])
-    np.testing.assert_array_equal(np.asarray(sharded), [[1, 2, 3, 0], [4, 5, 6, 0], [0] * 4, [0] * 4])
+    np.testing.assert_array_equal(
+        np.asarray(sharded), [[1, 2, 3, 0], [4, 5, 6, 0], [0] * 4, [0] * 4]
+    )
     assert sharded.sharding == sharding
 
 
@@ -171,6 +185,8 @@ def test_large_array_partial_regions_are_read_per_shard(tmp_path, mesh_4x2, mesh
     saved = jax.device_put(values, jax.sharding.NamedSharding(mesh_4x2, P("x", "y")))
     cp.save_pytree(tmp_path / "c", {"w": saved})
     target = jax.sharding.NamedSharding(mesh_2x4, P("y", "x"))
-    loaded = cp.load_pytree(tmp_path / "c", {"w": jax.ShapeDtypeStruct(values.shape, jnp.float32, sharding=target)})
+    loaded = cp.load_pytree(
+        tmp_path / "c", {"w": jax.ShapeDtypeStruct(values.shape, jnp.float32, sharding=target)}
+    )
     for shard in loaded["w"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])

@@ -17,7 +17,10 @@ class TestPyTreeHandlerConformance(HandlerConformance):
     def make_checkpointables(self) -> list[Any]:
         return [
             {"w": np.arange(6.0).reshape(2, 3), "step": 2, "name": "x"},
-            {"params": {"j": jnp.ones((2, 2), jnp.bfloat16)}, "history": [np.int32(1), (2.5, True)]},
+            {
+                "params": {"j": jnp.ones((2, 2), jnp.bfloat16)},
+                "history": [np.int32(1), (2.5, True)],
+            },
             np.arange(5),
         ]
 
@@ -29,7 +32,9 @@ class TestPyTreeHandlerConformance(HandlerConformance):
 
     def assert_loaded_equal(self, loaded: Any, original: Any) -> None:
         assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(original)
-        for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(original), strict=True):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(original), strict=True
+        ):
             if isinstance(b, np.ndarray | jax.Array):
                 assert type(a) is type(b) or isinstance(a, jax.Array)
                 assert a.dtype == b.dtype
@@ -39,7 +44,9 @@ class TestPyTreeHandlerConformance(HandlerConformance):
 
     def assert_metadata_matches(self, metadata: Any, original: Any) -> None:
         assert jax.tree_util.tree_structure(metadata) == jax.tree_util.tree_structure(original)
-        for m, b in zip(jax.tree_util.tree_leaves(metadata), jax.tree_util.tree_leaves(original), strict=True):
+        for m, b in zip(
+            jax.tree_util.tree_leaves(metadata), jax.tree_util.tree_leaves(original), strict=True
+        ):
             if isinstance(b, np.ndarray | jax.Array):
                 assert (m.shape, m.dtype) == (b.shape, b.dtype)
             else:

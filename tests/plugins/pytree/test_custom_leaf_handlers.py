@@ -59,7 +59,10 @@ class PointLeafHandler(serialization.LeafHandler[Point, AbstractPoint]):
                         serialization_context.parent_dir.path / f"{param.name}.metadata.txt", "w"
                     ) as abstract_f:
                         contents = json.dumps(
-                            {k: type(v).__name__ for k, v in dataclasses.asdict(param.value).items()}
+                            {
+                                k: type(v).__name__
+                                for k, v in dataclasses.asdict(param.value).items()
+                            }
                         )
                         await abstract_f.write(contents)
 
@@ -73,7 +76,9 @@ class PointLeafHandler(serialization.LeafHandler[Point, AbstractPoint]):
         async def _deserialize_impl():
             ret = []
             for param in params:
-                async with aiofiles.open(deserialization_context.parent_dir / f"{param.name}.txt") as f:
+                async with aiofiles.open(
+                    deserialization_context.parent_dir / f"{param.name}.txt"
+                ) as f:
                     ret.append(Point(**json.loads(await f.read())))
             return ret
 
@@ -125,7 +130,9 @@ def _assert_equal_trees(a, b) -> None:
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
     else:
-        assert a == b and type(a.x if isinstance(a, Point) else a) is type(b.x if isinstance(b, Point) else b)
+        assert a == b and type(a.x if isinstance(a, Point) else a) is type(
+            b.x if isinstance(b, Point) else b
+        )
 
 
 def test_the_guide_point_leaf_handler(tmp_path) -> None:
@@ -172,7 +179,9 @@ def test_a_plugins_leaf_handler_works_without_any_setup(tmp_path) -> None:
 
     tree = {"p": PluginPoint(1, 2.5), "a": np.arange(3)}
     cp.save_pytree(tmp_path / "c", tree)
-    assert read_checkpoint_metadata(tmp_path / "c")["item_handlers"]["pytree"].endswith("PyTreeHandler")
+    assert read_checkpoint_metadata(tmp_path / "c")["item_handlers"]["pytree"].endswith(
+        "PyTreeHandler"
+    )
     loaded = cp.load_pytree(tmp_path / "c")
     assert loaded["p"] == PluginPoint(1, 2.5)
     assert cp.pytree_metadata(tmp_path / "c").metadata["p"] == PluginAbstractPoint(int, float)

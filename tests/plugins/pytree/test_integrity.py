@@ -48,10 +48,14 @@ def _copy(saved, tmp_path, name: str):
 
 
 def _matches(loaded) -> bool:
-    return all(np.array_equal(np.asarray(loaded[k]), np.asarray(v)) for k, v in TREE.items() if k != "name")
+    return all(
+        np.array_equal(np.asarray(loaded[k]), np.asarray(v)) for k, v in TREE.items() if k != "name"
+    )
 
 
-def test_a_flipped_bit_anywhere_in_the_database_never_returns_wrong_numbers(saved, tmp_path) -> None:
+def test_a_flipped_bit_anywhere_in_the_database_never_returns_wrong_numbers(
+    saved, tmp_path
+) -> None:
     files = [*sorted((saved / "pytree" / "d").iterdir()), saved / "pytree" / "manifest.ocdbt"]
     case = 0
     for original in files:
@@ -78,6 +82,15 @@ def test_damaged_array_data_names_the_leaf(saved, tmp_path, leaf, needle) -> Non
     assert cp.load_pytree(copy, {"n": 0, "name": ""}, partial_load=True) == {"n": 7, "name": "run"}
 
 
+def test_checks_can_be_turned_off_for_speed(saved, tmp_path) -> None:
+    copy = _copy(saved, tmp_path, "c")
+    _flip_inside(copy, SMALL.tobytes()[800:1600])
+    with cp.Context(array_options=cp.options.ArrayOptions(verify_checksums=False)):
+        loaded = cp.load_pytree(copy)
+    assert not np.array_equal(loaded["small"], SMALL)  # Damage goes unnoticed: hence the default.
+    np.testing.assert_array_equal(loaded["big"], BIG)
+
+
 def test_missing_data_files_are_integrity_errors(saved, tmp_path) -> None:
     copy = _copy(saved, tmp_path, "c")
     shutil.rmtree(copy / "pytree" / "d")
@@ -97,8 +110,16 @@ def test_edited_strings_file_fails_its_checksum(saved, tmp_path) -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "'tree_metadata' object"),
-        ('{"tree_metadata": {"x": {"key_metadata": [{"key": "a", "key_type": 7}], "value_metadata": {}}}}', "malformed key"),
-        ('{"tree_metadata": {"x": {"key_metadata": [], "value_metadata": {"skip_deserialize": false}}}}', "no 'value_type'"),
+        (
+            '{"tree_metadata": {"x": {"key_metadata": [{"key": "a", "key_type": 7}], '
+            '"value_metadata": {}}}}',
+            "malformed key",
+        ),
+        (
+            '{"tree_metadata": {"x": {"key_metadata": [], '
+            '"value_metadata": {"skip_deserialize": false}}}}',
+            "no 'value_type'",
+        ),
     ],
 )
 def test_malformed_metadata_names_the_file(saved, tmp_path, text, problem) -> None:
@@ -112,7 +133,11 @@ def test_malformed_metadata_names_the_file(saved, tmp_path, text, problem) -> No
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "checkpointables", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "checkpointables", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

@@ -38,7 +38,9 @@ def _tree(mesh):
 
 def _assert_equal(loaded, expected) -> None:
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(expected)
-    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(expected), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(expected), strict=True
+    ):
         if isinstance(b, np.ndarray | jax.Array):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -65,9 +67,9 @@ def test_orbax_v0_restores_ours(tmp_path) -> None:
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": np.ones(3, np.float32), "step": 3}
     cp.save_pytree(tmp_path / "c", tree)
     with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(tmp_path / "c" / "pytree", jax.tree_util.tree_map(
-            ocp.utils.to_shape_dtype_struct, tree
-        ))
+        restored = checkpointer.restore(
+            tmp_path / "c" / "pytree", jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+        )
     _assert_equal(restored, tree)
 
 
@@ -85,7 +87,9 @@ def test_we_load_orbax_v1(tmp_path, mesh_4x2, mesh_2x4) -> None:
     abstract["params"]["kernel"] = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=target)
     loaded = cp.load_pytree(tmp_path / "c", abstract)
     assert loaded["params"]["kernel"].sharding == target
-    np.testing.assert_array_equal(np.asarray(loaded["params"]["kernel"]), np.arange(64.0).reshape(8, 8))
+    np.testing.assert_array_equal(
+        np.asarray(loaded["params"]["kernel"]), np.arange(64.0).reshape(8, 8)
+    )
     # Orbax compresses chunks but checksums only shard indexes: verify still reads every chunk.
     handler = cp.handlers.get("pytree")()
     assert cp._asyncio.run_sync(handler.verify(tmp_path / "c" / "state")) == []

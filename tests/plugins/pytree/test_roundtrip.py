@@ -20,7 +20,9 @@ from checkpointables_pytree import ArrayMetadata, NumpyMetadata, PyTreeHandler
 def assert_same(loaded, original) -> None:
     """Same structure, same leaf types, same values."""
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(original)
-    for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(original), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(original), strict=True
+    ):
         assert type(a) is type(b) or (isinstance(a, jax.Array) and isinstance(b, jax.Array)), (a, b)
         if isinstance(b, np.ndarray | jax.Array):
             assert a.dtype == b.dtype and a.shape == b.shape
@@ -140,7 +142,9 @@ def test_strided_and_big_endian_arrays(tmp_path) -> None:
 
 def test_arrays_larger_than_the_batched_path(tmp_path, mesh_4x2) -> None:
     big = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
-    sharded = jax.device_put(big, jax.sharding.NamedSharding(mesh_4x2, jax.sharding.PartitionSpec("x", "y")))
+    sharded = jax.device_put(
+        big, jax.sharding.NamedSharding(mesh_4x2, jax.sharding.PartitionSpec("x", "y"))
+    )
     tree = {"np": big, "jax": sharded, "small": np.arange(3)}
     cp.save_pytree(tmp_path / "c", tree)
     loaded = cp.load_pytree(tmp_path / "c")
@@ -220,13 +224,23 @@ def test_layout_is_orbax_layout_with_checksummed_chunks(tmp_path) -> None:
     tree = {"j": jnp.arange(4.0), "n": np.ones((2, 3)), "s": 3, "t": "text"}
     cp.save_pytree(tmp_path / "c", tree)
     pytree_dir = tmp_path / "c" / "pytree"
-    assert {"_METADATA", "_sharding", "_strings.json", "manifest.ocdbt", "d", "array_metadatas"} <= set(
-        os.listdir(pytree_dir)
-    )
+    assert {
+        "_METADATA",
+        "_sharding",
+        "_strings.json",
+        "manifest.ocdbt",
+        "d",
+        "array_metadatas",
+    } <= set(os.listdir(pytree_dir))
     document = json.loads((pytree_dir / "_METADATA").read_text())
     assert document["use_ocdbt"] is True and document["use_zarr3"] is True
     types = {k: v["value_metadata"]["value_type"] for k, v in document["tree_metadata"].items()}
-    assert types == {"('j',)": "jax.Array", "('n',)": "np.ndarray", "('s',)": "scalar", "('t',)": "string"}
+    assert types == {
+        "('j',)": "jax.Array",
+        "('n',)": "np.ndarray",
+        "('s',)": "scalar",
+        "('t',)": "string",
+    }
     assert document["tree_metadata"]["('j',)"]["value_metadata"]["write_shape"] == [4]
     assert json.loads((pytree_dir / "_strings.json").read_text()) == {"t": "text"}
     kvstore = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{pytree_dir}"}).result()
@@ -242,7 +256,10 @@ def test_layout_is_orbax_layout_with_checksummed_chunks(tmp_path) -> None:
 
 def test_metadata_describes_arrays_without_reading_them(tmp_path, mesh_4x2) -> None:
     sharding = jax.sharding.NamedSharding(mesh_4x2, jax.sharding.PartitionSpec("x", "y"))
-    tree = {"j": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16), sharding), "n": np.ones((2, 3), np.int8)}
+    tree = {
+        "j": jax.device_put(jnp.zeros((8, 4), jnp.bfloat16), sharding),
+        "n": np.ones((2, 3), np.int8),
+    }
     cp.save_pytree(tmp_path / "c", tree, custom_metadata={"run": 7})
     meta = cp.pytree_metadata(tmp_path / "c")
     assert meta.custom_metadata == {"run": 7}
@@ -259,4 +276,9 @@ def test_overwrite_and_checkpointable_name(tmp_path) -> None:
     cp.save_pytree(tmp_path / "c", {"a": np.zeros(2)}, checkpointable_name="state")
     cp.save_pytree(tmp_path / "c", {"a": np.ones(2)}, checkpointable_name="state", overwrite=True)
     np.testing.assert_array_equal(cp.load_pytree(tmp_path / "c")["a"], np.ones(2))
-    assert sorted(os.listdir(tmp_path / "c")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "orbax.checkpoint", "state"]
+    assert sorted(os.listdir(tmp_path / "c")) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "orbax.checkpoint",
+        "state",
+    ]

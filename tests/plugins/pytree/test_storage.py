@@ -50,7 +50,12 @@ def test_crc32c_many_matches_the_reference() -> None:
 )
 def test_zarr_json_is_byte_identical_to_tensorstores(shape, dtype, chunk) -> None:
     store = ts.open(
-        {"driver": "zarr3", "kvstore": "memory://", "metadata": metadata_dict(shape, dtype, chunk), "create": True},
+        {
+            "driver": "zarr3",
+            "kvstore": "memory://",
+            "metadata": metadata_dict(shape, dtype, chunk),
+            "create": True,
+        },
         context=ts.Context(),
     ).result()
     assert store.kvstore.read("zarr.json").result().value == zarr_json(shape, dtype, chunk)
@@ -61,7 +66,10 @@ def test_encoded_shards_read_back_through_the_zarr3_driver() -> None:
     kvstore = ts.KvStore.open("memory://", context=context).result()
     values = np.arange(12, dtype=np.float32).reshape(3, 4)
     kvstore.write("zarr.json", zarr_json(values.shape, values.dtype, (2, 4))).result()
-    for index, part in ((0, values[:2]), (1, np.concatenate([values[2:], np.zeros((1, 4), np.float32)]))):
+    for index, part in (
+        (0, values[:2]),
+        (1, np.concatenate([values[2:], np.zeros((1, 4), np.float32)])),
+    ):
         kvstore.write(f"c/{index}/0", encode_shard(part.tobytes(), crc32c(part.tobytes()))).result()
     store = ts.open({"driver": "zarr3", "kvstore": "memory://"}, context=context).result()
     np.testing.assert_array_equal(store.read().result(), values)
@@ -99,7 +107,9 @@ def test_storage_options_dtype_chunks_and_compression(tmp_path) -> None:
     options = cp.options.ArrayOptions(
         storage_options=cp.options.ArrayStorageOptions(chunk_byte_size=8 * 1024, shard_axes=(1,)),
         storage_options_creator=lambda keypath, value: (
-            cp.options.ArrayStorageOptions(dtype=jnp.bfloat16) if keypath[-1].key == "half" else None
+            cp.options.ArrayStorageOptions(dtype=jnp.bfloat16)
+            if keypath[-1].key == "half"
+            else None
         ),
         use_compression=True,
     )
@@ -131,5 +141,8 @@ def test_storage_options_creator_sees_key_paths_and_values(tmp_path) -> None:
 
 def test_storage_options_creator_must_return_storage_options(tmp_path) -> None:
     options = cp.options.ArrayOptions(storage_options_creator=lambda keypath, value: "float16")
-    with cp.Context(array_options=options), pytest.raises(TypeError, match="ArrayStorageOptions or None"):
+    with (
+        cp.Context(array_options=options),
+        pytest.raises(TypeError, match="ArrayStorageOptions or None"),
+    ):
         cp.save_pytree(tmp_path / "c", {"a": np.ones(2)})

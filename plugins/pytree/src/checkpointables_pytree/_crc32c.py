@@ -67,9 +67,9 @@ def _apply(op: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _zero_operators() -> tuple[np.ndarray, ...]:
-    basis = (np.arange(256, dtype=np.uint64)[None, :] << (8 * np.arange(4, dtype=np.uint64))[:, None]).astype(
-        np.uint32
-    )
+    basis = (
+        np.arange(256, dtype=np.uint64)[None, :] << (8 * np.arange(4, dtype=np.uint64))[:, None]
+    ).astype(np.uint32)
     one_byte = (basis >> 8) ^ _TABLE_NP[basis & 0xFF]
     ops = [one_byte]
     for _ in range(1, 48):
@@ -130,8 +130,13 @@ def _native_bucket(matrix: np.ndarray) -> np.ndarray:
 
 def crc32c_many(messages: Sequence[Any]) -> np.ndarray:
     """CRC-32C of each message (bytes-like or C-contiguous array), as a uint32 array."""
-    views = [memoryview(m).cast("B") if not isinstance(m, np.ndarray) else m.reshape(-1).view(np.uint8) for m in messages]
-    lengths = np.fromiter((v.nbytes if isinstance(v, memoryview) else v.size for v in views), np.int64, len(views))
+    views = [
+        memoryview(m).cast("B") if not isinstance(m, np.ndarray) else m.reshape(-1).view(np.uint8)
+        for m in messages
+    ]
+    lengths = np.fromiter(
+        (v.nbytes if isinstance(v, memoryview) else v.size for v in views), np.int64, len(views)
+    )
     result = np.zeros(len(views), dtype=np.uint32)
     if not len(views):
         return result
@@ -140,7 +145,9 @@ def crc32c_many(messages: Sequence[Any]) -> np.ndarray:
             result[i] = crc32c(v)
         return result
     # Bucket by padded length (a power of two) to bound the padding.
-    buckets = np.maximum(_MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))
+    buckets = np.maximum(
+        _MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    )
     for bucket in np.unique(buckets).tolist():
         rows = np.flatnonzero(buckets == bucket)
         matrix = np.zeros((len(rows), bucket), dtype=np.uint8)
@@ -151,6 +158,8 @@ def crc32c_many(messages: Sequence[Any]) -> np.ndarray:
         padded = _native_bucket(matrix)
         # crc(M) = crc(zeros + M) ^ Z(bucket) ^ Z(len(M)), Z(n) = register after n zeros from ~0.
         start = np.full(len(rows), _MASK, dtype=np.uint32)
-        correction = _after_zeros(start, np.full(len(rows), bucket)) ^ _after_zeros(start, lengths[rows])
+        correction = _after_zeros(start, np.full(len(rows), bucket)) ^ _after_zeros(
+            start, lengths[rows]
+        )
         result[rows] = padded ^ correction
     return result

@@ -7,7 +7,7 @@ import checkpointables as cp
 __all__ = ["is_data_loss", "integrity_error", "storage_error"]
 
 _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", "Error decoding")
-_MISSING_MARKERS = ("NOT_FOUND", "not found", "Missing", "missing")
+_MISSING_MARKERS = ("NOT_FOUND", "not found", "Missing", "missing", "OUT_OF_RANGE")
 
 
 def is_data_loss(error: BaseException) -> bool:
@@ -20,7 +20,8 @@ def integrity_error(what: str, detail: object) -> cp.errors.IntegrityError:
     """An ``IntegrityError`` naming ``what`` (a leaf, a file) and what went wrong."""
     return cp.errors.IntegrityError(
         f"{what} failed its integrity check: {detail}. The checkpoint is damaged; restore it from "
-        f"a copy or load an older checkpoint (`checkpointables verify PATH` lists every damaged leaf)."
+        "a copy or load an older checkpoint (`checkpointables "
+        "verify PATH` lists every damaged leaf)."
     )
 
 

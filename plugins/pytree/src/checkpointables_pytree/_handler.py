@@ -7,19 +7,27 @@ import inspect
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-import jax
-from etils import epath
-
 import checkpointables as cp
+import jax
 from checkpointables.serialization import (
     DeserializationParam,
-    param_name_from_keypath,
     LeafHandlerRegistry,
     SerializationParam,
     StandardLeafHandlerRegistry,
+    param_name_from_keypath,
 )
 from checkpointables.serialization._registry import LeafEntry
-from checkpointables_pytree import _crc32c, _gc, _tree, _tree_metadata, _verify
+from etils import epath
+
+from checkpointables_pytree import (
+    _crc32c,
+    _database,
+    _gc,
+    _multiprocess,
+    _tree,
+    _tree_metadata,
+    _verify,
+)
 from checkpointables_pytree._session import (
     LoadSession,
     NamedSerializationParam,
@@ -47,7 +55,8 @@ def leaf_registry(context: cp.Context | None = None) -> LeafHandlerRegistry:
         return StandardLeafHandlerRegistry()
     if not isinstance(registry, LeafHandlerRegistry):
         raise TypeError(
-            f"PyTreeOptions.leaf_handler_registry must be a cp.serialization.LeafHandlerRegistry, got "
+            "PyTreeOptions.leaf_handler_registry must be "
+            "a cp.serialization.LeafHandlerRegistry, got "
             f"{type(registry).__name__}."
         )
     return registry
@@ -59,7 +68,8 @@ def _make_leaf_handler(handler_cls: type, context: cp.Context) -> Any:
     except TypeError as e:
         raise cp.errors.PluginError(
             f"Leaf handler {handler_cls.__module__}.{handler_cls.__qualname__} cannot be built as "
-            f"handler_cls(context=...): {e}. Leaf handlers must accept a `context` keyword argument."
+            f"handler_cls(context=...): {e}. Leaf handlers "
+            "must accept a `context` keyword argument."
         ) from e
 
 
@@ -103,8 +113,10 @@ def _discard(awaitables: Sequence[Any]) -> None:
 
 
 def _is_skip(abstract: Any) -> bool:
-    return abstract is None or abstract is cp.PLACEHOLDER or (
-        type(abstract) in (dict, list, tuple) and not abstract
+    return (
+        abstract is None
+        or abstract is cp.PLACEHOLDER
+        or (type(abstract) in (dict, list, tuple) and not abstract)
     )
 
 
@@ -156,7 +168,8 @@ class PyTreeHandler:
             return None
         return (
             f"no leaf handler accepts the leaves {_listing(bad)}. Convert them to arrays, scalars "
-            f"or strings, or add a leaf handler for their type (cp.serialization.StandardLeafHandlerRegistry"
+            "or strings, or add a leaf handler for their type "
+            "(cp.serialization.StandardLeafHandlerRegistry"
             f"().add(...) in cp.options.PyTreeOptions(leaf_handler_registry=...))"
         )
 
@@ -175,12 +188,14 @@ class PyTreeHandler:
 
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
-        """Whether ``directory`` holds a pytree (has ``_METADATA``), for checkpoints with no typestr."""
+        """Whether ``directory`` holds a pytree (has ``_METADATA``); for untyped checkpoints."""
         return (epath.Path(directory) / _tree_metadata.METADATA_FILE).exists()
 
     # -- Saving -------------------------------------------------------------------------------
 
-    async def save(self, directory: cp.path.PathAwaitingCreation, checkpointable: Any) -> Awaitable[None]:
+    async def save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
+    ) -> Awaitable[None]:
         """Copies device data to host now; returns the awaitable that writes everything.
 
         Raises (before anything is written):
@@ -191,7 +206,9 @@ class PyTreeHandler:
         with _gc.paused():
             return await self._save(directory, checkpointable)
 
-    async def _save(self, directory: cp.path.PathAwaitingCreation, checkpointable: Any) -> Awaitable[None]:
+    async def _save(
+        self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
+    ) -> Awaitable[None]:
         context = cp.context.get_context()
         lookup = _EntryCache(leaf_registry(context))
         flat = self._flatten(checkpointable)
@@ -205,12 +222,16 @@ class PyTreeHandler:
             if names in seen:
                 raise ValueError(
                     f"Two keys of one container have the same string form: "
-                    f"{jax.tree_util.keystr(seen[names])} and {jax.tree_util.keystr(leaf.keypath)}. "
+                    f"{jax.tree_util.keystr(seen[names])} and "
+                    f"{jax.tree_util.keystr(leaf.keypath)}. "
                     f"Rename one of them; checkpoints record keys as strings."
                 )
             seen[names] = leaf.keypath
             if entry is None:
-                unsupported.append(f"{jax.tree_util.keystr(leaf.keypath) or '<root>'} ({_describe_type(leaf.value)})")
+                unsupported.append(
+                    f"{jax.tree_util.keystr(leaf.keypath) or '<root>'} "
+                    f"({_describe_type(leaf.value)})"
+                )
                 continue
             param = NamedSerializationParam(
                 keypath=leaf.keypath, value=leaf.value, storage_name=param_name_from_keypath(names)
@@ -219,7 +240,8 @@ class PyTreeHandler:
         if unsupported:
             raise cp.errors.NoHandlerForObjectError(
                 f"Cannot save the pytree to {directory.path}: no leaf handler accepts the leaves "
-                f"{_listing(unsupported)}. Convert them to arrays, scalars or strings, or register a leaf "
+                f"{_listing(unsupported)}. Convert them to "
+                "arrays, scalars or strings, or register a leaf "
                 f"handler for their type. Nothing was written."
             )
 
@@ -230,7 +252,9 @@ class PyTreeHandler:
         for handler_cls, items in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
-                awaitables.append(await handler.serialize([p for p, _, _ in items], serialization_context))
+                awaitables.append(
+                    await handler.serialize([p for p, _, _ in items], serialization_context)
+                )
             except BaseException:
                 _discard(awaitables)
                 raise
@@ -261,12 +285,15 @@ class PyTreeHandler:
 
         async def background() -> None:
             # The tree's own files are written while the arrays are committed.
+            session.writer.start_checksums()
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])
             try:
                 path = await directory.await_creation()
                 with _gc.paused():
                     session.write_files(path)
+                await session.writer.checksums()  # They go into _METADATA.
+                with _gc.paused():
                     if cp.multihost.is_primary_host(context):
                         if session.strings:
                             text = session.strings_text().encode()
@@ -274,12 +301,29 @@ class PyTreeHandler:
                         _tree_metadata.write_tree_metadata(path, tree)
             finally:
                 await asyncio.gather(arrays, others)
+            if cp.multihost.process_count() > 1 and not session.writer.empty:
+                # Durable before this process reports that it finished writing.
+                await asyncio.to_thread(
+                    _multiprocess.flush_database, _database.database_directory(path)
+                )
 
         return background()
 
+    async def finalize(self, directory: epath.Path) -> None:
+        """Merges the processes' own databases into the root one (primary host, before the commit).
+
+        Called once every process finished writing; a single-process save has
+        nothing to merge.
+        """
+        if cp.multihost.process_count() > 1:
+            context = cp.context.get_context()
+            await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
+
     # -- Loading --------------------------------------------------------------------------------
 
-    async def load(self, directory: epath.Path, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+    async def load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
         """Reads the metadata and plans the reads now; returns the awaitable that reads.
 
         Raises (before reading any array):
@@ -291,7 +335,9 @@ class PyTreeHandler:
         with _gc.paused():
             return await self._load(directory, abstract_checkpointable)
 
-    async def _load(self, directory: epath.Path, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+    async def _load(
+        self, directory: epath.Path, abstract_checkpointable: Any = None
+    ) -> Awaitable[Any]:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         tree = _tree_metadata.read_tree_metadata(directory)
@@ -300,7 +346,11 @@ class PyTreeHandler:
             plan = _Plan.without_abstract(tree, registry)
         else:
             plan = _Plan.with_abstract(
-                tree, abstract_checkpointable, registry, partial=context.pytree_options.partial_load, where=directory
+                tree,
+                abstract_checkpointable,
+                registry,
+                partial=context.pytree_options.partial_load,
+                where=directory,
             )
         deserialization_context = PyTreeDeserializationContext(
             parent_dir=directory,
@@ -312,7 +362,9 @@ class PyTreeHandler:
         for handler_cls, items in plan.groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
-                awaitable = await handler.deserialize([p for _, p in items], deserialization_context)
+                awaitable = await handler.deserialize(
+                    [p for _, p in items], deserialization_context
+                )
             except BaseException:
                 _discard([a for _, a in pending])
                 raise
@@ -364,6 +416,17 @@ class PyTreeHandler:
         """
         return await _verify.verify_pytree(directory, leaf_registry())
 
+    async def merge_partial(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
+        """Builds the pytree at ``target`` from partial saves' pytree directories (oldest first).
+
+        Used by ``cp.partial.finalize``. The ``sources`` must sit inside
+        ``target`` and stay there: no array data is copied, the merged database
+        refers to theirs. Later sources replace earlier ones' keys.
+        """
+        from checkpointables_pytree import _partial  # Only partial saves need it.
+
+        _partial.merge_partial_saves(sources, target)
+
 
 class _Plan:
     """Which leaf handler reads which leaf, and how the result tree is built."""
@@ -378,7 +441,9 @@ class _Plan:
         self.groups.setdefault(handler_cls, []).append((len(self.values) - 1, param))
 
     @classmethod
-    def without_abstract(cls, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry) -> _Plan:
+    def without_abstract(
+        cls, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
+    ) -> _Plan:
         plan = cls()
         unknown: dict[str, list[str]] = {}
         for entry in tree.entries:
@@ -396,14 +461,19 @@ class _Plan:
                 continue
             plan._add(
                 leaf_entry.handler_cls,
-                DeserializationParam(keypath=_tree.jax_keypath(entry.names, entry.key_types), value=None),
+                DeserializationParam(
+                    keypath=_tree.jax_keypath(entry.names, entry.key_types), value=None
+                ),
             )
         if unknown:
             described = "; ".join(f"{t!r} for {_listing(paths)}" for t, paths in unknown.items())
             raise cp.errors.MissingHandlerError(
-                f"No leaf handler registered here reads the value types {described}. They were saved by "
-                f"custom leaf handlers: pass a registry holding them, e.g. cp.Context(pytree_options="
-                f"cp.options.PyTreeOptions(leaf_handler_registry=registry)), or skip those leaves with "
+                "No leaf handler registered here reads the "
+                f"value types {described}. They were saved by "
+                "custom leaf handlers: pass a registry "
+                "holding them, e.g. cp.Context(pytree_options="
+                "cp.options.PyTreeOptions(leaf_handler_registry=registry)), "
+                "or skip those leaves with "
                 f"cp.PLACEHOLDER in an abstract tree."
             )
         return plan
@@ -440,7 +510,9 @@ class _Plan:
             entry = stored.get(names)
             if entry is None or entry.is_empty_node:
                 if names in inner:
-                    shape_of_tree.append(f"{shown} (a leaf in the abstract tree, a subtree in the checkpoint)")
+                    shape_of_tree.append(
+                        f"{shown} (a leaf in the abstract tree, a subtree in the checkpoint)"
+                    )
                 elif entry is not None:
                     shape_of_tree.append(f"{shown} (an empty {entry.value_type} in the checkpoint)")
                 else:
@@ -451,7 +523,9 @@ class _Plan:
                 unsupported.append(f"{shown} ({_describe_type(leaf)})")
                 continue
             used.add(names)
-            plan._add(leaf_entry.handler_cls, DeserializationParam(keypath=tuple(keypath), value=leaf))
+            plan._add(
+                leaf_entry.handler_cls, DeserializationParam(keypath=tuple(keypath), value=leaf)
+            )
         missing = []
         for entry in tree.entries:
             names = entry.names
@@ -461,22 +535,31 @@ class _Plan:
         if unsupported:
             raise cp.errors.TreeMismatchError(
                 f"No leaf handler accepts these abstract leaves: {_listing(unsupported)}. Use "
-                f"jax.ShapeDtypeStruct, np.empty(...), a scalar, a str, None or cp.PLACEHOLDER, or a "
+                "jax.ShapeDtypeStruct, np.empty(...), a "
+                "scalar, a str, None or cp.PLACEHOLDER, or a "
                 f"registered custom abstract type."
             )
         if extra or shape_of_tree or (missing and not partial):
             lines = [f"The abstract tree does not match the pytree stored in {where}:"]
             if extra:
-                lines.append(f"  in the abstract tree but not in the checkpoint ({len(extra)}): {_listing(extra)}")
+                lines.append(
+                    "  in the abstract tree but not in the "
+                    f"checkpoint ({len(extra)}): {_listing(extra)}"
+                )
             if shape_of_tree:
-                lines.append(f"  different structure ({len(shape_of_tree)}): {_listing(shape_of_tree)}")
+                lines.append(
+                    f"  different structure ({len(shape_of_tree)}): {_listing(shape_of_tree)}"
+                )
             if missing and not partial:
                 lines.append(
-                    f"  in the checkpoint but not in the abstract tree ({len(missing)}): {_listing(missing)}"
+                    "  in the checkpoint but not in the abstract "
+                    f"tree ({len(missing)}): {_listing(missing)}"
                 )
             lines.append(
-                "Fix the abstract tree (cp.pytree_metadata(path).metadata shows what is stored); to load "
-                "only part of the tree pass partial_load=True, or put cp.PLACEHOLDER where a leaf should "
+                "Fix the abstract tree (cp.pytree_metadata(path).metadata "
+                "shows what is stored); to load "
+                "only part of the tree pass partial_load=True, "
+                "or put cp.PLACEHOLDER where a leaf should "
                 "be skipped."
             )
             raise cp.errors.TreeMismatchError("\n".join(lines))
@@ -488,7 +571,10 @@ class _Plan:
             return jax.tree_util.tree_unflatten(self.treedef, self.values)
         if not self.slots:
             return {}
-        items = [(names, types, value) for (names, types), value in zip(self.slots, self.values, strict=True)]
+        items = [
+            (names, types, value)
+            for (names, types), value in zip(self.slots, self.values, strict=True)
+        ]
         return _tree.unflatten(
             items,
             tree.tuple_paths,
@@ -496,4 +582,3 @@ class _Plan:
                 f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
             ),
         )
-

@@ -16,17 +16,25 @@ import math
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+import checkpointables as cp
 import jax
 import numpy as np
-
-import checkpointables as cp
 from checkpointables.serialization import (
     DeserializationContext,
     DeserializationParam,
     SerializationContext,
     SerializationParam,
 )
-from checkpointables_pytree import _database, _errors, _sharding, _tree, _tree_metadata, _zarr3
+
+from checkpointables_pytree import (
+    _database,
+    _errors,
+    _multiprocess,
+    _sharding,
+    _tree,
+    _tree_metadata,
+    _zarr3,
+)
 from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
 from checkpointables_pytree._session import LoadSession, SaveSession, zarr_shape_dtype
 
@@ -45,7 +53,13 @@ __all__ = [
 ]
 
 # value_type strings in _METADATA (the first four are Orbax's).
-JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING, BYTES = "jax.Array", "np.ndarray", "scalar", "string", "bytes"
+JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING, BYTES = (
+    "jax.Array",
+    "np.ndarray",
+    "scalar",
+    "string",
+    "bytes",
+)
 # Stored as zarr arrays, so loadable into any array-like abstract leaf.
 ARRAY_VALUE_TYPES = frozenset({JAX_ARRAY, NUMPY_ARRAY, SCALAR, BYTES})
 _PYTHON_SCALARS: dict[str, type] = {"int": int, "float": float, "bool": bool, "complex": complex}
@@ -57,7 +71,8 @@ def _what(keypath: Sequence[Any]) -> str:
 
 def _unsupported(keypath: Sequence[Any], value: Any, why: str) -> cp.errors.NoHandlerForObjectError:
     return cp.errors.NoHandlerForObjectError(
-        f"Cannot save {_what(keypath)} of type {type(value).__module__}.{type(value).__qualname__}: {why}"
+        f"Cannot save {_what(keypath)} of type "
+        f"{type(value).__module__}.{type(value).__qualname__}: {why}"
     )
 
 
@@ -92,14 +107,17 @@ def _check_stored_type(entry: _tree_metadata.Entry, allowed: frozenset[str], wan
     if entry.value_type not in allowed:
         raise cp.errors.TreeMismatchError(
             f"{entry.keystr} was saved as {entry.value_type!r}; it cannot be loaded as {wanted}. "
-            f"Use an abstract leaf of the saved kind (see cp.pytree_metadata), or cp.PLACEHOLDER to skip it."
+            "Use an abstract leaf of the saved kind (see "
+            "cp.pytree_metadata), or cp.PLACEHOLDER to skip it."
         )
 
 
 # -- Array options ------------------------------------------------------------------------
 
 
-def _storage_options(context: cp.Context, keypath: Sequence[Any], value: Any) -> cp.options.ArrayStorageOptions:
+def _storage_options(
+    context: cp.Context, keypath: Sequence[Any], value: Any
+) -> cp.options.ArrayStorageOptions:
     options = context.array_options
     creator = options.storage_options_creator
     if creator is not None:
@@ -107,7 +125,8 @@ def _storage_options(context: cp.Context, keypath: Sequence[Any], value: Any) ->
         if chosen is not None:
             if not isinstance(chosen, cp.options.ArrayStorageOptions):
                 raise TypeError(
-                    f"storage_options_creator returned {type(chosen).__name__} for {_what(keypath)}; "
+                    "storage_options_creator returned "
+                    f"{type(chosen).__name__} for {_what(keypath)}; "
                     f"it must return cp.options.ArrayStorageOptions or None."
                 )
             return chosen
@@ -157,45 +176,68 @@ def _plan_array(
     chunks: list[tuple[tuple[int, ...], np.ndarray]],
     storage: cp.options.ArrayStorageOptions,
     extra: dict[str, Any] | None = None,
+    held_by_every_process: bool = True,
 ) -> None:
-    """Schedules one array's chunks and records its metadata in the session."""
+    """Schedules one array's chunks and records its metadata in the session.
+
+    In a multi-process save, a value every process holds (``held_by_every_process``)
+    and every array's ``zarr.json`` are written by the primary host alone.
+    """
+    primary = _multiprocess.writes_shared_values(session.context)
+    if held_by_every_process and not primary:
+        chunks = []
     compression = bool(session.context.array_options.use_compression)
     inner: tuple[int, ...] | None = None
     if storage.chunk_byte_size:
-        inner = choose_inner_chunk_shape(chunk_shape, dtype.itemsize, int(storage.chunk_byte_size), storage.shard_axes)
+        inner = choose_inner_chunk_shape(
+            chunk_shape, dtype.itemsize, int(storage.chunk_byte_size), storage.shard_axes
+        )
         if inner == chunk_shape:
             inner = None
     name = param.name
-    layout = _zarr3.ZarrLayout(name, shape, dtype, chunk_shape)
-    item = _database.ArrayWrite(_what(param.keypath), layout, chunks, inner_chunk_shape=inner, compression=compression)
-    session.writer.add(item)
     recorded: dict[str, Any] = {
         "shape": list(shape),
         "dtype": _zarr3.zarr_dtype_name(dtype),
         "chunk_shape": list(chunk_shape),
         "one_chunk_shards": inner is None and not compression,
     }
-    if item.direct and len(chunks) == len(_zarr3.all_chunk_indices(shape, chunk_shape)):
-        # Loads check these zlib CRC-32s (C speed) instead of recomputing each chunk's
-        # CRC-32C; the chunks keep their CRC-32C for other readers and `verify`.
-        recorded["crc32"] = [_database.chunk_crc32(data, layout) for _, data in chunks]
+    layout = _zarr3.ZarrLayout(name, shape, dtype, chunk_shape)
+    # The writer adds each chunk's zlib CRC-32 to `recorded`: loads check those (C speed)
+    # instead of recomputing CRC-32Cs; the chunks keep their CRC-32C for other readers.
+    session.writer.add(
+        _database.ArrayWrite(
+            _what(param.keypath),
+            layout,
+            chunks,
+            inner_chunk_shape=inner,
+            compression=compression,
+            write_metadata=primary,
+            record=recorded,
+        )
+    )
     if extra:
         recorded.update(extra)
     session.extras[name] = recorded
 
 
-def _storage_dtype(keypath: Sequence[Any], value: Any, dtype: Any, storage: cp.options.ArrayStorageOptions) -> np.dtype:
+def _storage_dtype(
+    keypath: Sequence[Any], value: Any, dtype: Any, storage: cp.options.ArrayStorageOptions
+) -> np.dtype:
     try:
         target = np.dtype(storage.dtype) if storage.dtype is not None else np.dtype(dtype)
     except TypeError:
         raise _unsupported(
-            keypath, value, f"its dtype {dtype} has no NumPy equivalent (for jax.random keys, save "
-            f"jax.random.key_data(key) instead)"
+            keypath,
+            value,
+            f"its dtype {dtype} has no NumPy equivalent (for jax.random keys, save "
+            f"jax.random.key_data(key) instead)",
         ) from None
     if _zarr3.zarr_dtype_name(target) is None:
         raise _unsupported(
-            keypath, value, f"dtype {target} cannot be stored in a zarr3 array; convert it to a numeric "
-            f"dtype, or register a leaf handler for it"
+            keypath,
+            value,
+            f"dtype {target} cannot be stored in a zarr3 array; convert it to a numeric "
+            f"dtype, or register a leaf handler for it",
         )
     return target
 
@@ -207,6 +249,12 @@ def _cast(array: np.ndarray, dtype: Any) -> np.ndarray:
     if dtype is None or array.dtype == dtype:
         return array
     return array.astype(dtype)
+
+
+def _numpy_result(array: np.ndarray, dtype: Any) -> np.ndarray:
+    """A writable NumPy array (reads may hand over read-only views of stored bytes)."""
+    array = _cast(array, dtype)
+    return array if array.flags.writeable else array.copy()
 
 
 def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
@@ -222,9 +270,7 @@ def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
 
 
 def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(
-        slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True)
-    )
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
 def _sharded_read(
@@ -266,14 +312,17 @@ class _StandardHandler:
 class ArrayLeafHandler(_StandardHandler):
     """Saves ``jax.Array`` leaves shard by shard; loads them onto any mesh.
 
-    Saving copies each shard this process owns (``replica_id == 0``) to host in
-    the blocking phase; an asynchronous save copies even on CPU, so the caller
-    may delete or donate its arrays at once. Loading reads only the regions
-    the target sharding places on this process's devices.
+    Saving transfers each shard this process owns (``replica_id == 0``) to host
+    in the blocking phase, so the caller may delete its arrays as soon as
+    ``save_pytree_async`` returns. (On CPU the host view shares the
+    device buffer and keeps it alive: no copy at all.) Loading reads only the
+    regions the target sharding places on this process's devices.
     """
 
     async def serialize(
-        self, params: Sequence[SerializationParam[jax.Array]], serialization_context: SerializationContext
+        self,
+        params: Sequence[SerializationParam[jax.Array]],
+        serialization_context: SerializationContext,
     ) -> Awaitable[None]:
         """Copies the shards to host; returns the awaitable that writes them."""
         session, private = _save_session(self, serialization_context)
@@ -284,16 +333,25 @@ class ArrayLeafHandler(_StandardHandler):
     def _plan(self, session: SaveSession, param: SerializationParam[jax.Array]) -> None:
         array = param.value
         if array.is_deleted():
-            raise _unsupported(param.keypath, array, "the array was deleted (or donated) before the save")
+            raise _unsupported(
+                param.keypath, array, "the array was deleted (or donated) before the save"
+            )
         storage = _storage_options(session.context, param.keypath, array)
         dtype = _storage_dtype(param.keypath, array, array.dtype, storage)
         shape = tuple(int(s) for s in array.shape)
         if math.prod(shape) == 0:
             chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
         else:
-            chunk_shape, chunks = self._host_shards(array, dtype, copy=not session.caller_waits)
+            chunk_shape, chunks = self._host_shards(array, dtype, session.context)
         _plan_array(
-            session, param, shape=shape, dtype=dtype, chunk_shape=chunk_shape, chunks=chunks, storage=storage
+            session,
+            param,
+            shape=shape,
+            dtype=dtype,
+            chunk_shape=chunk_shape,
+            chunks=chunks,
+            storage=storage,
+            held_by_every_process=False,  # Each process writes the shards it owns.
         )
         name = param.name
         session.write_shapes[name] = chunk_shape
@@ -301,39 +359,49 @@ class ArrayLeafHandler(_StandardHandler):
         if record is not None:
             session.shardings[name] = record
         session.array_metadatas.append(
-            {"param_name": name, "write_shape": list(chunk_shape), "chunk_shape": list(chunk_shape), "ext_metadata": None}
+            {
+                "param_name": name,
+                "write_shape": list(chunk_shape),
+                "chunk_shape": list(chunk_shape),
+                "ext_metadata": None,
+            }
         )
 
     @staticmethod
     def _host_shards(
-        array: jax.Array, dtype: np.dtype, *, copy: bool
+        array: jax.Array, dtype: np.dtype, context: cp.Context
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
         shape = tuple(int(s) for s in array.shape)
-        shards = [s for s in array.addressable_shards if s.replica_id == 0]
+        shards = _multiprocess.shards_to_write(array, context)
         try:
             chunk_shape = tuple(int(s) for s in array.sharding.shard_shape(array.shape))
         except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
-            chunk_shape = tuple(max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(len(shape)))
+            chunk_shape = tuple(
+                max(int(s.data.shape[d]) for s in array.addressable_shards)
+                for d in range(len(shape))
+            )
         for shard in shards:  # Start every transfer before waiting for any.
             shard.data.copy_to_host_async()
         chunks = []
         for shard in shards:
+            # On an accelerator this is a fresh host copy. On CPU it is a view that
+            # holds the device buffer: jax.Arrays are immutable and the buffer
+            # outlives delete() while the view exists, so even an asynchronous
+            # save needs no copy.
             data = np.asarray(shard.data)
-            # On CPU the host view aliases the device buffer: an asynchronous
-            # save must own a copy before the caller can delete the array.
-            must_copy = copy and shard.device.platform == "cpu"
             if data.dtype != dtype:
                 data = data.astype(dtype)
-            elif must_copy:
-                data = np.array(data, copy=True)
             index = tuple(
-                (s.start or 0) // c if c else 0 for s, c in zip(_normalize(shard.index, shape), chunk_shape, strict=True)
+                (s.start or 0) // c if c else 0
+                for s, c in zip(_normalize(shard.index, shape), chunk_shape, strict=True)
             )
             chunks.append((index, data))
         return chunk_shape, chunks
 
     async def deserialize(
-        self, params: Sequence[DeserializationParam[Any]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[jax.Array]]:
         """Schedules the reads; returns the awaitable that yields the arrays."""
         session, private = _load_session(self, deserialization_context)
@@ -366,7 +434,9 @@ class ArrayLeafHandler(_StandardHandler):
         return read
 
     async def metadata(
-        self, params: Sequence[DeserializationParam[None]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
     ) -> Sequence[ArrayMetadata]:
         """Shape, dtype and recorded sharding of each stored array."""
         session, _ = _load_session(self, deserialization_context)
@@ -408,7 +478,9 @@ async def _layouts(
     return found
 
 
-async def _finish_load(session: LoadSession, private: bool, reads: list[_database.ArrayRead]) -> list[Any]:
+async def _finish_load(
+    session: LoadSession, private: bool, reads: list[_database.ArrayRead]
+) -> list[Any]:
     if private:
         await session.reader.run()
     return [r.result for r in reads]
@@ -418,17 +490,21 @@ class NumpyLeafHandler(_StandardHandler):
     """Saves ``np.ndarray`` leaves as one-shard zarr3 arrays; loads NumPy arrays."""
 
     async def serialize(
-        self, params: Sequence[SerializationParam[np.ndarray]], serialization_context: SerializationContext
+        self,
+        params: Sequence[SerializationParam[np.ndarray]],
+        serialization_context: SerializationContext,
     ) -> Awaitable[None]:
-        """Snapshots the arrays (unless the caller waits); returns the awaitable that writes them."""
+        """Snapshots the arrays (unless the caller waits); returns the awaitable writing them."""
         session, private = _save_session(self, serialization_context)
         for param in params:
             array = param.value
             storage = _storage_options(session.context, param.keypath, array)
             if array.dtype.kind in "OUS":
                 raise _unsupported(
-                    param.keypath, array, f"arrays of dtype {array.dtype} cannot be stored in zarr3; "
-                    f"convert them to numbers (or strings to str leaves)"
+                    param.keypath,
+                    array,
+                    f"arrays of dtype {array.dtype} cannot be stored in zarr3; "
+                    f"convert them to numbers (or strings to str leaves)",
                 )
             dtype = _storage_dtype(param.keypath, array, array.dtype.newbyteorder("="), storage)
             shape = tuple(int(s) for s in array.shape)
@@ -443,12 +519,20 @@ class NumpyLeafHandler(_StandardHandler):
                     data = data.astype(dtype)
                 chunks = [((0,) * len(shape), data)]
             _plan_array(
-                session, param, shape=shape, dtype=dtype, chunk_shape=chunk_shape, chunks=chunks, storage=storage
+                session,
+                param,
+                shape=shape,
+                dtype=dtype,
+                chunk_shape=chunk_shape,
+                chunks=chunks,
+                storage=storage,
             )
         return _finish_save(session, private)
 
     async def deserialize(
-        self, params: Sequence[DeserializationParam[Any]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[np.ndarray]]:
         """Schedules the reads; returns the awaitable that yields the arrays."""
         session, private = _load_session(self, deserialization_context)
@@ -461,7 +545,7 @@ class NumpyLeafHandler(_StandardHandler):
                 label=entry,
                 name=name,
                 stored=session.stored_array(entry),
-                convert=lambda pieces, dtype=dtype: _cast(pieces[0], dtype),
+                convert=lambda pieces, dtype=dtype: _numpy_result(pieces[0], dtype),
                 target_shape=shape,
                 allow_resize=session.allow_resize,
             )
@@ -470,12 +554,16 @@ class NumpyLeafHandler(_StandardHandler):
         return _finish_load(session, private, reads)
 
     async def metadata(
-        self, params: Sequence[DeserializationParam[None]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
     ) -> Sequence[NumpyMetadata]:
         """Shape and dtype of each stored array."""
         session, _ = _load_session(self, deserialization_context)
         layouts = await _layouts(session, params)
-        return [NumpyMetadata(shape, dtype, StorageMetadata(chunk)) for shape, dtype, chunk in layouts]
+        return [
+            NumpyMetadata(shape, dtype, StorageMetadata(chunk)) for shape, dtype, chunk in layouts
+        ]
 
 
 def _scalar_type_name(value: Any) -> str:
@@ -516,10 +604,15 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
 def _to_scalar(array: np.ndarray, scalar_type: Any, entry: _tree_metadata.Entry) -> Any:
     if array.size != 1:
         raise cp.errors.TreeMismatchError(
-            f"{entry.keystr} stores an array of shape {array.shape}; it cannot be loaded as a scalar "
+            f"{entry.keystr} stores an array of shape "
+            f"{array.shape}; it cannot be loaded as a scalar "
             f"{getattr(scalar_type, '__name__', scalar_type)}. Use an array abstract leaf instead."
         )
-    value = array.reshape(()).item() if scalar_type in (int, float, bool, complex) else array.reshape(())[()]
+    value = (
+        array.reshape(()).item()
+        if scalar_type in (int, float, bool, complex)
+        else array.reshape(())[()]
+    )
     return scalar_type(value)
 
 
@@ -543,7 +636,9 @@ class ScalarLeafHandler(_StandardHandler):
             except OverflowError:
                 array = np.asarray(None)
             if isinstance(value, int) and array.dtype.kind not in "biu":
-                raise _unsupported(param.keypath, value, "the integer does not fit in 64 bits; store it as a str")
+                raise _unsupported(
+                    param.keypath, value, "the integer does not fit in 64 bits; store it as a str"
+                )
             storage = _storage_options(session.context, param.keypath, value)
             dtype = _storage_dtype(param.keypath, value, array.dtype, storage)
             _plan_array(
@@ -559,7 +654,9 @@ class ScalarLeafHandler(_StandardHandler):
         return _finish_save(session, private)
 
     async def deserialize(
-        self, params: Sequence[DeserializationParam[Any]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[Any]]:
         """Schedules the reads; returns the awaitable that yields the scalars."""
         session, private = _load_session(self, deserialization_context)
@@ -574,7 +671,9 @@ class ScalarLeafHandler(_StandardHandler):
                 scalar_type = type(abstract)
             else:
                 stored = session.stored_array(entry)
-                scalar_type = _scalar_type(entry.extra.get("scalar_type"), stored.dtype if stored else None)
+                scalar_type = _scalar_type(
+                    entry.extra.get("scalar_type"), stored.dtype if stored else None
+                )
                 if stored is None:
                     scalar_type = None  # Decided by the stored dtype, once read.
             read = _database.ArrayRead(
@@ -590,7 +689,9 @@ class ScalarLeafHandler(_StandardHandler):
         return _finish_load(session, private, reads)
 
     async def metadata(
-        self, params: Sequence[DeserializationParam[None]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
     ) -> Sequence[Any]:
         """A zero of each stored scalar's type (``0``, ``0.0``, ``False``, ``np.float32(0)``...)."""
         session, _ = _load_session(self, deserialization_context)
@@ -615,7 +716,9 @@ class StringLeafHandler(_StandardHandler):
         return _finish_save(session, private)
 
     async def deserialize(
-        self, params: Sequence[DeserializationParam[Any]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[str]]:
         """Returns the awaitable that reads the strings."""
         session, _ = _load_session(self, deserialization_context)
@@ -629,7 +732,8 @@ class StringLeafHandler(_StandardHandler):
                 name = session.storage_name(param.keypath)
                 if name not in strings:
                     raise _errors.integrity_error(
-                        session.entry(param.keypath).keystr, f"it is missing from {session.directory / '_strings.json'}"
+                        session.entry(param.keypath).keystr,
+                        f"it is missing from {session.directory / '_strings.json'}",
                     )
                 result.append(str(strings[name]))
             return result
@@ -637,7 +741,9 @@ class StringLeafHandler(_StandardHandler):
         return read()
 
     async def metadata(
-        self, params: Sequence[DeserializationParam[None]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
     ) -> Sequence[str]:
         """``""`` for each string leaf (an abstract ``str``)."""
         return ["" for _ in params]
@@ -647,7 +753,9 @@ class BytesLeafHandler(_StandardHandler):
     """Saves ``bytes`` leaves as 1-d uint8 zarr3 arrays; loads ``bytes``."""
 
     async def serialize(
-        self, params: Sequence[SerializationParam[bytes]], serialization_context: SerializationContext
+        self,
+        params: Sequence[SerializationParam[bytes]],
+        serialization_context: SerializationContext,
     ) -> Awaitable[None]:
         """Copies the bytes into arrays; returns the awaitable that writes them."""
         session, private = _save_session(self, serialization_context)
@@ -666,7 +774,9 @@ class BytesLeafHandler(_StandardHandler):
         return _finish_save(session, private)
 
     async def deserialize(
-        self, params: Sequence[DeserializationParam[Any]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[bytes]]:
         """Schedules the reads; returns the awaitable that yields the bytes."""
         session, private = _load_session(self, deserialization_context)
@@ -685,7 +795,9 @@ class BytesLeafHandler(_StandardHandler):
         return _finish_load(session, private, reads)
 
     async def metadata(
-        self, params: Sequence[DeserializationParam[None]], deserialization_context: DeserializationContext
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
     ) -> Sequence[bytes]:
         """``b""`` for each bytes leaf (an abstract ``bytes``)."""
         return [b"" for _ in params]

@@ -31,7 +31,9 @@ class StorageMetadata:
 
     __slots__ = ("chunk_shape", "write_shape")
 
-    def __init__(self, chunk_shape: tuple[int, ...] | None, write_shape: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self, chunk_shape: tuple[int, ...] | None, write_shape: tuple[int, ...] | None = None
+    ) -> None:
         self.chunk_shape = chunk_shape
         self.write_shape = write_shape
 
@@ -52,7 +54,9 @@ class StorageMetadata:
 class _ArrayLike:
     __slots__ = ("dtype", "shape", "storage")
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, storage: StorageMetadata | None = None) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any, storage: StorageMetadata | None = None
+    ) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.storage = storage
@@ -127,7 +131,11 @@ class NumpyMetadata(_ArrayLike):
     __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, NumpyMetadata) and self.shape == other.shape and self.dtype == other.dtype
+        return (
+            isinstance(other, NumpyMetadata)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+        )
 
     def __hash__(self) -> int:
         return hash((self.shape, self.dtype))

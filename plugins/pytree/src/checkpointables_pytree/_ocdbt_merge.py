@@ -59,12 +59,16 @@ def merge_into(target: epath.Path, sources: Sequence[Source]) -> None:
                 f"their sources' files by relative path."
             )
     context = _database.make_context()
-    destination = ts.KvStore.open(_database.kvstore_spec(target, create=True), context=context).result()
+    destination = ts.KvStore.open(
+        _database.kvstore_spec(target, create=True), context=context
+    ).result()
     with ts.Transaction(atomic=True) as transaction:
         into = destination.with_transaction(transaction)
         futures = []
         for source in sources:
-            store = ts.KvStore.open(_database.kvstore_spec(source.directory), context=context).result()
+            store = ts.KvStore.open(
+                _database.kvstore_spec(source.directory), context=context
+            ).result()
             if source.prefixes is None:
                 futures.append(store.experimental_copy_range_to(into))
             else:

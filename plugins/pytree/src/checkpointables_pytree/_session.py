@@ -21,12 +21,20 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import checkpointables as cp
 import numpy as np
 import tensorstore as ts
 from etils import epath
 
-import checkpointables as cp
-from checkpointables_pytree import _crc32c, _database, _errors, _sharding, _tree, _tree_metadata, _zarr3
+from checkpointables_pytree import (
+    _crc32c,
+    _database,
+    _errors,
+    _sharding,
+    _tree,
+    _tree_metadata,
+    _zarr3,
+)
 
 __all__ = [
     "NamedSerializationParam",
@@ -96,7 +104,9 @@ class SaveSession:
             (directory / ARRAY_METADATAS_DIR).mkdir(exist_ok=True)
             write_text(
                 directory / ARRAY_METADATAS_DIR / f"process_{cp.multihost.process_index()}",
-                json.dumps({"array_metadatas": [{"array_metadata": m} for m in self.array_metadatas]}),
+                json.dumps(
+                    {"array_metadatas": [{"array_metadata": m} for m in self.array_metadatas]}
+                ),
             )
 
 
@@ -146,7 +156,10 @@ class LoadSession:
         self.context = context
         self.allow_resize = bool(context.array_options.enable_padding_and_truncation)
         self.reader = _database.ArrayReader(
-            directory, ocdbt=tree.use_ocdbt, zarr3=tree.use_zarr3
+            directory,
+            ocdbt=tree.use_ocdbt,
+            zarr3=tree.use_zarr3,
+            verify=bool(context.array_options.verify_checksums),
         )
         self.entries = {e.names: e for e in tree.entries}
         self._info: dict[tuple[str, ...], tuple[_tree_metadata.Entry, str]] = {}
@@ -187,13 +200,17 @@ class LoadSession:
         if dtype is None:
             return None
         shape = tuple(int(s) for s in extra["shape"])
-        chunk_shape = tuple(int(s) for s in extra.get("chunk_shape", _zarr3.default_chunk_shape(shape)))
+        chunk_shape = tuple(
+            int(s) for s in extra.get("chunk_shape", _zarr3.default_chunk_shape(shape))
+        )
         crc32 = extra.get("crc32")
         return _database.StoredArray(
             shape=shape,
             dtype=dtype,
             chunk_shape=chunk_shape,
-            direct=bool(extra.get("one_chunk_shards")) and self.tree.use_ocdbt and self.tree.use_zarr3,
+            direct=bool(extra.get("one_chunk_shards"))
+            and self.tree.use_ocdbt
+            and self.tree.use_zarr3,
             crc32=tuple(int(c) for c in crc32) if isinstance(crc32, list) else None,
         )
 
@@ -217,7 +234,9 @@ class LoadSession:
             except ValueError as e:
                 raise cp.errors.MetadataError(f"{path} is not valid JSON ({e}).") from None
             if not isinstance(document, dict):
-                raise cp.errors.MetadataError(f"{path} holds a JSON {type(document).__name__}, expected an object.")
+                raise cp.errors.MetadataError(
+                    f"{path} holds a JSON {type(document).__name__}, expected an object."
+                )
             self._strings = document
         return self._strings
 
@@ -228,7 +247,7 @@ class LoadSession:
         return self._shardings.get(_sharding.file_key(storage_name))
 
     async def zarr_metadata(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """``zarr.json`` (v3) or ``.zarray`` (v2) of arrays with no recorded layout, read in a batch."""
+        """``zarr.json`` (v3) or ``.zarray`` (v2) of arrays with no recorded layout, in a batch."""
         wanted = [n for n in dict.fromkeys(names) if n not in self._zarr_metadata]
         if wanted:
             file = "zarr.json" if self.tree.use_zarr3 else ".zarray"
@@ -251,7 +270,9 @@ class LoadSession:
                 try:
                     self._zarr_metadata[name] = json.loads(value)
                 except ValueError as e:
-                    raise _errors.integrity_error(f"array {name!r}", f"its {file} is not JSON ({e})") from None
+                    raise _errors.integrity_error(
+                        f"array {name!r}", f"its {file} is not JSON ({e})"
+                    ) from None
         return {n: self._zarr_metadata[n] for n in names}
 
 
@@ -263,7 +284,9 @@ def _dtype(name: str) -> np.dtype | None:
         return None
 
 
-def zarr_shape_dtype(document: Mapping[str, Any]) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
+def zarr_shape_dtype(
+    document: Mapping[str, Any],
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
     """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``."""
     shape = tuple(int(s) for s in document["shape"])
     if "data_type" in document:  # zarr v3

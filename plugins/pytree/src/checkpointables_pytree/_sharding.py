@@ -19,13 +19,19 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import checkpointables as cp
 import jax
 import numpy as np
 from etils import epath
 
-import checkpointables as cp
-
-__all__ = ["SHARDING_FILE", "file_key", "describe", "rebuild", "read_sharding_file", "write_sharding_file"]
+__all__ = [
+    "SHARDING_FILE",
+    "file_key",
+    "describe",
+    "rebuild",
+    "read_sharding_file",
+    "write_sharding_file",
+]
 
 SHARDING_FILE = "_sharding"
 
@@ -79,7 +85,9 @@ def rebuild(record: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
         if kind == "NamedSharding":
             ids = np.asarray(
                 jax.tree_util.tree_map(
-                    lambda d: d["id"], record["device_mesh"]["mesh"], is_leaf=lambda x: isinstance(x, dict)
+                    lambda d: d["id"],
+                    record["device_mesh"]["mesh"],
+                    is_leaf=lambda x: isinstance(x, dict),
                 )
             )
             if not all(int(i) in devices for i in ids.reshape(-1)):
@@ -129,7 +137,9 @@ def read_sharding_file(directory: epath.Path) -> dict[str, dict[str, Any]]:
             f"to load the arrays onto the default device."
         ) from e
     if not isinstance(document, dict):
-        raise cp.errors.MetadataError(f"{path} holds a JSON {type(document).__name__}, expected an object.")
+        raise cp.errors.MetadataError(
+            f"{path} holds a JSON {type(document).__name__}, expected an object."
+        )
     result = {}
     for key, value in document.items():
         try:

@@ -47,11 +47,17 @@ EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_NONE, EMPTY_NAMEDTUPLE = (
 EMPTY_TYPES = frozenset({EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_NONE, EMPTY_NAMEDTUPLE})
 
 # Types that are never pytree nodes: checked first, to keep flattening cheap.
-_LEAF_TYPES: tuple[type, ...] = (np.ndarray, np.generic, int, float, complex, str, bytes, bool)
-try:
-    _LEAF_TYPES += (jax.Array,)
-except AttributeError:  # pragma: no cover - every supported jax has jax.Array
-    pass
+_LEAF_TYPES: tuple[type, ...] = (
+    np.ndarray,
+    np.generic,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bool,
+    jax.Array,
+)
 
 
 def key_name(key: Any) -> str:
@@ -83,13 +89,16 @@ def keystr(names: Sequence[str], key_types: Sequence[int] | None = None) -> str:
     if not names:
         return "<root>"
     types = key_types or [DICT] * len(names)
-    return "".join(f"[{n}]" if t == SEQUENCE else f"[{n!r}]" for n, t in zip(names, types, strict=True))
+    return "".join(
+        f"[{n}]" if t == SEQUENCE else f"[{n!r}]" for n, t in zip(names, types, strict=True)
+    )
 
 
 def jax_keypath(names: Sequence[str], key_types: Sequence[int]) -> tuple[Any, ...]:
     """A ``jax.tree_util`` key path from recorded names and key types."""
     return tuple(
-        _SequenceKey(int(n)) if t == SEQUENCE else _DictKey(n) for n, t in zip(names, key_types, strict=True)
+        _SequenceKey(int(n)) if t == SEQUENCE else _DictKey(n)
+        for n, t in zip(names, key_types, strict=True)
     )
 
 
@@ -192,13 +201,11 @@ def flatten(tree: Any) -> Flat:
 def _abstract_is_leaf(x: Any) -> bool:
     if x is None:
         return True
-    if type(x) in (dict, list, tuple) and not x:
-        return True
-    return False
+    return type(x) in (dict, list, tuple) and not x
 
 
 def flatten_abstract(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
-    """Flattens an abstract tree with ``jax.tree_util``; ``None`` and empty containers are leaves."""
+    """Flattens an abstract tree (``jax.tree_util``); ``None`` and empty containers are leaves."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_abstract_is_leaf)
 
 
@@ -233,7 +240,9 @@ def unflatten(
             else:
                 child = node.setdefault(name, {})
                 if isinstance(child, _Value):
-                    raise on_conflict(f"{keystr(names[: depth + 1])} is both a leaf and a container")
+                    raise on_conflict(
+                        f"{keystr(names[: depth + 1])} is both a leaf and a container"
+                    )
                 node = child
 
     def build(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
@@ -253,7 +262,9 @@ def unflatten(
                     padded[int(k)] = v
                 values = padded
             return tuple(values) if prefix in tuple_paths else values
-        return {k: v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in node.items()}
+        return {
+            k: v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in node.items()
+        }
 
     return build(root, ())
 

@@ -25,9 +25,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import checkpointables as cp
 from etils import epath
 
-import checkpointables as cp
 from checkpointables_pytree import _tree
 
 __all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
@@ -61,7 +61,10 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON value (its map key is ``str(self.names)``)."""
-        value: dict[str, Any] = {"value_type": self.value_type, "skip_deserialize": self.skip_deserialize}
+        value: dict[str, Any] = {
+            "value_type": self.value_type,
+            "skip_deserialize": self.skip_deserialize,
+        }
         if self.write_shape is not None:
             value["write_shape"] = list(self.write_shape)
         if self.extra:
@@ -137,11 +140,15 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
         extra = meta.get(EXTRA) or {}
         skip = bool(meta.get("skip_deserialize", False))
     except (TypeError, KeyError, AttributeError):
-        raise _bad(path, f"entry {key!r} lacks 'key_metadata' or 'value_metadata' entries") from None
+        raise _bad(
+            path, f"entry {key!r} lacks 'key_metadata' or 'value_metadata' entries"
+        ) from None
     if not _KEY_TYPES.issuperset(key_types):
         raise _bad(path, f"entry {key!r} has a malformed key {keys!r}")
     if _tree.SEQUENCE in key_types and not all(
-        n.lstrip("-").isdigit() for n, t in zip(names, key_types, strict=True) if t == _tree.SEQUENCE
+        n.lstrip("-").isdigit()
+        for n, t in zip(names, key_types, strict=True)
+        if t == _tree.SEQUENCE
     ):
         raise _bad(path, f"entry {key!r} has a sequence key that is not an index")
     if not isinstance(value_type, str):
@@ -186,7 +193,9 @@ def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
     return TreeMetadata(
         entries=entries,
         # A missing flag: Orbax then detects OCDBT by the manifest's presence.
-        use_ocdbt=bool(use_ocdbt) if use_ocdbt is not None else (path.parent / "manifest.ocdbt").exists(),
+        use_ocdbt=bool(use_ocdbt)
+        if use_ocdbt is not None
+        else (path.parent / "manifest.ocdbt").exists(),
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,

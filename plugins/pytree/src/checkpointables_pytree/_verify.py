@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import checkpointables as cp
 import tensorstore as ts
+from checkpointables.serialization import LeafHandlerRegistry
 from etils import epath
 
-import checkpointables as cp
-from checkpointables.serialization import LeafHandlerRegistry
 from checkpointables_pytree import _database, _errors, _tree_metadata, _zarr3
 from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, STRING
 from checkpointables_pytree._session import LoadSession
@@ -26,9 +26,13 @@ def _problem(entry: _tree_metadata.Entry, error: BaseException) -> str:
     return f"{entry.keystr}: {error}"
 
 
-async def _check_zarr_metadata(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
+async def _check_zarr_metadata(
+    session: LoadSession, entries: Sequence[_tree_metadata.Entry]
+) -> list[str]:
     """Compares each batched array's ``zarr.json`` with the one this library writes for it."""
-    kvstore = await ts.KvStore.open(_database.kvstore_spec(session.directory), context=_database.make_context())
+    kvstore = await ts.KvStore.open(
+        _database.kvstore_spec(session.directory), context=_database.make_context()
+    )
     names = [session.tree.storage_name(e.names) for e in entries]
     futures = [kvstore.read(f"{n}/zarr.json") for n in names]
     problems = []
@@ -42,7 +46,8 @@ async def _check_zarr_metadata(session: LoadSession, entries: Sequence[_tree_met
             continue
         if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
             problems.append(
-                f"{entry.keystr}: its zarr.json is missing or damaged (other tools cannot read the array)"
+                f"{entry.keystr}: its zarr.json is missing or "
+                "damaged (other tools cannot read the array)"
             )
     return problems
 
@@ -86,9 +91,16 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
         store = await ts.open(spec, context=_database.make_context(), open=True)
         shape = tuple(int(s) for s in store.shape)
         chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
-        chunk = tuple(int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True))
-        for index in itertools.product(*(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))):
-            region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunk, shape, strict=True))
+        chunk = tuple(
+            int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
+        )
+        for index in itertools.product(
+            *(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))
+        ):
+            region = tuple(
+                slice(i * c, min((i + 1) * c, s))
+                for i, c, s in zip(index, chunk, shape, strict=True)
+            )
             await (store[region].read() if region else store.read())
     except Exception as e:
         return [_problem(entry, _errors.storage_error(f"array {name!r}", e))]

@@ -147,8 +147,12 @@ def metadata_dict(
 
 
 @functools.lru_cache(maxsize=4096)
-def _zarr_json_cached(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]) -> bytes:
-    text = json.dumps(metadata_dict(shape, dtype, chunk_shape), separators=(",", ":"), sort_keys=True)
+def _zarr_json_cached(
+    shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+) -> bytes:
+    text = json.dumps(
+        metadata_dict(shape, dtype, chunk_shape), separators=(",", ":"), sort_keys=True
+    )
     return text.encode()
 
 
@@ -201,7 +205,9 @@ class ZarrLayout:
 
     __slots__ = ("chunk_shape", "dtype", "name", "shape")
 
-    def __init__(self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]) -> None:
+    def __init__(
+        self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]
+    ) -> None:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)

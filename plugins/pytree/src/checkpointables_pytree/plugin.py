@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import checkpointables as cp
 import jax
 import numpy as np
-
-import checkpointables as cp
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
+
 from checkpointables_pytree._handler import ORBAX_TYPESTRS, PyTreeHandler
 from checkpointables_pytree._leaf_handlers import (
     BYTES,
@@ -34,13 +34,13 @@ PRIORITY = 90
 
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
-    """Registers ``PyTreeHandler`` as ``pytree`` (priority 90), reading Orbax's pytree typestrs too."""
+    """Registers ``PyTreeHandler`` as ``pytree`` (priority 90); it reads Orbax's typestrs too."""
     register(PyTreeHandler, priority=PRIORITY, name="pytree", secondary_typestrs=ORBAX_TYPESTRS)
 
 
 @cp.hookimpl
 def register_leaf_handlers(register: Any) -> None:
-    """Registers the leaf handlers of ``jax.Array``, ``np.ndarray``, scalars, ``str`` and ``bytes``."""
+    """Registers leaf handlers for ``jax.Array``, ``np.ndarray``, scalars, ``str``, ``bytes``."""
     register(jax.Array, AbstractShardedArray, ArrayLeafHandler, secondary_typestrs=(JAX_ARRAY,))
     register(np.ndarray, AbstractArray, NumpyLeafHandler, secondary_typestrs=(NUMPY_ARRAY,))
     # Scalars: each type is its own abstract type (0.0 loads a float, np.float32(0) a

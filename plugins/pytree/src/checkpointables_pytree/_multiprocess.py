@@ -1,0 +1,121 @@
+"""What a pytree save does differently when several processes save one checkpoint.
+
+In a ``jax.distributed`` job every process calls the same save with the same
+pytree. Orbax's format, which we keep, splits the work like this:
+
+* each process writes the shards of global ``jax.Array``\\ s it owns (those
+  with ``replica_id == 0``, so a replicated shard is written once) into its
+  own OCDBT database ``ocdbt.process_<i>/``: no two processes ever write one
+  manifest;
+* values every process holds (NumPy arrays, scalars, bytes, process-local
+  ``jax.Array``\\ s) and every array's ``zarr.json`` are written by the
+  primary host alone, as are ``_METADATA``, ``_sharding`` and ``_strings.json``;
+* after every process finished, the primary host merges the per-process
+  databases into the pytree directory's root database (``finalize``). The
+  merge copies no data: the root b-tree points into ``ocdbt.process_<i>/d/``.
+
+With ``MultiprocessingOptions(primary_host=None)`` every process saves on
+its own, to its own path (process-local storage): it writes everything it
+holds, including every distinct shard of a global array on its devices.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import checkpointables as cp
+import jax
+from etils import epath
+
+from checkpointables_pytree import _ocdbt_merge
+
+__all__ = [
+    "PROCESS_DATABASE_PREFIX",
+    "process_database",
+    "writes_shared_values",
+    "shards_to_write",
+    "merge_process_databases",
+    "flush_database",
+]
+
+PROCESS_DATABASE_PREFIX = "ocdbt.process_"
+_MANIFEST = "manifest.ocdbt"
+
+
+def process_database(pytree_directory: epath.Path, index: int) -> epath.Path:
+    """The directory of process ``index``'s own database."""
+    return pytree_directory / f"{PROCESS_DATABASE_PREFIX}{index}"
+
+
+def writes_shared_values(context: cp.Context) -> bool:
+    """Whether this process writes what every process holds (only the primary host does)."""
+    return cp.multihost.is_primary_host(context)
+
+
+def shards_to_write(array: jax.Array, context: cp.Context) -> list[Any]:
+    """The addressable shards of ``array`` this process writes.
+
+    Alone, or for a global array in a coordinated save: the shards with
+    ``replica_id == 0`` (each part of the array is written once, by the
+    process holding its first replica). A process-local array (fully
+    addressable) in a coordinated multi-process save is a value every process
+    holds: only the primary host writes it. With process-local storage
+    (``primary_host=None``) a process writes one replica of every distinct
+    shard on its devices.
+    """
+    shards = array.addressable_shards
+    if cp.multihost.process_count() == 1:
+        return [s for s in shards if s.replica_id == 0]
+    if cp.multihost.is_coordinated(context):
+        if array.is_fully_addressable and not writes_shared_values(context):
+            return []
+        return [s for s in shards if s.replica_id == 0]
+    chosen: dict[tuple[tuple[int, int], ...], Any] = {}
+    shape = tuple(int(s) for s in array.shape)
+    for shard in sorted(shards, key=lambda s: s.replica_id):
+        key = tuple(index.indices(size)[:2] for index, size in zip(shard.index, shape, strict=True))
+        chosen.setdefault(key, shard)
+    return list(chosen.values())
+
+
+def _sources(pytree_directory: epath.Path, context: cp.Context) -> list[epath.Path]:
+    if cp.multihost.is_coordinated(context):
+        indices = cp.multihost.participating_processes(context)
+    else:
+        indices = [cp.multihost.process_index()]
+    found = []
+    for index in indices:
+        database = process_database(pytree_directory, index)
+        # A process that had no array to write created no database.
+        if (database / _MANIFEST).exists():
+            found.append(database)
+    return found
+
+
+def merge_process_databases(pytree_directory: epath.Path, context: cp.Context) -> int:
+    """Merges every process's database into the root one; returns how many were merged.
+
+    Keys never overlap (each chunk and each ``zarr.json`` has one writer),
+    so the merge is one atomic transaction that copies no data.
+    """
+    sources = _sources(pytree_directory, context)
+    if sources:
+        _ocdbt_merge.merge_into(pytree_directory, [_ocdbt_merge.Source(d) for d in sources])
+    return len(sources)
+
+
+def flush_database(database: epath.Path) -> None:
+    """Flushes a process's own database files to disk.
+
+    The primary host's commit flushes the whole checkpoint, but on storage
+    shared between hosts only the writer can make its own writes durable, so
+    every process flushes its database before reporting that it finished.
+    """
+    for root, _, files in os.walk(os.fspath(database)):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,212 @@
+"""``cp.partial`` survives SIGKILL between saves, during a save and during ``finalize``.
+
+A child process runs partial saves (and maybe ``finalize``) and is killed at a
+chosen point: a function of the library is wrapped so that its n-th call
+signals the parent and sleeps (before or after doing its work). The parent
+then resumes the session (more saves, ``finalize``) and checks that the
+checkpoint holds exactly the saves that committed, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import checkpointables as cp
+import jax
+import numpy as np
+import pytest
+from checkpointables.cli import main as cli_main
+
+_PART = textwrap.dedent(
+    """
+    import numpy as np
+
+    def part(i):
+        rng = np.random.default_rng(i)
+        return {
+            "params": {f"layer{i}": {"w": rng.standard_normal((128, 256)).astype(np.float32),
+                                     "b": rng.standard_normal(7)}},
+            "step": i,
+            "shared": rng.standard_normal(64),
+        }
+    """
+)
+_namespace: dict = {}
+exec(_PART, _namespace)
+part = _namespace["part"]
+
+_CHILD = _PART + textwrap.dedent(
+    """
+    import importlib, json, sys, time
+    import checkpointables as cp
+
+    spec = json.loads(sys.argv[1])
+
+    def signal_and_sleep():
+        open(spec["ready"], "w").close()
+        time.sleep(600)
+
+    if spec["hang"]:
+        module_name, attribute, nth, after = spec["hang"]
+        module = importlib.import_module(module_name)
+        original = getattr(module, attribute)
+        calls = [0]
+
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == nth and not after:
+                signal_and_sleep()
+            result = original(*args, **kwargs)
+            if calls[0] == nth and after:
+                signal_and_sleep()
+            return result
+
+        setattr(module, attribute, wrapper)
+
+    for i in spec["saves"]:
+        cp.partial.save(spec["path"], part(i))
+    if spec["finalize"]:
+        cp.partial.finalize(spec["path"])
+    signal_and_sleep()
+    """
+)
+
+
+def _kill_child(tmp_path, saves, *, hang=None, finalize=False) -> None:
+    ready = tmp_path / "ready"
+    spec = {
+        "path": str(tmp_path / "ckpt"),
+        "ready": str(ready),
+        "saves": saves,
+        "hang": hang,
+        "finalize": finalize,
+    }
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, "the child died before reaching the kill point"
+            assert time.monotonic() < deadline, "the child never reached the kill point"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    ready.unlink()
+
+
+def _merged(indices):
+    tree: dict = {"params": {}}
+    for i in indices:
+        p = part(i)
+        tree["params"].update(p["params"])
+        tree["step"], tree["shared"] = p["step"], p["shared"]
+    return tree
+
+
+def _assert_holds(path, indices) -> None:
+    loaded = cp.load_pytree(path)
+    expected = _merged(indices)
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(expected)
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(loaded), leaves(expected), strict=True):
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        else:
+            assert a == b and type(a) is type(b)
+    assert sorted(os.listdir(path)) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "orbax.checkpoint",
+        "pytree",
+    ]
+    assert not cp.partial.session_path(path).exists()
+
+
+def _assert_unpublished(path) -> None:
+    assert not path.exists() and not cp.is_checkpoint(path)
+
+
+def test_killed_between_saves(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    _kill_child(tmp_path, [0, 1])
+    _assert_unpublished(path)
+    cp.partial.save(path, part(2))
+    cp.partial.finalize(path)
+    _assert_holds(path, [0, 1, 2])
+
+
+@pytest.mark.parametrize(
+    "hang",
+    [
+        # Save 1's data is written, its checkpoint not yet renamed into place.
+        ("checkpointables.layout", "commit", 2, False),
+        # Save 1 is a complete checkpoint, not yet promoted into the session.
+        ("checkpointables.partial", "_rename_durably", 2, False),
+    ],
+    ids=["before-commit", "before-promotion"],
+)
+def test_killed_during_a_save(tmp_path, hang) -> None:
+    path = tmp_path / "ckpt"
+    _kill_child(tmp_path, [0, 1], hang=list(hang))
+    _assert_unpublished(path)
+    names = os.listdir(cp.partial.session_path(path))
+    assert "pending-000001" in names
+    # The interrupted save left its (temporary, then staged) directory behind.
+    assert any(n.startswith("staged-000002") for n in names)
+    cp.partial.save(path, part(2))
+    cp.partial.finalize(path)
+    _assert_holds(path, [0, 2])  # The interrupted save did not happen; the others did.
+
+
+# In the child, `_rename_durably` is called once per save (calls 1-3), then by
+# finalize twice per pending save (its metadata, then its pytree: calls 4-9)
+# and once for the final metadata (call 10). `layout.commit` is called once per
+# save, and a 4th time to publish the checkpoint. Each point names what the
+# session holds when the child is killed (checked, so the points stay real).
+_FINALIZE_POINTS = {
+    "metadata-folded": (
+        ("checkpointables.partial", "_rename_durably", 5, False),
+        {"pending-000001/pytree", "_CHECKPOINT_METADATA"},
+    ),
+    "first-pytree-moved": (
+        ("checkpointables.partial", "_rename_durably", 6, False),
+        {"pytree/ocdbt.partial_000001", "pending-000002/pytree", "pending-000003/pytree"},
+    ),
+    "all-moved": (
+        ("checkpointables.partial", "_rename_durably", 9, True),
+        {"pytree/ocdbt.partial_000003", "pending-000003"},
+    ),
+    "database-merged": (
+        ("checkpointables_pytree._ocdbt_merge", "merge_into", 1, True),
+        {"pytree/manifest.ocdbt"},
+    ),
+    "before-publish": (
+        ("checkpointables.layout", "commit", 4, False),
+        {"pytree/_METADATA", "orbax.checkpoint"},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("point", "more"),
+    [(p, False) for p in _FINALIZE_POINTS]
+    + [("first-pytree-moved", True), ("database-merged", True)],
+)
+def test_killed_during_finalize(tmp_path, point, more) -> None:
+    path = tmp_path / "ckpt"
+    hang, present = _FINALIZE_POINTS[point]
+    _kill_child(tmp_path, [0, 1, 2], hang=list(hang), finalize=True)
+    _assert_unpublished(path)
+    session = cp.partial.session_path(path)
+    assert all((session / name).exists() for name in present)
+    if more:  # Saves may go on after an interrupted finalize.
+        cp.partial.save(path, part(3))
+    cp.partial.finalize(path)
+    _assert_holds(path, [0, 1, 2, 3] if more else [0, 1, 2])
+    assert cli_main(["verify", str(path)]) == 0
