@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +49,8 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
         return f"{type(leaf).__name__} shape={tuple(shape)} dtype={np.dtype(dtype)}{extra}", size
     if isinstance(leaf, type):
         return f"{leaf.__name__}", 0
-    return f"{type(leaf).__name__} {leaf!r}"[:120], 0
+    # Metadata of scalars and strings is a placeholder of the stored type, not the value.
+    return type(leaf).__name__, 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -61,7 +64,12 @@ def _inspect(args: argparse.Namespace) -> int:
     typestrs = _loading.recorded_typestrs(meta)
     print(f"checkpoint {path}")
     for key in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
-        print(f"  {key}: {meta.get(key)}")
+        value = meta.get(key)
+        when = ""
+        if isinstance(value, int):
+            stamp = datetime.datetime.fromtimestamp(value / 1e9, tz=datetime.UTC)
+            when = f"  ({stamp.isoformat(timespec='seconds')})"
+        print(f"  {key}: {value}{when}")
     print(f"  custom_metadata: {meta.get('custom_metadata')}")
     if meta.get("metrics"):
         print(f"  metrics: {meta.get('metrics')}")
@@ -163,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (errors.CheckpointError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `checkpointables inspect ... | head`
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter exit quiet
+        return 0
 
 
 if __name__ == "__main__":
