@@ -47,11 +47,14 @@ __all__ = [
     "database_directory",
 ]
 
-SMALL_ARRAY_BYTES = 1 << 20
+SMALL_ARRAY_BYTES = 256 << 10
 # Small arrays per transaction: bounds the memory a batch of encoded keys takes.
 SMALL_BATCH_BYTES = 64 << 20
 # Large arrays being encoded/decoded at once: bounds the extra memory of a save or load.
 IN_FLIGHT_BYTES = 128 << 20
+# Arrays written through the driver are grouped into transactions of at most this
+# many bytes (one commit each); a larger array is written alone.
+LARGE_GROUP_BYTES = 64 << 20
 # Large values are read in ranges of this size, this many at once.
 RANGE_BYTES = 8 << 20
 RANGE_WINDOW = 3
@@ -305,8 +308,8 @@ class ArrayWriter:
         # Large arrays are encoded by TensorStore's threads while this thread
         # encodes the small ones.
         large_tasks = [
-            asyncio.ensure_future(self._write_large(item, database, context, limiter))
-            for item in large
+            asyncio.ensure_future(self._write_large(group, database, context, limiter))
+            for group in _batches(large, LARGE_GROUP_BYTES)
         ]
         commits: list[asyncio.Future[Any]] = []
         try:
@@ -348,27 +351,44 @@ class ArrayWriter:
         return transaction
 
     async def _write_large(
-        self, item: ArrayWrite, database: epath.Path, context: ts.Context, limiter: ByteLimiter
+        self,
+        items: Sequence[ArrayWrite],
+        database: epath.Path,
+        context: ts.Context,
+        limiter: ByteLimiter,
     ) -> None:
-        layout = item.layout
-        async with limiter.hold(item.nbytes):
-            store = await ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": kvstore_spec(database, path=layout.name + "/"),
-                    "metadata": item.metadata(),
-                    # zarr.json is written with the small arrays' batch.
-                    "assume_metadata": True,
-                    "store_data_equal_to_fill_value": True,
-                },
-                context=context,
-            )
-            futures = [
-                store[layout.region(index)].write(data, can_reference_source_data_indefinitely=True)
-                for index, data in item.chunks
-            ]
-            for future in futures:
-                await future
+        """Writes a group of arrays through the zarr3 driver, as one OCDBT commit."""
+        async with limiter.hold(sum(i.nbytes for i in items)):
+            # A group of several arrays is one transaction: one commit instead of one each.
+            transaction = ts.Transaction() if len(items) > 1 else None
+            futures = []
+            for item in items:
+                layout = item.layout
+                store = await ts.open(
+                    {
+                        "driver": "zarr3",
+                        "kvstore": kvstore_spec(database, path=layout.name + "/"),
+                        "metadata": item.metadata(),
+                        # zarr.json is written with the small arrays' batch.
+                        "assume_metadata": True,
+                        "store_data_equal_to_fill_value": True,
+                    },
+                    context=context,
+                    transaction=transaction,
+                )
+                futures += [
+                    store[layout.region(index)].write(
+                        data, can_reference_source_data_indefinitely=True
+                    )
+                    for index, data in item.chunks
+                ]
+            if transaction is None:
+                for future in futures:
+                    await future
+            else:
+                for future in futures:
+                    await future.copy
+                await transaction.commit_async()
         # Flush what is written while later arrays are encoded, rather than all at commit.
         await asyncio.to_thread(_fsync_new_files, database, self._flushed)
 
