@@ -1,0 +1,66 @@
+"""Keeps the benchmark harness (bench/) from rotting: its quick mode, on tiny sizes.
+
+No timing assertions: the harness is the judge of speed. This checks that
+every case runs every library, that each library's loaded values matched
+what was saved, that memory was measured in subprocesses, and that every
+target of issue 3 got a verdict.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CASES = {"1gib", "256mib", "small-numpy", "small-jax", "tiny-numpy", "tiny-jax"}
+LIBRARIES = {"raw", "checkpointables", "orbax", "safetensors"}
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_every_case_library_and_target(tmp_path):
+    output = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--quick",
+            "--scale",
+            "0.002",
+            "--tmp-dir",
+            str(tmp_path),
+            "--output",
+            str(output),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(output.read_text())
+
+    assert doc["unavailable"] == {}, doc["unavailable"]
+    assert set(doc["cases"]) == CASES
+    for name, case in doc["cases"].items():
+        assert case["bytes"] > 0 and case["leaves"] > 0, name
+        assert set(case["libraries"]) == LIBRARIES, name
+        for lib, result in case["libraries"].items():
+            assert result["error"] is None, (name, lib, result["error"])
+            assert result["verified"], (name, lib)
+            assert len(result["save_s"]) == len(result["load_s"]) == 1, (name, lib)
+            assert result["median"]["save_s"] > 0 and result["median"]["load_s"] > 0
+    big = doc["cases"]["1gib"]
+    for lib in ("checkpointables", "orbax"):
+        assert len(big["libraries"][lib]["async_block_s"]) == 1, lib
+        for op in ("save", "save_async", "load"):
+            measured = big["memory"][lib][op]
+            assert measured["peak_rss"] >= measured["baseline_rss"] > 0, (lib, op, measured)
+
+    verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
+    assert len(verdicts) == 16
+    assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
+    assert "== targets" in proc.stdout
