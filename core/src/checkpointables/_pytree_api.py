@@ -31,6 +31,14 @@ def pytree_registration() -> handlers.HandlerRegistration:
     )
 
 
+def pytree_item(checkpointable_name: str, pytree: Any) -> dict[str, Any]:
+    """``{checkpointable_name: pytree}``, after the checks every pytree save makes."""
+    layout.validate_checkpointable_name(checkpointable_name)
+    if pytree is None:
+        raise ValueError("The pytree to save is None; there is nothing to save.")
+    return {checkpointable_name: pytree}
+
+
 def save_pytree_async(
     path: epath.PathLike,
     pytree: Any,
@@ -43,12 +51,9 @@ def save_pytree_async(
 
     The caller may change or delete its arrays as soon as this returns.
     """
-    layout.validate_checkpointable_name(checkpointable_name)
-    if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
     return _saving.save_checkpointables_async(
         path,
-        {checkpointable_name: pytree},
+        pytree_item(checkpointable_name, pytree),
         overwrite=overwrite,
         custom_metadata=custom_metadata,
         forced_handlers={checkpointable_name: pytree_registration().handler_cls},

@@ -300,12 +300,9 @@ class Checkpointer:
         previous save, if one is in flight). ``result()`` of the response is
         True once the step is committed, False at once if the step was skipped.
         """
-        layout.validate_checkpointable_name(checkpointable_name)
-        if pytree is None:
-            raise ValueError("The pytree to save is None; there is nothing to save.")
         return self._save_async(
             step,
-            {checkpointable_name: pytree},
+            _pytree_api.pytree_item(checkpointable_name, pytree),
             force=force,
             overwrite=overwrite,
             metrics=metrics,
