@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -33,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _crc32c, _errors, _gc, _zarr3
+from checkpointables_pytree import _crc32c, _errors, _gc, _value_files, _zarr3
 
 __all__ = [
     "SMALL_ARRAY_BYTES",
@@ -628,8 +629,11 @@ class ArrayReader:
         kvstore = None
         if direct or raw:
             kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+        locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
-        tasks += [asyncio.ensure_future(self._read_raw(kvstore, r, limiter)) for r in raw]
+        tasks += [
+            asyncio.ensure_future(self._read_raw(kvstore, r, limiter, locations)) for r in raw
+        ]
         try:
             if direct:
                 for batch in _read_batches(direct, SMALL_BATCH_BYTES):
@@ -707,13 +711,33 @@ class ArrayReader:
                     [_cut(full, r, stored.shape) for r in _regions(read, target)]
                 )
 
-    async def _read_raw(self, kvstore: Any, read: ArrayRead, limiter: ByteLimiter) -> None:
+    async def _locate(self, reads: Sequence[ArrayRead]) -> dict[str, _value_files.ValueLocation]:
+        """Where the shards of ``reads`` are, when the database is local (else empty)."""
+        if not reads or not self._ocdbt or not _value_files.is_local(self._directory):
+            return {}
+        keys = [
+            _zarr3.chunk_key(r.name, i)
+            for r in reads
+            for i in r.stored.chunk_indices  # type: ignore[union-attr]
+        ]
+        try:
+            return await _value_files.locate(self._directory, keys)
+        except Exception:  # A damaged database: TensorStore's reads report it, naming the leaf.
+            return {}
+
+    async def _read_raw(
+        self,
+        kvstore: Any,
+        read: ArrayRead,
+        limiter: ByteLimiter,
+        locations: dict[str, _value_files.ValueLocation],
+    ) -> None:
         stored = read.stored
         assert stored is not None
         async with limiter.hold(stored.nbytes):
-            # Reading, copying, checking and converting release the GIL: two arrays
-            # proceed at once.
-            read.result = await asyncio.to_thread(_read_raw_array, kvstore, read, self._verify)
+            read.result = await asyncio.get_running_loop().run_in_executor(
+                _read_pool(), _read_raw_array, kvstore, read, self._verify, locations
+            )
 
     async def _read_with_driver(
         self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter
@@ -792,6 +816,19 @@ def _assemble(name: str, stored: StoredArray, views: list[memoryview]) -> np.nda
     return full
 
 
+@functools.cache
+def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read and check large arrays, one per core.
+
+    Copying from the page cache and computing CRC-32s release the GIL but keep
+    a core busy: more threads than cores only contend (measured: 6 threads read
+    a 256 MiB tree 20% slower than 2).
+    """
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="checkpointables-read"
+    )
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialized uint8 buffer aligned to 64 bytes (jax.device_put aliases those on CPU)."""
     buffer = np.empty(nbytes + 64, dtype=np.uint8)
@@ -830,10 +867,22 @@ def _read_value_into(kvstore: Any, key: str, buffer: np.ndarray) -> int:
     return read
 
 
-def _read_raw_array(kvstore: Any, read: ArrayRead, verify: bool) -> Any:
-    """Reads a large array's shards into one 64-byte aligned buffer, checks them, converts."""
+def _read_raw_array(
+    kvstore: Any,
+    read: ArrayRead,
+    verify: bool,
+    locations: dict[str, _value_files.ValueLocation],
+) -> Any:
+    """Reads a large array's shards into one 64-byte aligned buffer, checks them, converts.
+
+    Shards of a local database are read straight into the array
+    (``_value_files``); the others through TensorStore's kvstore.
+    """
     stored = read.stored
     assert stored is not None and stored.crc32 is not None
+    array = _read_local_array(read, verify, locations) if locations else None
+    if array is not None:
+        return _converted(read, array)
     nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
     trailer = _zarr3.shard_trailer(nbytes)
     single = stored.chunk_shape == stored.shape
@@ -860,10 +909,67 @@ def _read_raw_array(kvstore: Any, read: ArrayRead, verify: bool) -> Any:
             full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
     array = full if full is not None else chunk
     assert array is not None
+    return _converted(read, array)
+
+
+def _converted(read: ArrayRead, array: np.ndarray) -> Any:
+    """The leaf from the whole stored array: the regions the caller asked for, converted."""
+    stored = read.stored
+    assert stored is not None
     if read.regions is None and read.target_shape in (None, stored.shape):
         return read.convert([array])
     target = _check_shape(read, stored.shape)
     return read.convert([_cut(array, r, stored.shape) for r in _regions(read, target)])
+
+
+def _read_local_array(
+    read: ArrayRead, verify: bool, locations: dict[str, _value_files.ValueLocation]
+) -> np.ndarray | None:
+    """The whole array, read from a local database's files into a 64-byte aligned buffer.
+
+    ``None`` when a shard's location is unknown or does not hold a shard of the
+    recorded size: TensorStore's read then decides what is wrong.
+    """
+    stored = read.stored
+    assert stored is not None and stored.crc32 is not None
+    dtype, shape = stored.dtype, stored.shape
+    nbytes = math.prod(stored.chunk_shape) * dtype.itemsize
+    keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
+    chosen = [locations.get(key) for key in keys]
+    if any(c is None or c.length != nbytes + 24 for c in chosen):
+        return None
+    trailer = _zarr3.shard_trailer(nbytes)
+    layout = _zarr3.ZarrLayout(read.name, shape, dtype, stored.chunk_shape)
+    flat = aligned_empty(stored.nbytes)
+    full = flat.view(dtype).reshape(shape)
+    # Chunks that split only the first axis are contiguous runs of the array's
+    # bytes: they are read in place, only their edge padding goes elsewhere.
+    rows = len(shape) > 0 and stored.chunk_shape[1:] == shape[1:]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    scratch = None if rows else aligned_empty(nbytes)
+    for n, (index, location) in enumerate(zip(stored.chunk_indices, chosen, strict=True)):
+        assert location is not None
+        region = layout.region(index)
+        if scratch is None:
+            start = region[0].start * row_bytes
+            valid = (region[0].stop - region[0].start) * row_bytes
+            parts = [memoryview(flat[start : start + valid])]
+            if valid < nbytes:
+                parts.append(memoryview(np.empty(nbytes - valid, dtype=np.uint8)))
+        else:
+            parts = [memoryview(scratch)]
+        try:
+            crc, rest = _value_files.read_checked(location, parts)
+        except (OSError, EOFError):
+            return None
+        if rest[4:] != trailer:  # After the data's CRC-32C: the shard index.
+            return None
+        if verify and crc != stored.crc32[n]:
+            raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
+        if scratch is not None:
+            chunk = scratch.view(dtype).reshape(stored.chunk_shape)
+            full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+    return full
 
 
 def _read_batches(reads: Sequence[ArrayRead], budget: int) -> list[list[ArrayRead]]:

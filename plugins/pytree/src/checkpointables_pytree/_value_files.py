@@ -1,0 +1,161 @@
+"""Reading large values of a local OCDBT database straight into their arrays.
+
+TensorStore's kvstore hands a value to Python as a fresh ``bytes`` object,
+which a 1 GiB load then copies again into the array: on this machine that
+path reads at about 0.7 GB/s, while a plain ``preadv`` into the destination
+reads from the page cache at over 6 GB/s. So, for a database on the local
+filesystem, TensorStore still says where each value is (``ts.ocdbt.dump``
+decodes its manifest and b-tree nodes: this module never parses OCDBT's
+binary format) and the bytes are then read with ``os.preadv`` straight into
+the memory of the array being loaded, in blocks small enough to stay in the
+CPU cache while their zlib CRC-32 is computed.
+
+Only values that are stored out of line in a data file have a location;
+anything else (inline values, remote databases, locations that point
+outside the database) is left to TensorStore's reads by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import zlib
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import attrs
+import tensorstore as ts
+from etils import epath
+
+__all__ = ["ValueLocation", "is_local", "locate", "read_checked"]
+
+# Bytes read and checksummed per step: small enough that the CRC-32 pass reads
+# them from the CPU cache rather than from memory again.
+BLOCK_BYTES = 1 << 20
+
+
+@attrs.frozen
+class ValueLocation:
+    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``."""
+
+    file: str
+    offset: int
+    length: int
+
+
+def is_local(directory: epath.PathLike) -> bool:
+    """Whether ``directory`` is on the local filesystem (not ``gs://``, ``s3://``, ...)."""
+    return "://" not in os.fspath(directory)
+
+
+def parse_location(text: str, directory: str) -> ValueLocation | None:
+    """The location named by a dump's ``"value:<base>:<relative>:<offset>:<length>"``.
+
+    ``None`` when the text does not have that form or names a file outside
+    ``directory`` (a damaged or hostile b-tree: TensorStore's own read then
+    reports it).
+    """
+    try:
+        kind, rest = text.split(":", 1)
+        rest, offset, length = rest.rsplit(":", 2)
+        base_path, relative_path = rest.split(":", 1)
+        location = ValueLocation(
+            os.path.join(directory, base_path, relative_path), int(offset), int(length)
+        )
+    except ValueError:
+        return None
+    if kind != "value" or location.offset < 0 or location.length < 0:
+        return None
+    inside = os.path.normpath(location.file)
+    if os.path.commonpath([inside, os.path.normpath(directory)]) != os.path.normpath(directory):
+        return None
+    return location
+
+
+async def locate(directory: epath.PathLike, keys: Collection[str]) -> dict[str, ValueLocation]:
+    """Where the out-of-line values of ``keys`` are, in the latest version of the database.
+
+    Keys that are missing, stored inline or whose location cannot be used are
+    absent from the result. Only the b-tree nodes whose key ranges hold one of
+    ``keys`` are read.
+    """
+    root = os.fspath(directory)
+    base = await ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"})
+    manifest = await ts.ocdbt.dump(base)
+    versions = manifest.get("versions") or []
+    if not versions:
+        return {}
+    latest = max(versions, key=lambda v: v["generation_number"])
+    location = latest.get("root", {}).get("location")
+    if location is None:  # An empty database.
+        return {}
+    wanted = sorted(k.encode() for k in keys)
+    found: dict[str, ValueLocation] = {}
+    await _walk(base, root, location, b"", wanted, found)
+    return found
+
+
+async def _walk(
+    base: Any,
+    root: str,
+    location: str,
+    prefix: bytes,
+    wanted: Sequence[bytes],
+    found: dict[str, ValueLocation],
+) -> None:
+    # A node's keys are relative to the prefix its ancestors' entries share
+    # (each interior entry's `subtree_common_prefix`).
+    node = await ts.ocdbt.dump(base, location)
+    entries = node["entries"]
+    if node["height"] == 0:
+        for entry in entries:
+            key = prefix + entry["key"]
+            index = bisect.bisect_left(wanted, key)
+            if index < len(wanted) and wanted[index] == key and "indirect_value" in entry:
+                parsed = parse_location(entry["indirect_value"], root)
+                if parsed is not None:
+                    found[key.decode()] = parsed
+        return
+    children = []
+    for n, entry in enumerate(entries):
+        low = prefix + entry["key"]
+        high = prefix + entries[n + 1]["key"] if n + 1 < len(entries) else None
+        first = bisect.bisect_left(wanted, low)
+        if first < len(wanted) and (high is None or wanted[first] < high):
+            child_prefix = prefix + entry.get("subtree_common_prefix", b"")
+            children.append(_walk(base, root, entry["location"], child_prefix, wanted, found))
+    await asyncio.gather(*children)
+
+
+def read_checked(location: ValueLocation, destinations: Sequence[memoryview]) -> tuple[int, bytes]:
+    """Fills ``destinations`` (in order) from the start of the value; returns (CRC-32, the rest).
+
+    The zlib CRC-32 covers every byte written to ``destinations``; the rest
+    is the value's bytes after them (a shard's small trailer). Raises
+    ``EOFError`` if the file ends early.
+    """
+    fd = os.open(location.file, os.O_RDONLY)
+    try:
+        position = location.offset
+        crc = 0
+        for destination in destinations:
+            for start in range(0, len(destination), BLOCK_BYTES):
+                block = destination[start : start + BLOCK_BYTES]
+                _read_exactly(fd, block, position)
+                crc = zlib.crc32(block, crc)
+                position += len(block)
+        rest = bytearray(location.offset + location.length - position)
+        _read_exactly(fd, memoryview(rest), position)
+        return crc, bytes(rest)
+    finally:
+        os.close(fd)
+
+
+def _read_exactly(fd: int, buffer: memoryview, position: int) -> None:
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], position + done)
+        if got == 0:
+            raise EOFError(f"file ends {len(buffer) - done} bytes early")
+        done += got

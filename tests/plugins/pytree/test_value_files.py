@@ -1,0 +1,171 @@
+"""Large arrays of a local checkpoint are read straight from the database's data files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import threading
+
+import checkpointables as cp
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from checkpointables_pytree import _ocdbt_merge, _value_files
+from etils import epath
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+_RNG = np.random.default_rng(7)
+
+# Python-level opens of data files: TensorStore opens files natively, so only the
+# direct read path shows up here.
+_opened: list[str] = []
+_recording = threading.Event()
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and _recording.is_set() and isinstance(args[0], str):
+        _opened.append(args[0])
+
+
+sys.addaudithook(_audit)
+
+
+def _load_recording_opens(path, *args, **kwargs):
+    _opened.clear()
+    _recording.set()
+    try:
+        return cp.load_pytree(path, *args, **kwargs)
+    finally:
+        _recording.clear()
+
+
+def _data_files_opened(path) -> set[str]:
+    data = os.path.join(os.fspath(path), "pytree", "d")
+    return {p for p in _opened if os.path.dirname(p) == data}
+
+
+def _kvstore(directory, config=None):
+    spec = {"driver": "ocdbt", "base": {"driver": "file", "path": os.fspath(directory) + "/"}}
+    if config:
+        spec["config"] = config
+    return ts.KvStore.open(spec).result()
+
+
+def _bytes_at(location: _value_files.ValueLocation) -> bytes:
+    with open(location.file, "rb") as f:
+        f.seek(location.offset)
+        return f.read(location.length)
+
+
+def test_locations_in_a_deep_btree_hold_exactly_the_values(tmp_path) -> None:
+    # Tiny nodes force a b-tree several levels deep, with common key prefixes.
+    store = _kvstore(tmp_path, {"max_inline_value_bytes": 16, "max_decoded_node_bytes": 300})
+    values = {f"layer{i // 7}/w{i}/c/0": bytes([i]) * (100 + i) for i in range(80)}
+    values["tiny"] = b"inline"
+    with ts.Transaction() as transaction:
+        for key, value in values.items():
+            store.with_transaction(transaction)[key] = value
+    wanted = [*values, "absent/key"]
+    found = asyncio.run(_value_files.locate(tmp_path, wanted))
+    assert set(found) == set(values) - {"tiny"}  # Inline and missing keys have no location.
+    for key, location in found.items():
+        assert _bytes_at(location) == values[key], key
+
+
+def test_locations_follow_merged_databases(tmp_path) -> None:
+    (tmp_path / "ocdbt.process_1").mkdir()
+    config = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
+    _kvstore(tmp_path, config)["a/c/0"] = b"a" * 5000
+    _kvstore(tmp_path / "ocdbt.process_1", config)["b/c/0"] = b"b" * 6000
+    _ocdbt_merge.merge_into(
+        epath.Path(tmp_path), [_ocdbt_merge.Source(epath.Path(tmp_path / "ocdbt.process_1"))]
+    )
+    found = asyncio.run(_value_files.locate(tmp_path, ["a/c/0", "b/c/0"]))
+    assert "ocdbt.process_1" in found["b/c/0"].file
+    assert _bytes_at(found["a/c/0"]) == b"a" * 5000
+    assert _bytes_at(found["b/c/0"]) == b"b" * 6000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "value::../../etc/d/x:0:10",  # Outside the database.
+        "btreenode::d/x:0:10",  # Not a value.
+        "value::d/x:ten:10",
+        "garbage",
+    ],
+)
+def test_unusable_locations_are_refused(text) -> None:
+    assert _value_files.parse_location(text, "/ckpt/pytree") is None
+
+
+def test_parsed_location() -> None:
+    parsed = _value_files.parse_location("value:ocdbt.process_1/:d/abc:24:1000", "/ckpt/pytree")
+    assert parsed == _value_files.ValueLocation("/ckpt/pytree/ocdbt.process_1/d/abc", 24, 1000)
+
+
+def _sharded(shape, spec, mesh_shape=(4, 2)):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("x", "y"))
+    data = _RNG.standard_normal(shape).astype(np.float32)
+    return data, jax.device_put(data, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize(
+    ("shape", "spec"),
+    [
+        ((4096, 64), PartitionSpec("x")),  # Row chunks: read in place.
+        ((512, 512), PartitionSpec("x", "y")),  # Blocks: read, then copied into place.
+        ((300_000,), PartitionSpec()),  # One chunk.
+    ],
+)
+def test_large_arrays_are_read_from_the_data_files(tmp_path, shape, spec) -> None:
+    data, array = _sharded(shape, spec)
+    cp.save_pytree(tmp_path / "c", {"w": array, "n": data[:10]})
+    loaded = _load_recording_opens(tmp_path / "c")
+    assert _data_files_opened(tmp_path / "c"), "the direct read path was not taken"
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), data)
+    np.testing.assert_array_equal(loaded["n"], data[:10])
+    # Restored onto another mesh and dtype through an abstract tree.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    target = jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    again = cp.load_pytree(tmp_path / "c", {"w": target, "n": np.empty_like(data[:10])})
+    np.testing.assert_array_equal(np.asarray(again["w"]), data)
+
+
+def _largest_data_file(path):
+    files = (path / "pytree" / "d").iterdir()
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("spec", [PartitionSpec("x"), PartitionSpec("x", "y")])
+def test_a_flipped_bit_in_a_large_sharded_array_names_it(tmp_path, spec) -> None:
+    data, array = _sharded((1024, 512), spec)
+    cp.save_pytree(tmp_path / "c", {"weights": array, "ok": 3})
+    damaged = _largest_data_file(tmp_path / "c")
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(cp.errors.IntegrityError, match=r"\['weights'\]"):
+        cp.load_pytree(tmp_path / "c")
+
+
+def test_a_truncated_data_file_is_an_integrity_error(tmp_path) -> None:
+    data = _RNG.standard_normal(400_000)
+    cp.save_pytree(tmp_path / "c", {"big": data})
+    damaged = _largest_data_file(tmp_path / "c")
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    with pytest.raises(cp.errors.IntegrityError, match=r"\['big'\]"):
+        cp.load_pytree(tmp_path / "c")
+
+
+def test_copied_checkpoints_read_their_own_files(tmp_path) -> None:
+    data = _RNG.standard_normal(400_000)
+    cp.save_pytree(tmp_path / "c", {"big": data})
+    shutil.copytree(tmp_path / "c", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "c")
+    loaded = _load_recording_opens(tmp_path / "copy")
+    assert _data_files_opened(tmp_path / "copy")
+    np.testing.assert_array_equal(loaded["big"], data)
