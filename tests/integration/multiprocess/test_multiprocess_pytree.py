@@ -410,3 +410,38 @@ def test_a_process_killed_while_writing_arrays_never_commits(tmp_path) -> None:
     assert "processes [1]" in survivor.stdout and "written" in survivor.stdout
     assert not target.exists()
     assert not any(cp.is_checkpoint(p) for p in tmp_path.iterdir())
+
+
+ONE_PROCESS_BODY = """
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+value = np.arange(4 * 3000, dtype=np.float32).reshape(4, 3000)
+small = np.arange(6, dtype=np.int32)
+# Global arrays whose every device belongs to process 1 (the primary is process 0).
+ones = np.array([d for d in jax.devices() if d.process_index == 1])
+mesh = Mesh(ones, ("x",))
+tree = {
+    "on_process_1": jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, P("x")), lambda i: value[i], dtype=value.dtype),
+    "replicated_on_process_1": jax.make_array_from_callback(
+        small.shape, NamedSharding(mesh, P()), lambda i: small[i], dtype=small.dtype),
+    # A process-local array: each process has its own; the primary's is saved.
+    "local": jnp.arange(5) + 10 * PROCESS_ID,
+}
+cp.save_pytree(sys.argv[1], tree)
+print("SAVED", flush=True)
+"""
+
+
+def test_arrays_held_only_by_a_non_primary_process_are_saved(tmp_path) -> None:
+    for result in run_job(ONE_PROCESS_BODY, args=[str(tmp_path / "ckpt")], timeout=90):
+        result.check()
+    loaded = cp.load_pytree(tmp_path / "ckpt")
+    np.testing.assert_array_equal(
+        np.asarray(loaded["on_process_1"]), np.arange(4 * 3000, dtype=np.float32).reshape(4, 3000)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(loaded["replicated_on_process_1"]), np.arange(6, dtype=np.int32)
+    )
+    np.testing.assert_array_equal(np.asarray(loaded["local"]), np.arange(5))

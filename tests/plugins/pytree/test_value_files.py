@@ -142,7 +142,7 @@ def _largest_data_file(path):
 
 @pytest.mark.parametrize("spec", [PartitionSpec("x"), PartitionSpec("x", "y")])
 def test_a_flipped_bit_in_a_large_sharded_array_names_it(tmp_path, spec) -> None:
-    data, array = _sharded((1024, 512), spec)
+    _, array = _sharded((1024, 512), spec)
     cp.save_pytree(tmp_path / "c", {"weights": array, "ok": 3})
     damaged = _largest_data_file(tmp_path / "c")
     raw = bytearray(damaged.read_bytes())

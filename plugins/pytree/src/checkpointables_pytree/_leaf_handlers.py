@@ -326,11 +326,16 @@ class ArrayLeafHandler(_StandardHandler):
     ) -> Awaitable[None]:
         """Copies the shards to host; returns the awaitable that writes them."""
         session, private = _save_session(self, serialization_context)
+        lacking = _multiprocess.arrays_the_primary_lacks(
+            {p.name: p.value for p in params}, session.directory, session.context
+        )
         for param in params:
-            self._plan(session, param)
+            self._plan(session, param, primary_lacks=param.name in lacking)
         return _finish_save(session, private)
 
-    def _plan(self, session: SaveSession, param: SerializationParam[jax.Array]) -> None:
+    def _plan(
+        self, session: SaveSession, param: SerializationParam[jax.Array], *, primary_lacks: bool
+    ) -> None:
         array = param.value
         if array.is_deleted():
             raise _unsupported(
@@ -342,7 +347,7 @@ class ArrayLeafHandler(_StandardHandler):
         if math.prod(shape) == 0:
             chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
         else:
-            chunk_shape, chunks = self._host_shards(array, dtype, session.context)
+            chunk_shape, chunks = self._host_shards(array, dtype, session.context, primary_lacks)
         _plan_array(
             session,
             param,
@@ -369,10 +374,10 @@ class ArrayLeafHandler(_StandardHandler):
 
     @staticmethod
     def _host_shards(
-        array: jax.Array, dtype: np.dtype, context: cp.Context
+        array: jax.Array, dtype: np.dtype, context: cp.Context, primary_lacks: bool
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
         shape = tuple(int(s) for s in array.shape)
-        shards = _multiprocess.shards_to_write(array, context)
+        shards = _multiprocess.shards_to_write(array, context, primary_lacks=primary_lacks)
         try:
             chunk_shape = tuple(int(s) for s in array.sharding.shard_shape(array.shape))
         except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.

@@ -21,7 +21,9 @@ holds, including every distinct shard of a global array on its devices.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import checkpointables as cp
@@ -34,6 +36,7 @@ __all__ = [
     "PROCESS_DATABASE_PREFIX",
     "process_database",
     "writes_shared_values",
+    "arrays_the_primary_lacks",
     "shards_to_write",
     "merge_process_databases",
     "flush_database",
@@ -53,22 +56,48 @@ def writes_shared_values(context: cp.Context) -> bool:
     return cp.multihost.is_primary_host(context)
 
 
-def shards_to_write(array: jax.Array, context: cp.Context) -> list[Any]:
+def arrays_the_primary_lacks(
+    arrays: Mapping[str, jax.Array], directory: cp.path.PathAwaitingCreation, context: cp.Context
+) -> frozenset[str]:
+    """The names of the arrays of which the primary host holds no shard.
+
+    On its own, a process cannot tell a process-local array (every process has
+    its own; the primary's is saved) from a global array whose devices all
+    belong to this process: both are fully addressable here. The primary host
+    can: it publishes the arrays it holds no shard of, and the process that
+    holds such an array writes it.
+    """
+    if cp.multihost.process_count() == 1 or not cp.multihost.is_coordinated(context):
+        return frozenset()
+    lacking = None
+    if writes_shared_values(context):
+        lacking = json.dumps(sorted(n for n, a in arrays.items() if not a.addressable_shards))
+    # The temporary directory's name is unique to this save and the same on every process.
+    published = cp.multihost.broadcast_from_primary(
+        f"pytree/{directory.path}/lacking", lacking, context=context
+    )
+    return frozenset(json.loads(published))
+
+
+def shards_to_write(
+    array: jax.Array, context: cp.Context, *, primary_lacks: bool = False
+) -> list[Any]:
     """The addressable shards of ``array`` this process writes.
 
     Alone, or for a global array in a coordinated save: the shards with
     ``replica_id == 0`` (each part of the array is written once, by the
     process holding its first replica). A process-local array (fully
     addressable) in a coordinated multi-process save is a value every process
-    holds: only the primary host writes it. With process-local storage
-    (``primary_host=None``) a process writes one replica of every distinct
-    shard on its devices.
+    holds: only the primary host writes it, unless the primary holds no
+    shard of it (``primary_lacks``, see ``arrays_the_primary_lacks``). With
+    process-local storage (``primary_host=None``) a process writes one replica
+    of every distinct shard on its devices.
     """
     shards = array.addressable_shards
     if cp.multihost.process_count() == 1:
         return [s for s in shards if s.replica_id == 0]
     if cp.multihost.is_coordinated(context):
-        if array.is_fully_addressable and not writes_shared_values(context):
+        if array.is_fully_addressable and not (writes_shared_values(context) or primary_lacks):
             return []
         return [s for s in shards if s.replica_id == 0]
     chosen: dict[tuple[tuple[int, int], ...], Any] = {}
