@@ -6,22 +6,9 @@ entry point brings in its handlers.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from checkpointables.testing import HandlerConformance, missing_handler_message
 
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=120,
-    )
+from ..python_subprocess import run_python
 
 
 def test_plugin_is_found_without_importing_it(tmp_path) -> None:
@@ -33,7 +20,7 @@ Point = sys.modules[handler.__module__].Point
 cp.save_checkpointables({str(tmp_path / "c")!r}, {{"p": Point(1, 2.5)}})
 print(cp.load_checkpointables({str(tmp_path / "c")!r}))
 """
-    result = _run(code)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert "Point(x=1, y=2.5)" in result.stdout
 
@@ -44,7 +31,7 @@ import checkpointables as cp
 from checkpointables_example_point import Point
 cp.save_checkpointables({str(tmp_path / "c")!r}, {{"p": Point(1, 2)}})
 """
-    assert _run(save).returncode == 0
+    assert run_python(save).returncode == 0
     message = missing_handler_message(tmp_path / "c", ["example-point"])
     assert "checkpointables_example_point.PointHandler" in message
     assert "is not registered here" in message

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import checkpointables as cp
 from checkpointables import cli
 from checkpointables.testing import missing_handler_message
 
+from ...python_subprocess import run_python
 from .pipelines import map_pipeline
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_listed_ahead_of_the_stateful_handler(capsys) -> None:
@@ -43,7 +28,7 @@ def test_missing_plugin_names_the_distribution_to_install(tmp_path) -> None:
 
 def test_programs_without_grain_never_import_it(tmp_path) -> None:
     # Importing Grain takes seconds; the plugin must not cost that to others.
-    result = _run(
+    result = run_python(
         f"""
         import sys
         import checkpointables as cp

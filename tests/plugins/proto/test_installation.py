@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import checkpointables as cp
 from checkpointables import cli
 from checkpointables.testing import missing_handler_message
 from google.protobuf import duration_pb2
 
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+from ...python_subprocess import run_python
 
 
 def test_listed_by_the_plugins_command(capsys) -> None:
@@ -39,7 +25,7 @@ def test_missing_plugin_names_the_distribution_to_install(tmp_path) -> None:
 
 
 def test_programs_without_protobuf_never_import_it(tmp_path) -> None:
-    result = _run(
+    result = run_python(
         f"""
         import sys
         import checkpointables as cp

@@ -106,6 +106,16 @@ class _SaveResponse(AsyncResponse[bool]):
         return error
 
 
+def _policy(argument: str, value: Any, default: Callable[[], Any], method: str, module: str) -> Any:
+    """``value`` (or ``default()`` when ``None``), checked to have ``method``."""
+    chosen = default() if value is None else value
+    if not callable(getattr(chosen, method.split("(")[0], None)):
+        raise TypeError(
+            f"{argument} must have a {method} method (see cp.training.{module}), got {chosen!r}."
+        )
+    return chosen
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of a training run, one per step, under a root directory.
 
@@ -163,20 +173,20 @@ class Checkpointer:
                 f"directory that holds the steps (probably {self._root.parent}), or load this "
                 f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
             )
-        if save_decision_policy is None:
-            save_decision_policy = decision_lib.default_policy()
-        if not callable(getattr(save_decision_policy, "should_save", None)):
-            raise TypeError(
-                f"save_decision_policy must have a should_save(step, previous_steps, *, context) "
-                f"method (see cp.training.save_decision_policies), got {save_decision_policy!r}."
-            )
-        if preservation_policy is None:
-            preservation_policy = preservation_lib.PreserveAll()
-        if not callable(getattr(preservation_policy, "should_preserve", None)):
-            raise TypeError(
-                f"preservation_policy must have a should_preserve(steps, *, context) method (see "
-                f"cp.training.preservation_policies), got {preservation_policy!r}."
-            )
+        save_decision_policy = _policy(
+            "save_decision_policy",
+            save_decision_policy,
+            decision_lib.default_policy,
+            "should_save(step, previous_steps, *, context)",
+            "save_decision_policies",
+        )
+        preservation_policy = _policy(
+            "preservation_policy",
+            preservation_policy,
+            preservation_lib.PreserveAll,
+            "should_preserve(steps, *, context)",
+            "preservation_policies",
+        )
         if step_name_format is None:
             step_name_format = standard_name_format()
         if not isinstance(step_name_format, StepNameFormat):
