@@ -445,3 +445,34 @@ def test_arrays_held_only_by_a_non_primary_process_are_saved(tmp_path) -> None:
         np.asarray(loaded["replicated_on_process_1"]), np.arange(6, dtype=np.int32)
     )
     np.testing.assert_array_equal(np.asarray(loaded["local"]), np.arange(5))
+
+
+PARTIAL_BODY = (
+    SAVE_TREE
+    + """
+root = sys.argv[1]
+tree = global_tree()
+# Two partial saves of global arrays and one of host values, then finalize.
+cp.partial.save(root + "/partial", {"params": {"sharded": tree["sharded"]}})
+cp.partial.save(root + "/partial", {"params": {"large": tree["large"]}, "host": tree["host"]})
+# A replacement: the second value of by_row wins.
+cp.partial.save(root + "/partial", {"by_row": tree["by_row"] * 0})
+cp.partial.save(root + "/partial", {"by_row": tree["by_row"]})
+cp.partial.finalize(root + "/partial")
+loaded = cp.load_pytree(root + "/partial")
+np.testing.assert_array_equal(np.asarray(loaded["params"]["large"]), values()["large"])
+print("PARTIAL OK", flush=True)
+"""
+)
+
+
+def test_partial_saves_by_two_processes(tmp_path) -> None:
+    for result in run_job(PARTIAL_BODY, args=[str(tmp_path)], timeout=120):
+        result.check()
+        assert "PARTIAL OK" in result.stdout
+    loaded = cp.load_pytree(tmp_path / "partial")
+    np.testing.assert_array_equal(np.asarray(loaded["params"]["sharded"]), values()["sharded"])
+    np.testing.assert_array_equal(np.asarray(loaded["params"]["large"]), values()["large"])
+    np.testing.assert_array_equal(np.asarray(loaded["by_row"]), values()["by_row"])
+    assert loaded["host"]["run"] == "exp-7"
+    assert not (tmp_path / "partial.partial_save").exists()
