@@ -7,7 +7,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _inflight, errors, handlers, layout
+from checkpointables import _gc, _inflight, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
 from checkpointables.context import Context, get_context
@@ -90,8 +90,14 @@ def load_items_async(
     meta: Mapping[str, Any],
     items: Mapping[str, tuple[epath.Path, Any]],
     context: Context,
+    *,
+    wait: bool = False,
 ) -> AsyncResponse[dict[str, Any]]:
-    """Loads ``{name: (directory, abstract)}`` with the recorded handlers."""
+    """Loads ``{name: (directory, abstract)}`` with the recorded handlers.
+
+    With ``wait`` (a synchronous load) the reading runs on the caller's thread
+    and the returned response is already done.
+    """
     typestrs = recorded_typestrs(meta)
     flat_typestr = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
     instances = {}
@@ -124,7 +130,7 @@ def load_items_async(
 
     with context:  # Handlers read options through get_context().
         awaitables = run_sync(blocking_phase())
-        return start_background(background, f"load of {path}", daemon=True)
+        return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
 
 def load_checkpointables_async(
@@ -132,6 +138,7 @@ def load_checkpointables_async(
     abstract_checkpointables: Mapping[str, Any] | None = None,
     *,
     context: Context | None = None,
+    _wait: bool = False,
 ) -> AsyncResponse[dict[str, Any]]:
     """Starts loading checkpointables; reading happens in the background.
 
@@ -141,7 +148,9 @@ def load_checkpointables_async(
     context = get_context(context)
     path, meta = open_checkpoint(path, context)
     requested = _requested(path, meta, abstract_checkpointables)
-    return load_items_async(path, meta, {n: (path / n, a) for n, a in requested.items()}, context)
+    return load_items_async(
+        path, meta, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
+    )
 
 
 def load_checkpointables(
@@ -160,7 +169,9 @@ def load_checkpointables(
       KeyError: a requested name is not in the checkpoint.
       cp.errors.MissingHandlerError: a needed handler is not installed.
     """
-    return load_checkpointables_async(path, abstract_checkpointables).result()
+    with _gc.paused():
+        response = load_checkpointables_async(path, abstract_checkpointables, _wait=True)
+    return response.result()
 
 
 def item_metadata(directory: epath.Path, name: str, recorded: str | None, context: Context) -> Any:

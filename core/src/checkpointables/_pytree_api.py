@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _loading, _saving, errors, handlers, layout
+from checkpointables import _gc, _loading, _saving, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
@@ -51,13 +51,14 @@ def save_pytree_async(
 
     The caller may change or delete its arrays as soon as this returns.
     """
-    return _saving.save_checkpointables_async(
-        path,
-        pytree_item(checkpointable_name, pytree),
-        overwrite=overwrite,
-        custom_metadata=custom_metadata,
-        forced_handlers={checkpointable_name: pytree_registration().handler_cls},
-    )
+    with _gc.paused():  # The blocking phase (and, for save_pytree, the writing).
+        return _saving.save_checkpointables_async(
+            path,
+            pytree_item(checkpointable_name, pytree),
+            overwrite=overwrite,
+            custom_metadata=custom_metadata,
+            forced_handlers={checkpointable_name: pytree_registration().handler_cls},
+        )
 
 
 def save_pytree(
@@ -74,7 +75,7 @@ def save_pytree(
 
         cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
     """
-    with waiting_caller():
+    with waiting_caller(), _gc.paused():
         response = save_pytree_async(
             path,
             pytree,
@@ -140,12 +141,26 @@ def load_pytree_async(
     partial_load: bool = False,
 ) -> AsyncResponse[Any]:
     """Starts loading a pytree; reading happens in the background."""
+    with _gc.paused():  # The blocking phase only.
+        return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
+
+
+def _start_load(
+    path: epath.PathLike,
+    abstract_pytree: Any,
+    checkpointable_name: str | None,
+    partial_load: bool,
+    *,
+    wait: bool,
+) -> AsyncResponse[Any]:
     context = _with_partial_load(get_context(), partial_load)
     path, meta = _loading.open_checkpoint(path, context)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
     name, directory = find_pytree(path, meta, checkpointable_name)
-    response = _loading.load_items_async(path, meta, {name: (directory, abstract_pytree)}, context)
+    response = _loading.load_items_async(
+        path, meta, {name: (directory, abstract_pytree)}, context, wait=wait
+    )
     return _Unwrapped(response, name)
 
 
@@ -188,9 +203,10 @@ def load_pytree(
 
         state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
     """
-    return load_pytree_async(
-        path, abstract_pytree, checkpointable_name=checkpointable_name, partial_load=partial_load
-    ).result()
+    # The caller waits: read on its thread rather than in the background.
+    with _gc.paused():
+        response = _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=True)
+    return response.result()
 
 
 def pytree_metadata(

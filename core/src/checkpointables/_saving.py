@@ -9,9 +9,10 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _inflight, handlers, layout, multihost
+from checkpointables import _gc, _inflight, handlers, layout, multihost
 from checkpointables._asyncio import (
     AsyncResponse,
+    caller_waits,
     gather_awaitables,
     run_sync,
     start_background,
@@ -145,9 +146,12 @@ def save_checkpointables_async(
             finalize = getattr(instance, "finalize", None)
             if finalize is not None:
                 run_sync(finalize(tmp / name))
-        (tmp / layout.MARKER_FILE).touch()
-        (tmp / layout.COMMIT_SUCCESS_FILE).write_text(f"Checkpoint commit was successful to {path}")
-        layout.write_file_durably(
+        layout.write_file(tmp / layout.MARKER_FILE, "")
+        layout.write_file(
+            tmp / layout.COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {path}"
+        )
+        # Flushed with every other file of the checkpoint, just below.
+        layout.write_file(
             tmp / CHECKPOINT_METADATA_FILE,
             checkpoint_metadata_json(
                 item_handlers={name: ts for name, (ts, _) in chosen.items()},
@@ -184,7 +188,8 @@ def save_checkpointables_async(
             raise
 
     with context:
-        response = start_background(background, f"save of {path}")
+        # A synchronous save's caller waits for the commit anyway: write on its thread.
+        response = start_background(background, f"save of {path}", inline=caller_waits())
     _inflight.track(path, response)
     return response
 
@@ -203,7 +208,7 @@ def save_checkpointables(
         cp.save_checkpointables(path, {"pytree": state, "dataset": iterator},
                                 custom_metadata={"run": "exp-7"})
     """
-    with waiting_caller():
+    with waiting_caller(), _gc.paused():
         response = save_checkpointables_async(
             path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
         )

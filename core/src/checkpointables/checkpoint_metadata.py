@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -106,7 +107,11 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     """
     path = epath.Path(directory) / CHECKPOINT_METADATA_FILE
     try:
-        text = path.read_text()
+        if "://" in os.fspath(path):
+            text = path.read_text()
+        else:  # Cheaper than epath's read for a local file.
+            with open(os.fspath(path), encoding="utf-8") as f:
+                text = f.read()
     except FileNotFoundError:
         raise
     except OSError as e:

@@ -85,7 +85,8 @@ def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, objec
 
 def is_temporary_path(path: epath.PathLike) -> bool:
     """Whether ``path`` is an unfinished save's directory (ours or Orbax's)."""
-    name = epath.Path(path).name
+    local = local_path(path)
+    name = os.path.basename(local.rstrip("/")) if local is not None else epath.Path(path).name
     return TMP_INFIX in name or OLD_INFIX in name or any(m in name for m in _FOREIGN_TMP_MARKERS)
 
 
@@ -108,6 +109,25 @@ def parse_temporary_name(name: str) -> tuple[str, int, int] | None:
     return name[: match.start()], int(match.group(2)), int(match.group(3))
 
 
+def local_path(path: epath.PathLike) -> str | None:
+    """``path`` as a string when it is on the local filesystem, else ``None`` (``gs://``...).
+
+    Local paths are checked and read with ``os`` calls, which cost a few microseconds
+    where ``epath``'s cost tens: that is most of a tiny checkpoint's load.
+    """
+    text = os.fspath(path)
+    return None if "://" in text else text
+
+
+def read_text(path: epath.PathLike) -> str:
+    """The text of a file, local or remote."""
+    local = local_path(path)
+    if local is None:
+        return epath.Path(path).read_text()
+    with open(local, encoding="utf-8") as f:
+        return f.read()
+
+
 def validate_checkpoint_directory(path: epath.Path) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -116,6 +136,14 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
       errors.NotACheckpointError: ``path`` is a file, a temporary directory, or
         has no ``_CHECKPOINT_METADATA``.
     """
+    local = local_path(path)
+    if (
+        local is not None
+        and os.path.isdir(local)
+        and not is_temporary_path(path)
+        and os.path.isfile(os.path.join(local, CHECKPOINT_METADATA_FILE))
+    ):
+        return  # The usual case, checked cheaply; anything else gets the full story below.
     if not path.exists():
         raise FileNotFoundError(f"No checkpoint at {path}: the path does not exist.")
     if not path.is_dir():
@@ -176,16 +204,18 @@ def fsync_tree(root: epath.Path) -> None:
     run concurrently: the file system then commits them in a few journal
     transactions instead of one each (2.5x faster for a small checkpoint here).
     """
-    files: list[str] = []
-    directories: list[str] = []
+    targets: list[tuple[str, bool]] = []
     for dirpath, _, filenames in os.walk(os.fspath(root)):
-        files.extend(os.path.join(dirpath, f) for f in filenames)
-        directories.append(dirpath)
+        targets.extend((os.path.join(dirpath, f), False) for f in filenames)
+        targets.append((dirpath, True))
+    if len(targets) == 1:
+        _fsync(*targets[0])
+        return
     pool = _pool()
-    # Files first, then the directories that name them.
-    for group, is_directory in ((files, False), (directories, True)):
-        for future in [pool.submit(_fsync, p, is_directory) for p in group]:
-            future.result()
+    # Files and directories at once: each must be on disk before the commit's rename, in
+    # no particular order, and flushes issued together share journal commits.
+    for future in [pool.submit(_fsync, p, is_directory) for p, is_directory in targets]:
+        future.result()
 
 
 def write_file_durably(path: epath.Path, text: str) -> None:
@@ -194,6 +224,12 @@ def write_file_durably(path: epath.Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_file(path: epath.Path, text: str) -> None:
+    """Writes ``text`` without flushing it (for files ``fsync_tree`` flushes before a commit)."""
+    with open(os.fspath(path), "w") as f:
+        f.write(text)
 
 
 def remove_tree(path: epath.Path) -> None:
@@ -252,6 +288,17 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
 
 def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> list[str]:
     """Names of the checkpointables stored in checkpoint ``path``, sorted."""
+    local = local_path(path)
+    if local is not None:
+        with os.scandir(local) as entries:
+            children = {e.name for e in entries if e.is_dir()}
+        names = {
+            n
+            for n in recorded
+            if (n in children if "/" not in n else os.path.isdir(os.path.join(local, n)))
+        }
+        names.update(c for c in children if c not in RESERVED_NAMES and not c.startswith("."))
+        return sorted(names)
     names = {n for n in recorded if (path / n).is_dir()}
     for child in path.iterdir():
         if child.is_dir() and child.name not in RESERVED_NAMES and not child.name.startswith("."):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -14,6 +15,7 @@ Leaf = TypeVar("Leaf")
 AbstractLeaf = TypeVar("AbstractLeaf")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # Trees repeat their key names: escape each once.
 def _escape_key(key: str) -> str:
     # '.' joins keys and '/' separates directories: escaping them keeps
     # {"a.b": x} apart from {"a": {"b": y}} and keeps every name inside the
@@ -23,6 +25,8 @@ def _escape_key(key: str) -> str:
 
 def key_name(key: Any) -> str:
     """The string form of one ``jax.tree_util`` key entry (or a plain string/int)."""
+    if type(key) is str:
+        return key
     for attribute in ("key", "idx", "name"):
         if hasattr(key, attribute):
             return str(getattr(key, attribute))

@@ -34,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _crc32c, _errors, _gc, _value_files, _zarr3
+from checkpointables_pytree import _crc32c, _errors, _gc, _local_values, _value_files, _zarr3
 
 __all__ = [
     "SMALL_ARRAY_BYTES",
@@ -50,7 +50,9 @@ __all__ = [
 
 SMALL_ARRAY_BYTES = 256 << 10
 # Small arrays per transaction: bounds the memory a batch of encoded keys takes.
-SMALL_BATCH_BYTES = 64 << 20
+SMALL_BATCH_BYTES = 32 << 20
+# Batches of small arrays being checksummed while one is encoded (more only contend for the GIL).
+PREPARED_AHEAD = 1
 # Large arrays being encoded/decoded at once: bounds the extra memory of a save or load.
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
@@ -59,6 +61,10 @@ LARGE_GROUP_BYTES = 64 << 20
 # Large values are read in ranges of this size, this many at once.
 RANGE_BYTES = 8 << 20
 RANGE_WINDOW = 3
+# Up to this many keys, read_values waits for them on the event loop's thread.
+INLINE_READ_KEYS = 64
+# Up to this many bytes, the recorded CRC-32s are computed on the event loop's thread.
+INLINE_CHECKSUM_BYTES = 1 << 20
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
 
 
@@ -160,7 +166,7 @@ class ArrayWrite:
     smaller than ``layout.chunk_shape``).
     """
 
-    what: str
+    what: Any  # Names the leaf in errors (its str(), formatted only when needed).
     layout: _zarr3.ZarrLayout
     chunks: list[tuple[tuple[int, ...], np.ndarray]]
     inner_chunk_shape: tuple[int, ...] | None = None
@@ -181,21 +187,36 @@ class ArrayWrite:
             _zarr3.all_chunk_indices(self.layout.shape, self.layout.chunk_shape)
         )
 
+    # nbytes and direct are asked for many times per array: computed once (``chunks`` and
+    # ``layout`` do not change once the write is built). Not functools.cached_property,
+    # whose lock costs more than the computation.
+    _nbytes: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
     @property
     def nbytes(self) -> int:
         """Bytes of data this process writes for the array."""
-        return sum(int(data.nbytes) for _, data in self.chunks)
+        if self._nbytes is None:
+            chunks = self.chunks
+            self._nbytes = (
+                int(chunks[0][1].nbytes)
+                if len(chunks) == 1
+                else sum(int(data.nbytes) for _, data in chunks)
+            )
+        return self._nbytes
 
     @property
     def direct(self) -> bool:
         """Whether the array is small and plain enough to be encoded here."""
-        layout = self.layout
-        return (
-            self.one_chunk_shards
-            and _zarr3.is_direct_dtype(layout.dtype)
-            and self.nbytes <= SMALL_ARRAY_BYTES
-            and layout.chunk_nbytes <= SMALL_ARRAY_BYTES
-        )
+        if self._direct is None:
+            layout = self.layout
+            self._direct = bool(
+                self.one_chunk_shards
+                and _zarr3.is_direct_dtype(layout.dtype)
+                and self.nbytes <= SMALL_ARRAY_BYTES
+                and layout.chunk_nbytes <= SMALL_ARRAY_BYTES
+            )
+        return self._direct
 
     def metadata(self) -> dict[str, Any]:
         """The zarr3 metadata of the array."""
@@ -267,23 +288,62 @@ class ArrayWriter:
         self._directory = directory
         self._items: list[ArrayWrite] = []
         self._checksums: asyncio.Future[None] | None = None
+        # Done once `run` recorded the small arrays' CRC-32s (it computes them with
+        # their CRC-32Cs, while it encodes the batch before).
+        self._small_checksums: asyncio.Future[None] | None = None
         self._flushed: set[str] = set()
+        # From prepare_early: (arrays then, their small-array batches, the first one's work).
+        self._early: tuple[int, list[list[ArrayWrite]], concurrent.futures.Future[Any]] | None = (
+            None
+        )
+
+    def prepare_early(self) -> None:
+        """Starts checksumming the first batch of small arrays, in a worker thread.
+
+        Called once every array is added (at the end of a save's blocking phase):
+        the checksums, the slowest part of writing many small arrays, then run
+        while the rest of the save is set up. Does nothing for a few small arrays.
+        """
+        if self._early is not None:
+            return
+        small = [i for i in self._items if i.direct]
+        batches = _batches(small, _batch_budget(sum(i.nbytes for i in small)))
+        if batches and sum(i.nbytes for i in batches[0]) > INLINE_CHECKSUM_BYTES:
+            work = _prepare_pool().submit(_prepare_small, batches[0])
+            self._early = (len(self._items), batches, work)
 
     def start_checksums(self) -> None:
         """Starts computing the recorded zlib CRC-32s, in a worker thread (idempotent)."""
         if self._checksums is None:
+            self._small_checksums = asyncio.get_running_loop().create_future()
             items = [
                 i
                 for i in self._items
-                if i.record is not None and i.one_chunk_shards and i.owns_all_chunks
+                if not i.direct
+                and i.record is not None
+                and i.one_chunk_shards
+                and i.owns_all_chunks
             ]
-            self._checksums = asyncio.ensure_future(asyncio.to_thread(_record_checksums, items))
+            if sum(i.nbytes for i in items) <= INLINE_CHECKSUM_BYTES:
+                # A few microseconds of work: cheaper here than a hand-over to a thread.
+                _record_checksums(items)
+                done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                done.set_result(None)
+                self._checksums = done
+            else:
+                self._checksums = asyncio.ensure_future(asyncio.to_thread(_record_checksums, items))
 
     async def checksums(self) -> None:
-        """Waits until every recorded CRC-32 is in its array's ``record``."""
+        """Waits until every recorded CRC-32 is in its array's ``record`` (``run`` must run)."""
         self.start_checksums()
-        assert self._checksums is not None
+        assert self._checksums is not None and self._small_checksums is not None
         await self._checksums
+        await self._small_checksums
+
+    def _small_checksums_done(self) -> None:
+        if self._small_checksums is not None and not self._small_checksums.done():
+            # Also after a failure: the waiters then see run's error, not a hang.
+            self._small_checksums.set_result(None)
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -296,15 +356,24 @@ class ArrayWriter:
 
     async def run(self) -> None:
         """Writes every array added; returns once all are committed to the database."""
+        self.start_checksums()
+        try:
+            await self._run()
+        finally:
+            self._small_checksums_done()
+
+    async def _run(self) -> None:
         if not self._items:
             return
-        self.start_checksums()
         root = await self._directory.await_creation()
         database = database_directory(root)
         context = make_context()
         kvstore = await ts.KvStore.open(kvstore_spec(database, create=True), context=context)
         large = [i for i in self._items if not i.direct]
         small = [i for i in self._items if i.direct]
+        early = self._early
+        if early is not None and early[0] != len(self._items):
+            early = None  # Arrays were added since: its result is not used.
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         # Large arrays are encoded by TensorStore's threads while this thread
         # encodes the small ones.
@@ -313,13 +382,40 @@ class ArrayWriter:
             for group in _batches(large, LARGE_GROUP_BYTES)
         ]
         commits: list[asyncio.Future[Any]] = []
+        prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
         try:
             metadata_only = [i for i in large if i.write_metadata]
-            batches = _batches(small, _batch_budget(sum(i.nbytes for i in small)))
-            for batch in batches or [[]]:
+            batches = (
+                early[1] if early else _batches(small, _batch_budget(sum(i.nbytes for i in small)))
+            ) or [[]]
+            # Worker threads checksum the next batches (mostly in TensorStore, without
+            # the GIL) while this thread encodes the current one.
+            remaining = len(batches)
+
+            def prepare(
+                batch: list[ArrayWrite], started: asyncio.Future[_Prepared] | None = None
+            ) -> asyncio.Future[_Prepared]:
+                def one_less(_: Any) -> None:
+                    nonlocal remaining
+                    remaining -= 1
+                    if not remaining:
+                        # Every CRC-32 is recorded: _METADATA is written during the commits.
+                        self._small_checksums_done()
+
+                future = started if started is not None else _prepare_soon(batch)
+                future.add_done_callback(one_less)
+                return future
+
+            prepared.append(prepare(batches[0], asyncio.wrap_future(early[2]) if early else None))
+            prepared.extend(prepare(b) for b in batches[1:PREPARED_AHEAD])
+            for n, batch in enumerate(batches):
+                ready = await prepared.popleft()
+                if n + PREPARED_AHEAD < len(batches):
+                    prepared.append(prepare(batches[n + PREPARED_AHEAD]))
                 with _gc.paused():
-                    transaction = self._stage_small(kvstore, batch, metadata_only)
+                    transaction = self._stage_small(kvstore, batch, ready, metadata_only)
                 metadata_only = []
+                del ready
                 # TensorStore commits one batch while this thread encodes the next; at
                 # most two are held in memory.
                 commits.append(asyncio.ensure_future(_await(transaction.commit_async())))
@@ -327,28 +423,26 @@ class ArrayWriter:
                     await commits.pop(0)
             await asyncio.gather(*commits, *large_tasks, self.checksums())
         except BaseException:
-            await _settle([t for t in (*commits, *large_tasks, self._checksums) if t is not None])
+            pending = (*commits, *large_tasks, self._checksums, *prepared)
+            await _settle([t for t in pending if t is not None])
             raise
 
     def _stage_small(
-        self, kvstore: ts.KvStore, items: Sequence[ArrayWrite], metadata_only: Sequence[ArrayWrite]
+        self,
+        kvstore: ts.KvStore,
+        items: Sequence[ArrayWrite],
+        prepared: _Prepared,
+        metadata_only: Sequence[ArrayWrite],
     ) -> ts.Transaction:
-        keys: list[str] = []
-        chunks: list[np.ndarray] = []
-        for item in items:
-            layout = item.layout
-            for index, data in item.chunks:
-                keys.append(_zarr3.chunk_key(layout.name, index))
-                chunks.append(_full_chunk(data, layout).reshape(-1).view(np.uint8))
-        checksums = _crc32c.crc32c_many(chunks).tolist()
+        keys, chunks, checksums = prepared
         transaction = ts.Transaction()
         write = kvstore.with_transaction(transaction).write
         for item in (*items, *metadata_only):
             if item.write_metadata:
                 write(item.layout.name + "/zarr.json", item.zarr_json())
+        encode = _zarr3.encode_shard
         for key, chunk, checksum in zip(keys, chunks, checksums, strict=True):
-            write(key, _zarr3.encode_shard(memoryview(chunk), checksum))
-        del chunks
+            write(key, encode(memoryview(chunk), checksum))
         return transaction
 
     async def _write_large(
@@ -398,9 +492,49 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
+# A batch of small arrays ready to encode: chunk keys, chunk bytes, their CRC-32Cs.
+_Prepared = tuple[list[str], list[np.ndarray], list[int]]
+
+
+def _prepare_small(items: Sequence[ArrayWrite]) -> _Prepared:
+    """The keys, bytes and CRC-32Cs of the small arrays' chunks; records their zlib CRC-32s."""
+    keys: list[str] = []
+    chunks: list[np.ndarray] = []
+    crc32 = zlib.crc32
+    for item in items:
+        layout = item.layout
+        name = layout.name
+        mine = [_full_chunk(data, layout).reshape(-1).view(np.uint8) for _, data in item.chunks]
+        keys += [_zarr3.chunk_key(name, index) for index, _ in item.chunks]
+        chunks += mine
+        if item.record is not None and item.owns_all_chunks:
+            item.record["crc32"] = [crc32(chunk) for chunk in mine]
+    return keys, chunks, _crc32c.crc32c_many(chunks).tolist()
+
+
+@functools.cache
+def _prepare_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that checksum small arrays ahead of a save's background phase."""
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="checkpointables-crc")
+
+
+def _prepare_soon(items: Sequence[ArrayWrite]) -> asyncio.Future[_Prepared]:
+    """``_prepare_small(items)``: in a worker thread, or here for a few small arrays."""
+    loop = asyncio.get_running_loop()
+    if sum(i.nbytes for i in items) > INLINE_CHECKSUM_BYTES:
+        # Submitted now (asyncio.to_thread would wait for this thread's next await).
+        return loop.run_in_executor(None, _prepare_small, items)
+    done: asyncio.Future[_Prepared] = loop.create_future()
+    try:
+        done.set_result(_prepare_small(items))
+    except Exception as e:
+        done.set_exception(e)
+    return done
+
+
 def _batch_budget(total: int) -> int:
     """Bytes per batch of small arrays: at most ``SMALL_BATCH_BYTES``, and at least two
-    batches once there is enough data for encoding and committing to overlap."""
+    batches once there is enough data for checksumming, encoding and committing to overlap."""
     if total <= 4 * SMALL_ARRAY_BYTES:
         return SMALL_BATCH_BYTES
     return min(SMALL_BATCH_BYTES, -(-total // 2))
@@ -426,6 +560,9 @@ async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
     """
     with ts.Batch() as batch:
         futures = [kvstore.read(key, batch=batch) for key in keys]
+    if len(keys) <= INLINE_READ_KEYS:
+        # A few reads of a tiny tree: waiting here is cheaper than a hand-over to a thread.
+        return [f.result().value for f in futures]
     return await asyncio.to_thread(lambda: [f.result().value for f in futures])
 
 
@@ -485,6 +622,7 @@ class ArrayRead:
     regions: list[Region] | None = None
     allow_resize: bool = False
     result: Any = None
+    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def what(self) -> str:
@@ -511,14 +649,16 @@ class ArrayRead:
 
     @property
     def direct(self) -> bool:
-        """Whether its keys are read and checked here, in a batch."""
-        stored = self.stored
-        return (
-            stored is not None
-            and stored.direct
-            and stored.nbytes <= SMALL_ARRAY_BYTES
-            and not self.reads_part
-        )
+        """Whether its keys are read and checked here, in a batch (decided once, when added)."""
+        if self._direct is None:
+            stored = self.stored
+            self._direct = bool(
+                stored is not None
+                and stored.direct
+                and stored.nbytes <= SMALL_ARRAY_BYTES
+                and (self.regions is None or not self.reads_part)
+            )
+        return self._direct
 
     @property
     def raw(self) -> bool:
@@ -647,23 +787,63 @@ class ArrayReader:
     async def _read_direct(self, kvstore: ts.KvStore, reads: Sequence[ArrayRead]) -> None:
         keys: list[str] = []
         for read in reads:
-            name = read.name
-            keys.extend(_zarr3.chunk_key(name, i) for i in read.stored.chunk_indices)  # type: ignore[union-attr]
+            stored = read.stored
+            assert stored is not None
+            if stored.chunk_shape == stored.shape:  # One chunk: skip listing the chunk grid.
+                keys.append(_zarr3.chunk_key(read.name, (0,) * len(stored.shape)))
+            else:
+                keys.extend(_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices)
+        found: list[Any] = [None] * len(keys)
+        if len(keys) > INLINE_READ_KEYS and self._ocdbt and _value_files.is_local(self._directory):
+            # A damaged database: TensorStore's reads below report it, naming it.
+            with contextlib.suppress(Exception):
+                found = await _local_values.read_local_values(self._directory, keys)
+        rest = [i for i, value in enumerate(found) if value is None]
         try:
-            values = await read_values(kvstore, keys)
+            if rest:
+                values = await read_values(kvstore, [keys[i] for i in rest])
+                for i, value in zip(rest, values, strict=True):
+                    found[i] = value
         except Exception as e:  # An OCDBT node that fails to decode.
             raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
         with _gc.paused():
-            self._decode(reads, values)
+            self._decode(reads, found)
 
-    def _decode(self, reads: Sequence[ArrayRead], values: list[bytes]) -> None:
+    def _decode(self, reads: Sequence[ArrayRead], values: list[Any]) -> None:
         # Decode every shard; check recorded zlib CRC-32s at once, the others in one CRC-32C batch.
         position = 0
-        decoded: list[list[memoryview]] = []
+        decoded: list[list[memoryview] | None] = []
         unchecked: list[tuple[ArrayRead, memoryview, int]] = []
+        verify = self._verify
+        crc32 = zlib.crc32
         for read in reads:
             stored = read.stored
             assert stored is not None
+            shape = stored.shape
+            if (
+                stored.chunk_shape == shape
+                and stored.crc32 is not None
+                and len(stored.crc32) == 1
+                and read.regions is None
+                and read.target_shape in (None, shape)
+            ):
+                # The usual small array: one chunk with a recorded CRC-32, wanted whole.
+                nbytes = stored.nbytes
+                value = values[position]
+                if len(value) == nbytes + 24 and value[nbytes + 4 :] == _zarr3.shard_trailer(
+                    nbytes
+                ):
+                    data = memoryview(value)[:nbytes]
+                    if verify and crc32(data) != stored.crc32[0]:
+                        raise _errors.integrity_error(
+                            read.what, "a chunk's checksum does not match its data"
+                        )
+                    position += 1
+                    decoded.append(None)
+                    read.result = read.convert(
+                        [np.frombuffer(data, dtype=stored.dtype).reshape(shape)]
+                    )
+                    continue
             indices = stored.chunk_indices
             nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
             trailer = _zarr3.shard_trailer(nbytes)
@@ -700,6 +880,8 @@ class ArrayReader:
                     ", ".join(names), "a chunk's CRC-32C checksum does not match its data"
                 )
         for read, views in zip(reads, decoded, strict=True):
+            if views is None:
+                continue  # Converted above.
             stored = read.stored
             assert stored is not None
             full = _assemble(read.name, stored, views)

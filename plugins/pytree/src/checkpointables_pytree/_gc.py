@@ -1,41 +1,12 @@
 """Pausing Python's cyclic garbage collector around allocation-heavy sections.
 
-Flattening a tree, parsing ``_METADATA`` and decoding thousands of small
-arrays allocate hundreds of thousands of small objects, none of them in
-cycles. Each allocation burst triggers collections that scan the whole heap
-(large once JAX is imported): on a 5,000-leaf tree they cost more than the
-work itself. The pauses cover CPU-bound sections only (never I/O waits) and
-nest across threads; the collector is re-enabled by the last one out, and
-only if it was enabled before.
+The pauses are the core's (``checkpointables._gc``): one nesting count for
+the core's pauses around whole operations and the plugin's around its
+CPU-bound sections (never I/O waits of background work).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
-from collections.abc import Iterator
+from checkpointables._gc import paused
 
 __all__ = ["paused"]
-
-_lock = threading.Lock()
-_depth = 0
-_was_enabled = False
-
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Disables the cyclic garbage collector for the ``with`` body."""
-    global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()

@@ -30,6 +30,7 @@ from checkpointables_pytree import (
 )
 from checkpointables_pytree._session import (
     LoadSession,
+    NamedDeserializationParam,
     NamedSerializationParam,
     PyTreeDeserializationContext,
     PyTreeSerializationContext,
@@ -147,8 +148,7 @@ class PyTreeHandler:
     def _unsupported(self, tree: Any) -> list[str]:
         lookup = _EntryCache(leaf_registry())
         return [
-            f"{_tree.keystr(leaf.names, [_tree.key_type(k) for k in leaf.keypath])} "
-            f"({_describe_type(leaf.value)})"
+            f"{_tree.keystr(leaf.names, leaf.key_types)} ({_describe_type(leaf.value)})"
             for leaf in self._flatten(tree).leaves
             if lookup(leaf.value) is None
         ]
@@ -213,7 +213,7 @@ class PyTreeHandler:
         lookup = _EntryCache(leaf_registry(context))
         flat = self._flatten(checkpointable)
         self._last_flat = None
-        groups: dict[type, list[tuple[SerializationParam[Any], LeafEntry, tuple[str, ...]]]] = {}
+        groups: dict[type, list[tuple[SerializationParam[Any], LeafEntry, _tree.Leaf]]] = {}
         unsupported = []
         seen: dict[tuple[str, ...], tuple[Any, ...]] = {}
         for leaf in flat.leaves:
@@ -236,7 +236,7 @@ class PyTreeHandler:
             param = NamedSerializationParam(
                 keypath=leaf.keypath, value=leaf.value, storage_name=param_name_from_keypath(names)
             )
-            groups.setdefault(entry.handler_cls, []).append((param, entry, names))
+            groups.setdefault(entry.handler_cls, []).append((param, entry, leaf))
         if unsupported:
             raise cp.errors.NoHandlerForObjectError(
                 f"Cannot save the pytree to {directory.path}: no leaf handler accepts the leaves "
@@ -258,15 +258,19 @@ class PyTreeHandler:
             except BaseException:
                 _discard(awaitables)
                 raise
-            for param, entry, names in items:
+        # The small arrays' checksums start now, while the rest is set up.
+        session.writer.prepare_early()
+        write_shapes, extras = session.write_shapes, session.extras
+        for items in groups.values():
+            for param, entry, leaf in items:
                 name = param.name
                 entries.append(
                     _tree_metadata.Entry(
-                        names=names,
-                        key_types=tuple(_tree.key_type(k) for k in param.keypath),
+                        names=leaf.names,
+                        key_types=leaf.key_types,
                         value_type=entry.typestr,
-                        write_shape=session.write_shapes.get(name),
-                        extra=session.extras.get(name, {}),
+                        write_shape=write_shapes.get(name),
+                        extra=extras.get(name) or {},
                     )
                 )
         for path, kind in flat.empty:
@@ -446,24 +450,37 @@ class _Plan:
     ) -> _Plan:
         plan = cls()
         unknown: dict[str, list[str]] = {}
+        slots, values, groups = plan.slots, plan.values, plan.groups
+        # Per value type: the list of its handler's group (looked up once per type).
+        group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
+        jax_keypath = _tree.jax_keypath
         for entry in tree.entries:
-            plan.slots.append((entry.names, entry.key_types))
-            if entry.is_empty_node:
-                plan.values.append(_empty_value(entry.value_type))
+            names, value_type = entry.names, entry.value_type
+            slots.append((names, entry.key_types))
+            if entry.skip_deserialize and value_type in _tree.EMPTY_TYPES:
+                values.append(_empty_value(value_type))
                 continue
-            if entry.value_type == _PLACEHOLDER_TYPE:
-                plan.values.append(cp.PLACEHOLDER)
+            if value_type == _PLACEHOLDER_TYPE:
+                values.append(cp.PLACEHOLDER)
                 continue
-            plan.values.append(None)
-            leaf_entry = registry.entry_for_typestr(entry.value_type)
-            if leaf_entry is None:
-                unknown.setdefault(entry.value_type, []).append(entry.keystr)
+            values.append(None)
+            try:
+                group = group_of[value_type]
+            except KeyError:
+                leaf_entry = registry.entry_for_typestr(value_type)
+                group = group_of[value_type] = (
+                    None if leaf_entry is None else groups.setdefault(leaf_entry.handler_cls, [])
+                )
+            if group is None:
+                unknown.setdefault(value_type, []).append(entry.keystr)
                 continue
-            plan._add(
-                leaf_entry.handler_cls,
-                DeserializationParam(
-                    keypath=_tree.jax_keypath(entry.names, entry.key_types), value=None
-                ),
+            group.append(
+                (
+                    len(values) - 1,
+                    NamedDeserializationParam(
+                        keypath=jax_keypath(names, entry.key_types), value=None, names=names
+                    ),
+                )
             )
         if unknown:
             described = "; ".join(f"{t!r} for {_listing(paths)}" for t, paths in unknown.items())
@@ -524,7 +541,8 @@ class _Plan:
                 continue
             used.add(names)
             plan._add(
-                leaf_entry.handler_cls, DeserializationParam(keypath=tuple(keypath), value=leaf)
+                leaf_entry.handler_cls,
+                NamedDeserializationParam(keypath=tuple(keypath), value=leaf, names=names),
             )
         missing = []
         for entry in tree.entries:

@@ -12,6 +12,7 @@ given ``0.0``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -67,6 +68,18 @@ _PYTHON_SCALARS: dict[str, type] = {"int": int, "float": float, "bool": bool, "c
 
 def _what(keypath: Sequence[Any]) -> str:
     return f"leaf {_tree.keystr(_tree.key_names(keypath), [_tree.key_type(k) for k in keypath])}"
+
+
+class _LeafLabel:
+    """Names a leaf in errors; the key path is formatted only if an error needs it."""
+
+    __slots__ = ("keypath",)
+
+    def __init__(self, keypath: Sequence[Any]) -> None:
+        self.keypath = keypath
+
+    def __str__(self) -> str:
+        return _what(self.keypath)
 
 
 def _unsupported(keypath: Sequence[Any], value: Any, why: str) -> cp.errors.NoHandlerForObjectError:
@@ -183,10 +196,10 @@ def _plan_array(
     In a multi-process save, a value every process holds (``held_by_every_process``)
     and every array's ``zarr.json`` are written by the primary host alone.
     """
-    primary = _multiprocess.writes_shared_values(session.context)
+    primary = session.primary
     if held_by_every_process and not primary:
         chunks = []
-    compression = bool(session.context.array_options.use_compression)
+    compression = session.compression
     inner: tuple[int, ...] | None = None
     if storage.chunk_byte_size:
         inner = choose_inner_chunk_shape(
@@ -206,7 +219,7 @@ def _plan_array(
     # instead of recomputing CRC-32Cs; the chunks keep their CRC-32C for other readers.
     session.writer.add(
         _database.ArrayWrite(
-            _what(param.keypath),
+            _LeafLabel(param.keypath),
             layout,
             chunks,
             inner_chunk_shape=inner,
@@ -255,6 +268,14 @@ def _numpy_result(array: np.ndarray, dtype: Any) -> np.ndarray:
     """A writable NumPy array (reads may hand over read-only views of stored bytes)."""
     array = _cast(array, dtype)
     return array if array.flags.writeable else array.copy()
+
+
+def _numpy_as_stored(pieces: list[np.ndarray]) -> np.ndarray:
+    return _numpy_result(pieces[0], None)
+
+
+def _numpy_converted(pieces: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return _numpy_result(pieces[0], dtype)
 
 
 def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
@@ -415,7 +436,7 @@ class ArrayLeafHandler(_StandardHandler):
 
     @staticmethod
     def _plan_read(session: LoadSession, param: DeserializationParam[Any]) -> _database.ArrayRead:
-        entry, name = session.info(param.keypath)
+        entry, name = session.info(param.keypath, getattr(param, "names", None))
         _check_stored_type(entry, ARRAY_VALUE_TYPES, "a jax.Array")
         shape, dtype, sharding = _target_of(param.value)
         regions = None
@@ -501,19 +522,23 @@ class NumpyLeafHandler(_StandardHandler):
     ) -> Awaitable[None]:
         """Snapshots the arrays (unless the caller waits); returns the awaitable writing them."""
         session, private = _save_session(self, serialization_context)
+        context = session.context
         for param in params:
             array = param.value
-            storage = _storage_options(session.context, param.keypath, array)
-            if array.dtype.kind in "OUS":
+            storage = _storage_options(context, param.keypath, array)
+            array_dtype = array.dtype
+            if array_dtype.kind in "OUS":
                 raise _unsupported(
                     param.keypath,
                     array,
-                    f"arrays of dtype {array.dtype} cannot be stored in zarr3; "
+                    f"arrays of dtype {array_dtype} cannot be stored in zarr3; "
                     f"convert them to numbers (or strings to str leaves)",
                 )
-            dtype = _storage_dtype(param.keypath, array, array.dtype.newbyteorder("="), storage)
-            shape = tuple(int(s) for s in array.shape)
-            chunk_shape = _zarr3.default_chunk_shape(shape)
+            if array_dtype.byteorder not in "=|":
+                array_dtype = array_dtype.newbyteorder("=")
+            dtype = _storage_dtype(param.keypath, array, array_dtype, storage)
+            shape = array.shape  # A tuple of Python ints.
+            chunk_shape = shape if 0 not in shape else _zarr3.default_chunk_shape(shape)
             if array.size == 0:
                 chunks = []
             else:
@@ -542,19 +567,27 @@ class NumpyLeafHandler(_StandardHandler):
         """Schedules the reads; returns the awaitable that yields the arrays."""
         session, private = _load_session(self, deserialization_context)
         reads = []
+        # Thousands of leaves: the per-leaf work is kept to the minimum.
+        info, stored_array, add = session.info, session.stored_array, session.reader.add
+        allow_resize = session.allow_resize
         for param in params:
-            entry, name = session.info(param.keypath)
-            _check_stored_type(entry, ARRAY_VALUE_TYPES, "an np.ndarray")
-            shape, dtype, _ = _target_of(param.value)
+            entry, name = info(param.keypath, getattr(param, "names", None))
+            if entry.value_type not in ARRAY_VALUE_TYPES:
+                _check_stored_type(entry, ARRAY_VALUE_TYPES, "an np.ndarray")
+            if param.value is None:
+                shape, convert = None, _numpy_as_stored
+            else:
+                shape, dtype, _ = _target_of(param.value)
+                convert = functools.partial(_numpy_converted, dtype=dtype)
             read = _database.ArrayRead(
                 label=entry,
                 name=name,
-                stored=session.stored_array(entry),
-                convert=lambda pieces, dtype=dtype: _numpy_result(pieces[0], dtype),
+                stored=stored_array(entry),
+                convert=convert,
                 target_shape=shape,
-                allow_resize=session.allow_resize,
+                allow_resize=allow_resize,
             )
-            session.reader.add(read)
+            add(read)
             reads.append(read)
         return _finish_load(session, private, reads)
 
@@ -667,7 +700,7 @@ class ScalarLeafHandler(_StandardHandler):
         session, private = _load_session(self, deserialization_context)
         reads = []
         for param in params:
-            entry, name = session.info(param.keypath)
+            entry, name = session.info(param.keypath, getattr(param, "names", None))
             _check_stored_type(entry, ARRAY_VALUE_TYPES, "a scalar")
             abstract = param.value
             if isinstance(abstract, type):

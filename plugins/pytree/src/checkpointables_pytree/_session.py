@@ -38,6 +38,7 @@ from checkpointables_pytree import (
 
 __all__ = [
     "NamedSerializationParam",
+    "NamedDeserializationParam",
     "SaveSession",
     "LoadSession",
     "PyTreeSerializationContext",
@@ -64,6 +65,9 @@ class SaveSession:
     # Per storage name: Orbax's write_shape, and our extra value metadata.
     write_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Looked up once per save rather than once per leaf.
+    primary: bool = True
+    compression: bool = False
 
     @classmethod
     def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
@@ -75,6 +79,8 @@ class SaveSession:
             context=context,
             caller_waits=caller_waits(),
             writer=_database.ArrayWriter(directory),
+            primary=cp.multihost.is_primary_host(context),
+            compression=bool(context.array_options.use_compression),
         )
 
     def strings_text(self) -> str:
@@ -129,6 +135,13 @@ class NamedSerializationParam(cp.serialization.SerializationParam[Any]):
 
 
 @dataclasses.dataclass(frozen=True)
+class NamedDeserializationParam(cp.serialization.DeserializationParam[Any]):
+    """A ``DeserializationParam`` that also carries its key names, known to ``PyTreeHandler``."""
+
+    names: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PyTreeSerializationContext(cp.serialization.SerializationContext):
     """A ``SerializationContext`` carrying the save's shared session."""
 
@@ -162,15 +175,19 @@ class LoadSession:
             verify=bool(context.array_options.verify_checksums),
         )
         self.entries = {e.names: e for e in tree.entries}
+        self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
         self._info: dict[tuple[str, ...], tuple[_tree_metadata.Entry, str]] = {}
         self._stored: dict[tuple[str, ...], _database.StoredArray | None] = {}
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
         self._zarr_metadata: dict[str, dict[str, Any]] = {}
 
-    def info(self, keypath: Sequence[Any]) -> tuple[_tree_metadata.Entry, str]:
-        """A leaf's recorded entry and storage name."""
-        names = _tree.key_names(keypath)
+    def info(
+        self, keypath: Sequence[Any], names: tuple[str, ...] | None = None
+    ) -> tuple[_tree_metadata.Entry, str]:
+        """A leaf's recorded entry and storage name (``names``: its key names, if known)."""
+        if names is None:
+            names = _tree.key_names(keypath)
         found = self._info.get(names)
         if found is None:
             found = self._info[names] = (self.entries[names], self.tree.storage_name(names))
@@ -194,24 +211,24 @@ class LoadSession:
 
     def _stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
         extra = entry.extra
-        if "shape" not in extra or "dtype" not in extra:
+        try:
+            dtype = _dtype(extra["dtype"])
+            shape = tuple(map(int, extra["shape"]))
+        except KeyError:
             return None
-        dtype = _dtype(extra["dtype"])
         if dtype is None:
             return None
-        shape = tuple(int(s) for s in extra["shape"])
-        chunk_shape = tuple(
-            int(s) for s in extra.get("chunk_shape", _zarr3.default_chunk_shape(shape))
+        chunks = extra.get("chunk_shape")
+        chunk_shape = (
+            tuple(map(int, chunks)) if chunks is not None else _zarr3.default_chunk_shape(shape)
         )
         crc32 = extra.get("crc32")
         return _database.StoredArray(
             shape=shape,
             dtype=dtype,
             chunk_shape=chunk_shape,
-            direct=bool(extra.get("one_chunk_shards"))
-            and self.tree.use_ocdbt
-            and self.tree.use_zarr3,
-            crc32=tuple(int(c) for c in crc32) if isinstance(crc32, list) else None,
+            direct=self._direct_layout and bool(extra.get("one_chunk_shards")),
+            crc32=tuple(map(int, crc32)) if isinstance(crc32, list) else None,
         )
 
     # -- Files read lazily -------------------------------------------------------

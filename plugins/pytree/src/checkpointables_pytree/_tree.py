@@ -10,8 +10,9 @@ recorded too, so a tree without an abstract tree comes back whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -96,23 +97,26 @@ def keystr(names: Sequence[str], key_types: Sequence[int] | None = None) -> str:
 
 def jax_keypath(names: Sequence[str], key_types: Sequence[int]) -> tuple[Any, ...]:
     """A ``jax.tree_util`` key path from recorded names and key types."""
-    return tuple(
-        _SequenceKey(int(n)) if t == SEQUENCE else _DictKey(n)
-        for n, t in zip(names, key_types, strict=True)
-    )
+    if len(names) != len(key_types):
+        raise ValueError(f"{len(names)} key names but {len(key_types)} key types")
+    return tuple(map(_key_entry, names, key_types))
 
 
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One leaf of a flattened tree."""
+@functools.lru_cache(maxsize=1 << 16)  # Trees repeat their keys: build each entry once.
+def _key_entry(name: str, key_type: int) -> Any:
+    return _SequenceKey(int(name)) if key_type == SEQUENCE else _DictKey(name)
+
+
+class Leaf(NamedTuple):
+    """One leaf of a flattened tree: its key path, value, key names and key types.
+
+    A named tuple: a tree of thousands of small arrays builds one per leaf.
+    """
 
     keypath: tuple[Any, ...]
     value: Any
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The key names of the leaf's path."""
-        return key_names(self.keypath)
+    names: tuple[str, ...]
+    key_types: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -152,49 +156,56 @@ def flatten(tree: Any) -> Flat:
     flat = Flat()
     leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
 
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
+    # `names` and `types` follow `path`: each leaf's key names and key types are
+    # known without a second pass over its key path.
+    def walk(
+        node: Any, path: tuple[Any, ...], names: tuple[str, ...], types: tuple[int, ...]
+    ) -> None:
         t = type(node)
         if t is dict:
             if not node:
                 empty.append((path, EMPTY_DICT))
                 return
+            dict_types = (*types, DICT)
             for k in _sorted_keys(node):
-                walk(node[k], (*path, _DictKey(k)))
-        elif t is list:
+                walk(node[k], (*path, _DictKey(k)), (*names, str(k)), dict_types)
+        elif t is list or t is tuple:
             if not node:
-                empty.append((path, EMPTY_LIST))
+                empty.append((path, EMPTY_LIST if t is list else EMPTY_TUPLE))
                 return
+            if t is tuple:
+                tuples.append(path)
+            sequence_types = (*types, SEQUENCE)
             for i, child in enumerate(node):
-                walk(child, (*path, _SequenceKey(i)))
-        elif t is tuple:
-            if not node:
-                empty.append((path, EMPTY_TUPLE))
-                return
-            tuples.append(path)
-            for i, child in enumerate(node):
-                walk(child, (*path, _SequenceKey(i)))
+                walk(child, (*path, _SequenceKey(i)), (*names, str(i)), sequence_types)
         elif node is None:
             empty.append((path, EMPTY_NONE))
         elif isinstance(node, _LEAF_TYPES):
-            leaves.append(Leaf(path, node))
+            leaves.append(Leaf(path, node, names, types))
         elif _is_namedtuple(node):
             if not node:
                 empty.append((path, EMPTY_NAMEDTUPLE))
                 return
+            dict_types = (*types, DICT)
             for field in t._fields:
-                walk(getattr(node, field), (*path, _GetAttrKey(field)))
+                walk(getattr(node, field), (*path, _GetAttrKey(field)), (*names, field), dict_types)
         else:
             children = _one_level(node)
             if children is None:
-                leaves.append(Leaf(path, node))
+                leaves.append(Leaf(path, node, names, types))
             elif not children:
                 if isinstance(node, Mapping):
                     empty.append((path, EMPTY_DICT))
             else:
                 for keys, child in children:
-                    walk(child, (*path, *keys))
+                    walk(
+                        child,
+                        (*path, *keys),
+                        (*names, *key_names(keys)),
+                        (*types, *(key_type(k) for k in keys)),
+                    )
 
-    walk(tree, ())
+    walk(tree, (), (), ())
     return flat
 
 
@@ -224,26 +235,37 @@ def unflatten(
         return items[0][2]
     root: dict[str, Any] = {}
     kinds: dict[tuple[str, ...], int] = {}
+    # Items come sorted, so siblings follow each other: their parent is found once.
+    parent_names: tuple[str, ...] | None = None
+    parent: dict[str, Any] = root
     for names, types, value in items:
         if not names:
             raise on_conflict("the root is recorded both as a leaf and as a container")
-        node = root
-        for depth, (name, kind) in enumerate(zip(names, types, strict=True)):
-            prefix = names[:depth]
-            recorded = kinds.setdefault(prefix, kind)
-            if recorded != kind:
-                raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
-            if depth == len(names) - 1:
-                if name in node:
-                    raise on_conflict(f"{keystr(names, types)} is recorded twice")
-                node[name] = _Value(value)
-            else:
+        if len(names) != len(types):
+            raise ValueError(f"{len(names)} key names but {len(types)} key types")
+        head = names[:-1]
+        if head != parent_names:
+            node = root
+            for depth in range(len(head)):
+                name, kind = names[depth], types[depth]
+                prefix = names[:depth]
+                recorded = kinds.setdefault(prefix, kind)
+                if recorded != kind:
+                    raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
                 child = node.setdefault(name, {})
                 if isinstance(child, _Value):
                     raise on_conflict(
                         f"{keystr(names[: depth + 1])} is both a leaf and a container"
                     )
                 node = child
+            parent_names, parent = head, node
+        name, kind = names[-1], types[-1]
+        recorded = kinds.setdefault(head, kind)
+        if recorded != kind:
+            raise on_conflict(f"the children of {keystr(head)} mix list and dict keys")
+        if name in parent:
+            raise on_conflict(f"{keystr(names, types)} is recorded twice")
+        parent[name] = _Value(value)
 
     def build(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
         kind = kinds.get(prefix, DICT)

@@ -170,7 +170,12 @@ def chunk_key(name: str, index: Sequence[int]) -> str:
     """The key of chunk ``index`` of array ``name``: ``name/c/i/j``, or ``name/c`` for 0-d."""
     if not index:
         return f"{name}/c"
-    return f"{name}/c/" + "/".join(str(int(i)) for i in index)
+    return f"{name}/c/{_index_suffix(tuple(index))}"
+
+
+@functools.lru_cache(maxsize=4096)  # Most arrays have one chunk: (0,), (0, 0), ...
+def _index_suffix(index: tuple[int, ...]) -> str:
+    return "/".join(str(int(i)) for i in index)
 
 
 def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:

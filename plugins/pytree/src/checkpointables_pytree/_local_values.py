@@ -1,0 +1,232 @@
+"""Reading the values of many small keys of a local OCDBT database at once.
+
+Reading 5,000 small shards through TensorStore's kvstore costs a future, a
+thread hand-over and a fresh ``bytes`` object each (about 90 ms here). For a
+database on the local filesystem the b-tree says where every value is:
+``ts.ocdbt.dump`` decodes it (this module never parses OCDBT's binary
+format), small values come inline with their keys, and the others are read
+here with one ``pread`` per data file (or per value, when the values wanted
+are a small part of their file). That takes about a fifth of the time.
+
+Anything unusual (a key the walk does not find, a location outside the
+database, a node that fails to decode) is left to TensorStore's reads: the
+caller reads those keys the ordinary way, so damage is reported as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import tensorstore as ts
+from etils import epath
+
+from checkpointables_pytree import _value_files
+
+__all__ = ["read_local_values"]
+
+# A data file's span is read at once when the wanted values fill at least this share of it.
+_DENSE = 0.5
+
+
+async def read_local_values(
+    directory: epath.PathLike, keys: Sequence[str]
+) -> list[bytes | bytearray | None]:
+    """The values of ``keys`` (in order) in the latest version of the local database.
+
+    ``None`` for each key whose value this module cannot vouch for (missing,
+    or stored somewhere unexpected): read those through TensorStore.
+    """
+    root = os.fspath(directory)
+    base = await ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"})
+    manifest = await ts.ocdbt.dump(base)
+    versions = manifest.get("versions") or []
+    result: list[bytes | bytearray | None] = [None] * len(keys)
+    if not versions:
+        return result
+    latest = max(versions, key=lambda v: v["generation_number"])
+    location = latest.get("root", {}).get("location")
+    if location is None:  # An empty database.
+        return result
+    positions: dict[bytes, list[int]] = collections.defaultdict(list)
+    for i, key in enumerate(keys):
+        positions[key.encode()].append(i)
+    wanted = sorted(positions)
+    found: dict[bytes, Any] = {}
+    await _walk(base, _Locations(root), location, b"", (wanted, frozenset(wanted)), found)
+    by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]] = collections.defaultdict(
+        list
+    )
+    for key, value in found.items():
+        if type(value) is _value_files.ValueLocation:
+            by_file[value.file].append((key, value))
+        else:
+            for i in positions[key]:
+                result[i] = value
+    # Reads from the page cache: a hand-over to a thread would cost more than it saves.
+    for key, value in _read_files(by_file).items():
+        for i in positions[key]:
+            result[i] = value
+    return result
+
+
+class _Locations:
+    """Parses value locations, checking each data file's path once (not once per value)."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._files: dict[str, str | None] = {}
+
+    def __call__(self, text: str) -> _value_files.ValueLocation | None:
+        where, _, numbers = text.rpartition(":")
+        where, _, offset = where.rpartition(":")
+        if where not in self._files:
+            checked = _value_files.parse_location(f"{where}:0:0", self._root)
+            self._files[where] = None if checked is None else checked.file
+        file = self._files[where]
+        try:
+            start, length = int(offset), int(numbers)
+        except ValueError:
+            return None
+        if file is None or start < 0 or length < 0:
+            return None
+        return _value_files.ValueLocation(file, start, length)
+
+
+async def _walk(
+    base: Any,
+    root: _Locations,
+    location: str,
+    prefix: bytes,
+    wanted_keys: tuple[Sequence[bytes], frozenset[bytes]],
+    found: dict[bytes, Any],
+) -> None:
+    # A node's keys are relative to the prefix its ancestors' entries share
+    # (each interior entry's `subtree_common_prefix`).
+    node = await ts.ocdbt.dump(base, location)
+    entries = node["entries"]
+    wanted, wanted_set = wanted_keys  # Sorted (to pick subtrees), and as a set.
+    if node["height"] == 0:
+        for entry in entries:
+            key = prefix + entry["key"] if prefix else entry["key"]
+            if key in wanted_set:
+                inline = entry.get("inline_value")
+                if inline is not None:
+                    found[key] = inline
+                elif "indirect_value" in entry:
+                    parsed = root(entry["indirect_value"])
+                    if parsed is not None:
+                        found[key] = parsed
+        return
+    children = []
+    for n, entry in enumerate(entries):
+        low = prefix + entry["key"]
+        high = prefix + entries[n + 1]["key"] if n + 1 < len(entries) else None
+        first = bisect.bisect_left(wanted, low)
+        if first < len(wanted) and (high is None or wanted[first] < high):
+            child_prefix = prefix + entry.get("subtree_common_prefix", b"")
+            children.append(_walk(base, root, entry["location"], child_prefix, wanted_keys, found))
+    await asyncio.gather(*children)
+
+
+def _pread(fd: int, length: int, offset: int) -> bytearray:
+    """Up to ``length`` bytes at ``offset`` (fewer only at the end of the file)."""
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    del view
+    if done < length:
+        del buffer[done:]
+    return buffer
+
+
+_IOV_MAX = 512  # Buffers per preadv call (the system's limit is at least 1024).
+
+
+def _scatter_read(
+    fd: int, located: list[tuple[bytes, _value_files.ValueLocation]], values: dict[bytes, Any]
+) -> None:
+    """Reads a file's values straight into one buffer each, a few ``preadv`` calls in all.
+
+    The bytes between values go to a scratch buffer. Values that overlap (never
+    written so) are read one by one.
+    """
+    located = sorted(located, key=lambda item: item[1].offset)
+    scratch = memoryview(bytearray(1 << 16))
+    position = located[0][1].offset
+    group: list[tuple[bytes, bytearray]] = []
+    iov: list[Any] = []
+    start = position
+
+    def flush() -> None:
+        nonlocal iov, group, start
+        if iov:
+            expected = sum(len(b) for b in iov)
+            if os.preadv(fd, iov, start) == expected:
+                values.update(group)
+            else:  # The file ends early: read one by one, short values stay short.
+                for key, buffer in group:
+                    values[key] = _pread(fd, len(buffer), _offsets[key])
+        iov, group = [], []
+
+    _offsets: dict[bytes, int] = {}
+    for key, loc in located:
+        if loc.offset < position:  # Overlaps the previous value.
+            values[key] = _pread(fd, loc.length, loc.offset)
+            continue
+        if len(iov) >= _IOV_MAX - 8 or loc.offset - position > 4 * len(scratch):
+            flush()  # A full call, or a long stretch of other values: skip to this one.
+            start = position = loc.offset
+        gap = loc.offset - position
+        while gap > 0:
+            piece = min(gap, len(scratch))
+            iov.append(scratch[:piece])
+            gap -= piece
+        buffer = bytearray(loc.length)
+        iov.append(buffer)
+        group.append((key, buffer))
+        _offsets[key] = loc.offset
+        position = loc.offset + loc.length
+    flush()
+
+
+def _read_files(
+    by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]],
+) -> dict[bytes, bytearray]:
+    """Reads the located values, one ``pread`` per file when they fill most of it.
+
+    A value cut short by the end of its file comes back short: the caller's
+    layout check then names the leaf.
+    """
+    values: dict[bytes, bytearray] = {}
+    for file, located in by_file.items():
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue  # Left to TensorStore's read, which reports what is wrong.
+        try:
+            start = min(loc.offset for _, loc in located)
+            end = max(loc.offset + loc.length for _, loc in located)
+            needed = sum(loc.length for _, loc in located)
+            # Each value gets its own writable buffer: arrays made from it need no copy and
+            # keep no other value alive.
+            if needed >= _DENSE * (end - start):
+                _scatter_read(fd, located, values)
+            else:
+                for key, loc in located:
+                    values[key] = _pread(fd, loc.length, loc.offset)
+        except OSError:
+            for key, _ in located:
+                values.pop(key, None)
+        finally:
+            os.close(fd)
+    return values

@@ -1,0 +1,168 @@
+"""Trees of many small leaves: the batched paths (shards read straight from the data files).
+
+Loads of more than a few dozen small arrays read their shards through
+``_local_values`` (the b-tree from ``ts.ocdbt.dump``, the bytes with
+``pread``) instead of one TensorStore read each; saves checksum them in
+worker threads, ahead of the encoding. Both must be exactly as safe as the
+one-by-one paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import checkpointables as cp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpointables_pytree import _database, _local_values
+
+_RNG = np.random.default_rng(7)
+# Sizes on both sides of OCDBT's 1 KiB inline limit, 1-D and 2-D, several dtypes.
+TREE = {
+    f"group_{g}": {
+        f"w_{i:02d}": _RNG.standard_normal((3 + 37 * i,) if i % 2 else (i + 1, 9)).astype(
+            np.float32 if i % 3 else np.float64
+        )
+        for i in range(30)
+    }
+    for g in range(4)
+}
+TREE["step"] = 12
+TREE["scale"] = 0.5
+TREE["counts"] = np.arange(5000, dtype=np.int16)
+LEAVES = len(jax.tree_util.tree_leaves(TREE))
+
+
+def _assert_equal(loaded, expected) -> None:
+    flat_loaded, tree_loaded = jax.tree_util.tree_flatten(loaded)
+    flat_expected, tree_expected = jax.tree_util.tree_flatten(expected)
+    assert tree_loaded == tree_expected
+    for a, b in zip(flat_loaded, flat_expected, strict=True):
+        assert type(a) is type(b) or isinstance(b, np.ndarray)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if isinstance(b, np.ndarray):
+            assert np.asarray(a).dtype == b.dtype
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("many") / "ckpt"
+    cp.save_pytree(path, TREE)
+    return path
+
+
+def test_the_tree_is_big_enough_for_the_batched_read() -> None:
+    assert LEAVES > _database.INLINE_READ_KEYS
+
+
+def test_round_trip_numpy(saved) -> None:
+    loaded = cp.load_pytree(saved)
+    _assert_equal(loaded, TREE)
+    # Loaded arrays own writable memory (not views of a shared read buffer).
+    array = loaded["group_1"]["w_07"]
+    assert array.flags.writeable and array.flags.aligned
+    array += 1
+
+
+def test_round_trip_jax_and_abstract_tree(tmp_path) -> None:
+    tree = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, TREE
+    )
+    cp.save_pytree(tmp_path / "c", tree)
+    _assert_equal(cp.load_pytree(tmp_path / "c"), tree)
+    abstract = cp.pytree_metadata(tmp_path / "c").metadata
+    _assert_equal(cp.load_pytree(tmp_path / "c", abstract), tree)
+
+
+def test_async_save_and_load_of_many_leaves(tmp_path) -> None:
+    response = cp.save_pytree_async(tmp_path / "c", TREE)
+    response.result()
+    _assert_equal(cp.load_pytree_async(tmp_path / "c").result(), TREE)
+
+
+def test_partial_load_reads_only_what_is_asked(saved) -> None:
+    abstract = {"group_2": {f"w_{i:02d}": np.empty(0) for i in range(0, 30, 3)}}
+    abstract = jax.tree_util.tree_map(lambda _: None, abstract)
+    wanted = {"group_2": {f"w_{i:02d}": TREE["group_2"][f"w_{i:02d}"] for i in range(0, 30, 3)}}
+    abstract = jax.tree_util.tree_map(lambda x: np.empty(x.shape, x.dtype), wanted)
+    _assert_equal(cp.load_pytree(saved, abstract, partial_load=True), wanted)
+
+
+def test_local_reads_match_tensorstore_reads(saved) -> None:
+    directory = saved / "pytree"
+    keys = [
+        f"group_0.w_{i:02d}/c/" + "/".join("0" * TREE["group_0"][f"w_{i:02d}"].ndim)
+        for i in range(30)
+    ]
+    keys += ["step/c", "counts/c/0", "no_such_array/c/0", keys[0]]  # A missing key, a repeat.
+    found = asyncio.run(_local_values.read_local_values(directory, keys))
+
+    async def through_tensorstore():
+        import tensorstore as ts
+
+        kvstore = await ts.KvStore.open(
+            _database.kvstore_spec(directory), context=_database.make_context()
+        )
+        return await _database.read_values(kvstore, keys)
+
+    expected = asyncio.run(through_tensorstore())
+    assert found[-2] is None  # Missing: left to TensorStore, which reports it.
+    assert expected[-2] == b""
+    for got, want in zip(found[:-2] + found[-1:], expected[:-2] + expected[-1:], strict=True):
+        assert bytes(got) == want
+
+
+def _copy(saved, tmp_path, name):
+    target = tmp_path / name
+    shutil.copytree(saved, target)
+    return target
+
+
+def _flip(path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_flipped_bit_in_any_file_never_returns_wrong_numbers(saved, tmp_path) -> None:
+    files = [*sorted((saved / "pytree" / "d").iterdir()), saved / "pytree" / "manifest.ocdbt"]
+    case = 0
+    for original in files:
+        size = original.stat().st_size
+        for offset in sorted({0, size // 3, size // 2, 2 * size // 3, size - 5}):
+            copy = _copy(saved, tmp_path, f"case{case}")
+            case += 1
+            _flip(copy / "pytree" / original.relative_to(saved / "pytree"), offset)
+            try:
+                loaded = cp.load_pytree(copy)
+            except (cp.errors.IntegrityError, cp.errors.MetadataError):
+                continue
+            _assert_equal(loaded, TREE)  # Unused bytes (padding): then exactly right.
+
+
+@pytest.mark.parametrize("leaf", ["w_21", "w_23"])  # Out of line (inline ones are compressed).
+def test_damaged_small_array_names_the_leaf(saved, tmp_path, leaf) -> None:
+    copy = _copy(saved, tmp_path, "c")
+    needle = TREE["group_3"][leaf].tobytes()[8:40]
+    for path in sorted((copy / "pytree" / "d").iterdir()):
+        raw = path.read_bytes()
+        position = raw.find(needle)
+        if position >= 0:
+            _flip(path, position + 4)
+            break
+    else:
+        raise AssertionError("the array's bytes were not found in any data file")
+    with pytest.raises(cp.errors.IntegrityError, match=rf"\['group_3'\]\['{leaf}'\]"):
+        cp.load_pytree(copy)
+
+
+def test_missing_data_files_are_integrity_errors(saved, tmp_path) -> None:
+    copy = _copy(saved, tmp_path, "c")
+    for path in (copy / "pytree" / "d").iterdir():
+        if path.stat().st_size > 50_000:  # The file holding the out-of-line shards.
+            path.unlink()
+    with pytest.raises((cp.errors.IntegrityError, cp.errors.CheckpointError)):
+        cp.load_pytree(copy)
