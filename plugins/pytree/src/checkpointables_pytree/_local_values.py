@@ -15,14 +15,11 @@ caller reads those keys the ordinary way, so damage is reported as before.
 
 from __future__ import annotations
 
-import asyncio
-import bisect
 import collections
 import os
 from collections.abc import Sequence
 from typing import Any
 
-import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import _value_files
@@ -41,23 +38,11 @@ async def read_local_values(
     ``None`` for each key whose value this module cannot vouch for (missing,
     or stored somewhere unexpected): read those through TensorStore.
     """
-    root = os.fspath(directory)
-    base = await ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"})
-    manifest = await ts.ocdbt.dump(base)
-    versions = manifest.get("versions") or []
     result: list[bytes | bytearray | None] = [None] * len(keys)
-    if not versions:
-        return result
-    latest = max(versions, key=lambda v: v["generation_number"])
-    location = latest.get("root", {}).get("location")
-    if location is None:  # An empty database.
-        return result
     positions: dict[bytes, list[int]] = collections.defaultdict(list)
     for i, key in enumerate(keys):
         positions[key.encode()].append(i)
-    wanted = sorted(positions)
-    found: dict[bytes, Any] = {}
-    await _walk(base, _Locations(root), location, b"", (wanted, frozenset(wanted)), found)
+    found = await _value_files.find(directory, keys)
     by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]] = collections.defaultdict(
         list
     )
@@ -72,65 +57,6 @@ async def read_local_values(
         for i in positions[key]:
             result[i] = value
     return result
-
-
-class _Locations:
-    """Parses value locations, checking each data file's path once (not once per value)."""
-
-    def __init__(self, root: str) -> None:
-        self._root = root
-        self._files: dict[str, str | None] = {}
-
-    def __call__(self, text: str) -> _value_files.ValueLocation | None:
-        where, _, numbers = text.rpartition(":")
-        where, _, offset = where.rpartition(":")
-        if where not in self._files:
-            checked = _value_files.parse_location(f"{where}:0:0", self._root)
-            self._files[where] = None if checked is None else checked.file
-        file = self._files[where]
-        try:
-            start, length = int(offset), int(numbers)
-        except ValueError:
-            return None
-        if file is None or start < 0 or length < 0:
-            return None
-        return _value_files.ValueLocation(file, start, length)
-
-
-async def _walk(
-    base: Any,
-    root: _Locations,
-    location: str,
-    prefix: bytes,
-    wanted_keys: tuple[Sequence[bytes], frozenset[bytes]],
-    found: dict[bytes, Any],
-) -> None:
-    # A node's keys are relative to the prefix its ancestors' entries share
-    # (each interior entry's `subtree_common_prefix`).
-    node = await ts.ocdbt.dump(base, location)
-    entries = node["entries"]
-    wanted, wanted_set = wanted_keys  # Sorted (to pick subtrees), and as a set.
-    if node["height"] == 0:
-        for entry in entries:
-            key = prefix + entry["key"] if prefix else entry["key"]
-            if key in wanted_set:
-                inline = entry.get("inline_value")
-                if inline is not None:
-                    found[key] = inline
-                elif "indirect_value" in entry:
-                    parsed = root(entry["indirect_value"])
-                    if parsed is not None:
-                        found[key] = parsed
-        return
-    children = []
-    for n, entry in enumerate(entries):
-        low = prefix + entry["key"]
-        high = prefix + entries[n + 1]["key"] if n + 1 < len(entries) else None
-        first = bisect.bisect_left(wanted, low)
-        if first < len(wanted) and (high is None or wanted[first] < high):
-            child_prefix = prefix + entry.get("subtree_common_prefix", b"")
-            children.append(_walk(base, root, entry["location"], child_prefix, wanted_keys, found))
-    await asyncio.gather(*children)
 
 
 def _pread(fd: int, length: int, offset: int) -> bytearray:

@@ -28,7 +28,7 @@ import attrs
 import tensorstore as ts
 from etils import epath
 
-__all__ = ["ValueLocation", "is_local", "locate", "read_checked"]
+__all__ = ["ValueLocation", "find", "is_local", "locate", "read_checked"]
 
 # Bytes read and checksummed per step: small enough that the CRC-32 pass reads
 # them from the CPU cache rather than from memory again.
@@ -73,12 +73,14 @@ def parse_location(text: str, directory: str) -> ValueLocation | None:
     return location
 
 
-async def locate(directory: epath.PathLike, keys: Collection[str]) -> dict[str, ValueLocation]:
-    """Where the out-of-line values of ``keys`` are, in the latest version of the database.
+async def find(
+    directory: epath.PathLike, keys: Collection[str]
+) -> dict[bytes, bytes | ValueLocation]:
+    """The values of ``keys`` stored inline, and the locations of the others.
 
-    Keys that are missing, stored inline or whose location cannot be used are
-    absent from the result. Only the b-tree nodes whose key ranges hold one of
-    ``keys`` are read.
+    From the latest version of the database. Keys that are missing, or whose
+    location cannot be used, are absent from the result. Only the b-tree nodes
+    whose key ranges hold one of ``keys`` are read.
     """
     root = os.fspath(directory)
     base = await ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"})
@@ -90,32 +92,65 @@ async def locate(directory: epath.PathLike, keys: Collection[str]) -> dict[str, 
     location = latest.get("root", {}).get("location")
     if location is None:  # An empty database.
         return {}
-    wanted = sorted(k.encode() for k in keys)
-    found: dict[str, ValueLocation] = {}
-    await _walk(base, root, location, b"", wanted, found)
+    wanted = sorted({k.encode() for k in keys})
+    found: dict[bytes, bytes | ValueLocation] = {}
+    await _walk(base, _LocationParser(root), location, b"", (wanted, frozenset(wanted)), found)
     return found
+
+
+async def locate(directory: epath.PathLike, keys: Collection[str]) -> dict[str, ValueLocation]:
+    """Where the out-of-line values of ``keys`` are (see ``find``)."""
+    found = await find(directory, keys)
+    return {k.decode(): v for k, v in found.items() if isinstance(v, ValueLocation)}
+
+
+class _LocationParser:
+    """Parses value locations, checking each data file's path once (not once per value)."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._files: dict[str, str | None] = {}
+
+    def __call__(self, text: str) -> ValueLocation | None:
+        where, _, numbers = text.rpartition(":")
+        where, _, offset = where.rpartition(":")
+        if where not in self._files:
+            checked = parse_location(f"{where}:0:0", self._root)
+            self._files[where] = None if checked is None else checked.file
+        file = self._files[where]
+        try:
+            start, length = int(offset), int(numbers)
+        except ValueError:
+            return None
+        if file is None or start < 0 or length < 0:
+            return None
+        return ValueLocation(file, start, length)
 
 
 async def _walk(
     base: Any,
-    root: str,
+    parse: _LocationParser,
     location: str,
     prefix: bytes,
-    wanted: Sequence[bytes],
-    found: dict[str, ValueLocation],
+    wanted_keys: tuple[Sequence[bytes], frozenset[bytes]],
+    found: dict[bytes, bytes | ValueLocation],
 ) -> None:
     # A node's keys are relative to the prefix its ancestors' entries share
     # (each interior entry's `subtree_common_prefix`).
     node = await ts.ocdbt.dump(base, location)
     entries = node["entries"]
+    wanted, wanted_set = wanted_keys  # Sorted (to pick subtrees), and as a set.
     if node["height"] == 0:
         for entry in entries:
-            key = prefix + entry["key"]
-            index = bisect.bisect_left(wanted, key)
-            if index < len(wanted) and wanted[index] == key and "indirect_value" in entry:
-                parsed = parse_location(entry["indirect_value"], root)
-                if parsed is not None:
-                    found[key.decode()] = parsed
+            key = prefix + entry["key"] if prefix else entry["key"]
+            if key in wanted_set:
+                inline = entry.get("inline_value")
+                if inline is not None:
+                    found[key] = inline
+                elif "indirect_value" in entry:
+                    parsed = parse(entry["indirect_value"])
+                    if parsed is not None:
+                        found[key] = parsed
         return
     children = []
     for n, entry in enumerate(entries):
@@ -124,7 +159,7 @@ async def _walk(
         first = bisect.bisect_left(wanted, low)
         if first < len(wanted) and (high is None or wanted[first] < high):
             child_prefix = prefix + entry.get("subtree_common_prefix", b"")
-            children.append(_walk(base, root, entry["location"], child_prefix, wanted, found))
+            children.append(_walk(base, parse, entry["location"], child_prefix, wanted_keys, found))
     await asyncio.gather(*children)
 
 
