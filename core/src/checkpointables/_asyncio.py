@@ -214,14 +214,6 @@ def start_background(
     """
     response: AsyncResponse[T] = AsyncResponse(description)
     ctx = contextvars.copy_context()
-    if inline:
-        try:
-            value = ctx.run(work)
-        except BaseException as e:
-            response._finish(error=e)
-        else:
-            response._finish(value)
-        return response
 
     def run() -> None:
         try:
@@ -230,6 +222,10 @@ def start_background(
             response._finish(error=e)
         else:
             response._finish(value)
+
+    if inline:
+        run()
+        return response
 
     thread = threading.Thread(
         target=run, name=f"checkpointables: {description}"[:60], daemon=daemon
