@@ -34,7 +34,15 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _crc32c, _errors, _gc, _local_values, _value_files, _zarr3
+from checkpointables_pytree import (
+    _checksums,
+    _crc32c,
+    _errors,
+    _gc,
+    _local_values,
+    _value_files,
+    _zarr3,
+)
 
 __all__ = [
     "SMALL_ARRAY_BYTES",
@@ -172,13 +180,18 @@ class ArrayWrite:
     inner_chunk_shape: tuple[int, ...] | None = None
     compression: bool = False
     write_metadata: bool = True
-    # The array's extra value metadata: the writer adds each chunk's zlib CRC-32 to it.
+    # The array's extra value metadata: the writer adds each chunk's checksum to it.
     record: dict[str, Any] | None = None
 
     @property
     def one_chunk_shards(self) -> bool:
         """Uncompressed, one inner chunk per shard: readable without the zarr3 driver."""
         return not self.compression and self.inner_chunk_shape in (None, self.layout.chunk_shape)
+
+    @property
+    def records_checksums(self) -> bool:
+        """Whether loads can check this large array against checksums recorded in _METADATA."""
+        return self.record is not None and self.one_chunk_shards and self.owns_all_chunks
 
     @property
     def owns_all_chunks(self) -> bool:
@@ -248,16 +261,15 @@ def _full_chunk(data: np.ndarray, layout: _zarr3.ZarrLayout) -> np.ndarray:
     return np.ascontiguousarray(data, dtype=layout.dtype)
 
 
-def chunk_crc32(data: np.ndarray, layout: _zarr3.ZarrLayout) -> int:
-    """The zlib CRC-32 of a chunk as stored (edge chunks padded)."""
-    return zlib.crc32(_full_chunk(data, layout).reshape(-1).view(np.uint8))
-
-
 def _record_checksums(items: Sequence[ArrayWrite]) -> None:
-    # zlib releases the GIL on large buffers: this runs beside TensorStore's writes.
+    # NumPy's sums and zlib release the GIL: this runs beside TensorStore's writes.
+    kind = _checksums.SUMS_CRC32
     for item in items:
         assert item.record is not None
-        item.record["crc32"] = [chunk_crc32(data, item.layout) for _, data in item.chunks]
+        item.record[kind] = [
+            _checksums.checksum(kind, _full_chunk(data, item.layout).reshape(-1).view(np.uint8))
+            for _, data in item.chunks
+        ]
 
 
 def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
@@ -287,10 +299,9 @@ class ArrayWriter:
     def __init__(self, directory: cp.path.PathAwaitingCreation) -> None:
         self._directory = directory
         self._items: list[ArrayWrite] = []
-        self._checksums: asyncio.Future[None] | None = None
-        # Done once `run` recorded the small arrays' CRC-32s (it computes them with
-        # their CRC-32Cs, while it encodes the batch before).
-        self._small_checksums: asyncio.Future[None] | None = None
+        # Done once `run` recorded every checksum (also after a failure: waiters then
+        # see run's error rather than hang).
+        self._recorded: asyncio.Future[None] | None = None
         self._flushed: set[str] = set()
         # From prepare_early: (arrays then, their small-array batches, the first one's work).
         self._early: tuple[int, list[list[ArrayWrite]], concurrent.futures.Future[Any]] | None = (
@@ -312,38 +323,21 @@ class ArrayWriter:
             work = _prepare_pool().submit(_prepare_small, batches[0])
             self._early = (len(self._items), batches, work)
 
-    def start_checksums(self) -> None:
-        """Starts computing the recorded zlib CRC-32s, in a worker thread (idempotent)."""
-        if self._checksums is None:
-            self._small_checksums = asyncio.get_running_loop().create_future()
-            items = [
-                i
-                for i in self._items
-                if not i.direct
-                and i.record is not None
-                and i.one_chunk_shards
-                and i.owns_all_chunks
-            ]
-            if sum(i.nbytes for i in items) <= INLINE_CHECKSUM_BYTES:
-                # A few microseconds of work: cheaper here than a hand-over to a thread.
-                _record_checksums(items)
-                done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                done.set_result(None)
-                self._checksums = done
-            else:
-                self._checksums = asyncio.ensure_future(asyncio.to_thread(_record_checksums, items))
-
     async def checksums(self) -> None:
-        """Waits until every recorded CRC-32 is in its array's ``record`` (``run`` must run)."""
-        self.start_checksums()
-        assert self._checksums is not None and self._small_checksums is not None
-        await self._checksums
-        await self._small_checksums
+        """Waits until every recorded checksum is in its array's ``record`` (``run`` must run)."""
+        await self._recorded_future()
 
-    def _small_checksums_done(self) -> None:
-        if self._small_checksums is not None and not self._small_checksums.done():
-            # Also after a failure: the waiters then see run's error, not a hang.
-            self._small_checksums.set_result(None)
+    def _recorded_future(self) -> asyncio.Future[None]:
+        if self._recorded is None:
+            self._recorded = asyncio.get_running_loop().create_future()
+        return self._recorded
+
+    def _all_recorded(self, writes: asyncio.Future[Any] | None = None) -> None:
+        if writes is not None and not writes.cancelled():
+            writes.exception()  # Retrieved here; run raises it.
+        recorded = self._recorded_future()
+        if not recorded.done():
+            recorded.set_result(None)
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -356,11 +350,10 @@ class ArrayWriter:
 
     async def run(self) -> None:
         """Writes every array added; returns once all are committed to the database."""
-        self.start_checksums()
         try:
             await self._run()
         finally:
-            self._small_checksums_done()
+            self._all_recorded()
 
     async def _run(self) -> None:
         if not self._items:
@@ -383,6 +376,8 @@ class ArrayWriter:
         ]
         commits: list[asyncio.Future[Any]] = []
         prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
+        small_recorded = asyncio.get_running_loop().create_future()
+        asyncio.gather(small_recorded, *large_tasks).add_done_callback(self._all_recorded)
         try:
             metadata_only = [i for i in large if i.write_metadata]
             batches = (
@@ -398,9 +393,9 @@ class ArrayWriter:
                 def one_less(_: Any) -> None:
                     nonlocal remaining
                     remaining -= 1
-                    if not remaining:
+                    if not remaining and not small_recorded.done():
                         # Every CRC-32 is recorded: _METADATA is written during the commits.
-                        self._small_checksums_done()
+                        small_recorded.set_result(None)
 
                 future = started if started is not None else _prepare_soon(batch)
                 future.add_done_callback(one_less)
@@ -421,10 +416,9 @@ class ArrayWriter:
                 commits.append(asyncio.ensure_future(_await(transaction.commit_async())))
                 if len(commits) == 2:
                     await commits.pop(0)
-            await asyncio.gather(*commits, *large_tasks, self.checksums())
+            await asyncio.gather(*commits, *large_tasks)
         except BaseException:
-            pending = (*commits, *large_tasks, self._checksums, *prepared)
-            await _settle([t for t in pending if t is not None])
+            await _settle([*commits, *large_tasks, *prepared])
             raise
 
     def _stage_small(
@@ -484,8 +478,14 @@ class ArrayWriter:
                 for future in futures:
                     await future.copy
                 await transaction.commit_async()
-        # Flush what is written while later arrays are encoded, rather than all at commit.
-        await asyncio.to_thread(_fsync_new_files, database, self._flushed)
+        # The disk flushes this group while later ones are encoded, rather than all at
+        # the checkpoint's commit; its checksums, wanted only for _METADATA, are
+        # computed meanwhile, when the CPU would otherwise wait for the disk.
+        recorded = [i for i in items if i.records_checksums]
+        await asyncio.gather(
+            asyncio.to_thread(_fsync_new_files, database, self._flushed),
+            asyncio.to_thread(_record_checksums, recorded) if recorded else asyncio.sleep(0),
+        )
 
 
 async def _await(awaitable: Any) -> Any:
@@ -497,7 +497,10 @@ _Prepared = tuple[list[str], list[np.ndarray], list[int]]
 
 
 def _prepare_small(items: Sequence[ArrayWrite]) -> _Prepared:
-    """The keys, bytes and CRC-32Cs of the small arrays' chunks; records their zlib CRC-32s."""
+    """The keys, bytes and CRC-32Cs of the small arrays' chunks; records their zlib CRC-32s.
+
+    (For small chunks zlib's CRC-32 costs less than a NumPy call: see ``_checksums``.)
+    """
     keys: list[str] = []
     chunks: list[np.ndarray] = []
     crc32 = zlib.crc32
@@ -508,7 +511,7 @@ def _prepare_small(items: Sequence[ArrayWrite]) -> _Prepared:
         keys += [_zarr3.chunk_key(name, index) for index, _ in item.chunks]
         chunks += mine
         if item.record is not None and item.owns_all_chunks:
-            item.record["crc32"] = [crc32(chunk) for chunk in mine]
+            item.record[_checksums.CRC32] = [crc32(chunk) for chunk in mine]
     return keys, chunks, _crc32c.crc32c_many(chunks).tolist()
 
 
@@ -574,15 +577,17 @@ class StoredArray:
     """What ``_METADATA`` recorded about an array this library wrote.
 
     ``direct`` means: uncompressed, one inner chunk per shard, so its keys can
-    be read and checked without the zarr3 driver. ``crc32`` holds each chunk's
-    zlib CRC-32 (C speed to check), when the writer recorded them.
+    be read and checked without the zarr3 driver. ``checksums`` holds each
+    chunk's checksum of kind ``checksum_kind`` (see ``_checksums``), when the
+    writer recorded them.
     """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     chunk_shape: tuple[int, ...]
     direct: bool
-    crc32: tuple[int, ...] | None = None
+    checksums: tuple[int, ...] | None = None
+    checksum_kind: str = _checksums.CRC32
 
     @property
     def nbytes(self) -> int:
@@ -662,16 +667,16 @@ class ArrayRead:
 
     @property
     def raw(self) -> bool:
-        """Whether a large array's shards are read as raw values and checked with zlib.
+        """Whether a large array's shards are read as raw values and checked here.
 
-        TensorStore's CRC-32C check runs at about 1 GB/s; zlib's CRC-32, recorded
-        at save time, at over twice that, in worker threads.
+        TensorStore's CRC-32C check runs at about 1 GB/s; the checksums recorded
+        at save time (``_checksums``) several times faster, in worker threads.
         """
         stored = self.stored
         return (
             stored is not None
             and stored.direct
-            and stored.crc32 is not None
+            and stored.checksums is not None
             and not self.direct
             and not self.reads_part
         )
@@ -771,9 +776,12 @@ class ArrayReader:
             kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
-        tasks += [
-            asyncio.ensure_future(self._read_raw(kvstore, r, limiter, locations)) for r in raw
-        ]
+        if raw:
+            # Each holds only its result: no byte limit, and no task of this loop per array.
+            read_raw = functools.partial(
+                _read_raw_array, kvstore, verify=self._verify, locations=locations
+            )
+            tasks.append(asyncio.ensure_future(_map_in_pool(_read_pool(), read_raw, raw)))
         try:
             if direct:
                 for batch in _read_batches(direct, SMALL_BATCH_BYTES):
@@ -810,7 +818,7 @@ class ArrayReader:
             self._decode(reads, found)
 
     def _decode(self, reads: Sequence[ArrayRead], values: list[Any]) -> None:
-        # Decode every shard; check recorded zlib CRC-32s at once, the others in one CRC-32C batch.
+        # Decode every shard; check recorded checksums at once, the others in one CRC-32C batch.
         position = 0
         decoded: list[list[memoryview] | None] = []
         unchecked: list[tuple[ArrayRead, memoryview, int]] = []
@@ -822,8 +830,9 @@ class ArrayReader:
             shape = stored.shape
             if (
                 stored.chunk_shape == shape
-                and stored.crc32 is not None
-                and len(stored.crc32) == 1
+                and stored.checksums is not None
+                and len(stored.checksums) == 1
+                and stored.checksum_kind == _checksums.CRC32
                 and read.regions is None
                 and read.target_shape in (None, shape)
             ):
@@ -834,7 +843,7 @@ class ArrayReader:
                     nbytes
                 ):
                     data = memoryview(value)[:nbytes]
-                    if verify and crc32(data) != stored.crc32[0]:
+                    if verify and crc32(data) != stored.checksums[0]:
                         raise _errors.integrity_error(
                             read.what, "a chunk's checksum does not match its data"
                         )
@@ -858,8 +867,8 @@ class ArrayReader:
                         read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}"
                     )
                 data = memoryview(value)[:nbytes]
-                if self._verify and stored.crc32 is not None:
-                    if zlib.crc32(data) != stored.crc32[n]:
+                if self._verify and stored.checksums is not None:
+                    if _checksums.checksum(stored.checksum_kind, data) != stored.checksums[n]:
                         raise _errors.integrity_error(
                             read.what, "a chunk's checksum does not match its data"
                         )
@@ -906,20 +915,6 @@ class ArrayReader:
             return await _value_files.locate(self._directory, keys)
         except Exception:  # A damaged database: TensorStore's reads report it, naming the leaf.
             return {}
-
-    async def _read_raw(
-        self,
-        kvstore: Any,
-        read: ArrayRead,
-        limiter: ByteLimiter,
-        locations: dict[str, _value_files.ValueLocation],
-    ) -> None:
-        stored = read.stored
-        assert stored is not None
-        async with limiter.hold(stored.nbytes):
-            read.result = await asyncio.get_running_loop().run_in_executor(
-                _read_pool(), _read_raw_array, kvstore, read, self._verify, locations
-            )
 
     async def _read_with_driver(
         self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter
@@ -1011,6 +1006,28 @@ def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
     )
 
 
+async def _map_in_pool(
+    pool: concurrent.futures.ThreadPoolExecutor,
+    function: Callable[[Any], None],
+    items: Sequence[Any],
+) -> None:
+    """Calls ``function`` on every item in ``pool``'s threads; raises the first error.
+
+    One wake-up of this event loop for the lot, rather than one per item.
+    """
+    futures = [pool.submit(function, item) for item in items]
+    try:
+        await asyncio.to_thread(
+            concurrent.futures.wait, futures, return_when=concurrent.futures.FIRST_EXCEPTION
+        )
+    finally:  # After an error or a cancellation: drop what has not started, let the rest end.
+        for future in futures:
+            future.cancel()
+        await asyncio.shield(asyncio.to_thread(concurrent.futures.wait, futures))
+    for future in futures:
+        future.result()
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
     """An uninitialized uint8 buffer aligned to 64 bytes (jax.device_put aliases those on CPU)."""
     buffer = np.empty(nbytes + 64, dtype=np.uint8)
@@ -1052,19 +1069,21 @@ def _read_value_into(kvstore: Any, key: str, buffer: np.ndarray) -> int:
 def _read_raw_array(
     kvstore: Any,
     read: ArrayRead,
+    *,
     verify: bool,
     locations: dict[str, _value_files.ValueLocation],
-) -> Any:
+) -> None:
     """Reads a large array's shards into one 64-byte aligned buffer, checks them, converts.
 
     Shards of a local database are read straight into the array
-    (``_value_files``); the others through TensorStore's kvstore.
+    (``_value_files``); the others through TensorStore's kvstore. Sets ``read.result``.
     """
     stored = read.stored
-    assert stored is not None and stored.crc32 is not None
+    assert stored is not None and stored.checksums is not None
     array = _read_local_array(read, verify, locations) if locations else None
     if array is not None:
-        return _converted(read, array)
+        read.result = _converted(read, array)
+        return
     nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
     trailer = _zarr3.shard_trailer(nbytes)
     single = stored.chunk_shape == stored.shape
@@ -1082,7 +1101,7 @@ def _read_raw_array(
             problem = "is missing" if not got else "does not have the layout that was written"
             raise _errors.integrity_error(read.what, f"chunk {key} {problem}")
         data = buffer[:nbytes]
-        if verify and zlib.crc32(data) != stored.crc32[n]:
+        if verify and _checksums.checksum(stored.checksum_kind, data) != stored.checksums[n]:
             raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
         chunk = data.view(stored.dtype).reshape(stored.chunk_shape)
         if full is not None:
@@ -1091,7 +1110,7 @@ def _read_raw_array(
             full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
     array = full if full is not None else chunk
     assert array is not None
-    return _converted(read, array)
+    read.result = _converted(read, array)
 
 
 def _converted(read: ArrayRead, array: np.ndarray) -> Any:
@@ -1113,7 +1132,7 @@ def _read_local_array(
     recorded size: TensorStore's read then decides what is wrong.
     """
     stored = read.stored
-    assert stored is not None and stored.crc32 is not None
+    assert stored is not None and stored.checksums is not None
     dtype, shape = stored.dtype, stored.shape
     nbytes = math.prod(stored.chunk_shape) * dtype.itemsize
     keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
@@ -1141,12 +1160,14 @@ def _read_local_array(
         else:
             parts = [memoryview(scratch)]
         try:
-            crc, rest = _value_files.read_checked(location, parts)
+            digest, rest = _value_files.read_checked(
+                location, parts, stored.checksum_kind if verify else None
+            )
         except (OSError, EOFError):
             return None
         if rest[4:] != trailer:  # After the data's CRC-32C: the shard index.
             return None
-        if verify and crc != stored.crc32[n]:
+        if verify and digest != stored.checksums[n]:
             raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
         if scratch is not None:
             chunk = scratch.view(dtype).reshape(stored.chunk_shape)

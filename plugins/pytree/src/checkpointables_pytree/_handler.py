@@ -289,7 +289,6 @@ class PyTreeHandler:
 
         async def background() -> None:
             # The tree's own files are written while the arrays are committed.
-            session.writer.start_checksums()
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])
             try:

@@ -27,6 +27,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import (
+    _checksums,
     _crc32c,
     _database,
     _errors,
@@ -222,13 +223,14 @@ class LoadSession:
         chunk_shape = (
             tuple(map(int, chunks)) if chunks is not None else _zarr3.default_chunk_shape(shape)
         )
-        crc32 = extra.get("crc32")
+        kind = next((k for k in _checksums.KINDS if isinstance(extra.get(k), list)), None)
         return _database.StoredArray(
             shape=shape,
             dtype=dtype,
             chunk_shape=chunk_shape,
             direct=self._direct_layout and bool(extra.get("one_chunk_shards")),
-            crc32=tuple(map(int, crc32)) if isinstance(crc32, list) else None,
+            checksums=tuple(map(int, extra[kind])) if kind is not None else None,
+            checksum_kind=kind or _checksums.CRC32,
         )
 
     # -- Files read lazily -------------------------------------------------------
