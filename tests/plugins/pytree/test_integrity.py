@@ -153,6 +153,23 @@ def test_inspect_command(saved) -> None:
     assert f"total array bytes: {BIG.nbytes + SMALL.nbytes + 200:,}" in out
 
 
+def test_verify_checks_the_checksums_loads_check(saved, tmp_path) -> None:
+    # A recorded checksum that does not match the data fails every load: verify says so,
+    # although every chunk's own CRC-32C is intact.
+    handler = cp.handlers.get("pytree")()
+    copy = _copy(saved, tmp_path, "c")
+    metadata_file = copy / "pytree" / "_METADATA"
+    metadata = json.loads(metadata_file.read_text())
+    (big,) = [v for k, v in metadata["tree_metadata"].items() if "big" in k]
+    recorded = big["value_metadata"]["checkpointables"]
+    recorded["sums_crc32"] = [recorded["sums_crc32"][0] ^ 1]
+    metadata_file.write_text(json.dumps(metadata))
+    problems = cp._asyncio.run_sync(handler.verify(copy / "pytree"))
+    assert len(problems) == 1 and "['big']" in problems[0], problems
+    with pytest.raises(cp.errors.IntegrityError, match="big"):
+        cp.load_pytree(copy)
+
+
 def test_verify_api_lists_every_problem(saved, tmp_path) -> None:
     handler = cp.handlers.get("pytree")()
     assert cp._asyncio.run_sync(handler.verify(saved / "pytree")) == []

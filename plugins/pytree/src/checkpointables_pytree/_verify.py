@@ -1,8 +1,10 @@
 """``checkpointables verify`` for pytrees: read every chunk, check every checksum.
 
-Small arrays are checked in batches of keys (checksums computed here); large
-ones shard by shard through the zarr3 driver, which checks each chunk's
-CRC-32C. At most one batch or one shard is in memory at a time.
+Small arrays are checked in batches of keys (checksums computed here). A large
+array is checked twice: whole, against the checksums ``_METADATA`` recorded
+for its chunks (what a load checks), then shard by shard through the zarr3
+driver, which checks each chunk's CRC-32C (what every zarr3 reader checks).
+At most one batch or one large array is in memory at a time.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
                 problems += await _check_batch(session, batch)
                 batch, batch_bytes = [], 0
         else:
-            problems += await _check_with_driver(session, entry)
+            recorded = stored is not None and stored.checksums is not None
+            found = await _check_chunks(session, [entry]) if recorded else []
+            problems += found or await _check_with_driver(session, entry)
     if batch:
         problems += await _check_batch(session, batch)
     strings = [e for e in tree.entries if e.value_type == STRING]
