@@ -476,3 +476,38 @@ def test_partial_saves_by_two_processes(tmp_path) -> None:
     np.testing.assert_array_equal(np.asarray(loaded["by_row"]), values()["by_row"])
     assert loaded["host"]["run"] == "exp-7"
     assert not (tmp_path / "partial.partial_save").exists()
+
+
+# Each process's shards of two global arrays: more than one group of large arrays
+# per process, so each process commits them through several writers, merges those
+# into its own database, and the primary merges the processes' databases.
+SEVERAL_WRITERS_BODY = """
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from checkpointables_pytree import _database
+columns = _database.LARGE_GROUP_BYTES // 4 + 1024
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+tree = {}
+for name, offset in (("a", 0.0), ("b", 0.5)):
+    value = np.arange(2 * columns, dtype=np.float32).reshape(2, columns) + offset
+    tree[name] = jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, P("x")), lambda i, v=value: v[i])
+cp.save_pytree(sys.argv[1], tree)
+print("SAVED", flush=True)
+"""
+
+
+def test_several_writers_in_every_process(tmp_path) -> None:
+    from checkpointables_pytree import _database
+
+    for result in run_job(SEVERAL_WRITERS_BODY, args=[str(tmp_path / "ckpt")], timeout=120):
+        result.check()
+    pytree = tmp_path / "ckpt" / "pytree"
+    assert list(pytree.glob(f"ocdbt.process_1/{_database.WRITER_PREFIX}*"))
+    loaded = cp.load_pytree(tmp_path / "ckpt")
+    columns = _database.LARGE_GROUP_BYTES // 4 + 1024
+    for name, offset in (("a", 0.0), ("b", 0.5)):
+        expected = np.arange(2 * columns, dtype=np.float32).reshape(2, columns) + offset
+        np.testing.assert_array_equal(np.asarray(loaded[name]), expected)
+    handler = cp.handlers.get("pytree")()
+    assert cp._asyncio.run_sync(handler.verify(pytree)) == []

@@ -65,7 +65,12 @@ PREPARED_AHEAD = 1
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
 # many bytes (one commit each); a larger array is written alone.
-LARGE_GROUP_BYTES = 64 << 20
+LARGE_GROUP_BYTES = 32 << 20
+# Groups are committed by this many OCDBT writers (databases of their own, merged
+# into the pytree's at the end). One writer commits one transaction at a time and
+# writes its data file on one thread: with one writer a 256 MiB save waited for
+# those writes, and the disk sat idle until the first commit ended.
+WRITERS = 4
 # Large values are read in ranges of this size, this many at once.
 RANGE_BYTES = 8 << 20
 RANGE_WINDOW = 3
@@ -73,6 +78,7 @@ RANGE_WINDOW = 3
 INLINE_READ_KEYS = 64
 # Up to this many bytes, the recorded CRC-32s are computed on the event loop's thread.
 INLINE_CHECKSUM_BYTES = 1 << 20
+WRITER_PREFIX = "ocdbt.writer_"
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
 
 
@@ -370,9 +376,16 @@ class ArrayWriter:
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         # Large arrays are encoded by TensorStore's threads while this thread
         # encodes the small ones.
+        groups = _batches(large, LARGE_GROUP_BYTES)
+        writers = _writer_databases(database, len(groups))
+        for writer in writers:
+            if writer != database:
+                await ts.KvStore.open(kvstore_spec(writer, create=True), context=context)
         large_tasks = [
-            asyncio.ensure_future(self._write_large(group, database, context, limiter))
-            for group in _batches(large, LARGE_GROUP_BYTES)
+            asyncio.ensure_future(
+                self._write_large(group, writers[n % len(writers)], context, limiter)
+            )
+            for n, group in enumerate(groups)
         ]
         commits: list[asyncio.Future[Any]] = []
         prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
@@ -417,6 +430,8 @@ class ArrayWriter:
                 if len(commits) == 2:
                     await commits.pop(0)
             await asyncio.gather(*commits, *large_tasks)
+            if writers != [database]:
+                await asyncio.to_thread(_merge_writers, database, writers)
         except BaseException:
             await _settle([*commits, *large_tasks, *prepared])
             raise
@@ -447,30 +462,36 @@ class ArrayWriter:
         limiter: ByteLimiter,
     ) -> None:
         """Writes a group of arrays through the zarr3 driver, as one OCDBT commit."""
-        async with limiter.hold(sum(i.nbytes for i in items)):
-            # A group of several arrays is one transaction: one commit instead of one each.
-            transaction = ts.Transaction() if len(items) > 1 else None
-            futures = []
-            for item in items:
-                layout = item.layout
-                store = await ts.open(
-                    {
-                        "driver": "zarr3",
-                        "kvstore": kvstore_spec(database, path=layout.name + "/"),
-                        "metadata": item.metadata(),
-                        # zarr.json is written with the small arrays' batch.
-                        "assume_metadata": True,
-                        "store_data_equal_to_fill_value": True,
-                    },
-                    context=context,
-                    transaction=transaction,
-                )
-                futures += [
-                    store[layout.region(index)].write(
-                        data, can_reference_source_data_indefinitely=True
+        # A group of several arrays is one transaction: one commit instead of one each.
+        transaction = ts.Transaction() if len(items) > 1 else None
+        # Opened all at once, before waiting for the byte limit (an open holds no data).
+        stores = await asyncio.gather(
+            *[
+                _await(
+                    ts.open(
+                        {
+                            "driver": "zarr3",
+                            "kvstore": kvstore_spec(database, path=item.layout.name + "/"),
+                            "metadata": item.metadata(),
+                            # zarr.json is written with the small arrays' batch.
+                            "assume_metadata": True,
+                            "store_data_equal_to_fill_value": True,
+                        },
+                        context=context,
+                        transaction=transaction,
                     )
-                    for index, data in item.chunks
-                ]
+                )
+                for item in items
+            ]
+        )
+        async with limiter.hold(sum(i.nbytes for i in items)):
+            futures = [
+                store[item.layout.region(index)].write(
+                    data, can_reference_source_data_indefinitely=True
+                )
+                for item, store in zip(items, stores, strict=True)
+                for index, data in item.chunks
+            ]
             if transaction is None:
                 for future in futures:
                     await future
@@ -486,6 +507,21 @@ class ArrayWriter:
             asyncio.to_thread(_fsync_new_files, database, self._flushed),
             asyncio.to_thread(_record_checksums, recorded) if recorded else asyncio.sleep(0),
         )
+
+
+def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
+    """The databases that ``groups`` groups of large arrays are committed to."""
+    if groups < 2 or WRITERS < 2:
+        return [database]
+    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(WRITERS, groups))]
+
+
+def _merge_writers(database: epath.Path, writers: Sequence[epath.Path]) -> None:
+    """Makes ``database`` hold the writers' keys (their data files stay where they are)."""
+    # Imported here: _ocdbt_merge builds on this module.
+    from checkpointables_pytree import _ocdbt_merge
+
+    _ocdbt_merge.merge_into(database, [_ocdbt_merge.Source(w) for w in writers])
 
 
 async def _await(awaitable: Any) -> Any:

@@ -1,0 +1,99 @@
+"""Large arrays committed by several OCDBT writers, merged into one database at the end.
+
+A save whose large arrays fill more than one group (``LARGE_GROUP_BYTES``)
+commits the groups through several ``ocdbt.writer_<i>`` databases and merges
+them into the pytree's database. These tests save enough data for that and
+check the result against every reader: this library, ``verify`` (which
+reads through TensorStore's zarr3 driver), Orbax, partial saves, and damage.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import checkpointables as cp
+import jax
+import numpy as np
+import pytest
+from checkpointables_pytree import _database, _value_files
+from etils import epath
+from orbax.checkpoint import v1 as ocp_v1
+
+from .damage import flip
+
+# Three groups' worth of large arrays (each just over a group), and small ones.
+BIG_ELEMENTS = _database.LARGE_GROUP_BYTES // 4 + 1024
+
+
+def _tree() -> dict:
+    rng = np.random.default_rng(5)
+    return {
+        "params": {f"w{i}": rng.standard_normal(BIG_ELEMENTS, dtype=np.float32) for i in range(3)},
+        "embed": jax.numpy.arange(1000.0).reshape(10, 100),
+        "bias": np.arange(7, dtype=np.int64),
+        "step": 3,
+    }
+
+
+def _assert_equal(loaded, expected) -> None:
+    flat_loaded = jax.tree_util.tree_leaves(loaded)
+    flat_expected = jax.tree_util.tree_leaves(expected)
+    assert len(flat_loaded) == len(flat_expected)
+    for a, b in zip(flat_loaded, flat_expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("writers") / "c"
+    tree = _tree()
+    cp.save_pytree(path, tree)
+    return path, tree
+
+
+def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
+    path, tree = saved
+    writers = sorted(p.name for p in (path / "pytree").glob(_database.WRITER_PREFIX + "*"))
+    assert len(writers) == 3, writers
+    # The pytree's own database holds every key; the writers' data files hold the big chunks.
+    found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
+    assert sorted({location.file.split("/")[-3] for location in found.values()}) == writers
+    _assert_equal(cp.load_pytree(path), tree)
+
+
+def _locate(directory, keys) -> dict[str, _value_files.ValueLocation]:
+    return cp._asyncio.run_sync(_value_files.locate(directory, keys))
+
+
+# Orbax warns when it restores a jax.Array from the `_sharding` file.
+@pytest.mark.orbax
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring:UserWarning")
+def test_verify_and_orbax_read_the_merged_database(saved) -> None:
+    path, tree = saved
+    handler = cp.handlers.get("pytree")()
+    # verify also reads every large chunk through TensorStore's zarr3 driver.
+    assert cp._asyncio.run_sync(handler.verify(path / "pytree")) == []
+    _assert_equal(ocp_v1.load(path), tree)
+
+
+def test_a_flipped_bit_in_a_writers_data_file_names_the_leaf(saved, tmp_path) -> None:
+    path, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    location = _locate(copy / "pytree", ["params.w1/c/0"])["params.w1/c/0"]
+    flip(epath.Path(location.file), location.offset + location.length // 2)
+    with pytest.raises(cp.errors.IntegrityError, match="w1"):
+        cp.load_pytree(copy)
+
+
+@pytest.mark.orbax
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring:UserWarning")
+def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) -> None:
+    tree = _tree()
+    root = tmp_path / "partial"
+    cp.partial.save(root, {"params": tree["params"]})
+    cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
+    cp.partial.finalize(root)
+    assert list((root / "pytree").glob(f"ocdbt.partial_*/{_database.WRITER_PREFIX}*"))
+    _assert_equal(cp.load_pytree(root), tree)
+    _assert_equal(ocp_v1.load(root), tree)
