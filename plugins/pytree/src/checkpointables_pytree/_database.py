@@ -309,6 +309,7 @@ class ArrayWriter:
         # see run's error rather than hang).
         self._recorded: asyncio.Future[None] | None = None
         self._flushed: set[str] = set()
+        self._specs: dict[tuple[Any, ...], ts.Spec] = {}
         # From prepare_early: (arrays then, their small-array batches, the first one's work).
         self._early: tuple[int, list[list[ArrayWrite]], concurrent.futures.Future[Any]] | None = (
             None
@@ -378,12 +379,15 @@ class ArrayWriter:
         # encodes the small ones.
         groups = _batches(large, LARGE_GROUP_BYTES)
         writers = _writer_databases(database, len(groups))
+        stores = {database: kvstore}
         for writer in writers:
             if writer != database:
-                await ts.KvStore.open(kvstore_spec(writer, create=True), context=context)
+                stores[writer] = await ts.KvStore.open(
+                    kvstore_spec(writer, create=True), context=context
+                )
         large_tasks = [
             asyncio.ensure_future(
-                self._write_large(group, writers[n % len(writers)], context, limiter)
+                self._write_large(group, writers[n % len(writers)], stores, context, limiter)
             )
             for n, group in enumerate(groups)
         ]
@@ -454,29 +458,44 @@ class ArrayWriter:
             write(key, encode(memoryview(chunk), checksum))
         return transaction
 
+    def _zarr3_spec(self, item: ArrayWrite) -> ts.Spec:
+        """The zarr3 spec of ``item`` (without its kvstore), parsed once per distinct layout."""
+        layout = item.layout
+        key = (layout.shape, layout.dtype, layout.chunk_shape, item.inner_chunk_shape)
+        key += (item.compression,)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = ts.Spec(
+                {
+                    "driver": "zarr3",
+                    "metadata": item.metadata(),
+                    "store_data_equal_to_fill_value": True,
+                }
+            )
+        return spec
+
     async def _write_large(
         self,
         items: Sequence[ArrayWrite],
         database: epath.Path,
+        kvstores: dict[epath.Path, ts.KvStore],
         context: ts.Context,
         limiter: ByteLimiter,
     ) -> None:
         """Writes a group of arrays through the zarr3 driver, as one OCDBT commit."""
         # A group of several arrays is one transaction: one commit instead of one each.
         transaction = ts.Transaction() if len(items) > 1 else None
-        # Opened all at once, before waiting for the byte limit (an open holds no data).
+        base = kvstores[database]
+        # Opened all at once, before waiting for the byte limit (an open holds no data),
+        # from parsed specs and an open kvstore: a JSON spec costs twice as much.
         stores = await asyncio.gather(
             *[
                 _await(
                     ts.open(
-                        {
-                            "driver": "zarr3",
-                            "kvstore": kvstore_spec(database, path=item.layout.name + "/"),
-                            "metadata": item.metadata(),
-                            # zarr.json is written with the small arrays' batch.
-                            "assume_metadata": True,
-                            "store_data_equal_to_fill_value": True,
-                        },
+                        self._zarr3_spec(item),
+                        kvstore=base / (item.layout.name + "/"),
+                        # zarr.json is written with the small arrays' batch.
+                        assume_metadata=True,
                         context=context,
                         transaction=transaction,
                     )

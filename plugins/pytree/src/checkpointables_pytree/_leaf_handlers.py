@@ -398,6 +398,13 @@ class ArrayLeafHandler(_StandardHandler):
         array: jax.Array, dtype: np.dtype, context: cp.Context, primary_lacks: bool
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
         shape = tuple(int(s) for s in array.shape)
+        if cp.multihost.process_count() == 1 and isinstance(
+            array.sharding, jax.sharding.SingleDeviceSharding
+        ):
+            # One shard, the whole array: skip building Shard objects (a third of the
+            # blocking phase of a save of many single-device arrays).
+            data = np.asarray(array)
+            return shape, [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
         shards = _multiprocess.shards_to_write(array, context, primary_lacks=primary_lacks)
         try:
             chunk_shape = tuple(int(s) for s in array.sharding.shard_shape(array.shape))
