@@ -385,12 +385,19 @@ class ArrayWriter:
                 stores[writer] = await ts.KvStore.open(
                     kvstore_spec(writer, create=True), context=context
                 )
+        loop = asyncio.get_running_loop()
+        committed: list[asyncio.Future[None]] = [loop.create_future() for _ in groups]
         large_tasks = [
             asyncio.ensure_future(
-                self._write_large(group, writers[n % len(writers)], stores, context, limiter)
+                self._write_large(
+                    group, writers[n % len(writers)], stores, context, limiter, committed[n]
+                )
             )
             for n, group in enumerate(groups)
         ]
+        if writers != [database]:
+            # Merged as soon as every group is committed, while the last ones are flushed.
+            large_tasks.append(asyncio.ensure_future(_merge_when(committed, database, writers)))
         commits: list[asyncio.Future[Any]] = []
         prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
         small_recorded = asyncio.get_running_loop().create_future()
@@ -434,8 +441,6 @@ class ArrayWriter:
                 if len(commits) == 2:
                     await commits.pop(0)
             await asyncio.gather(*commits, *large_tasks)
-            if writers != [database]:
-                await asyncio.to_thread(_merge_writers, database, writers)
         except BaseException:
             await _settle([*commits, *large_tasks, *prepared])
             raise
@@ -481,11 +486,38 @@ class ArrayWriter:
         kvstores: dict[epath.Path, ts.KvStore],
         context: ts.Context,
         limiter: ByteLimiter,
+        committed: asyncio.Future[None],
     ) -> None:
-        """Writes a group of arrays through the zarr3 driver, as one OCDBT commit."""
+        """Writes a group of arrays through the zarr3 driver, as one OCDBT commit.
+
+        ``committed`` is done once the commit is (or failed); then the group's data
+        files are flushed and its checksums recorded.
+        """
+        try:
+            await self._commit_large(items, kvstores[database], context, limiter)
+        except BaseException as e:
+            committed.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+            raise
+        committed.set_result(None)
+        # The disk flushes this group while later ones are encoded, rather than all at
+        # the checkpoint's commit; its checksums, wanted only for _METADATA, are
+        # computed meanwhile, when the CPU would otherwise wait for the disk.
+        recorded = [i for i in items if i.records_checksums]
+        await asyncio.gather(
+            asyncio.to_thread(_fsync_new_files, database, self._flushed),
+            asyncio.to_thread(_record_checksums, recorded) if recorded else asyncio.sleep(0),
+        )
+
+    async def _commit_large(
+        self,
+        items: Sequence[ArrayWrite],
+        base: ts.KvStore,
+        context: ts.Context,
+        limiter: ByteLimiter,
+    ) -> None:
+        """Opens, writes and commits one group of arrays in the database ``base`` opens."""
         # A group of several arrays is one transaction: one commit instead of one each.
         transaction = ts.Transaction() if len(items) > 1 else None
-        base = kvstores[database]
         # Opened all at once, before waiting for the byte limit (an open holds no data),
         # from parsed specs and an open kvstore: a JSON spec costs twice as much.
         stores = await asyncio.gather(
@@ -518,14 +550,6 @@ class ArrayWriter:
                 for future in futures:
                     await future.copy
                 await transaction.commit_async()
-        # The disk flushes this group while later ones are encoded, rather than all at
-        # the checkpoint's commit; its checksums, wanted only for _METADATA, are
-        # computed meanwhile, when the CPU would otherwise wait for the disk.
-        recorded = [i for i in items if i.records_checksums]
-        await asyncio.gather(
-            asyncio.to_thread(_fsync_new_files, database, self._flushed),
-            asyncio.to_thread(_record_checksums, recorded) if recorded else asyncio.sleep(0),
-        )
 
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
@@ -533,6 +557,16 @@ def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
     if groups < 2 or WRITERS < 2:
         return [database]
     return [database / f"{WRITER_PREFIX}{i}" for i in range(min(WRITERS, groups))]
+
+
+async def _merge_when(
+    committed: Sequence[asyncio.Future[None]], database: epath.Path, writers: Sequence[epath.Path]
+) -> None:
+    """Merges the writers' databases into ``database`` once every group is committed."""
+    outcomes = await asyncio.gather(*committed, return_exceptions=True)
+    if any(isinstance(o, BaseException) for o in outcomes):
+        return  # The failed group's own task reports it.
+    await asyncio.to_thread(_merge_writers, database, writers)
 
 
 def _merge_writers(database: epath.Path, writers: Sequence[epath.Path]) -> None:
