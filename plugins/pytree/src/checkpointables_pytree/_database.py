@@ -495,8 +495,8 @@ class ArrayWriter:
         """
         try:
             await self._commit_large(items, kvstores[database], context, limiter)
-        except BaseException as e:
-            committed.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+        except BaseException:
+            committed.cancel()  # Nothing to merge: this task reports the failure.
             raise
         committed.set_result(None)
         # The disk flushes this group while later ones are encoded, rather than all at
@@ -563,9 +563,9 @@ async def _merge_when(
     committed: Sequence[asyncio.Future[None]], database: epath.Path, writers: Sequence[epath.Path]
 ) -> None:
     """Merges the writers' databases into ``database`` once every group is committed."""
-    outcomes = await asyncio.gather(*committed, return_exceptions=True)
-    if any(isinstance(o, BaseException) for o in outcomes):
-        return  # The failed group's own task reports it.
+    await asyncio.gather(*committed, return_exceptions=True)
+    if any(c.cancelled() for c in committed):
+        return  # A group failed: its own task reports it.
     await asyncio.to_thread(_merge_writers, database, writers)
 
 
