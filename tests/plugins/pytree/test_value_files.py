@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import sys
-import threading
+import zlib
 
 import checkpointables as cp
 import jax
@@ -17,34 +16,9 @@ from checkpointables_pytree import _ocdbt_merge, _value_files
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .opens import load_recording_opens
+
 _RNG = np.random.default_rng(7)
-
-# Python-level opens of data files: TensorStore opens files natively, so only the
-# direct read path shows up here.
-_opened: list[str] = []
-_recording = threading.Event()
-
-
-def _audit(event: str, args: tuple) -> None:
-    if event == "open" and _recording.is_set() and isinstance(args[0], str):
-        _opened.append(args[0])
-
-
-sys.addaudithook(_audit)
-
-
-def _load_recording_opens(path, *args, **kwargs):
-    _opened.clear()
-    _recording.set()
-    try:
-        return cp.load_pytree(path, *args, **kwargs)
-    finally:
-        _recording.clear()
-
-
-def _data_files_opened(path) -> set[str]:
-    data = os.path.join(os.fspath(path), "pytree", "d")
-    return {p for p in _opened if os.path.dirname(p) == data}
 
 
 def _kvstore(directory, config=None):
@@ -124,8 +98,8 @@ def _sharded(shape, spec, mesh_shape=(4, 2)):
 def test_large_arrays_are_read_from_the_data_files(tmp_path, shape, spec) -> None:
     data, array = _sharded(shape, spec)
     cp.save_pytree(tmp_path / "c", {"w": array, "n": data[:10]})
-    loaded = _load_recording_opens(tmp_path / "c")
-    assert _data_files_opened(tmp_path / "c"), "the direct read path was not taken"
+    loaded, opened = load_recording_opens(tmp_path / "c")
+    assert opened, "the direct read path was not taken"
     np.testing.assert_array_equal(np.asarray(loaded["w"]), data)
     np.testing.assert_array_equal(loaded["n"], data[:10])
     # Restored onto another mesh and dtype through an abstract tree.
@@ -166,6 +140,28 @@ def test_copied_checkpoints_read_their_own_files(tmp_path) -> None:
     cp.save_pytree(tmp_path / "c", {"big": data})
     shutil.copytree(tmp_path / "c", tmp_path / "copy")
     shutil.rmtree(tmp_path / "c")
-    loaded = _load_recording_opens(tmp_path / "copy")
-    assert _data_files_opened(tmp_path / "copy")
+    loaded, opened = load_recording_opens(tmp_path / "copy")
+    assert opened
     np.testing.assert_array_equal(loaded["big"], data)
+
+
+def test_read_checked_fills_several_buffers_and_returns_the_rest(tmp_path) -> None:
+    payload = bytes(range(256)) * 64
+    path = tmp_path / "values"
+    path.write_bytes(b"head" + payload)
+    location = _value_files.ValueLocation(os.fspath(path), 4, len(payload))
+    first, second = bytearray(1000), bytearray(15_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crc, rest = _value_files.read_checked(
+            fd, location, [memoryview(first), memoryview(second)], "crc32"
+        )
+        with pytest.raises(EOFError):  # The value is shorter than the buffers.
+            _value_files.read_checked(fd, location, [memoryview(bytearray(20_000))], None)
+        os.truncate(path, 100)
+        with pytest.raises(EOFError, match="early"):
+            _value_files.read_checked(fd, location, [memoryview(bytearray(1000))], None)
+    finally:
+        os.close(fd)
+    assert bytes(first) + bytes(second) + rest == payload
+    assert crc == zlib.crc32(payload[:16_000])

@@ -26,7 +26,7 @@ import functools
 import math
 import os
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -39,9 +39,22 @@ from checkpointables_pytree import (
     _crc32c,
     _errors,
     _gc,
+    _large_reads,
     _local_values,
     _value_files,
     _zarr3,
+)
+from checkpointables_pytree._array_reads import (
+    SMALL_ARRAY_BYTES,
+    ArrayRead,
+    Region,
+    StoredArray,
+    check_shape,
+    convert_all,
+    intersect,
+    pieces_of,
+    region_shape,
+    regions_of,
 )
 
 __all__ = [
@@ -56,7 +69,6 @@ __all__ = [
     "database_directory",
 ]
 
-SMALL_ARRAY_BYTES = 256 << 10
 # Small arrays per transaction: bounds the memory a batch of encoded keys takes.
 SMALL_BATCH_BYTES = 32 << 20
 # Batches of small arrays being checksummed while one is encoded (more only contend for the GIL).
@@ -71,9 +83,6 @@ LARGE_GROUP_BYTES = 32 << 20
 # writes its data file on one thread: with one writer a 256 MiB save waited for
 # those writes, and the disk sat idle until the first commit ended.
 WRITERS = 4
-# Large values are read in ranges of this size, this many at once.
-RANGE_BYTES = 8 << 20
-RANGE_WINDOW = 3
 # Up to this many keys, read_values waits for them on the event loop's thread.
 INLINE_READ_KEYS = 64
 # Up to this many bytes, the recorded CRC-32s are computed on the event loop's thread.
@@ -661,164 +670,6 @@ async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
 # -- Reading -----------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class StoredArray:
-    """What ``_METADATA`` recorded about an array this library wrote.
-
-    ``direct`` means: uncompressed, one inner chunk per shard, so its keys can
-    be read and checked without the zarr3 driver. ``checksums`` holds each
-    chunk's checksum of kind ``checksum_kind`` (see ``_checksums``), when the
-    writer recorded them.
-    """
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    chunk_shape: tuple[int, ...]
-    direct: bool
-    checksums: tuple[int, ...] | None = None
-    checksum_kind: str = _checksums.CRC32
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole array."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @functools.cached_property
-    def chunk_indices(self) -> list[tuple[int, ...]]:
-        """Every chunk index, in C order."""
-        return _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
-
-
-Region = tuple[slice, ...]
-
-
-@dataclasses.dataclass
-class ArrayRead:
-    """One array to read.
-
-    Attributes:
-      label: names the leaf in errors: a string, or an object with a ``keystr``
-        (computed only when an error needs it).
-      name: the array's name in the database.
-      stored: its recorded layout, or ``None`` (then the driver reads its ``zarr.json``).
-      target_shape: the shape the caller wants (``None``: as stored). A
-        different shape raises, unless ``allow_resize`` (zero padding or truncation).
-      regions: the parts of the target to return (``None``: all of it).
-      convert: turns the list of region arrays into the leaf, right after
-        reading, so that at most a few arrays are held twice at once.
-    """
-
-    label: Any
-    name: str
-    stored: StoredArray | None
-    convert: Callable[[list[np.ndarray]], Any]
-    target_shape: tuple[int, ...] | None = None
-    regions: list[Region] | None = None
-    allow_resize: bool = False
-    result: Any = None
-    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def what(self) -> str:
-        """How errors name the leaf (``label`` is a string, or has a ``keystr``)."""
-        return self.label if isinstance(self.label, str) else self.label.keystr
-
-    @functools.cached_property
-    def reads_part(self) -> bool:
-        """Whether the regions asked for cover only part of the stored array.
-
-        Then the zarr3 driver reads just the chunks they touch (in a multi-process
-        load each process reads only what its devices need) instead of the
-        whole array being read here.
-        """
-        stored = self.stored
-        if self.regions is None or stored is None:
-            return False
-        covered = 0
-        for region in self.regions:
-            parts = _intersect(region, stored.shape)
-            if parts is not None:
-                covered += math.prod(_region_shape(parts[0]))
-        return covered < math.prod(stored.shape)
-
-    @property
-    def direct(self) -> bool:
-        """Whether its keys are read and checked here, in a batch (decided once, when added)."""
-        if self._direct is None:
-            stored = self.stored
-            self._direct = bool(
-                stored is not None
-                and stored.direct
-                and stored.nbytes <= SMALL_ARRAY_BYTES
-                and (self.regions is None or not self.reads_part)
-            )
-        return self._direct
-
-    @property
-    def raw(self) -> bool:
-        """Whether a large array's shards are read as raw values and checked here.
-
-        TensorStore's CRC-32C check runs at about 1 GB/s; the checksums recorded
-        at save time (``_checksums``) several times faster, in worker threads.
-        """
-        stored = self.stored
-        return (
-            stored is not None
-            and stored.direct
-            and stored.checksums is not None
-            and not self.direct
-            and not self.reads_part
-        )
-
-
-def _check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
-    target = read.target_shape if read.target_shape is not None else stored_shape
-    if tuple(target) != tuple(stored_shape) and (
-        len(target) != len(stored_shape) or not read.allow_resize
-    ):
-        raise cp.errors.TreeMismatchError(
-            f"{read.what}: the abstract tree asks for shape {tuple(target)}, but the checkpoint "
-            f"stores shape {tuple(stored_shape)}. Pass the stored shape, or allow zero padding "
-            f"and truncation with cp.options.ArrayOptions(enable_padding_and_truncation=True)."
-        )
-    return tuple(target)
-
-
-def _intersect(region: Region, shape: tuple[int, ...]) -> tuple[Region, Region] | None:
-    """The part of ``region`` inside ``shape``: (source slices, destination slices)."""
-    source, destination = [], []
-    for r, size in zip(region, shape, strict=True):
-        start, stop = r.start or 0, r.stop
-        hi = min(stop, size)
-        if hi <= start:
-            return None
-        source.append(slice(start, hi))
-        destination.append(slice(0, hi - start))
-    return tuple(source), tuple(destination)
-
-
-def _regions(read: ArrayRead, target: tuple[int, ...]) -> list[Region]:
-    if read.regions is not None:
-        return read.regions
-    return [tuple(slice(0, s) for s in target)]
-
-
-def _region_shape(region: Region) -> tuple[int, ...]:
-    return tuple((r.stop or 0) - (r.start or 0) for r in region)
-
-
-def _cut(full: np.ndarray, region: Region, stored_shape: tuple[int, ...]) -> np.ndarray:
-    """Region of the target, taken from the whole stored array (zero-padded beyond it)."""
-    if all(r.start in (0, None) and r.stop == s for r, s in zip(region, stored_shape, strict=True)):
-        return full
-    out = np.zeros(_region_shape(region), dtype=full.dtype)
-    parts = _intersect(region, stored_shape)
-    if parts is not None:
-        source, destination = parts
-        out[destination] = full[source]
-    return out
-
-
 class ArrayReader:
     """Collects the arrays of one load, then reads them all (``run``)."""
 
@@ -848,7 +699,7 @@ class ArrayReader:
           cp.errors.TreeMismatchError: the recorded shape differs from the target's.
         """
         if read.stored is not None:
-            _check_shape(read, read.stored.shape)  # Fail before any read, when possible.
+            check_shape(read, read.stored.shape)  # Fail before any read, when possible.
         self._reads.append(read)
 
     async def run(self) -> None:
@@ -866,11 +717,12 @@ class ArrayReader:
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
         if raw:
-            # Each holds only its result: no byte limit, and no task of this loop per array.
-            read_raw = functools.partial(
-                _read_raw_array, kvstore, verify=self._verify, locations=locations
+            # Each holds only its group's arrays: no byte limit.
+            tasks.append(
+                asyncio.ensure_future(
+                    _large_reads.read_large(kvstore, raw, verify=self._verify, locations=locations)
+                )
             )
-            tasks.append(asyncio.ensure_future(_map_in_pool(_read_pool(), read_raw, raw)))
         try:
             if direct:
                 for batch in _read_batches(direct, SMALL_BATCH_BYTES):
@@ -911,6 +763,7 @@ class ArrayReader:
         position = 0
         decoded: list[list[memoryview] | None] = []
         unchecked: list[tuple[ArrayRead, memoryview, int]] = []
+        done: list[tuple[ArrayRead, list[np.ndarray]]] = []  # Converted in one batch at the end.
         verify = self._verify
         crc32 = zlib.crc32
         for read in reads:
@@ -938,9 +791,7 @@ class ArrayReader:
                         )
                     position += 1
                     decoded.append(None)
-                    read.result = read.convert(
-                        [np.frombuffer(data, dtype=stored.dtype).reshape(shape)]
-                    )
+                    done.append((read, [np.frombuffer(data, dtype=stored.dtype).reshape(shape)]))
                     continue
             indices = stored.chunk_indices
             nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
@@ -982,14 +833,8 @@ class ArrayReader:
                 continue  # Converted above.
             stored = read.stored
             assert stored is not None
-            full = _assemble(read.name, stored, views)
-            if read.regions is None and read.target_shape in (None, stored.shape):
-                read.result = read.convert([full])
-            else:
-                target = _check_shape(read, stored.shape)
-                read.result = read.convert(
-                    [_cut(full, r, stored.shape) for r in _regions(read, target)]
-                )
+            done.append((read, pieces_of(read, _assemble(read.name, stored, views))))
+        convert_all(done)
 
     async def _locate(self, reads: Sequence[ArrayRead]) -> dict[str, _value_files.ValueLocation]:
         """Where the shards of ``reads`` are, when the database is local (else empty)."""
@@ -1015,28 +860,26 @@ class ArrayReader:
         except Exception as e:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
         stored_shape = tuple(int(s) for s in store.shape)
-        target = _check_shape(read, stored_shape)
-        regions = _regions(read, target)
-        nbytes = (
-            sum(math.prod(_region_shape(r)) for r in regions) * store.dtype.numpy_dtype.itemsize
-        )
+        target = check_shape(read, stored_shape)
+        regions = regions_of(read, target)
+        nbytes = sum(math.prod(region_shape(r)) for r in regions) * store.dtype.numpy_dtype.itemsize
         # The regions of one process's devices usually tile one block: read it once
         # rather than every chunk once per region that touches it.
         box = _tiling_box(regions)
         async with limiter.hold(nbytes):
             pieces = []
             for region in regions if box is None else [box]:
-                parts = _intersect(region, stored_shape) if region else ((), ())
+                parts = intersect(region, stored_shape) if region else ((), ())
                 if parts is None:
-                    pieces.append(np.zeros(_region_shape(region), dtype=store.dtype.numpy_dtype))
+                    pieces.append(np.zeros(region_shape(region), dtype=store.dtype.numpy_dtype))
                     continue
                 source, destination = parts
                 try:
                     data = await store[source].read() if source else await store.read()
                 except Exception as e:
                     raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
-                if data.shape != _region_shape(region):
-                    padded = np.zeros(_region_shape(region), dtype=data.dtype)
+                if data.shape != region_shape(region):
+                    padded = np.zeros(region_shape(region), dtype=data.dtype)
                     padded[destination] = data
                     data = padded
                 pieces.append(data)
@@ -1063,7 +906,7 @@ def _tiling_box(regions: Sequence[Region]) -> Region | None:
         for d in range(len(regions[0]))
     )
     # Distinct regions of a sharding never overlap: equal volumes mean no gaps.
-    if sum(math.prod(_region_shape(r)) for r in regions) != math.prod(_region_shape(box)):
+    if sum(math.prod(region_shape(r)) for r in regions) != math.prod(region_shape(box)):
         return None
     return box
 
@@ -1079,188 +922,6 @@ def _assemble(name: str, stored: StoredArray, views: list[memoryview]) -> np.nda
         chunk = np.frombuffer(view, dtype=layout.dtype).reshape(layout.chunk_shape)
         region = layout.region(index)
         full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
-    return full
-
-
-@functools.cache
-def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read and check large arrays, one per core.
-
-    Copying from the page cache and computing CRC-32s release the GIL but keep
-    a core busy: more threads than cores only contend (measured: 6 threads read
-    a 256 MiB tree 20% slower than 2).
-    """
-    return concurrent.futures.ThreadPoolExecutor(
-        max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="checkpointables-read"
-    )
-
-
-async def _map_in_pool(
-    pool: concurrent.futures.ThreadPoolExecutor,
-    function: Callable[[Any], None],
-    items: Sequence[Any],
-) -> None:
-    """Calls ``function`` on every item in ``pool``'s threads; raises the first error.
-
-    One wake-up of this event loop for the lot, rather than one per item.
-    """
-    futures = [pool.submit(function, item) for item in items]
-    try:
-        await asyncio.to_thread(
-            concurrent.futures.wait, futures, return_when=concurrent.futures.FIRST_EXCEPTION
-        )
-    finally:  # After an error or a cancellation: drop what has not started, let the rest end.
-        for future in futures:
-            future.cancel()
-        await asyncio.shield(asyncio.to_thread(concurrent.futures.wait, futures))
-    for future in futures:
-        future.result()
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 buffer aligned to 64 bytes (jax.device_put aliases those on CPU)."""
-    buffer = np.empty(nbytes + 64, dtype=np.uint8)
-    offset = (-buffer.ctypes.data) % 64
-    return buffer[offset : offset + nbytes]
-
-
-def _read_value_into(kvstore: Any, key: str, buffer: np.ndarray) -> int:
-    """Reads a value into ``buffer`` with a sliding window of parallel ranged reads.
-
-    Parallel ranges cut the latency of one large read several times; the
-    window bounds the memory in flight. Returns the number of bytes read.
-    """
-    total = len(buffer)
-    starts = iter(range(0, total, RANGE_BYTES))
-    pending: collections.deque[tuple[int, Any]] = collections.deque()
-
-    def submit() -> None:
-        start = next(starts, None)
-        if start is not None:
-            end = min(total, start + RANGE_BYTES)
-            pending.append((start, kvstore.read(key, byte_range=slice(start, end))))
-
-    for _ in range(RANGE_WINDOW):
-        submit()
-    read = 0
-    while pending:
-        start, future = pending.popleft()
-        value = future.result().value
-        if not value:
-            return read
-        buffer[start : start + len(value)] = np.frombuffer(value, dtype=np.uint8)
-        read += len(value)
-        del value
-        submit()
-    return read
-
-
-def _read_raw_array(
-    kvstore: Any,
-    read: ArrayRead,
-    *,
-    verify: bool,
-    locations: dict[str, _value_files.ValueLocation],
-) -> None:
-    """Reads a large array's shards into one 64-byte aligned buffer, checks them, converts.
-
-    Shards of a local database are read straight into the array
-    (``_value_files``); the others through TensorStore's kvstore. Sets ``read.result``.
-    """
-    stored = read.stored
-    assert stored is not None and stored.checksums is not None
-    array = _read_local_array(read, verify, locations) if locations else None
-    if array is not None:
-        read.result = _converted(read, array)
-        return
-    nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
-    trailer = _zarr3.shard_trailer(nbytes)
-    single = stored.chunk_shape == stored.shape
-    full = None if single else np.empty(stored.shape, dtype=stored.dtype)
-    chunk = None
-    for n, index in enumerate(stored.chunk_indices):
-        key = _zarr3.chunk_key(read.name, index)
-        # data, its CRC-32C, the shard index and its CRC-32C
-        buffer = aligned_empty(nbytes + 24)
-        try:
-            got = _read_value_into(kvstore, key, buffer)
-        except Exception as e:
-            raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
-        if got != nbytes + 24 or buffer[nbytes + 4 :].tobytes() != trailer:
-            problem = "is missing" if not got else "does not have the layout that was written"
-            raise _errors.integrity_error(read.what, f"chunk {key} {problem}")
-        data = buffer[:nbytes]
-        if verify and _checksums.checksum(stored.checksum_kind, data) != stored.checksums[n]:
-            raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
-        chunk = data.view(stored.dtype).reshape(stored.chunk_shape)
-        if full is not None:
-            layout = _zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
-            region = layout.region(index)
-            full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
-    array = full if full is not None else chunk
-    assert array is not None
-    read.result = _converted(read, array)
-
-
-def _converted(read: ArrayRead, array: np.ndarray) -> Any:
-    """The leaf from the whole stored array: the regions the caller asked for, converted."""
-    stored = read.stored
-    assert stored is not None
-    if read.regions is None and read.target_shape in (None, stored.shape):
-        return read.convert([array])
-    target = _check_shape(read, stored.shape)
-    return read.convert([_cut(array, r, stored.shape) for r in _regions(read, target)])
-
-
-def _read_local_array(
-    read: ArrayRead, verify: bool, locations: dict[str, _value_files.ValueLocation]
-) -> np.ndarray | None:
-    """The whole array, read from a local database's files into a 64-byte aligned buffer.
-
-    ``None`` when a shard's location is unknown or does not hold a shard of the
-    recorded size: TensorStore's read then decides what is wrong.
-    """
-    stored = read.stored
-    assert stored is not None and stored.checksums is not None
-    dtype, shape = stored.dtype, stored.shape
-    nbytes = math.prod(stored.chunk_shape) * dtype.itemsize
-    keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
-    chosen = [locations.get(key) for key in keys]
-    if any(c is None or c.length != nbytes + 24 for c in chosen):
-        return None
-    trailer = _zarr3.shard_trailer(nbytes)
-    layout = _zarr3.ZarrLayout(read.name, shape, dtype, stored.chunk_shape)
-    flat = aligned_empty(stored.nbytes)
-    full = flat.view(dtype).reshape(shape)
-    # Chunks that split only the first axis are contiguous runs of the array's
-    # bytes: they are read in place, only their edge padding goes elsewhere.
-    rows = len(shape) > 0 and stored.chunk_shape[1:] == shape[1:]
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    scratch = None if rows else aligned_empty(nbytes)
-    for n, (index, location) in enumerate(zip(stored.chunk_indices, chosen, strict=True)):
-        assert location is not None
-        region = layout.region(index)
-        if scratch is None:
-            start = region[0].start * row_bytes
-            valid = (region[0].stop - region[0].start) * row_bytes
-            parts = [memoryview(flat[start : start + valid])]
-            if valid < nbytes:
-                parts.append(memoryview(np.empty(nbytes - valid, dtype=np.uint8)))
-        else:
-            parts = [memoryview(scratch)]
-        try:
-            digest, rest = _value_files.read_checked(
-                location, parts, stored.checksum_kind if verify else None
-            )
-        except (OSError, EOFError):
-            return None
-        if rest[4:] != trailer:  # After the data's CRC-32C: the shard index.
-            return None
-        if verify and digest != stored.checksums[n]:
-            raise _errors.integrity_error(read.what, "a chunk's checksum does not match its data")
-        if scratch is not None:
-            chunk = scratch.view(dtype).reshape(stored.chunk_shape)
-            full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
     return full
 
 

@@ -17,6 +17,7 @@ import math
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+import attrs
 import checkpointables as cp
 import jax
 import numpy as np
@@ -294,6 +295,26 @@ def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice,
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
+@attrs.frozen
+class _OnDefaultDevice:
+    """Makes the whole array read a ``jax.Array`` on the default device (uncommitted).
+
+    A ``_array_reads.BatchConvert``: one ``jax.device_put`` of many arrays costs
+    a third of what as many calls cost.
+    """
+
+    dtype: Any
+
+    def __call__(self, pieces: list[np.ndarray]) -> jax.Array:
+        return jax.device_put(_cast(pieces[0], self.dtype))
+
+    @staticmethod
+    def convert_many(
+        converts: Sequence[_OnDefaultDevice], pieces: Sequence[list[np.ndarray]]
+    ) -> list[jax.Array]:
+        return jax.device_put([_cast(p[0], c.dtype) for c, p in zip(converts, pieces, strict=True)])
+
+
 def _sharded_read(
     shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding
 ) -> tuple[list[tuple[slice, ...]], Any]:
@@ -450,10 +471,7 @@ class ArrayLeafHandler(_StandardHandler):
         if sharding is not None and shape is not None:
             regions, convert = _sharded_read(shape, dtype, sharding)
         else:
-
-            def convert(pieces: list[np.ndarray]) -> jax.Array:
-                return jax.device_put(_cast(pieces[0], dtype))
-
+            convert = _OnDefaultDevice(dtype)
         read = _database.ArrayRead(
             label=entry,
             name=name,

@@ -167,40 +167,49 @@ async def _walk(
 
 
 def read_checked(
-    location: ValueLocation, destinations: Sequence[memoryview], kind: str | None
+    fd: int, location: ValueLocation, destinations: Sequence[memoryview], kind: str | None
 ) -> tuple[int | None, bytes]:
     """Fills ``destinations`` (in order) from the start of the value; returns (checksum, the rest).
 
-    The checksum, of ``kind`` (see ``_checksums``; ``None``: not computed),
-    covers every byte written to ``destinations``; the rest is the value's
-    bytes after them (a shard's small trailer). Raises ``EOFError`` if the
-    file ends early.
+    ``fd`` is ``location.file`` open for reading. The checksum, of ``kind``
+    (see ``_checksums``; ``None``: not computed), covers every byte written to
+    ``destinations``; the rest is the value's bytes after them (a shard's small
+    trailer), read with the last block. Raises ``EOFError`` if the file ends
+    early or the value is shorter than ``destinations``.
     """
     digest = _checksums.running(kind) if kind is not None else None
     # A zlib CRC-32 runs at cache speed, not memory speed: read a block, check it while it is
     # in the cache. The sums are as fast either way: fewer, larger reads.
     block_bytes = CRC32_BLOCK_BYTES if kind == _checksums.CRC32 else SUMS_BLOCK_BYTES
-    fd = os.open(location.file, os.O_RDONLY)
-    try:
-        position = location.offset
-        for destination in destinations:
-            for start in range(0, len(destination), block_bytes):
-                block = destination[start : start + block_bytes]
-                _read_exactly(fd, block, position)
-                if digest is not None:
-                    digest.update(block)
-                position += len(block)
-        rest = bytearray(location.offset + location.length - position)
-        _read_exactly(fd, memoryview(rest), position)
-        return (digest.digest() if digest is not None else None), bytes(rest)
-    finally:
-        os.close(fd)
+    rest_bytes = location.length - sum(len(d) for d in destinations)
+    if rest_bytes < 0:
+        raise EOFError(f"the value holds {location.length} bytes, fewer than asked for")
+    rest = bytearray(rest_bytes)
+    blocks = [d[s : s + block_bytes] for d in destinations for s in range(0, len(d), block_bytes)]
+    position = location.offset
+    for n, block in enumerate(blocks):
+        last = n == len(blocks) - 1
+        _read_exactly(fd, [block, memoryview(rest)] if last else [block], position)
+        if digest is not None:
+            digest.update(block)
+        position += len(block)
+    if not blocks:
+        _read_exactly(fd, [memoryview(rest)], position)
+    return (digest.digest() if digest is not None else None), bytes(rest)
 
 
-def _read_exactly(fd: int, buffer: memoryview, position: int) -> None:
-    done = 0
-    while done < len(buffer):
-        got = os.preadv(fd, [buffer[done:]], position + done)
+def _read_exactly(fd: int, buffers: list[memoryview], position: int) -> None:
+    """Fills ``buffers`` from ``position`` on, in as few ``preadv`` calls as the kernel allows."""
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        got = os.preadv(fd, pending, position)
         if got == 0:
-            raise EOFError(f"file ends {len(buffer) - done} bytes early")
-        done += got
+            missing = sum(len(b) for b in pending)
+            raise EOFError(f"file ends {missing} bytes early")
+        position += got
+        while got:
+            if got >= len(pending[0]):
+                got -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][got:]
+                got = 0

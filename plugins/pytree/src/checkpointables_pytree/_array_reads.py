@@ -1,0 +1,248 @@
+"""What a load asks of one stored array, and how the bytes read become its leaf.
+
+An ``ArrayRead`` names the array, what ``_METADATA`` recorded of it, the
+shape and regions the caller wants, and ``convert``, which turns the regions
+read into the leaf. Conversions that can do many arrays in one call (one
+``jax.device_put`` for many arrays costs a third of as many calls) say so
+with ``convert_many``; ``convert_all`` groups them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import checkpointables as cp
+import numpy as np
+
+from checkpointables_pytree import _checksums, _zarr3
+
+__all__ = [
+    "SMALL_ARRAY_BYTES",
+    "ArrayRead",
+    "BatchConvert",
+    "Region",
+    "StoredArray",
+    "check_shape",
+    "convert_all",
+    "cut",
+    "intersect",
+    "pieces_of",
+    "region_shape",
+    "regions_of",
+]
+
+# Arrays up to this size are read as keys of one batch and checked here; larger ones
+# through ``_large_reads`` (or the zarr3 driver).
+SMALL_ARRAY_BYTES = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredArray:
+    """What ``_METADATA`` recorded about an array this library wrote.
+
+    ``direct`` means: uncompressed, one inner chunk per shard, so its keys can
+    be read and checked without the zarr3 driver. ``checksums`` holds each
+    chunk's checksum of kind ``checksum_kind`` (see ``_checksums``), when the
+    writer recorded them.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    direct: bool
+    checksums: tuple[int, ...] | None = None
+    checksum_kind: str = _checksums.CRC32
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole array."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @functools.cached_property
+    def chunk_indices(self) -> list[tuple[int, ...]]:
+        """Every chunk index, in C order."""
+        return _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
+
+
+Region = tuple[slice, ...]
+
+
+@dataclasses.dataclass
+class ArrayRead:
+    """One array to read.
+
+    Attributes:
+      label: names the leaf in errors: a string, or an object with a ``keystr``
+        (computed only when an error needs it).
+      name: the array's name in the database.
+      stored: its recorded layout, or ``None`` (then the driver reads its ``zarr.json``).
+      target_shape: the shape the caller wants (``None``: as stored). A
+        different shape raises, unless ``allow_resize`` (zero padding or truncation).
+      regions: the parts of the target to return (``None``: all of it).
+      convert: turns the list of region arrays into the leaf, right after
+        reading, so that at most a few arrays are held twice at once.
+    """
+
+    label: Any
+    name: str
+    stored: StoredArray | None
+    convert: Callable[[list[np.ndarray]], Any]
+    target_shape: tuple[int, ...] | None = None
+    regions: list[Region] | None = None
+    allow_resize: bool = False
+    result: Any = None
+    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def what(self) -> str:
+        """How errors name the leaf (``label`` is a string, or has a ``keystr``)."""
+        return self.label if isinstance(self.label, str) else self.label.keystr
+
+    @functools.cached_property
+    def reads_part(self) -> bool:
+        """Whether the regions asked for cover only part of the stored array.
+
+        Then the zarr3 driver reads just the chunks they touch (in a multi-process
+        load each process reads only what its devices need) instead of the
+        whole array being read here.
+        """
+        stored = self.stored
+        if self.regions is None or stored is None:
+            return False
+        covered = 0
+        for region in self.regions:
+            parts = intersect(region, stored.shape)
+            if parts is not None:
+                covered += math.prod(region_shape(parts[0]))
+        return covered < math.prod(stored.shape)
+
+    @property
+    def direct(self) -> bool:
+        """Whether its keys are read and checked here, in a batch (decided once, when added)."""
+        if self._direct is None:
+            stored = self.stored
+            self._direct = bool(
+                stored is not None
+                and stored.direct
+                and stored.nbytes <= SMALL_ARRAY_BYTES
+                and (self.regions is None or not self.reads_part)
+            )
+        return self._direct
+
+    @property
+    def raw(self) -> bool:
+        """Whether a large array's shards are read as raw values and checked here.
+
+        TensorStore's CRC-32C check runs at about 1 GB/s; the checksums recorded
+        at save time (``_checksums``) several times faster, in worker threads.
+        """
+        stored = self.stored
+        return (
+            stored is not None
+            and stored.direct
+            and stored.checksums is not None
+            and not self.direct
+            and not self.reads_part
+        )
+
+
+def check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+    target = read.target_shape if read.target_shape is not None else stored_shape
+    if tuple(target) != tuple(stored_shape) and (
+        len(target) != len(stored_shape) or not read.allow_resize
+    ):
+        raise cp.errors.TreeMismatchError(
+            f"{read.what}: the abstract tree asks for shape {tuple(target)}, but the checkpoint "
+            f"stores shape {tuple(stored_shape)}. Pass the stored shape, or allow zero padding "
+            f"and truncation with cp.options.ArrayOptions(enable_padding_and_truncation=True)."
+        )
+    return tuple(target)
+
+
+def intersect(region: Region, shape: tuple[int, ...]) -> tuple[Region, Region] | None:
+    """The part of ``region`` inside ``shape``: (source slices, destination slices)."""
+    source, destination = [], []
+    for r, size in zip(region, shape, strict=True):
+        start, stop = r.start or 0, r.stop
+        hi = min(stop, size)
+        if hi <= start:
+            return None
+        source.append(slice(start, hi))
+        destination.append(slice(0, hi - start))
+    return tuple(source), tuple(destination)
+
+
+def regions_of(read: ArrayRead, target: tuple[int, ...]) -> list[Region]:
+    if read.regions is not None:
+        return read.regions
+    return [tuple(slice(0, s) for s in target)]
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple((r.stop or 0) - (r.start or 0) for r in region)
+
+
+def cut(full: np.ndarray, region: Region, stored_shape: tuple[int, ...]) -> np.ndarray:
+    """Region of the target, taken from the whole stored array (zero-padded beyond it)."""
+    if all(r.start in (0, None) and r.stop == s for r, s in zip(region, stored_shape, strict=True)):
+        return full
+    out = np.zeros(region_shape(region), dtype=full.dtype)
+    parts = intersect(region, stored_shape)
+    if parts is not None:
+        source, destination = parts
+        out[destination] = full[source]
+    return out
+
+
+def pieces_of(read: ArrayRead, array: np.ndarray) -> list[np.ndarray]:
+    """The regions ``read`` asks for, from the whole stored ``array``."""
+    stored = read.stored
+    assert stored is not None
+    if read.regions is None and read.target_shape in (None, stored.shape):
+        return [array]
+    target = check_shape(read, stored.shape)
+    return [cut(array, r, stored.shape) for r in regions_of(read, target)]
+
+
+class BatchConvert(Protocol):
+    """A conversion that can also convert many reads in one call.
+
+    ``convert_many`` must be the same function for every instance (a
+    ``staticmethod``): reads whose conversions share it are converted together.
+    """
+
+    def __call__(self, pieces: list[np.ndarray]) -> Any:
+        """The leaf of one read."""
+
+    @staticmethod
+    def convert_many(converts: Sequence[Any], pieces: Sequence[list[np.ndarray]]) -> list[Any]:
+        """The leaves of many reads: ``converts[i]`` applied to ``pieces[i]``."""
+
+
+def convert_all(done: Sequence[tuple[ArrayRead, list[np.ndarray]]]) -> None:
+    """Sets each read's ``result`` from its pieces, batching what can be batched.
+
+    Example::
+
+        convert_all([(read, [array]) for read, array in finished])
+    """
+    batches: dict[Any, list[tuple[ArrayRead, list[np.ndarray]]]] = collections.defaultdict(list)
+    for read, pieces in done:
+        many = getattr(read.convert, "convert_many", None)
+        if many is None:
+            read.result = read.convert(pieces)
+        else:
+            batches[many].append((read, pieces))
+    for many, items in batches.items():
+        if len(items) == 1:
+            read, pieces = items[0]
+            read.result = read.convert(pieces)
+            continue
+        results = many([read.convert for read, _ in items], [pieces for _, pieces in items])
+        for (read, _), result in zip(items, results, strict=True):
+            read.result = result
