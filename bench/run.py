@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="before each timed call, touch and free this many times the case's size "
         "(see bench/timing.py); 0 disables; default 2",
     )
+    p.add_argument(
+        "--keep-malloc-cache",
+        action="store_true",
+        help="do not hand malloc's free memory back to the kernel before each timed call "
+        "(then a call may reuse what the previous library freed; see bench/timing.py)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
     p.add_argument("--tmp-dir", default=None, help="where checkpoints are written; default /tmp")
     p.add_argument("--output", default=None, help="JSON path; default bench/results/<time>.json")
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "scale": args.scale,
             "quick": args.quick,
             "warm_memory": args.warm_memory,
+            "release_malloc_cache": not args.keep_malloc_cache,
         },
         "machine": machine(scratch),
         "apis": {lib.name: lib.api for lib in libs},
@@ -247,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup,
                 root=scratch,
                 warm_bytes=int(args.warm_memory * size),
+                release_malloc=not args.keep_malloc_cache,
                 progress=_say,
             )
             mem = None

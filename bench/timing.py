@@ -11,10 +11,20 @@ memory (see ``warm_free_memory``). On this VM, memory that stays free for a
 couple of seconds is handed back to the host, and touching it again costs up
 to 3 s per GiB: without the warming, whichever call happened to allocate
 after a pause paid for it, and the 1 GiB loads varied 0.3 s to 2.4 s.
+
+Then it hands the memory that glibc's malloc keeps free back to the kernel
+(``release_malloc_cache``), so that no call reuses, without page faults,
+what the call before it freed: otherwise the raw 256 MiB load took 36 ms
+right after Orbax and safetensors had freed hundreds of MiB and 110 ms after
+anything else, and the ratios to raw depended on which library ran last.
+Every timed call now allocates fresh pages, as a load into a new process
+does. ``--keep-malloc-cache`` turns this off.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import gc
 import os
@@ -63,9 +73,42 @@ def warm_free_memory(nbytes: int) -> None:
     del buffer
 
 
-def _clock(fn: Any, *args: Any, warm_bytes: int = 0) -> tuple[float, Any]:
+def release_malloc_cache() -> None:
+    """Hands the memory glibc's malloc holds free back to the kernel (``malloc_trim(0)``).
+
+    Without it, whichever library runs after one that freed a lot of heap
+    memory allocates from that memory without a single page fault, while the
+    others fault in fresh pages: the raw 256 MiB load took 36 ms after Orbax
+    and safetensors had run and 110 ms otherwise, in one run. Does nothing
+    where glibc is not the allocator.
+    """
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only.
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_libc = _load_libc()
+
+
+def _prepare_memory(warm_bytes: int, release_malloc: bool) -> None:
     gc.collect()
     warm_free_memory(warm_bytes)
+    if release_malloc:
+        release_malloc_cache()
+
+
+def _clock(
+    fn: Any, *args: Any, warm_bytes: int = 0, release_malloc: bool = True
+) -> tuple[float, Any]:
+    _prepare_memory(warm_bytes, release_malloc)
     start = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - start, out
@@ -80,11 +123,13 @@ def _one_round(
     tag: str,
     times: LibraryTimes | None,
     warm_bytes: int,
+    release_malloc: bool,
 ) -> None:
     path = os.path.join(root, f"{library.name}-{tag}")
+    memory = {"warm_bytes": warm_bytes, "release_malloc": release_malloc}
     try:
-        save_s, _ = _clock(library.save, path, tree, spec, warm_bytes=warm_bytes)
-        load_s, loaded = _clock(library.load, path, spec, warm_bytes=warm_bytes)
+        save_s, _ = _clock(library.save, path, tree, spec, **memory)
+        load_s, loaded = _clock(library.load, path, spec, **memory)
         if not times or not times.verified:
             libraries.verify(library, loaded, spec, tree)
         del loaded
@@ -93,8 +138,7 @@ def _one_round(
     block_s = total_s = None
     if case.measure_async and library.has_async:
         try:
-            gc.collect()
-            warm_free_memory(warm_bytes)
+            _prepare_memory(warm_bytes, release_malloc)
             start = time.perf_counter()
             pending = library.save_async(path + "-async", tree, spec)
             block_s = time.perf_counter() - start
@@ -120,14 +164,16 @@ def time_case(
     warmup: int,
     root: str,
     warm_bytes: int = 0,
+    release_malloc: bool = True,
     progress: Any = print,
 ) -> dict[str, LibraryTimes]:
     """Times save, load (and async save) of ``tree`` for every library; never raises.
 
     A library that fails gets its error recorded and is skipped for the rest
     of the case. The first round (warm-up or not) also checks the loaded
-    values against ``tree``. ``warm_bytes`` goes to ``warm_free_memory``
-    before each timed call.
+    values against ``tree``. Before each timed call, ``warm_bytes`` goes to
+    ``warm_free_memory`` and, if ``release_malloc``, ``release_malloc_cache``
+    runs, so that every call starts with the same (empty) malloc cache.
     """
     spec = libraries.tree_spec(tree)
     results = {lib.name: LibraryTimes() for lib in libs}
@@ -139,7 +185,15 @@ def time_case(
                 continue
             try:
                 _one_round(
-                    lib, case, tree, spec, root, str(round_no), None if warm else result, warm_bytes
+                    lib,
+                    case,
+                    tree,
+                    spec,
+                    root,
+                    str(round_no),
+                    None if warm else result,
+                    warm_bytes,
+                    release_malloc,
                 )
                 if warm:
                     result.verified = True

@@ -194,7 +194,7 @@ def _read_local(
     nbytes = math.prod(stored.chunk_shape) * dtype.itemsize
     keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
     chosen = [locations.get(key) for key in keys]
-    if any(c is None or c.length != nbytes + 24 for c in chosen):
+    if any(c is None or c.length != nbytes + _zarr3.SHARD_TRAILER_BYTES for c in chosen):
         return None
     trailer = _zarr3.shard_trailer(nbytes)
     layout = _zarr3.ZarrLayout(read.name, shape, dtype, stored.chunk_shape)
@@ -243,12 +243,12 @@ def _read_through_kvstore(kvstore: Any, read: ArrayRead, verify: bool) -> np.nda
     for n, index in enumerate(stored.chunk_indices):
         key = _zarr3.chunk_key(read.name, index)
         # data, its CRC-32C, the shard index and its CRC-32C
-        buffer = aligned_empty(nbytes + 24)
+        buffer = aligned_empty(nbytes + _zarr3.SHARD_TRAILER_BYTES)
         try:
             got = _read_value_into(kvstore, key, buffer)
         except Exception as e:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
-        if got != nbytes + 24 or buffer[nbytes + 4 :].tobytes() != trailer:
+        if got != nbytes + _zarr3.SHARD_TRAILER_BYTES or buffer[nbytes + 4 :].tobytes() != trailer:
             problem = "is missing" if not got else "does not have the layout that was written"
             raise _errors.integrity_error(read.what, f"chunk {key} {problem}")
         data = buffer[:nbytes]

@@ -29,7 +29,7 @@ from etils import epath
 
 from checkpointables_pytree import _checksums
 
-__all__ = ["ValueLocation", "find", "is_local", "locate", "read_checked"]
+__all__ = ["ValueLocation", "find", "is_local", "locate", "read_checked", "read_into"]
 
 # Bytes read and checksummed per step. A CRC-32 pass should find them in the CPU
 # cache; the sums stream from memory nearly as fast, and each step costs the
@@ -189,17 +189,21 @@ def read_checked(
     position = location.offset
     for n, block in enumerate(blocks):
         last = n == len(blocks) - 1
-        _read_exactly(fd, [block, memoryview(rest)] if last else [block], position)
+        read_into(fd, [block, memoryview(rest)] if last else [block], position)
         if digest is not None:
             digest.update(block)
         position += len(block)
     if not blocks:
-        _read_exactly(fd, [memoryview(rest)], position)
+        read_into(fd, [memoryview(rest)], position)
     return (digest.digest() if digest is not None else None), bytes(rest)
 
 
-def _read_exactly(fd: int, buffers: list[memoryview], position: int) -> None:
-    """Fills ``buffers`` from ``position`` on, in as few ``preadv`` calls as the kernel allows."""
+def read_into(fd: int, buffers: list[memoryview], position: int) -> None:
+    """Fills ``buffers`` (in order) from ``position`` of ``fd`` on, in as few ``preadv`` calls as
+    the kernel allows (at most ``os.sysconf("SC_IOV_MAX")`` buffers).
+
+    Raises ``EOFError`` if the file ends first.
+    """
     pending = [b for b in buffers if len(b)]
     while pending:
         got = os.preadv(fd, pending, position)

@@ -33,8 +33,13 @@ __all__ = [
     "chunk_key",
     "encode_shard",
     "shard_trailer",
+    "SHARD_TRAILER_BYTES",
     "ZarrLayout",
 ]
+
+# What a shard of one inner chunk holds after the chunk's data: its CRC-32C (4 bytes), then
+# the shard index (16) and the index's CRC-32C (4).
+SHARD_TRAILER_BYTES = 24
 
 # Data types zarr3 (TensorStore) stores as fixed-size little-endian bytes. int4
 # and friends are packed differently, so they always go through the driver.
