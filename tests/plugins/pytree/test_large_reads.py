@@ -30,6 +30,18 @@ def test_every_array_of_many_groups_is_read_and_each_data_file_opened_once(tmp_p
         np.testing.assert_array_equal(loaded[key], value)
 
 
+def test_arrays_sharing_a_group_buffer_are_aligned_writable_and_independent(tmp_path) -> None:
+    tree = _tree(6)
+    cp.save_pytree(tmp_path / "c", tree)
+    loaded = cp.load_pytree(tmp_path / "c")
+    for value in loaded.values():
+        assert value.ctypes.data % 64 == 0  # jax.device_put aliases such buffers on CPU.
+        assert value.flags.writeable
+    loaded["w00"][:] = 0  # Writing one array leaves its neighbours in the buffer alone.
+    for key in list(tree)[1:]:
+        np.testing.assert_array_equal(loaded[key], tree[key])
+
+
 def test_jax_arrays_of_a_group_come_back_on_the_default_device(tmp_path) -> None:
     tree = {k: jax.numpy.asarray(v) for k, v in _tree(8).items()}
     cp.save_pytree(tmp_path / "c", tree)
