@@ -407,6 +407,9 @@ class ArrayWriter:
         if writers != [database]:
             # Merged as soon as every group is committed, while the last ones are flushed.
             large_tasks.append(asyncio.ensure_future(_merge_when(committed, database, writers)))
+        # Let the large groups start (TensorStore opens their arrays) before this thread
+        # checksums the small arrays.
+        await asyncio.sleep(0)
         commits: list[asyncio.Future[Any]] = []
         prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
         small_recorded = asyncio.get_running_loop().create_future()
