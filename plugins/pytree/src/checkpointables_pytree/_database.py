@@ -87,6 +87,7 @@ WRITERS = 4
 INLINE_READ_KEYS = 64
 # Up to this many bytes, the recorded CRC-32s are computed on the event loop's thread.
 INLINE_CHECKSUM_BYTES = 1 << 20
+MANIFEST_FILE = "manifest.ocdbt"
 WRITER_PREFIX = "ocdbt.writer_"
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
 
@@ -140,6 +141,38 @@ def database_directory(pytree_directory: epath.Path) -> epath.Path:
     if cp.multihost.process_count() == 1:
         return pytree_directory
     return pytree_directory / f"ocdbt.process_{cp.multihost.process_index()}"
+
+
+class OpenedDatabase:
+    """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
+
+    ``start`` also issues one read, which brings the manifest and the b-tree's
+    root into the context's cache while this thread parses the metadata and
+    plans the reads: for a tree of a few leaves that waiting was a fifth of
+    the load.
+    """
+
+    def __init__(self, context: ts.Context, kvstore: ts.KvStore, warming: Any) -> None:
+        self.context = context
+        self.kvstore = kvstore
+        self._warming = warming  # Held: TensorStore may cancel a read whose future is dropped.
+
+    @classmethod
+    def start(cls, directory: epath.Path) -> OpenedDatabase | None:
+        """Opens the local OCDBT database in ``directory``; ``None`` if there is none.
+
+        Anything unusual is left to the reads, which report it.
+        """
+        if not _value_files.is_local(directory):
+            return None
+        if not os.path.exists(os.path.join(os.fspath(directory), MANIFEST_FILE)):
+            return None
+        context = make_context()
+        try:
+            kvstore = ts.KvStore.open(kvstore_spec(directory), context=context).result()
+        except Exception:
+            return None
+        return cls(context, kvstore, kvstore.read(""))
 
 
 class ByteLimiter:
@@ -677,9 +710,16 @@ class ArrayReader:
     """Collects the arrays of one load, then reads them all (``run``)."""
 
     def __init__(
-        self, directory: epath.Path, *, ocdbt: bool = True, zarr3: bool = True, verify: bool = True
+        self,
+        directory: epath.Path,
+        *,
+        ocdbt: bool = True,
+        zarr3: bool = True,
+        verify: bool = True,
+        opened: OpenedDatabase | None = None,
     ) -> None:
         self._directory = directory
+        self._opened = opened if ocdbt else None
         self._ocdbt = ocdbt
         self._zarr3 = zarr3
         # False skips the checksums computed here (the zarr3 driver always checks its own).
@@ -709,13 +749,16 @@ class ArrayReader:
         """Reads every scheduled array and converts it."""
         if not self._reads:
             return
-        context = make_context()
+        opened = self._opened
+        context = opened.context if opened is not None else make_context()
         direct = [r for r in self._reads if r.direct]
         raw = [r for r in self._reads if r.raw]
         others = [r for r in self._reads if not (r.direct or r.raw)]
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         kvstore = None
-        if direct or raw:
+        if opened is not None:
+            kvstore = opened.kvstore
+        elif direct or raw:
             kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]

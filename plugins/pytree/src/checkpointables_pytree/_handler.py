@@ -343,8 +343,10 @@ class PyTreeHandler:
     ) -> Awaitable[Any]:
         context = cp.context.get_context()
         registry = leaf_registry(context)
+        # TensorStore reads the database's manifest and root while _METADATA is parsed.
+        opened = _database.OpenedDatabase.start(directory)
         tree = _tree_metadata.read_tree_metadata(directory)
-        session = LoadSession(directory, tree, context)
+        session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
             plan = _Plan.without_abstract(tree, registry)
         else:

@@ -164,6 +164,7 @@ class LoadSession:
         directory: epath.Path,
         tree: _tree_metadata.TreeMetadata,
         context: cp.Context,
+        opened: _database.OpenedDatabase | None = None,
     ) -> None:
         self.directory = directory
         self.tree = tree
@@ -174,6 +175,7 @@ class LoadSession:
             ocdbt=tree.use_ocdbt,
             zarr3=tree.use_zarr3,
             verify=bool(context.array_options.verify_checksums),
+            opened=opened,
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
