@@ -39,7 +39,12 @@ def render(document: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
     out = [
         f"Run `{document['command']}` at {document['started']} (commit {m['git_commit']}): "
-        f"{s['repeats']} timed repeats after {s['warmup']} warm-up, scale {s['scale']:g}.",
+        f"{s['repeats']} timed repeats after {s['warmup']} warm-up, scale {s['scale']:g}, "
+        + (
+            "malloc's free memory released before each timed call."
+            if s.get("release_malloc_cache")
+            else "malloc's free memory kept between calls (`--keep-malloc-cache`)."
+        ),
         "",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM, Linux "
         f"{m['kernel']}, checkpoints on {m['filesystem']}; Python {m['python']}; {versions}. "
