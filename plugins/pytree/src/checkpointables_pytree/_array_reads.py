@@ -58,7 +58,7 @@ class StoredArray:
     checksums: tuple[int, ...] | None = None
     checksum_kind: str = _checksums.CRC32
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of the whole array."""
         return math.prod(self.shape) * self.dtype.itemsize

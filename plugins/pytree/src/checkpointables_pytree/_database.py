@@ -751,9 +751,11 @@ class ArrayReader:
             return
         opened = self._opened
         context = opened.context if opened is not None else make_context()
-        direct = [r for r in self._reads if r.direct]
-        raw = [r for r in self._reads if r.raw]
-        others = [r for r in self._reads if not (r.direct or r.raw)]
+        direct: list[ArrayRead] = []
+        raw: list[ArrayRead] = []
+        others: list[ArrayRead] = []
+        for read in self._reads:
+            (direct if read.direct else raw if read.raw else others).append(read)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         kvstore = None
         if opened is not None:

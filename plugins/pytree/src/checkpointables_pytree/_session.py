@@ -225,7 +225,11 @@ class LoadSession:
         chunk_shape = (
             tuple(map(int, chunks)) if chunks is not None else _zarr3.default_chunk_shape(shape)
         )
-        kind = next((k for k in _checksums.KINDS if isinstance(extra.get(k), list)), None)
+        kind = None
+        for known in _checksums.KINDS:
+            if type(extra.get(known)) is list:
+                kind = known
+                break
         return _database.StoredArray(
             shape=shape,
             dtype=dtype,
@@ -298,6 +302,7 @@ class LoadSession:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=256)
 def _dtype(name: str) -> np.dtype | None:
     try:
         return np.dtype(name)
