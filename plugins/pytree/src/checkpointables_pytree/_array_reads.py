@@ -84,8 +84,9 @@ class ArrayRead:
       target_shape: the shape the caller wants (``None``: as stored). A
         different shape raises, unless ``allow_resize`` (zero padding or truncation).
       regions: the parts of the target to return (``None``: all of it).
-      convert: turns the list of region arrays into the leaf, right after
-        reading, so that at most a few arrays are held twice at once.
+      convert: turns the list of region arrays into the leaf, once its batch
+        (a load's small arrays, or a group of large ones) is read, so that at
+        most a few batches are held twice at once.
     """
 
     label: Any
@@ -233,7 +234,7 @@ def convert_all(done: Sequence[tuple[ArrayRead, list[np.ndarray]]]) -> None:
     """
     batches: dict[Any, list[tuple[ArrayRead, list[np.ndarray]]]] = collections.defaultdict(list)
     for read, pieces in done:
-        many = getattr(read.convert, "convert_many", None)
+        many = _convert_many_of(type(read.convert))
         if many is None:
             read.result = read.convert(pieces)
         else:
@@ -246,3 +247,10 @@ def convert_all(done: Sequence[tuple[ArrayRead, list[np.ndarray]]]) -> None:
         results = many([read.convert for read, _ in items], [pieces for _, pieces in items])
         for (read, _), result in zip(items, results, strict=True):
             read.result = result
+
+
+@functools.cache
+def _convert_many_of(kind: type) -> Any:
+    """The ``convert_many`` of a conversion's class, or ``None`` (looked up once per class:
+    ``convert_all`` runs per leaf, and most conversions are plain functions)."""
+    return getattr(kind, "convert_many", None)

@@ -7,9 +7,12 @@ trees of many small arrays. So arrays are split by size:
   zarr3 keys the driver would write (``<name>/zarr.json`` and one shard per
   chunk, see ``_zarr3``) and written through one OCDBT kvstore in a few large
   transactions; their checksums are computed in one batch;
-* large arrays go through TensorStore's zarr3 driver, a few at a time (at most
-  ``IN_FLIGHT_BYTES`` being encoded or decoded at once, to bound memory), with
-  their ``zarr.json`` batched with the small arrays' keys.
+* large arrays are written through TensorStore's zarr3 driver, in groups
+  committed by several OCDBT writers, with their ``zarr.json`` batched with
+  the small arrays' keys; loads read them back as raw values checked against
+  their recorded checksums (``_large_reads``), or through the driver (at most
+  ``IN_FLIGHT_BYTES`` being decoded at once) when none were recorded or only
+  part of an array is wanted.
 
 Everything of one save or load shares one ``ts.Context``, so every handle on
 the database shares its caches and its writer.
