@@ -17,3 +17,16 @@ def test_a_load_opens_the_database_before_reading_the_metadata(tmp_path) -> None
     # Not a local OCDBT database: left to the ordinary reads.
     assert _database.OpenedDatabase.start(epath.Path(tmp_path)) is None
     assert _database.OpenedDatabase.start(epath.Path("gs://bucket/c/pytree")) is None
+
+
+def test_a_load_of_many_leaves_starts_reading_the_index_early(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "few", {"w": np.arange(10)})
+    many = {f"w{i}": np.full(4, i) for i in range(300)}
+    cp.save_pytree(tmp_path / "many", many)
+    few = _database.OpenedDatabase.start(epath.Path(tmp_path / "few" / "pytree"))
+    assert few is not None and few.index._start is None  # A small tree: nothing started.
+    opened = _database.OpenedDatabase.start(epath.Path(tmp_path / "many" / "pytree"))
+    assert opened is not None and opened.index._start is not None
+    loaded = cp.load_pytree(tmp_path / "many")
+    for key, value in many.items():
+        np.testing.assert_array_equal(loaded[key], value)

@@ -117,6 +117,26 @@ def test_local_reads_match_tensorstore_reads(saved) -> None:
         assert bytes(got) == want
 
 
+def test_local_reads_share_aligned_buffers_of_bounded_size(saved) -> None:
+    directory = saved / "pytree"
+    keys = [
+        f"group_{g}.w_{i:02d}/c/" + "/".join("0" * TREE[f"group_{g}"][f"w_{i:02d}"].ndim)
+        for g in range(4)
+        for i in range(30)
+    ]
+    found = asyncio.run(_local_values.read_local_values(directory, keys))
+    views = [v for v in found if isinstance(v, memoryview)]
+    assert len(views) > 30  # Values too large to be inline in the b-tree.
+    owners = {}
+    for view in views:
+        array = np.frombuffer(view, np.uint8)
+        assert array.ctypes.data % 64 == 0 and array.flags.writeable
+        owner = view.obj.base  # The buffer the slab allocated.
+        owners[id(owner)] = owner
+    assert len(owners) < len(views)  # Shared buffers, not one per value...
+    assert all(o.nbytes <= _local_values.SLAB_BYTES + 64 for o in owners.values())  # ...bounded.
+
+
 def _copy(saved, tmp_path, name):
     target = tmp_path / name
     shutil.copytree(saved, target)

@@ -63,6 +63,26 @@ def test_locations_follow_merged_databases(tmp_path) -> None:
     assert _bytes_at(found["b/c/0"]) == b"b" * 6000
 
 
+def test_one_index_serves_several_lookups_and_bytes_keys(tmp_path) -> None:
+    store = _kvstore(tmp_path, {"max_inline_value_bytes": 16, "max_decoded_node_bytes": 300})
+    values = {f"layer{i // 7}/w{i}/c/0": bytes([i]) * (100 + i) for i in range(40)}
+    with ts.Transaction() as transaction:
+        for key, value in values.items():
+            store.with_transaction(transaction)[key] = value
+    index = _value_files.DatabaseIndex(tmp_path)
+    index.prefetch()
+    index.prefetch()  # Once only.
+    keys = list(values)
+    first = asyncio.run(index.find(keys[:20]))
+    nodes = len(index._nodes)
+    second = asyncio.run(index.find([k.encode() for k in keys[20:]]))
+    assert set(first) | set(second) == {k.encode() for k in keys}
+    for key, location in {**first, **second}.items():
+        assert _bytes_at(location) == values[key.decode()]
+    again = asyncio.run(index.find(keys[:20]))
+    assert again == first and len(index._nodes) >= nodes  # Nodes read once, reused.
+
+
 @pytest.mark.parametrize(
     "text",
     [

@@ -59,6 +59,7 @@ from checkpointables_pytree._array_reads import (
     region_shape,
     regions_of,
 )
+from checkpointables_pytree._tree_metadata import METADATA_FILE
 
 __all__ = [
     "SMALL_ARRAY_BYTES",
@@ -88,6 +89,8 @@ LARGE_GROUP_BYTES = 32 << 20
 WRITERS = 4
 # Up to this many keys, read_values waits for them on the event loop's thread.
 INLINE_READ_KEYS = 64
+# A _METADATA of more than this (about 100 leaves) starts a load's index early.
+PREFETCH_METADATA_BYTES = 32 << 10
 # Up to this many bytes, the recorded CRC-32s are computed on the event loop's thread.
 INLINE_CHECKSUM_BYTES = 1 << 20
 MANIFEST_FILE = "manifest.ocdbt"
@@ -152,12 +155,18 @@ class OpenedDatabase:
     ``start`` also issues one read, which brings the manifest and the b-tree's
     root into the context's cache while this thread parses the metadata and
     plans the reads: for a tree of a few leaves that waiting was a fifth of
-    the load.
+    the load. For a tree of many leaves (a ``_METADATA`` of more than
+    ``PREFETCH_METADATA_BYTES``) it also starts reading where the values are
+    (``index``), which TensorStore decodes meanwhile in its own threads.
     """
 
-    def __init__(self, context: ts.Context, kvstore: ts.KvStore, warming: Any) -> None:
+    def __init__(
+        self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore, warming: Any
+    ) -> None:
         self.context = context
         self.kvstore = kvstore
+        # Where values are, for reads that bypass TensorStore (see ``_value_files``).
+        self.index = _value_files.DatabaseIndex(directory)
         self._warming = warming  # Held: TensorStore may cancel a read whose future is dropped.
 
     @classmethod
@@ -175,7 +184,14 @@ class OpenedDatabase:
             kvstore = ts.KvStore.open(kvstore_spec(directory), context=context).result()
         except Exception:
             return None
-        return cls(context, kvstore, kvstore.read(""))
+        opened = cls(directory, context, kvstore, kvstore.read(""))
+        try:
+            metadata_bytes = os.stat(os.path.join(os.fspath(directory), METADATA_FILE)).st_size
+        except OSError:
+            metadata_bytes = 0
+        if metadata_bytes > PREFETCH_METADATA_BYTES:
+            opened.index.prefetch()
+        return opened
 
 
 class ByteLimiter:
@@ -728,6 +744,11 @@ class ArrayReader:
         # False skips the checksums computed here (the zarr3 driver always checks its own).
         self._verify = verify
         self._reads: list[ArrayRead] = []
+        self._index: _value_files.DatabaseIndex | None = None
+        if self._opened is not None:
+            self._index = self._opened.index
+        elif ocdbt and _value_files.is_local(directory):
+            self._index = _value_files.DatabaseIndex(directory)
 
     def array_spec(self, name: str) -> dict[str, Any]:
         if self._ocdbt:
@@ -744,8 +765,9 @@ class ArrayReader:
         Raises:
           cp.errors.TreeMismatchError: the recorded shape differs from the target's.
         """
-        if read.stored is not None:
-            check_shape(read, read.stored.shape)  # Fail before any read, when possible.
+        stored, target = read.stored, read.target_shape
+        if stored is not None and target is not None and tuple(target) != stored.shape:
+            check_shape(read, stored.shape)  # Fail before any read, when possible.
         self._reads.append(read)
 
     async def run(self) -> None:
@@ -794,10 +816,10 @@ class ArrayReader:
             else:
                 keys.extend(_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices)
         found: list[Any] = [None] * len(keys)
-        if len(keys) > INLINE_READ_KEYS and self._ocdbt and _value_files.is_local(self._directory):
+        if len(keys) > INLINE_READ_KEYS and self._index is not None:
             # A damaged database: TensorStore's reads below report it, naming it.
             with contextlib.suppress(Exception):
-                found = await _local_values.read_local_values(self._directory, keys)
+                found = await _local_values.read_local_values(self._index, keys)
         rest = [i for i, value in enumerate(found) if value is None]
         try:
             if rest:
@@ -817,32 +839,33 @@ class ArrayReader:
         done: list[tuple[ArrayRead, list[np.ndarray]]] = []  # Converted in one batch at the end.
         verify = self._verify
         crc32 = zlib.crc32
+        frombuffer = np.frombuffer
+        trailer_of = _zarr3.shard_trailer
         for read in reads:
             stored = read.stored
             assert stored is not None
             shape = stored.shape
+            sums = stored.checksums
             if (
-                stored.chunk_shape == shape
-                and stored.checksums is not None
-                and len(stored.checksums) == 1
+                stored.single_chunk
+                and sums is not None
+                and len(sums) == 1
                 and stored.checksum_kind == _checksums.CRC32
                 and read.regions is None
-                and read.target_shape in (None, shape)
+                and (read.target_shape is None or read.target_shape == shape)
             ):
                 # The usual small array: one chunk with a recorded CRC-32, wanted whole.
                 nbytes = stored.nbytes
                 value = values[position]
-                if len(value) == nbytes + 24 and value[nbytes + 4 :] == _zarr3.shard_trailer(
-                    nbytes
-                ):
+                if len(value) == nbytes + 24 and value[nbytes + 4 :] == trailer_of(nbytes):
                     data = memoryview(value)[:nbytes]
-                    if verify and crc32(data) != stored.checksums[0]:
+                    if verify and crc32(data) != sums[0]:
                         raise _errors.integrity_error(
                             read.what, "a chunk's checksum does not match its data"
                         )
                     position += 1
                     decoded.append(None)
-                    done.append((read, [np.frombuffer(data, dtype=stored.dtype).reshape(shape)]))
+                    done.append((read, [frombuffer(data, dtype=stored.dtype).reshape(shape)]))
                     continue
             indices = stored.chunk_indices
             nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
@@ -889,7 +912,7 @@ class ArrayReader:
 
     async def _locate(self, reads: Sequence[ArrayRead]) -> dict[str, _value_files.ValueLocation]:
         """Where the shards of ``reads`` are, when the database is local (else empty)."""
-        if not reads or not self._ocdbt or not _value_files.is_local(self._directory):
+        if not reads or self._index is None:
             return {}
         keys = [
             _zarr3.chunk_key(r.name, i)
@@ -897,7 +920,7 @@ class ArrayReader:
             for i in r.stored.chunk_indices  # type: ignore[union-attr]
         ]
         try:
-            return await _value_files.locate(self._directory, keys)
+            return await _value_files.locate(self._index, keys)
         except Exception:  # A damaged database: TensorStore's reads report it, naming the leaf.
             return {}
 

@@ -12,7 +12,7 @@ third of its time waiting for the GIL.
 Shards of a local database are read with ``os.preadv`` straight into the
 64-byte aligned memory that becomes the array (``_value_files``; on CPU
 ``jax.device_put`` aliases it), each data file opened once per load; the
-arrays of a group share one buffer (``_Slab``). Shards
+arrays of a group share one buffer (``_buffers.Slab``). Shards
 whose location is unknown, and remote databases, are read through
 TensorStore's kvstore.
 """
@@ -33,8 +33,9 @@ import numpy as np
 
 from checkpointables_pytree import _checksums, _errors, _value_files, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead, convert_all, pieces_of
+from checkpointables_pytree._buffers import Slab, aligned_empty
 
-__all__ = ["GROUP_BYTES", "aligned_empty", "read_large"]
+__all__ = ["GROUP_BYTES", "read_large"]
 
 # Bytes of arrays per task of the reading threads (a larger array is a task of its own),
 # lowered so that each thread gets several tasks: the last task decides when a load ends.
@@ -105,7 +106,7 @@ def _read_group(
     files: _OpenFiles,
 ) -> None:
     done = []
-    slab = _Slab([r.stored.nbytes for r in group])  # type: ignore[union-attr]
+    slab = Slab([r.stored.nbytes for r in group])  # type: ignore[union-attr]
     for read in group:
         array = _read_local(read, verify, locations, files, slab) if locations else None
         if array is None:
@@ -172,46 +173,12 @@ async def _map_in_pool(
         future.result()
 
 
-class _Slab:
-    """One buffer for the arrays of a group, handed out in 64-byte aligned pieces.
-
-    A load into fresh memory pays a page fault per page it fills: 4 KiB pages
-    cost about 0.5 s per GiB here, and NumPy asks for 2 MiB pages only for
-    buffers of 4 MiB or more. One buffer per group gets them for the group's
-    arrays too (the 256 MiB case loaded in 131 ms instead of 157 ms). The
-    arrays are views of it, so the buffer lives as long as any of them: at most
-    ``GROUP_BYTES`` of other arrays' memory kept by one array.
-    """
-
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self._size = sum(-(-n // 64) * 64 for n in sizes)
-        self._buffer: np.ndarray | None = None  # Allocated by the first take.
-        self._used = 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """The next ``nbytes`` of the buffer (a buffer of its own once it is used up)."""
-        if self._buffer is None:
-            self._buffer = aligned_empty(self._size)
-        start = self._used
-        if start + nbytes > len(self._buffer):
-            return aligned_empty(nbytes)
-        self._used = start + -(-nbytes // 64) * 64
-        return self._buffer[start : start + nbytes]
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 buffer aligned to 64 bytes (jax.device_put aliases those on CPU)."""
-    buffer = np.empty(nbytes + 64, dtype=np.uint8)
-    offset = (-buffer.ctypes.data) % 64
-    return buffer[offset : offset + nbytes]
-
-
 def _read_local(
     read: ArrayRead,
     verify: bool,
     locations: dict[str, _value_files.ValueLocation],
     files: _OpenFiles,
-    slab: _Slab,
+    slab: Slab,
 ) -> np.ndarray | None:
     """The whole array, read from a local database's files into a 64-byte aligned buffer.
 

@@ -593,10 +593,12 @@ class NumpyLeafHandler(_StandardHandler):
         session, private = _load_session(self, deserialization_context)
         reads = []
         # Thousands of leaves: the per-leaf work is kept to the minimum.
-        info, stored_array, add = session.info, session.stored_array, session.reader.add
+        entries, storage_name = session.entries, session.tree.storage_name
+        stored_array, add = session.stored_array, session.reader.add
         allow_resize = session.allow_resize
         for param in params:
-            entry, name = info(param.keypath, getattr(param, "names", None))
+            names = getattr(param, "names", None)  # Known for the plugin's own params.
+            entry = entries[names if names is not None else _tree.key_names(param.keypath)]
             if entry.value_type not in ARRAY_VALUE_TYPES:
                 _check_stored_type(entry, ARRAY_VALUE_TYPES, "an np.ndarray")
             if param.value is None:
@@ -605,12 +607,13 @@ class NumpyLeafHandler(_StandardHandler):
                 shape, dtype, _ = _target_of(param.value)
                 convert = functools.partial(_numpy_converted, dtype=dtype)
             read = _database.ArrayRead(
-                label=entry,
-                name=name,
-                stored=stored_array(entry),
-                convert=convert,
-                target_shape=shape,
-                allow_resize=allow_resize,
+                entry,
+                storage_name(entry.names),
+                stored_array(entry),
+                convert,
+                shape,
+                None,
+                allow_resize,
             )
             add(read)
             reads.append(read)

@@ -23,6 +23,7 @@ from typing import Any
 from etils import epath
 
 from checkpointables_pytree import _value_files
+from checkpointables_pytree._buffers import Slab, aligned_size
 
 __all__ = ["read_local_values"]
 
@@ -31,32 +32,34 @@ _DENSE = 0.5
 
 
 async def read_local_values(
-    directory: epath.PathLike, keys: Sequence[str]
-) -> list[bytes | bytearray | None]:
-    """The values of ``keys`` (in order) in the latest version of the local database.
+    directory: epath.PathLike | _value_files.DatabaseIndex, keys: Sequence[str]
+) -> list[bytes | bytearray | memoryview | None]:
+    """The values of ``keys`` (in order) in the latest version of the local database
+    in ``directory`` (or of an index of it, whose nodes are then read once for all calls).
 
     ``None`` for each key whose value this module cannot vouch for (missing,
     or stored somewhere unexpected): read those through TensorStore.
     """
-    result: list[bytes | bytearray | None] = [None] * len(keys)
-    positions: dict[bytes, list[int]] = collections.defaultdict(list)
-    for i, key in enumerate(keys):
-        positions[key.encode()].append(i)
-    found = await _value_files.find(directory, keys)
+    index = (
+        directory
+        if isinstance(directory, _value_files.DatabaseIndex)
+        else _value_files.DatabaseIndex(directory)
+    )
+    encoded = [key.encode() for key in keys]
+    found: dict[bytes, Any] = await index.find(encoded)
     by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]] = collections.defaultdict(
         list
     )
+    location = _value_files.ValueLocation
     for key, value in found.items():
-        if type(value) is _value_files.ValueLocation:
+        if type(value) is location:
             by_file[value.file].append((key, value))
-        else:
-            for i in positions[key]:
-                result[i] = value
     # Reads from the page cache: a hand-over to a thread would cost more than it saves.
-    for key, value in _read_files(by_file).items():
-        for i in positions[key]:
-            result[i] = value
-    return result
+    read = _read_files(by_file)
+    for located in by_file.values():
+        for key, _ in located:
+            found[key] = read.get(key)  # None: left to TensorStore.
+    return list(map(found.get, encoded))
 
 
 def _pread(fd: int, length: int, offset: int) -> bytearray:
@@ -76,64 +79,89 @@ def _pread(fd: int, length: int, offset: int) -> bytearray:
 
 
 _IOV_MAX = 512  # Buffers per preadv call (the system's limit is at least 1024).
+# The values of one file share buffers of about this size (see ``_buffers``).
+SLAB_BYTES = 8 << 20
+
+
+def _slabs(located: list[tuple[bytes, _value_files.ValueLocation]]) -> list[Slab]:
+    """One slab per run of about ``SLAB_BYTES`` of ``located`` (in order): the slab of each
+    value, as a list parallel to ``located``."""
+    slabs: list[Slab] = []
+    run: list[int] = []
+    used = 0
+    for _, loc in located:
+        size = aligned_size(loc.length)
+        if run and used + size > SLAB_BYTES:
+            slab = Slab(run)
+            slabs.extend([slab] * len(run))
+            run, used = [], 0
+        run.append(loc.length)
+        used += size
+    if run:
+        slab = Slab(run)
+        slabs.extend([slab] * len(run))
+    return slabs
 
 
 def _scatter_read(
-    fd: int, located: list[tuple[bytes, _value_files.ValueLocation]], values: dict[bytes, Any]
+    fd: int,
+    located: list[tuple[bytes, _value_files.ValueLocation]],
+    values: dict[bytes, memoryview | bytearray],
 ) -> None:
-    """Reads a file's values straight into one buffer each, a few ``preadv`` calls in all.
+    """Reads a file's values straight into aligned pieces of shared buffers, a few ``preadv``
+    calls in all.
 
     The bytes between values go to a scratch buffer. Values that overlap (never
     written so) are read one by one.
     """
     located = sorted(located, key=lambda item: item[1].offset)
+    slabs = _slabs(located)
     scratch = memoryview(bytearray(1 << 16))
     position = located[0][1].offset
-    group: list[tuple[bytes, bytearray]] = []
+    group: list[tuple[bytes, memoryview, int]] = []  # (key, buffer, offset in the file)
     iov: list[Any] = []
     start = position
 
     def flush() -> None:
         nonlocal iov, group, start
         if iov:
-            expected = sum(len(b) for b in iov)
+            expected = sum(map(len, iov))
             if os.preadv(fd, iov, start) == expected:
-                values.update(group)
+                for key, buffer, _ in group:
+                    values[key] = buffer
             else:  # The file ends early: read one by one, short values stay short.
-                for key, buffer in group:
-                    values[key] = _pread(fd, len(buffer), _offsets[key])
+                for key, buffer, offset in group:
+                    values[key] = _pread(fd, len(buffer), offset)
         iov, group = [], []
 
-    _offsets: dict[bytes, int] = {}
-    for key, loc in located:
-        if loc.offset < position:  # Overlaps the previous value.
-            values[key] = _pread(fd, loc.length, loc.offset)
+    for (key, (_, offset, length)), slab in zip(located, slabs, strict=True):
+        if offset < position:  # Overlaps the previous value.
+            values[key] = _pread(fd, length, offset)
             continue
-        if len(iov) >= _IOV_MAX - 8 or loc.offset - position > 4 * len(scratch):
+        if len(iov) >= _IOV_MAX - 8 or offset - position > 4 * len(scratch):
             flush()  # A full call, or a long stretch of other values: skip to this one.
-            start = position = loc.offset
-        gap = loc.offset - position
+            start = position = offset
+        gap = offset - position
         while gap > 0:
             piece = min(gap, len(scratch))
             iov.append(scratch[:piece])
             gap -= piece
-        buffer = bytearray(loc.length)
+        buffer = memoryview(slab.take(length))
         iov.append(buffer)
-        group.append((key, buffer))
-        _offsets[key] = loc.offset
-        position = loc.offset + loc.length
+        group.append((key, buffer, offset))
+        position = offset + length
     flush()
 
 
 def _read_files(
     by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]],
-) -> dict[bytes, bytearray]:
+) -> dict[bytes, bytearray | memoryview]:
     """Reads the located values, one ``pread`` per file when they fill most of it.
 
     A value cut short by the end of its file comes back short: the caller's
     layout check then names the leaf.
     """
-    values: dict[bytes, bytearray] = {}
+    values: dict[bytes, bytearray | memoryview] = {}
     for file, located in by_file.items():
         try:
             fd = os.open(file, os.O_RDONLY)
@@ -143,8 +171,7 @@ def _read_files(
             start = min(loc.offset for _, loc in located)
             end = max(loc.offset + loc.length for _, loc in located)
             needed = sum(loc.length for _, loc in located)
-            # Each value gets its own writable buffer: arrays made from it need no copy and
-            # keep no other value alive.
+            # Writable, aligned buffers: arrays made from them need no copy.
             if needed >= _DENSE * (end - start):
                 _scatter_read(fd, located, values)
             else:

@@ -156,6 +156,9 @@ class PyTreeDeserializationContext(cp.serialization.DeserializationContext):
     session: LoadSession | None = None
 
 
+_UNKNOWN = object()  # Not looked up yet.
+
+
 class LoadSession:
     """What the standard leaf handlers share during one load (or metadata read)."""
 
@@ -206,37 +209,41 @@ class LoadSession:
 
     def stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
         """The layout this library recorded for an array leaf, or ``None``."""
-        try:
-            return self._stored[entry.names]
-        except KeyError:
+        stored = self._stored.get(entry.names, _UNKNOWN)
+        if stored is _UNKNOWN:
             stored = self._stored[entry.names] = self._stored_array(entry)
-            return stored
+        return stored  # type: ignore[return-value]
 
     def _stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
         extra = entry.extra
         try:
             dtype = _dtype(extra["dtype"])
-            shape = tuple(map(int, extra["shape"]))
+            recorded_shape = extra["shape"]
         except KeyError:
             return None
         if dtype is None:
             return None
+        shape = tuple(map(int, recorded_shape))
         chunks = extra.get("chunk_shape")
-        chunk_shape = (
-            tuple(map(int, chunks)) if chunks is not None else _zarr3.default_chunk_shape(shape)
-        )
-        kind = None
+        if chunks is None:
+            chunk_shape = _zarr3.default_chunk_shape(shape)
+        elif chunks == recorded_shape:  # The usual small array: one chunk.
+            chunk_shape = shape
+        else:
+            chunk_shape = tuple(map(int, chunks))
+        kind = checksums = None
         for known in _checksums.KINDS:
-            if type(extra.get(known)) is list:
-                kind = known
+            recorded = extra.get(known)
+            if type(recorded) is list:
+                kind, checksums = known, tuple(map(int, recorded))
                 break
         return _database.StoredArray(
-            shape=shape,
-            dtype=dtype,
-            chunk_shape=chunk_shape,
-            direct=self._direct_layout and bool(extra.get("one_chunk_shards")),
-            checksums=tuple(map(int, extra[kind])) if kind is not None else None,
-            checksum_kind=kind or _checksums.CRC32,
+            shape,
+            dtype,
+            chunk_shape,
+            self._direct_layout and bool(extra.get("one_chunk_shards")),
+            checksums,
+            kind or _checksums.CRC32,
         )
 
     # -- Files read lazily -------------------------------------------------------

@@ -19,17 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
+import functools
 import os
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import _checksums
 
-__all__ = ["ValueLocation", "find", "is_local", "locate", "read_checked", "read_into"]
+__all__ = [
+    "DatabaseIndex",
+    "ValueLocation",
+    "find",
+    "is_local",
+    "locate",
+    "read_checked",
+    "read_into",
+]
 
 # Bytes read and checksummed per step. A CRC-32 pass should find them in the CPU
 # cache; the sums stream from memory nearly as fast, and each step costs the
@@ -38,9 +47,11 @@ CRC32_BLOCK_BYTES = 1 << 20
 SUMS_BLOCK_BYTES = 16 << 20
 
 
-@attrs.frozen
-class ValueLocation:
-    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``."""
+class ValueLocation(NamedTuple):
+    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``.
+
+    A named tuple: a load of many small arrays makes thousands.
+    """
 
     file: str
     offset: int
@@ -76,35 +87,91 @@ def parse_location(text: str, directory: str) -> ValueLocation | None:
     return location
 
 
+class DatabaseIndex:
+    """The b-tree of one local database, as ``ts.ocdbt.dump`` decodes it: read once per load.
+
+    ``prefetch`` starts reading the manifest and the root node on a worker
+    thread, so that TensorStore decodes them while the caller plans its reads
+    (for 5,000 small arrays the root holds 10,000 entries: about 30 ms, half
+    of it in TensorStore's threads). ``find`` walks from the root to the
+    nodes that hold the keys asked for; every call of one index shares the
+    nodes already read.
+
+    Example::
+
+        index = DatabaseIndex(directory)
+        index.prefetch()
+        found = await index.find(["params.w/c/0/0"])
+    """
+
+    def __init__(self, directory: epath.PathLike) -> None:
+        self._root = os.fspath(directory)
+        self._start: concurrent.futures.Future[tuple[Any, Any]] | None = None
+        self._nodes: dict[str, Any] = {}
+
+    def prefetch(self) -> None:
+        """Starts reading the manifest and the root node in the background (once)."""
+        if self._start is None:
+            self._start = _index_pool().submit(self._read_root)
+
+    def _read_root(self) -> tuple[Any, Any]:
+        """The base kvstore and the latest root node (``None``: an empty database)."""
+        base = ts.KvStore.open({"driver": "file", "path": self._root.rstrip("/") + "/"}).result()
+        manifest = ts.ocdbt.dump(base).result()
+        versions = manifest.get("versions") or []
+        if not versions:
+            return base, None
+        latest = max(versions, key=lambda v: v["generation_number"])
+        location = latest.get("root", {}).get("location")
+        if location is None:  # An empty database.
+            return base, None
+        return base, (location, ts.ocdbt.dump(base, location).result())
+
+    async def find(
+        self, keys: Collection[str] | Collection[bytes]
+    ) -> dict[bytes, bytes | ValueLocation]:
+        """The values of ``keys`` stored inline, and the locations of the others.
+
+        From the latest version of the database. Keys that are missing, or whose
+        location cannot be used, are absent from the result. Only the b-tree
+        nodes whose key ranges hold one of ``keys`` are read.
+        """
+        self.prefetch()
+        assert self._start is not None
+        base, root = await asyncio.wrap_future(self._start)
+        if root is None:
+            return {}
+        location, node = root
+        self._nodes.setdefault(location, node)
+        wanted = sorted({k.encode() if isinstance(k, str) else k for k in keys})
+        found: dict[bytes, bytes | ValueLocation] = {}
+        walk = _Walk(base, _LocationParser(self._root), self._nodes, wanted, found)
+        await walk.node(location, b"")
+        return found
+
+
+@functools.cache
+def _index_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointables-index")
+
+
 async def find(
     directory: epath.PathLike, keys: Collection[str]
 ) -> dict[bytes, bytes | ValueLocation]:
-    """The values of ``keys`` stored inline, and the locations of the others.
-
-    From the latest version of the database. Keys that are missing, or whose
-    location cannot be used, are absent from the result. Only the b-tree nodes
-    whose key ranges hold one of ``keys`` are read.
-    """
-    root = os.fspath(directory)
-    base = await ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"})
-    manifest = await ts.ocdbt.dump(base)
-    versions = manifest.get("versions") or []
-    if not versions:
-        return {}
-    latest = max(versions, key=lambda v: v["generation_number"])
-    location = latest.get("root", {}).get("location")
-    if location is None:  # An empty database.
-        return {}
-    wanted = sorted({k.encode() for k in keys})
-    found: dict[bytes, bytes | ValueLocation] = {}
-    await _walk(base, _LocationParser(root), location, b"", (wanted, frozenset(wanted)), found)
-    return found
+    """``DatabaseIndex(directory).find(keys)``: for one lookup."""
+    return await DatabaseIndex(directory).find(keys)
 
 
-async def locate(directory: epath.PathLike, keys: Collection[str]) -> dict[str, ValueLocation]:
-    """Where the out-of-line values of ``keys`` are (see ``find``)."""
-    found = await find(directory, keys)
+async def locate(
+    directory: epath.PathLike | DatabaseIndex, keys: Collection[str]
+) -> dict[str, ValueLocation]:
+    """Where the out-of-line values of ``keys`` are (see ``DatabaseIndex.find``)."""
+    index = directory if isinstance(directory, DatabaseIndex) else DatabaseIndex(directory)
+    found = await index.find(keys)
     return {k.decode(): v for k, v in found.items() if isinstance(v, ValueLocation)}
+
+
+_UNCHECKED: Any = object()  # A data file not looked at yet.
 
 
 class _LocationParser:
@@ -115,55 +182,76 @@ class _LocationParser:
         self._files: dict[str, str | None] = {}
 
     def __call__(self, text: str) -> ValueLocation | None:
-        where, _, numbers = text.rpartition(":")
-        where, _, offset = where.rpartition(":")
-        if where not in self._files:
-            checked = parse_location(f"{where}:0:0", self._root)
-            self._files[where] = None if checked is None else checked.file
-        file = self._files[where]
         try:
+            where, offset, numbers = text.rsplit(":", 2)
             start, length = int(offset), int(numbers)
         except ValueError:
             return None
+        file = self._files.get(where, _UNCHECKED)
+        if file is _UNCHECKED:
+            checked = parse_location(f"{where}:0:0", self._root)
+            file = self._files[where] = None if checked is None else checked.file
         if file is None or start < 0 or length < 0:
             return None
         return ValueLocation(file, start, length)
 
 
-async def _walk(
-    base: Any,
-    parse: _LocationParser,
-    location: str,
-    prefix: bytes,
-    wanted_keys: tuple[Sequence[bytes], frozenset[bytes]],
-    found: dict[bytes, bytes | ValueLocation],
-) -> None:
-    # A node's keys are relative to the prefix its ancestors' entries share
-    # (each interior entry's `subtree_common_prefix`).
-    node = await ts.ocdbt.dump(base, location)
-    entries = node["entries"]
-    wanted, wanted_set = wanted_keys  # Sorted (to pick subtrees), and as a set.
-    if node["height"] == 0:
+class _Walk:
+    """One descent from the root to the leaf nodes that hold the wanted keys."""
+
+    def __init__(
+        self,
+        base: Any,
+        parse: _LocationParser,
+        nodes: dict[str, Any],
+        wanted: list[bytes],
+        found: dict[bytes, bytes | ValueLocation],
+    ) -> None:
+        self._base = base
+        self._parse = parse
+        self._nodes = nodes  # Dumps already read, by location (shared by the index's walks).
+        self._wanted = wanted  # Sorted, to pick subtrees.
+        self._wanted_set = frozenset(wanted)
+        self._found = found
+
+    async def node(self, location: str, prefix: bytes) -> None:
+        """Walks the node at ``location``; its keys are relative to ``prefix`` (the
+        ``subtree_common_prefix`` its ancestors' entries share)."""
+        node = self._nodes.get(location)
+        if node is None:
+            node = self._nodes[location] = await ts.ocdbt.dump(self._base, location)
+        entries = node["entries"]
+        if node["height"] == 0:
+            self._leaf(entries, prefix)
+            return
+        wanted = self._wanted
+        children = []
+        for n, entry in enumerate(entries):
+            low = prefix + entry["key"]
+            high = prefix + entries[n + 1]["key"] if n + 1 < len(entries) else None
+            first = bisect.bisect_left(wanted, low)
+            if first < len(wanted) and (high is None or wanted[first] < high):
+                child_prefix = prefix + entry.get("subtree_common_prefix", b"")
+                children.append(self.node(entry["location"], child_prefix))
+        await asyncio.gather(*children)
+
+    def _leaf(self, entries: list[dict[str, Any]], prefix: bytes) -> None:
+        wanted, found, parse = self._wanted_set, self._found, self._parse
         for entry in entries:
-            key = prefix + entry["key"] if prefix else entry["key"]
-            if key in wanted_set:
-                inline = entry.get("inline_value")
-                if inline is not None:
-                    found[key] = inline
-                elif "indirect_value" in entry:
-                    parsed = parse(entry["indirect_value"])
-                    if parsed is not None:
-                        found[key] = parsed
-        return
-    children = []
-    for n, entry in enumerate(entries):
-        low = prefix + entry["key"]
-        high = prefix + entries[n + 1]["key"] if n + 1 < len(entries) else None
-        first = bisect.bisect_left(wanted, low)
-        if first < len(wanted) and (high is None or wanted[first] < high):
-            child_prefix = prefix + entry.get("subtree_common_prefix", b"")
-            children.append(_walk(base, parse, entry["location"], child_prefix, wanted_keys, found))
-    await asyncio.gather(*children)
+            key = entry["key"]
+            if prefix:
+                key = prefix + key
+            if key not in wanted:
+                continue
+            inline = entry.get("inline_value")
+            if inline is not None:
+                found[key] = inline
+                continue
+            indirect = entry.get("indirect_value")
+            if indirect is not None:
+                parsed = parse(indirect)
+                if parsed is not None:
+                    found[key] = parsed
 
 
 def read_checked(
