@@ -130,9 +130,10 @@ def _check_stored_type(entry: _tree_metadata.Entry, allowed: frozenset[str], wan
 
 
 def _storage_options(
-    context: cp.Context, keypath: Sequence[Any], value: Any
+    context: cp.Context | cp.options.ArrayOptions, keypath: Sequence[Any], value: Any
 ) -> cp.options.ArrayStorageOptions:
-    options = context.array_options
+    """The storage options of one leaf (``context``: the save's context, or its array options)."""
+    options = context if isinstance(context, cp.options.ArrayOptions) else context.array_options
     creator = options.storage_options_creator
     if creator is not None:
         chosen = creator(tuple(keypath), value)
@@ -547,10 +548,10 @@ class NumpyLeafHandler(_StandardHandler):
     ) -> Awaitable[None]:
         """Snapshots the arrays (unless the caller waits); returns the awaitable writing them."""
         session, private = _save_session(self, serialization_context)
-        context = session.context
+        options = session.context.array_options  # Looked up once: thousands of leaves.
         for param in params:
             array = param.value
-            storage = _storage_options(context, param.keypath, array)
+            storage = _storage_options(options, param.keypath, array)
             array_dtype = array.dtype
             if array_dtype.kind in "OUS":
                 raise _unsupported(

@@ -219,9 +219,9 @@ class ZarrLayout:
         self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]
     ) -> None:
         self.name = name
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
-        self.chunk_shape = tuple(int(c) for c in chunk_shape)
+        self.shape = tuple(map(int, shape))
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        self.chunk_shape = self.shape if chunk_shape is shape else tuple(map(int, chunk_shape))
 
     @property
     def chunk_nbytes(self) -> int:
