@@ -56,17 +56,22 @@ def saved(tmp_path_factory):
     return path
 
 
-def test_the_tree_is_big_enough_for_the_batched_read() -> None:
+def test_the_tree_is_big_enough_for_the_batched_read(saved) -> None:
     assert LEAVES > _database.INLINE_READ_KEYS
+    # ...and for the early read of the b-tree, so the damage tests below cover it too.
+    metadata = (saved / "pytree" / "_METADATA").stat().st_size
+    assert metadata > _database.PREFETCH_METADATA_BYTES
 
 
 def test_round_trip_numpy(saved) -> None:
     loaded = cp.load_pytree(saved)
     _assert_equal(loaded, TREE)
-    # Loaded arrays own writable memory (not views of a shared read buffer).
+    # Loaded arrays are writable and aligned; those sharing a read buffer never overlap.
     array = loaded["group_1"]["w_07"]
     assert array.flags.writeable and array.flags.aligned
     array += 1
+    loaded["group_1"]["w_07"] = TREE["group_1"]["w_07"]
+    _assert_equal(loaded, TREE)  # Its neighbours are unchanged.
 
 
 def test_round_trip_jax_and_abstract_tree(tmp_path) -> None:

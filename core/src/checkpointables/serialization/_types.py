@@ -39,7 +39,8 @@ def param_name_from_keypath(keypath: Sequence[Any]) -> str:
     Example: ``("params", "layer0", "kernel")`` -> ``"params.layer0.kernel"``;
     ``("a.b",)`` -> ``"a%2Eb"``.
     """
-    return ".".join(_escape_key(key_name(k)) for k in keypath)
+    # A list, not a generator: join is faster on one (this runs once per leaf).
+    return ".".join([_escape_key(k if type(k) is str else key_name(k)) for k in keypath])
 
 
 @dataclasses.dataclass(frozen=True)
