@@ -61,6 +61,9 @@ class StoredArray:
     checksum_kind: str = _checksums.CRC32
     nbytes: int = dataclasses.field(init=False, compare=False)
     single_chunk: bool = dataclasses.field(init=False, compare=False)
+    _chunk_indices: list[tuple[int, ...]] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
@@ -68,8 +71,10 @@ class StoredArray:
 
     @property
     def chunk_indices(self) -> list[tuple[int, ...]]:
-        """Every chunk index, in C order."""
-        return _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
+        """Every chunk index, in C order (computed once: reads ask for them several times)."""
+        if self._chunk_indices is None:
+            self._chunk_indices = _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
+        return self._chunk_indices
 
 
 Region = tuple[slice, ...]

@@ -130,10 +130,9 @@ def _check_stored_type(entry: _tree_metadata.Entry, allowed: frozenset[str], wan
 
 
 def _storage_options(
-    context: cp.Context | cp.options.ArrayOptions, keypath: Sequence[Any], value: Any
+    options: cp.options.ArrayOptions, keypath: Sequence[Any], value: Any
 ) -> cp.options.ArrayStorageOptions:
-    """The storage options of one leaf (``context``: the save's context, or its array options)."""
-    options = context if isinstance(context, cp.options.ArrayOptions) else context.array_options
+    """The storage options of one leaf, from the save's array options."""
     creator = options.storage_options_creator
     if creator is not None:
         chosen = creator(tuple(keypath), value)
@@ -384,7 +383,7 @@ class ArrayLeafHandler(_StandardHandler):
             raise _unsupported(
                 param.keypath, array, "the array was deleted (or donated) before the save"
             )
-        storage = _storage_options(session.context, param.keypath, array)
+        storage = _storage_options(session.array_options, param.keypath, array)
         dtype = _storage_dtype(param.keypath, array, array.dtype, storage)
         shape = tuple(int(s) for s in array.shape)
         if math.prod(shape) == 0:
@@ -548,10 +547,9 @@ class NumpyLeafHandler(_StandardHandler):
     ) -> Awaitable[None]:
         """Snapshots the arrays (unless the caller waits); returns the awaitable writing them."""
         session, private = _save_session(self, serialization_context)
-        options = session.context.array_options  # Looked up once: thousands of leaves.
         for param in params:
             array = param.value
-            storage = _storage_options(options, param.keypath, array)
+            storage = _storage_options(session.array_options, param.keypath, array)
             array_dtype = array.dtype
             if array_dtype.kind in "OUS":
                 raise _unsupported(
@@ -594,12 +592,10 @@ class NumpyLeafHandler(_StandardHandler):
         session, private = _load_session(self, deserialization_context)
         reads = []
         # Thousands of leaves: the per-leaf work is kept to the minimum.
-        entries, storage_name = session.entries, session.tree.storage_name
-        stored_array, add = session.stored_array, session.reader.add
+        info, stored_array, add = session.info, session.stored_array, session.reader.add
         allow_resize = session.allow_resize
         for param in params:
-            names = getattr(param, "names", None)  # Known for the plugin's own params.
-            entry = entries[names if names is not None else _tree.key_names(param.keypath)]
+            entry, name = info(param.keypath, getattr(param, "names", None))
             if entry.value_type not in ARRAY_VALUE_TYPES:
                 _check_stored_type(entry, ARRAY_VALUE_TYPES, "an np.ndarray")
             if param.value is None:
@@ -608,13 +604,12 @@ class NumpyLeafHandler(_StandardHandler):
                 shape, dtype, _ = _target_of(param.value)
                 convert = functools.partial(_numpy_converted, dtype=dtype)
             read = _database.ArrayRead(
-                entry,
-                storage_name(entry.names),
-                stored_array(entry),
-                convert,
-                shape,
-                None,
-                allow_resize,
+                label=entry,
+                name=name,
+                stored=stored_array(entry),
+                convert=convert,
+                target_shape=shape,
+                allow_resize=allow_resize,
             )
             add(read)
             reads.append(read)
@@ -706,7 +701,7 @@ class ScalarLeafHandler(_StandardHandler):
                 raise _unsupported(
                     param.keypath, value, "the integer does not fit in 64 bits; store it as a str"
                 )
-            storage = _storage_options(session.context, param.keypath, value)
+            storage = _storage_options(session.array_options, param.keypath, value)
             dtype = _storage_dtype(param.keypath, value, array.dtype, storage)
             _plan_array(
                 session,

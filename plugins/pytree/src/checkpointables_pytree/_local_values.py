@@ -40,13 +40,8 @@ async def read_local_values(
     ``None`` for each key whose value this module cannot vouch for (missing,
     or stored somewhere unexpected): read those through TensorStore.
     """
-    index = (
-        directory
-        if isinstance(directory, _value_files.DatabaseIndex)
-        else _value_files.DatabaseIndex(directory)
-    )
     encoded = [key.encode() for key in keys]
-    found: dict[bytes, Any] = await index.find(encoded)
+    found: dict[bytes, Any] = await _value_files.index_of(directory).find(encoded)
     by_file: dict[str, list[tuple[bytes, _value_files.ValueLocation]]] = collections.defaultdict(
         list
     )

@@ -69,6 +69,9 @@ class SaveSession:
     # Looked up once per save rather than once per leaf.
     primary: bool = True
     compression: bool = False
+    array_options: cp.options.ArrayOptions = dataclasses.field(
+        default_factory=cp.options.ArrayOptions
+    )
 
     @classmethod
     def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
@@ -82,6 +85,7 @@ class SaveSession:
             writer=_database.ArrayWriter(directory),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
+            array_options=context.array_options,
         )
 
     def strings_text(self) -> str:
@@ -182,7 +186,6 @@ class LoadSession:
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
-        self._info: dict[tuple[str, ...], tuple[_tree_metadata.Entry, str]] = {}
         self._stored: dict[tuple[str, ...], _database.StoredArray | None] = {}
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
@@ -194,10 +197,7 @@ class LoadSession:
         """A leaf's recorded entry and storage name (``names``: its key names, if known)."""
         if names is None:
             names = _tree.key_names(keypath)
-        found = self._info.get(names)
-        if found is None:
-            found = self._info[names] = (self.entries[names], self.tree.storage_name(names))
-        return found
+        return self.entries[names], self.tree.storage_name(names)
 
     def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
         """The recorded entry of a leaf."""
@@ -308,8 +308,7 @@ class LoadSession:
         return {n: self._zarr_metadata[n] for n in names}
 
 
-@functools.cache
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # Bounded: the names come from the checkpoint.
 def _dtype(name: str) -> np.dtype | None:
     try:
         return np.dtype(name)

@@ -33,7 +33,7 @@ from checkpointables_pytree import _checksums
 __all__ = [
     "DatabaseIndex",
     "ValueLocation",
-    "find",
+    "index_of",
     "is_local",
     "locate",
     "read_checked",
@@ -150,24 +150,22 @@ class DatabaseIndex:
         return found
 
 
+def index_of(where: epath.PathLike | DatabaseIndex) -> DatabaseIndex:
+    """``where`` if it is an index, else a new index of the database in that directory."""
+    return where if isinstance(where, DatabaseIndex) else DatabaseIndex(where)
+
+
 @functools.cache
 def _index_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointables-index")
 
 
-async def find(
-    directory: epath.PathLike, keys: Collection[str]
-) -> dict[bytes, bytes | ValueLocation]:
-    """``DatabaseIndex(directory).find(keys)``: for one lookup."""
-    return await DatabaseIndex(directory).find(keys)
-
-
 async def locate(
     directory: epath.PathLike | DatabaseIndex, keys: Collection[str]
 ) -> dict[str, ValueLocation]:
-    """Where the out-of-line values of ``keys`` are (see ``DatabaseIndex.find``)."""
-    index = directory if isinstance(directory, DatabaseIndex) else DatabaseIndex(directory)
-    found = await index.find(keys)
+    """Where the out-of-line values of ``keys`` are (see ``DatabaseIndex.find``); ``directory``
+    may be an index already in use, whose b-tree nodes are then not read again."""
+    found = await index_of(directory).find(keys)
     return {k.decode(): v for k, v in found.items() if isinstance(v, ValueLocation)}
 
 
