@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import choose_inner_chunk_shape
+from checkpointables_pytree import _crc32c, choose_inner_chunk_shape
 from checkpointables_pytree._crc32c import crc32c, crc32c_many
 from checkpointables_pytree._zarr3 import encode_shard, metadata_dict, zarr_json
 
@@ -33,6 +33,17 @@ def test_crc32c_many_matches_the_reference() -> None:
     assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
     arrays = [np.arange(10, dtype=np.float32), np.ones((3, 4), ml_dtypes.bfloat16)]
     assert crc32c_many(arrays).tolist() == [crc32c(a.tobytes()) for a in arrays]
+
+
+def test_crc32c_many_reads_every_shard_of_a_bucket() -> None:
+    # One bucket (257 to 512 bytes) with more messages than a scratch shard holds:
+    # several shards, the last one partly filled.
+    rng = np.random.default_rng(1)
+    count = 2 * _crc32c._SHARD_ROWS + 5
+    lengths = rng.integers(257, 513, count)
+    messages = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in lengths]
+    assert sum(map(len, messages)) > _crc32c._NATIVE_THRESHOLD
+    assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,13 @@ checksums must be computed here too, without a C extension:
 
 * :func:`crc32c` is a table-driven reference, fine for a few KiB.
 * :func:`crc32c_many` hands a whole batch to TensorStore's native ``crc32c``
-  codec in one write to an in-memory zarr3 array whose chunks are the
-  messages, each left-padded with zeros to its bucket's length, and then
-  removes the padding's effect with CRC algebra: prepending zeros leaves the
-  "raw" (zero-initialised) CRC unchanged, so only the initial-value term,
-  which depends on the length alone, has to be corrected.
+  codec: the messages are bucketed by length, each left-padded with zeros to
+  its bucket's length, and every bucket is written at once to an in-memory
+  zarr3 array whose inner chunks are the messages; the CRC-32Cs are read back
+  a shard at a time. CRC algebra then removes the padding's effect:
+  prepending zeros leaves the "raw" (zero-initialised) CRC unchanged, so only
+  the initial-value term, which depends on the length alone, has to be
+  corrected.
 """
 
 from __future__ import annotations
@@ -98,45 +100,91 @@ _NATIVE_THRESHOLD = 16 * 1024
 _MIN_BUCKET = 64
 
 
-def _native_bucket(matrix: np.ndarray) -> np.ndarray:
-    """CRC-32C of each row of a ``(count, length)`` uint8 matrix, computed by TensorStore."""
+# Inner chunks per shard of the scratch arrays. One read returns this many CRC-32Cs
+# (a read per chunk cost about as much as its checksum), and a bucket still has
+# several shards, which TensorStore's threads encode in parallel (one shard per
+# bucket was slower). 2,500 arrays: 16 ms against 23 ms with a read per chunk.
+_SHARD_ROWS = 64
+
+
+def _open_scratch(count: int, length: int, context: Any) -> Any:
+    """Opens (a future of) an in-memory zarr3 array for ``count`` messages of ``length`` bytes.
+
+    The messages are the inner chunks (``bytes`` then ``crc32c`` codecs) of
+    shards of ``_SHARD_ROWS`` chunks; each inner chunk is stored as its bytes
+    followed by its CRC-32C, and a shard's index (at its end) says where each
+    one ends.
+    """
     import tensorstore as ts
 
-    count, length = matrix.shape
-    store = ts.open(
+    rows = min(_SHARD_ROWS, count)
+    return ts.open(
         {
             "driver": "zarr3",
-            "kvstore": "memory://",
+            # One bucket's scratch array per length, in a memory store shared by a batch.
+            "kvstore": {"driver": "memory", "path": f"{length}/"},
             "metadata": {
                 "shape": [count * length],
                 "data_type": "uint8",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [length]}},
-                "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": [rows * length]},
+                },
+                "codecs": [
+                    {
+                        "name": "sharding_indexed",
+                        "configuration": {
+                            "chunk_shape": [length],
+                            "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                            "index_codecs": [
+                                {"name": "bytes", "configuration": {"endian": "little"}}
+                            ],
+                            "index_location": "end",
+                        },
+                    }
+                ],
             },
             "create": True,
             # Every chunk must be encoded, zeros included.
             "store_data_equal_to_fill_value": True,
         },
-        context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}),
-    ).result()
-    store.write(matrix.reshape(-1), can_reference_source_data_indefinitely=True).result()
+        context=context,
+    )
+
+
+def _stored_checksums(store: Any, count: int) -> np.ndarray:
+    """The CRC-32Cs that the scratch array ``store`` holds for its ``count`` messages."""
+    rows = min(_SHARD_ROWS, count)
     kvstore = store.kvstore
-    futures = [kvstore.read(f"c/{i}") for i in range(count)]
-    tails = bytearray()
-    for future in futures:
-        tails += future.result().value[-4:]
-    return np.frombuffer(bytes(tails), dtype="<u4").astype(np.uint32)
+    futures = [kvstore.read(f"c/{i}") for i in range(-(-count // rows))]
+    result = np.empty(count, dtype=np.uint32)
+    tail = np.arange(4)
+    for shard, future in enumerate(futures):
+        value = np.frombuffer(future.result().value, dtype=np.uint8)
+        first = shard * rows
+        held = min(rows, count - first)
+        # The index: (offset, size) of each of the shard's `rows` inner chunks.
+        index = value[len(value) - 16 * rows :].view("<u8").reshape(rows, 2)[:held]
+        ends = (index[:, 0] + index[:, 1] - 4).astype(np.intp)
+        result[first : first + held] = value[ends[:, None] + tail].view("<u4").reshape(-1)
+    return result
 
 
 def crc32c_many(messages: Sequence[Any]) -> np.ndarray:
     """CRC-32C of each message (bytes-like or C-contiguous array), as a uint32 array."""
-    views = [
-        memoryview(m).cast("B") if not isinstance(m, np.ndarray) else m.reshape(-1).view(np.uint8)
-        for m in messages
-    ]
-    lengths = np.fromiter(
-        (v.nbytes if isinstance(v, memoryview) else v.size for v in views), np.int64, len(views)
+    return crc32c_of_bytes(
+        [
+            np.frombuffer(memoryview(m).cast("B"), np.uint8)
+            if not isinstance(m, np.ndarray)
+            else m.reshape(-1).view(np.uint8)
+            for m in messages
+        ]
     )
+
+
+def crc32c_of_bytes(views: Sequence[np.ndarray]) -> np.ndarray:
+    """:func:`crc32c_many` of messages that are already 1-D ``uint8`` arrays (not checked)."""
+    lengths = np.fromiter(map(len, views), np.int64, len(views))
     result = np.zeros(len(views), dtype=np.uint32)
     if not len(views):
         return result
@@ -149,22 +197,35 @@ def crc32c_many(messages: Sequence[Any]) -> np.ndarray:
     buckets = np.maximum(
         _MIN_BUCKET, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
     )
+    # crc(M) = crc(zeros + M) ^ Z(bucket) ^ Z(len(M)), Z(n) = register after n zeros from ~0.
+    result ^= _after_zeros(np.full(len(views), _MASK, dtype=np.uint32), lengths)
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    scratch = []
     for bucket in np.unique(buckets).tolist():
         rows = np.flatnonzero(buckets == bucket)
+        opened = _open_scratch(len(rows), bucket, context)  # Opens while the rows are built.
         # Each row is zeros then the message: built by one concatenation (one C loop)
         # rather than a slice assignment per message.
         zeros = np.zeros(bucket, dtype=np.uint8)
-        pieces: list[Any] = []
+        pieces: list[np.ndarray] = []
         for i in rows.tolist():
-            view = views[i]
             pieces.append(zeros[: bucket - len_list[i]])
-            pieces.append(view if isinstance(view, np.ndarray) else np.frombuffer(view, np.uint8))
-        matrix = np.concatenate(pieces).reshape(len(rows), bucket)
-        padded = _native_bucket(matrix)
-        # crc(M) = crc(zeros + M) ^ Z(bucket) ^ Z(len(M)), Z(n) = register after n zeros from ~0.
-        start = np.full(len(rows), _MASK, dtype=np.uint32)
-        correction = _after_zeros(start, np.full(len(rows), bucket)) ^ _after_zeros(
-            start, lengths[rows]
-        )
-        result[rows] = padded ^ correction
+            pieces.append(views[i])
+        scratch.append((rows, bucket, opened, np.concatenate(pieces)))
+    # Every bucket is encoded at once, so that TensorStore's threads never wait for this one.
+    writes = [
+        opened.result().write(matrix, can_reference_source_data_indefinitely=True)
+        for _, _, opened, matrix in scratch
+    ]
+    for (rows, bucket, opened, _), write in zip(scratch, writes, strict=True):
+        write.result()
+        result[rows] ^= _stored_checksums(opened.result(), len(rows)) ^ _zeros_register(bucket)
     return result
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_register(count: int) -> int:
+    """Z(count): the CRC register after ``count`` zero bytes fed from ~0 (one value per bucket)."""
+    return int(_after_zeros(np.array([_MASK], dtype=np.uint32), np.array([count]))[0])
