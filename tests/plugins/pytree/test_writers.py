@@ -9,13 +9,14 @@ reads through TensorStore's zarr3 driver), Orbax, partial saves, and damage.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import checkpointables as cp
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _database, _value_files
+from checkpointables_pytree import _checksums, _database, _value_files
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 
@@ -59,6 +60,18 @@ def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
     assert sorted({location.file.split("/")[-3] for location in found.values()}) == writers
     _assert_equal(cp.load_pytree(path), tree)
+
+
+def test_metadata_holds_every_groups_checksums(saved) -> None:
+    # _METADATA is written as soon as every group's checksums are recorded, while the
+    # last groups may still be flushed: none may be missing.
+    path, tree = saved
+    metadata = json.loads((path / "pytree" / "_METADATA").read_text())
+    for i in range(3):
+        (entry,) = [v for k, v in metadata["tree_metadata"].items() if k.endswith(f"'w{i}')")]
+        recorded = entry["value_metadata"]["checkpointables"]
+        data = memoryview(tree["params"][f"w{i}"]).cast("B")
+        assert recorded["sums_crc32"] == [_checksums.checksum(_checksums.SUMS_CRC32, data)]
 
 
 def _locate(directory, keys) -> dict[str, _value_files.ValueLocation]:

@@ -233,12 +233,14 @@ async def _settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
 # -- Writing -----------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ArrayWrite:
     """One array to write: its layout and the chunks this process owns.
 
     ``chunks`` maps a chunk index to that chunk's data (edge chunks may be
-    smaller than ``layout.chunk_shape``).
+    smaller than ``layout.chunk_shape``). Neither changes once the write is
+    built: what depends on them is computed then, once (a save asks for it
+    several times for each of thousands of arrays).
     """
 
     what: Any  # Names the leaf in errors (its str(), formatted only when needed).
@@ -249,11 +251,31 @@ class ArrayWrite:
     write_metadata: bool = True
     # The array's extra value metadata: the writer adds each chunk's checksum to it.
     record: dict[str, Any] | None = None
+    # Bytes of data this process writes for the array.
+    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
+    # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
+    one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Small and plain enough to be encoded here, without the zarr3 driver.
+    direct: bool = dataclasses.field(init=False, repr=False, compare=False)
+    _owns_all: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def one_chunk_shards(self) -> bool:
-        """Uncompressed, one inner chunk per shard: readable without the zarr3 driver."""
-        return not self.compression and self.inner_chunk_shape in (None, self.layout.chunk_shape)
+    def __post_init__(self) -> None:
+        chunks, layout = self.chunks, self.layout
+        self.nbytes = (
+            int(chunks[0][1].nbytes)
+            if len(chunks) == 1
+            else sum(int(data.nbytes) for _, data in chunks)
+        )
+        self.one_chunk_shards = not self.compression and self.inner_chunk_shape in (
+            None,
+            layout.chunk_shape,
+        )
+        self.direct = bool(
+            self.one_chunk_shards
+            and _zarr3.is_direct_dtype(layout.dtype)
+            and self.nbytes <= SMALL_ARRAY_BYTES
+            and layout.chunk_nbytes <= SMALL_ARRAY_BYTES
+        )
 
     @property
     def records_checksums(self) -> bool:
@@ -263,40 +285,12 @@ class ArrayWrite:
     @property
     def owns_all_chunks(self) -> bool:
         """Whether this process writes every chunk (not so in multi-process saves)."""
-        return len(self.chunks) == len(
-            _zarr3.all_chunk_indices(self.layout.shape, self.layout.chunk_shape)
-        )
-
-    # nbytes and direct are asked for many times per array: computed once (``chunks`` and
-    # ``layout`` do not change once the write is built). Not functools.cached_property,
-    # whose lock costs more than the computation.
-    _nbytes: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of data this process writes for the array."""
-        if self._nbytes is None:
-            chunks = self.chunks
-            self._nbytes = (
-                int(chunks[0][1].nbytes)
-                if len(chunks) == 1
-                else sum(int(data.nbytes) for _, data in chunks)
-            )
-        return self._nbytes
-
-    @property
-    def direct(self) -> bool:
-        """Whether the array is small and plain enough to be encoded here."""
-        if self._direct is None:
+        if self._owns_all is None:  # Only asked for arrays with a record: computed then.
             layout = self.layout
-            self._direct = bool(
-                self.one_chunk_shards
-                and _zarr3.is_direct_dtype(layout.dtype)
-                and self.nbytes <= SMALL_ARRAY_BYTES
-                and layout.chunk_nbytes <= SMALL_ARRAY_BYTES
+            self._owns_all = len(self.chunks) == len(
+                _zarr3.all_chunk_indices(layout.shape, layout.chunk_shape)
             )
-        return self._direct
+        return self._owns_all
 
     def metadata(self) -> dict[str, Any]:
         """The zarr3 metadata of the array."""
@@ -312,7 +306,7 @@ class ArrayWrite:
     def zarr_json(self) -> bytes:
         """The bytes of the array's ``zarr.json``."""
         layout = self.layout
-        if self.inner_chunk_shape in (None, layout.chunk_shape) and not self.compression:
+        if self.one_chunk_shards:
             return _zarr3.zarr_json(layout.shape, layout.dtype, layout.chunk_shape)
         import json
 
@@ -448,10 +442,17 @@ class ArrayWriter:
                 )
         loop = asyncio.get_running_loop()
         committed: list[asyncio.Future[None]] = [loop.create_future() for _ in groups]
+        checksummed: list[asyncio.Future[None]] = [loop.create_future() for _ in groups]
         large_tasks = [
             asyncio.ensure_future(
                 self._write_large(
-                    group, writers[n % len(writers)], stores, context, limiter, committed[n]
+                    group,
+                    writers[n % len(writers)],
+                    stores,
+                    context,
+                    limiter,
+                    committed[n],
+                    checksummed[n],
                 )
             )
             for n, group in enumerate(groups)
@@ -465,7 +466,9 @@ class ArrayWriter:
         commits: list[asyncio.Future[Any]] = []
         prepared: collections.deque[asyncio.Future[_Prepared]] = collections.deque()
         small_recorded = asyncio.get_running_loop().create_future()
-        asyncio.gather(small_recorded, *large_tasks).add_done_callback(self._all_recorded)
+        # _METADATA can be written once every checksum is known, while the last groups
+        # are still being flushed.
+        asyncio.gather(small_recorded, *checksummed).add_done_callback(self._all_recorded)
         try:
             metadata_only = [i for i in large if i.write_metadata]
             batches = (
@@ -551,26 +554,35 @@ class ArrayWriter:
         context: ts.Context,
         limiter: ByteLimiter,
         committed: asyncio.Future[None],
+        checksummed: asyncio.Future[None],
     ) -> None:
         """Writes a group of arrays through the zarr3 driver, as one OCDBT commit.
 
         ``committed`` is done once the commit is (or failed); then the group's data
-        files are flushed and its checksums recorded.
+        files are flushed and its checksums recorded (``checksummed`` is done then,
+        or cancelled if the group failed).
         """
         try:
             await self._commit_large(items, kvstores[database], context, limiter)
         except BaseException:
             committed.cancel()  # Nothing to merge: this task reports the failure.
+            checksummed.cancel()
             raise
         committed.set_result(None)
         # The disk flushes this group while later ones are encoded, rather than all at
         # the checkpoint's commit; its checksums, wanted only for _METADATA, are
         # computed meanwhile, when the CPU would otherwise wait for the disk.
         recorded = [i for i in items if i.records_checksums]
-        await asyncio.gather(
-            asyncio.to_thread(_fsync_new_files, database, self._flushed),
-            asyncio.to_thread(_record_checksums, recorded) if recorded else asyncio.sleep(0),
-        )
+        flush = asyncio.ensure_future(asyncio.to_thread(_fsync_new_files, database, self._flushed))
+        try:
+            if recorded:
+                await asyncio.to_thread(_record_checksums, recorded)
+        except BaseException:
+            checksummed.cancel()
+            await _settle([flush])
+            raise
+        checksummed.set_result(None)
+        await flush
 
     async def _commit_large(
         self,
@@ -656,16 +668,25 @@ def _prepare_small(items: Sequence[ArrayWrite]) -> _Prepared:
     """
     keys: list[str] = []
     chunks: list[np.ndarray] = []
-    crc32 = zlib.crc32
+    crc32, chunk_key, kind = zlib.crc32, _zarr3.chunk_key, _checksums.CRC32
     for item in items:
         layout = item.layout
         name = layout.name
-        mine = [_full_chunk(data, layout).reshape(-1).view(np.uint8) for _, data in item.chunks]
-        keys += [_zarr3.chunk_key(name, index) for index, _ in item.chunks]
+        own = item.chunks
+        if len(own) == 1:  # Most small arrays: one chunk, taken without comprehensions.
+            index, data = own[0]
+            chunk = _full_chunk(data, layout).reshape(-1).view(np.uint8)
+            keys.append(chunk_key(name, index))
+            chunks.append(chunk)
+            if item.record is not None and item.owns_all_chunks:
+                item.record[kind] = [crc32(chunk)]
+            continue
+        mine = [_full_chunk(data, layout).reshape(-1).view(np.uint8) for _, data in own]
+        keys += [chunk_key(name, index) for index, _ in own]
         chunks += mine
         if item.record is not None and item.owns_all_chunks:
-            item.record[_checksums.CRC32] = [crc32(chunk) for chunk in mine]
-    return keys, chunks, _crc32c.crc32c_many(chunks).tolist()
+            item.record[kind] = [crc32(chunk) for chunk in mine]
+    return keys, chunks, _crc32c.crc32c_of_bytes(chunks).tolist()
 
 
 @functools.cache
