@@ -142,25 +142,29 @@ def _compact_encoder() -> Callable[[Any], str]:
 
 
 def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
-    """``"<str(names)>":<entry.to_json() as JSON>``, built directly."""
+    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each)."""
     names, key_types = entry.names, entry.key_types
     if len(names) != len(key_types):
         raise ValueError(f"{entry.keystr}: {len(names)} key names but {len(key_types)} key types")
     keys = ",".join(
         [
-            '{"key":'
-            + _string(n)
-            + (_KEY_TYPE_TEXT.get(t) or f',"key_type":{_ENCODER.encode(t)}}}')
-            for n, t in zip(names, key_types, strict=True)
+            f'{{"key":{_string(n)}{_KEY_TYPE_TEXT.get(t) or _key_type_text(t)}'
+            for n, t in zip(names, key_types)  # noqa: B905 (lengths checked above)
         ]
     )
-    value = '{"value_type":' + _string(entry.value_type)
-    value += ',"skip_deserialize":true' if entry.skip_deserialize else ',"skip_deserialize":false'
-    if entry.write_shape is not None:
-        value += ',"write_shape":' + encode(list(entry.write_shape))
-    if entry.extra:
-        value += f',"{EXTRA}":' + encode(entry.extra)
-    return _string(str(names)) + ':{"key_metadata":[' + keys + '],"value_metadata":' + value + "}}"
+    skip = "true" if entry.skip_deserialize else "false"
+    shape = entry.write_shape
+    shape_text = "" if shape is None else f',"write_shape":{encode(list(shape))}'
+    extra_text = f',"{EXTRA}":{encode(entry.extra)}' if entry.extra else ""
+    return (
+        f'{_string(str(names))}:{{"key_metadata":[{keys}],"value_metadata":'
+        f'{{"value_type":{_string(entry.value_type)},"skip_deserialize":{skip}'
+        f"{shape_text}{extra_text}}}}}"
+    )
+
+
+def _key_type_text(key_type: Any) -> str:
+    return f',"key_type":{_ENCODER.encode(key_type)}}}'
 
 
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
