@@ -35,6 +35,16 @@ def test_crc32c_many_matches_the_reference() -> None:
     assert crc32c_many(arrays).tolist() == [crc32c(a.tobytes()) for a in arrays]
 
 
+def test_crc32c_many_with_one_bucket_encoded_at_a_time(monkeypatch) -> None:
+    # Each bucket is finished before the next is encoded, as when a batch's padded
+    # messages outgrow _SCRATCH_BYTES.
+    monkeypatch.setattr(_crc32c, "_SCRATCH_BYTES", 0)
+    rng = np.random.default_rng(2)
+    messages = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in range(1, 9000, 97)]
+    assert len({max(64, 1 << (len(m) - 1).bit_length()) for m in messages}) > 3  # Buckets.
+    assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
+
+
 def test_crc32c_many_reads_every_shard_of_a_bucket() -> None:
     # One bucket (257 to 512 bytes) with more messages than a scratch shard holds:
     # several shards, the last one partly filled.

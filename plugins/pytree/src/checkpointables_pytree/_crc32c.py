@@ -17,6 +17,7 @@ checksums must be computed here too, without a C extension:
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -105,9 +106,12 @@ _MIN_BUCKET = 64
 # several shards, which TensorStore's threads encode in parallel (one shard per
 # bucket was slower). 2,500 arrays: 16 ms against 23 ms with a read per chunk.
 _SHARD_ROWS = 64
+# Padded messages being encoded at once: enough to keep TensorStore's threads busy
+# while the next bucket is built, few enough to bound a batch's extra memory.
+_SCRATCH_BYTES = 8 << 20
 
 
-def _open_scratch(count: int, length: int, context: Any) -> Any:
+def _open_scratch(count: int, length: int) -> Any:
     """Opens (a future of) an in-memory zarr3 array for ``count`` messages of ``length`` bytes.
 
     The messages are the inner chunks (``bytes`` then ``crc32c`` codecs) of
@@ -121,8 +125,7 @@ def _open_scratch(count: int, length: int, context: Any) -> Any:
     return ts.open(
         {
             "driver": "zarr3",
-            # One bucket's scratch array per length, in a memory store shared by a batch.
-            "kvstore": {"driver": "memory", "path": f"{length}/"},
+            "kvstore": "memory://",
             "metadata": {
                 "shape": [count * length],
                 "data_type": "uint8",
@@ -148,7 +151,8 @@ def _open_scratch(count: int, length: int, context: Any) -> Any:
             # Every chunk must be encoded, zeros included.
             "store_data_equal_to_fill_value": True,
         },
-        context=context,
+        # A context of its own: its memory store goes with the array.
+        context=ts.Context({"cache_pool": {"total_bytes_limit": 0}}),
     )
 
 
@@ -199,13 +203,20 @@ def crc32c_of_bytes(views: Sequence[np.ndarray]) -> np.ndarray:
     )
     # crc(M) = crc(zeros + M) ^ Z(bucket) ^ Z(len(M)), Z(n) = register after n zeros from ~0.
     result ^= _after_zeros(np.full(len(views), _MASK, dtype=np.uint32), lengths)
-    import tensorstore as ts
+    # Buckets are encoded while the next ones are built, up to _SCRATCH_BYTES of rows at
+    # once (with their encoded copies, about twice that in memory).
+    pending: collections.deque[tuple[np.ndarray, int, Any, Any, int]] = collections.deque()
+    in_flight = 0
 
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    scratch = []
+    def finish_oldest() -> int:
+        rows, bucket, store, write, nbytes = pending.popleft()
+        write.result()
+        result[rows] ^= _stored_checksums(store, len(rows)) ^ _zeros_register(bucket)
+        return nbytes
+
     for bucket in np.unique(buckets).tolist():
         rows = np.flatnonzero(buckets == bucket)
-        opened = _open_scratch(len(rows), bucket, context)  # Opens while the rows are built.
+        opened = _open_scratch(len(rows), bucket)  # Opens while the rows are built.
         # Each row is zeros then the message: built by one concatenation (one C loop)
         # rather than a slice assignment per message.
         zeros = np.zeros(bucket, dtype=np.uint8)
@@ -213,15 +224,15 @@ def crc32c_of_bytes(views: Sequence[np.ndarray]) -> np.ndarray:
         for i in rows.tolist():
             pieces.append(zeros[: bucket - len_list[i]])
             pieces.append(views[i])
-        scratch.append((rows, bucket, opened, np.concatenate(pieces)))
-    # Every bucket is encoded at once, so that TensorStore's threads never wait for this one.
-    writes = [
-        opened.result().write(matrix, can_reference_source_data_indefinitely=True)
-        for _, _, opened, matrix in scratch
-    ]
-    for (rows, bucket, opened, _), write in zip(scratch, writes, strict=True):
-        write.result()
-        result[rows] ^= _stored_checksums(opened.result(), len(rows)) ^ _zeros_register(bucket)
+        matrix = np.concatenate(pieces)
+        store = opened.result()
+        write = store.write(matrix, can_reference_source_data_indefinitely=True)
+        pending.append((rows, bucket, store, write, matrix.nbytes))
+        in_flight += matrix.nbytes
+        while in_flight > _SCRATCH_BYTES and len(pending) > 1:
+            in_flight -= finish_oldest()
+    while pending:
+        finish_oldest()
     return result
 
 

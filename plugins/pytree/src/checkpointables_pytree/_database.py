@@ -98,7 +98,14 @@ WRITER_PREFIX = "ocdbt.writer_"
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
 
 
-def make_context() -> ts.Context:
+# B-tree nodes are read by every key lookup of a load: cached.
+OCDBT_CACHE_BYTES = 100_000_000
+# A save's commits only re-read the nodes they change. With the load's cache, a save
+# of 40,000 small arrays (147 MB) peaked 60 to 90 MB higher, and was no faster.
+SAVE_OCDBT_CACHE_BYTES = 8 << 20
+
+
+def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
     """A TensorStore context for one save or load."""
     return ts.Context(
         {
@@ -107,8 +114,7 @@ def make_context() -> ts.Context:
             "file_io_sync": False,
             # Array chunks are read once: caching them would only double memory.
             "cache_pool": {"total_bytes_limit": 0},
-            # B-tree nodes are read by every key lookup: cache them.
-            "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+            "cache_pool#ocdbt": {"total_bytes_limit": ocdbt_cache_bytes},
         }
     )
 
@@ -422,7 +428,7 @@ class ArrayWriter:
             return
         root = await self._directory.await_creation()
         database = database_directory(root)
-        context = make_context()
+        context = make_context(SAVE_OCDBT_CACHE_BYTES)
         kvstore = await ts.KvStore.open(kvstore_spec(database, create=True), context=context)
         large = [i for i in self._items if not i.direct]
         small = [i for i in self._items if i.direct]
