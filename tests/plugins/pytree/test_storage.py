@@ -35,9 +35,9 @@ def test_crc32c_many_matches_the_reference() -> None:
     assert crc32c_many(arrays).tolist() == [crc32c(a.tobytes()) for a in arrays]
 
 
-def test_crc32c_many_with_one_bucket_encoded_at_a_time(monkeypatch) -> None:
-    # Each bucket is finished before the next is encoded, as when a batch's padded
-    # messages outgrow _SCRATCH_BYTES.
+def test_crc32c_many_with_few_buckets_in_flight(monkeypatch) -> None:
+    # Each bucket is read back as soon as the next one is being encoded, as when a
+    # batch's padded messages outgrow _SCRATCH_BYTES.
     monkeypatch.setattr(_crc32c, "_SCRATCH_BYTES", 0)
     rng = np.random.default_rng(2)
     messages = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in range(1, 9000, 97)]

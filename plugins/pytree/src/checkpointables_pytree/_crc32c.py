@@ -7,12 +7,12 @@ checksums must be computed here too, without a C extension:
 * :func:`crc32c` is a table-driven reference, fine for a few KiB.
 * :func:`crc32c_many` hands a whole batch to TensorStore's native ``crc32c``
   codec: the messages are bucketed by length, each left-padded with zeros to
-  its bucket's length, and every bucket is written at once to an in-memory
-  zarr3 array whose inner chunks are the messages; the CRC-32Cs are read back
-  a shard at a time. CRC algebra then removes the padding's effect:
-  prepending zeros leaves the "raw" (zero-initialised) CRC unchanged, so only
-  the initial-value term, which depends on the length alone, has to be
-  corrected.
+  its bucket's length, and each bucket is written (while the next is built)
+  to an in-memory zarr3 array whose inner chunks are the messages; the
+  CRC-32Cs are read back a shard at a time. CRC algebra then removes the
+  padding's effect: prepending zeros leaves the "raw" (zero-initialised) CRC
+  unchanged, so only the initial-value term, which depends on the length
+  alone, has to be corrected.
 """
 
 from __future__ import annotations
