@@ -675,23 +675,17 @@ def _prepare_small(items: Sequence[ArrayWrite]) -> _Prepared:
     keys: list[str] = []
     chunks: list[np.ndarray] = []
     crc32, chunk_key, kind = zlib.crc32, _zarr3.chunk_key, _checksums.CRC32
+    # Plain loops and map(): a comprehension costs a frame per array (most have one chunk).
     for item in items:
         layout = item.layout
         name = layout.name
-        own = item.chunks
-        if len(own) == 1:  # Most small arrays: one chunk, taken without comprehensions.
-            index, data = own[0]
-            chunk = _full_chunk(data, layout).reshape(-1).view(np.uint8)
+        mine = []
+        for index, data in item.chunks:
             keys.append(chunk_key(name, index))
-            chunks.append(chunk)
-            if item.record is not None and item.owns_all_chunks:
-                item.record[kind] = [crc32(chunk)]
-            continue
-        mine = [_full_chunk(data, layout).reshape(-1).view(np.uint8) for _, data in own]
-        keys += [chunk_key(name, index) for index, _ in own]
+            mine.append(_full_chunk(data, layout).reshape(-1).view(np.uint8))
         chunks += mine
         if item.record is not None and item.owns_all_chunks:
-            item.record[kind] = [crc32(chunk) for chunk in mine]
+            item.record[kind] = list(map(crc32, mine))
     return keys, chunks, _crc32c.crc32c_of_bytes(chunks).tolist()
 
 

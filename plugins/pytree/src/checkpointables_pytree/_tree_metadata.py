@@ -125,7 +125,6 @@ class TreeMetadata:
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 _string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-_KEY_TYPE_TEXT = {t: f',"key_type":{t}}}' for t in (_tree.SEQUENCE, _tree.DICT)}
 
 
 def _compact_encoder() -> Callable[[Any], str]:
@@ -165,6 +164,9 @@ def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
 
 def _key_type_text(key_type: Any) -> str:
     return f',"key_type":{_ENCODER.encode(key_type)}}}'
+
+
+_KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
 
 
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
