@@ -8,7 +8,7 @@ import zlib
 import checkpointables as cp
 import numpy as np
 import pytest
-from checkpointables_pytree import _checksums
+from checkpointables_pytree import _checksums, _database
 
 _RNG = np.random.default_rng(11)
 ROW_BYTES = _checksums.ROW_BYTES
@@ -128,8 +128,11 @@ def test_swapped_rows_are_caught() -> None:
 def test_large_arrays_record_sums_small_ones_zlib_crc32(tmp_path) -> None:
     tree = {
         "big": np.arange(200_000, dtype=np.float32),  # 800 KB: written by the zarr3 driver.
+        # 80 KB: written by the driver too, read back in the small arrays' batch.
+        "mid": np.arange(20_000, dtype=np.float32),
         "small": np.arange(10, dtype=np.float32),
     }
+    assert _database.DIRECT_WRITE_BYTES < tree["mid"].nbytes <= _database.SMALL_ARRAY_BYTES
     cp.save_pytree(tmp_path / "c", tree)
     metadata = json.loads((tmp_path / "c" / "pytree" / "_METADATA").read_text())
     recorded = {
@@ -138,9 +141,14 @@ def test_large_arrays_record_sums_small_ones_zlib_crc32(tmp_path) -> None:
     }
     big = next(v for k, v in recorded.items() if "big" in k)
     small = next(v for k, v in recorded.items() if "small" in k)
+    mid = next(v for k, v in recorded.items() if "mid" in k)
     assert big["sums_crc32"] == [_sums(tree["big"].tobytes())]
-    assert "crc32" not in big
+    assert mid["sums_crc32"] == [_sums(tree["mid"].tobytes())]
+    assert "crc32" not in big and "crc32" not in mid
     assert small["crc32"] == [zlib.crc32(tree["small"].tobytes())]
+    loaded = cp.load_pytree(tmp_path / "c")
+    for key, value in tree.items():
+        np.testing.assert_array_equal(loaded[key], value)
 
 
 @pytest.mark.parametrize("correct", [True, False])

@@ -17,8 +17,17 @@ from .damage import copies_with_a_flipped_bit, flip
 
 _RNG = np.random.default_rng(0)
 SMALL = _RNG.standard_normal(300)  # Batched path (encoded here).
+# Written through the zarr3 driver with recorded sums, read back in the small arrays' batch.
+MID = _RNG.standard_normal(12_000)
 BIG = _RNG.standard_normal(300_000)  # Not batched: written through the zarr3 driver.
-TREE = {"small": SMALL, "big": BIG, "jax": jnp.arange(50, dtype=jnp.int32), "n": 7, "name": "run"}
+TREE = {
+    "small": SMALL,
+    "mid": MID,
+    "big": BIG,
+    "jax": jnp.arange(50, dtype=jnp.int32),
+    "n": 7,
+    "name": "run",
+}
 
 
 @pytest.fixture
@@ -61,7 +70,7 @@ def test_a_flipped_bit_anywhere_in_the_database_never_returns_wrong_numbers(
         assert _matches(loaded), copy
 
 
-@pytest.mark.parametrize(("leaf", "needle"), [("small", SMALL), ("big", BIG)])
+@pytest.mark.parametrize(("leaf", "needle"), [("small", SMALL), ("mid", MID), ("big", BIG)])
 def test_damaged_array_data_names_the_leaf(saved, tmp_path, leaf, needle) -> None:
     copy = _copy(saved, tmp_path, "c")
     _flip_inside(copy, needle.tobytes()[800:1600])
@@ -150,7 +159,7 @@ def test_inspect_command(saved) -> None:
     assert "['big']: NumpyMetadata shape=(300000,) dtype=float64  (2,400,000 B)" in out
     assert "['jax']: ArrayMetadata shape=(50,) dtype=int32" in out
     assert "['n']: int" in out and "['name']: str" in out
-    assert f"total array bytes: {BIG.nbytes + SMALL.nbytes + 200:,}" in out
+    assert f"total array bytes: {BIG.nbytes + MID.nbytes + SMALL.nbytes + 200:,}" in out
 
 
 def test_verify_checks_the_checksums_loads_check(saved, tmp_path) -> None:
