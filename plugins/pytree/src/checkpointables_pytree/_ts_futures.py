@@ -30,21 +30,22 @@ async def wait_all(futures: Sequence[Any]) -> list[Any]:
     if pending:
         loop = asyncio.get_running_loop()
         all_done: asyncio.Future[None] = loop.create_future()
-        left = [len(pending)]
+        left = len(pending)
         lock = threading.Lock()
 
-        def wake(_: Any) -> None:
+        def wake() -> None:
             if not all_done.done():
                 all_done.set_result(None)
 
         def one_done(_: Any) -> None:  # Runs in whichever thread completes the future.
+            nonlocal left
             with lock:
-                left[0] -= 1
-                last = left[0] == 0
+                left -= 1
+                last = left == 0
             if last:
                 # A closed loop (its caller gave up waiting) has nobody to wake.
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(wake, None)
+                    loop.call_soon_threadsafe(wake)
 
         for future in pending:
             future.add_done_callback(one_done)
