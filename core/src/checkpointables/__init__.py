@@ -22,6 +22,7 @@ from checkpointables import (
     path,
     plugins,
     serialization,
+    storage,
     training,
 )
 from checkpointables._asyncio import AsyncResponse
@@ -95,5 +96,6 @@ __all__ = [
     "path",
     "plugins",
     "serialization",
+    "storage",
     "training",
 ]

@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 from etils import epath
 
-from checkpointables import _gc, _inflight, errors, handlers, layout
+from checkpointables import _commit, _gc, _inflight, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
-from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
+from checkpointables.checkpoint_metadata import (
+    CHECKPOINT_METADATA_FILE,
+    CheckpointMetadata,
+    read_checkpoint_metadata,
+)
 from checkpointables.context import Context, get_context
 
 
@@ -22,10 +27,41 @@ class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
 
 def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
     """Validates ``path`` as a finished checkpoint and reads its metadata."""
+    opened = open_for_load(path, context)
+    return opened.path, opened.meta
+
+
+@attrs.frozen
+class Opened:
+    """A checkpoint opened for loading: its path, its metadata and its identity."""
+
+    path: epath.Path
+    meta: dict[str, Any]
+    identity: Any  # See _commit.identity; checked again when the load ends.
+
+
+def open_for_load(path: epath.PathLike, context: Context) -> Opened:
+    """Validates ``path`` as a finished checkpoint, notes which one, reads its metadata."""
     path = epath.Path(path)
     _inflight.wait_for(path, context.async_options.timeout_secs)
-    layout.validate_checkpoint_directory(path)
-    return path, read_checkpoint_metadata(path)
+    with context:  # An object store is reached as the context says.
+        # The identity first: a replacement after this is noticed when the load ends.
+        identity = _commit.identity(path)
+        if (
+            identity is None
+            or layout.local_path(path) is not None
+            or layout.is_temporary_path(path)
+        ):
+            layout.validate_checkpoint_directory(path)
+        try:
+            return Opened(path, read_checkpoint_metadata(path), identity)
+        except FileNotFoundError:
+            # Committed (validated above) but without its metadata: damaged or deleted meanwhile.
+            _commit.check_unchanged(path, identity, None)
+            raise errors.NotACheckpointError(
+                f"{path} has a commit marker but no {CHECKPOINT_METADATA_FILE}; it is not a "
+                f"checkpoint this library can read."
+            ) from None
 
 
 def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:
@@ -86,8 +122,7 @@ def _requested(
 
 
 def load_items_async(
-    path: epath.Path,
-    meta: Mapping[str, Any],
+    opened: Opened,
     items: Mapping[str, tuple[epath.Path, Any]],
     context: Context,
     *,
@@ -96,8 +131,11 @@ def load_items_async(
     """Loads ``{name: (directory, abstract)}`` with the recorded handlers.
 
     With ``wait`` (a synchronous load) the reading runs on the caller's thread
-    and the returned response is already done.
+    and the returned response is already done. A load that fails, or ends
+    after the checkpoint was replaced, raises ``CheckpointChangedError`` if
+    the checkpoint changed meanwhile.
     """
+    path, meta = opened.path, opened.meta
     typestrs = recorded_typestrs(meta)
     flat_typestr = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
     instances = {}
@@ -121,15 +159,27 @@ def load_items_async(
         )
 
     def background() -> dict[str, Any]:
-        values = run_sync(
-            gather_awaitables(
-                [named(n, d, a) for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)]
+        try:
+            values = run_sync(
+                gather_awaitables(
+                    [
+                        named(n, d, a)
+                        for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)
+                    ]
+                )
             )
-        )
+        except Exception as e:
+            _commit.check_unchanged(path, opened.identity, e)
+            raise
+        _commit.check_unchanged(path, opened.identity, None)
         return dict(zip(items, values, strict=True))
 
     with context:  # Handlers read options through get_context().
-        awaitables = run_sync(blocking_phase())
+        try:
+            awaitables = run_sync(blocking_phase())
+        except Exception as e:
+            _commit.check_unchanged(path, opened.identity, e)
+            raise
         return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
 
@@ -146,10 +196,12 @@ def load_checkpointables_async(
     name as saved) and guides each load; ``None`` loads everything.
     """
     context = get_context(context)
-    path, meta = open_checkpoint(path, context)
-    requested = _requested(path, meta, abstract_checkpointables)
+    opened = open_for_load(path, context)
+    path = opened.path
+    with context:
+        requested = _requested(path, opened.meta, abstract_checkpointables)
     return load_items_async(
-        path, meta, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
+        opened, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
     )
 
 
@@ -191,7 +243,8 @@ def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[st
     context = get_context()
     path, meta = open_checkpoint(path, context)
     typestrs = recorded_typestrs(meta)
-    names = layout.checkpointable_directories(path, typestrs)
+    with context:
+        names = layout.checkpointable_directories(path, typestrs)
     result = {n: item_metadata(path / n, n, typestrs.get(n), context) for n in names}
     return checkpoint_metadata_for(path, meta, result)
 

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _gc, _loading, _saving, errors, handlers, layout
+from checkpointables import _gc, _loading, _saving, errors, handlers, layout, storage
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
@@ -101,7 +101,7 @@ def find_pytree(
             )
         return checkpointable_name, path / checkpointable_name
     if isinstance(meta.get("item_handlers"), str) or (
-        not typestrs and (path / TREE_METADATA_FILE).exists()
+        not typestrs and storage.exists(path / TREE_METADATA_FILE)
     ):
         return DEFAULT_NAME, path  # A flat (Orbax V0) checkpoint: the pytree is the root.
     try:
@@ -113,7 +113,7 @@ def find_pytree(
         recorded = typestrs.get(name)
         if recorded is not None and registration is not None:
             return registration.matches_typestr(recorded)
-        return (path / name / TREE_METADATA_FILE).exists()
+        return storage.exists(path / name / TREE_METADATA_FILE)
 
     ordered = [n for n in PREFERRED_NAMES if n in available] + [
         n for n in available if n not in PREFERRED_NAMES
@@ -154,12 +154,13 @@ def _start_load(
     wait: bool,
 ) -> AsyncResponse[Any]:
     context = _with_partial_load(get_context(), partial_load)
-    path, meta = _loading.open_checkpoint(path, context)
+    opened = _loading.open_for_load(path, context)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
-    name, directory = find_pytree(path, meta, checkpointable_name)
+    with context:
+        name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
     response = _loading.load_items_async(
-        path, meta, {name: (directory, abstract_pytree)}, context, wait=wait
+        opened, {name: (directory, abstract_pytree)}, context, wait=wait
     )
     return _Unwrapped(response, name)
 
@@ -215,7 +216,8 @@ def pytree_metadata(
     """The abstract tree of a stored pytree (usable as ``abstract_pytree``), cheaply."""
     context = get_context()
     path, meta = _loading.open_checkpoint(path, context)
-    name, directory = find_pytree(path, meta, checkpointable_name)
+    with context:
+        name, directory = find_pytree(path, meta, checkpointable_name)
     recorded = _loading.recorded_typestrs(meta).get(name)
     if recorded is None and isinstance(meta.get("item_handlers"), str):
         recorded = meta["item_handlers"]

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 from etils import epath
 
-from checkpointables import errors
+from checkpointables import errors, storage
 
 __all__ = ["CheckpointMetadata", "CHECKPOINT_METADATA_FILE", "read_checkpoint_metadata"]
 
@@ -108,7 +108,7 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     path = epath.Path(directory) / CHECKPOINT_METADATA_FILE
     try:
         if "://" in os.fspath(path):
-            text = path.read_text()
+            text = storage.read_text(path)
         else:  # Cheaper than epath's read for a local file.
             with open(os.fspath(path), encoding="utf-8") as f:
                 text = f.read()

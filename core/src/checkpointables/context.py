@@ -25,6 +25,7 @@ _OPTION_TYPES: dict[str, type] = {
     "pytree_options": options_lib.PyTreeOptions,
     "array_options": options_lib.ArrayOptions,
     "checkpointables_options": options_lib.CheckpointablesOptions,
+    "storage_options": options_lib.StorageOptions,
 }
 
 
@@ -52,6 +53,7 @@ class _Defaults:
     checkpointables_options: options_lib.CheckpointablesOptions = (
         options_lib.CheckpointablesOptions()
     )
+    storage_options: options_lib.StorageOptions = options_lib.StorageOptions()
 
 
 _defaults = _Defaults()
@@ -125,6 +127,11 @@ class Context:
     def checkpointables_options(self) -> options_lib.CheckpointablesOptions:
         """The ``CheckpointablesOptions`` in force."""
         return self._get("checkpointables_options")
+
+    @property
+    def storage_options(self) -> options_lib.StorageOptions:
+        """The ``StorageOptions`` in force (object stores)."""
+        return self._get("storage_options")
 
     def replace(self, **options: Any) -> Context:
         """Returns a context with some options replaced (``self`` is unchanged)."""

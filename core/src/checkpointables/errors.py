@@ -17,6 +17,7 @@ __all__ = [
     "IntegrityError",
     "PluginError",
     "TreeMismatchError",
+    "StorageError",
 ]
 
 
@@ -64,3 +65,8 @@ class TreeMismatchError(CheckpointError, ValueError):
 
     The message lists the key paths that are missing, extra or different.
     """
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading, writing, listing or deleting in storage failed (e.g. an object store refused
+    or kept failing a request); the message names the path and what to check."""

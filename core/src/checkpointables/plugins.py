@@ -33,6 +33,8 @@ __all__ = [
     "refresh",
     "handler_registrations",
     "leaf_registrations",
+    "StorageRegistration",
+    "storage_factories",
 ]
 
 ENTRY_POINT_GROUP = "checkpointables"
@@ -75,6 +77,15 @@ class LeafRegistration:
 
 
 @attrs.frozen
+class StorageRegistration:
+    """A storage backend for one URL scheme, as registered by a plugin."""
+
+    scheme: str
+    factory: Callable[..., Any]
+    plugin: str
+
+
+@attrs.frozen
 class PluginInfo:
     """What :func:`list_plugins` reports about one entry point."""
 
@@ -86,6 +97,7 @@ class PluginInfo:
     error: str | None
     handlers: tuple[HandlerRegistration, ...]
     leaf_handlers: tuple[LeafRegistration, ...]
+    storages: tuple[StorageRegistration, ...] = ()
 
 
 def _default_handler_name(handler_cls: type) -> str:
@@ -142,6 +154,7 @@ class _Discovery:
     plugins: tuple[PluginInfo, ...]
     handlers: tuple[HandlerRegistration, ...]
     leaves: tuple[LeafRegistration, ...]
+    storages: tuple[StorageRegistration, ...] = ()
 
 
 def _entry_points() -> list[importlib_metadata.EntryPoint]:
@@ -211,6 +224,24 @@ def _load_plugin(
     return handlers, leaves
 
 
+def _load_storages(manager: pluggy.PluginManager, plugin: str) -> list[StorageRegistration]:
+    """The storage backends one (already registered) plugin registers."""
+
+    def make(scheme: str, factory: Callable[..., Any]) -> StorageRegistration:
+        if not isinstance(scheme, str) or not scheme.isidentifier() or not callable(factory):
+            raise TypeError(
+                f"register_storage's register() takes a scheme like 's3' and a factory "
+                f"callable, got {scheme!r} and {factory!r}"
+            )
+        return StorageRegistration(scheme, factory, plugin)
+
+    found: list[StorageRegistration] = []
+    for impl in manager.hook.register_storage.get_hookimpls():
+        if impl.plugin_name == plugin:
+            found += _collect(impl.function, make)
+    return found
+
+
 def _plugin_info(
     ep: importlib_metadata.EntryPoint,
     status: Literal["loaded", "disabled", "failed"],
@@ -247,6 +278,7 @@ def discover(
     infos: list[PluginInfo] = []
     handlers: list[HandlerRegistration] = []
     leaves: list[LeafRegistration] = []
+    storages: list[StorageRegistration] = []
     taken_names: dict[str, HandlerRegistration] = {}
     for ep in eps:
         if ep.name in disabled:
@@ -254,6 +286,7 @@ def discover(
             continue
         try:
             plugin_handlers, plugin_leaves = _load_plugin(ep, manager, taken_names)
+            plugin_storages = _load_storages(manager, ep.name)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
@@ -273,8 +306,15 @@ def discover(
             taken_names.setdefault(h.name, h)
         handlers += plugin_handlers
         leaves += plugin_leaves
-        infos.append(_plugin_info(ep, "loaded", None, plugin_handlers, plugin_leaves))
-    return _Discovery(plugins=tuple(infos), handlers=_sort_handlers(handlers), leaves=tuple(leaves))
+        storages += plugin_storages
+        info = _plugin_info(ep, "loaded", None, plugin_handlers, plugin_leaves)
+        infos.append(attrs.evolve(info, storages=tuple(plugin_storages)))
+    return _Discovery(
+        plugins=tuple(infos),
+        handlers=_sort_handlers(handlers),
+        leaves=tuple(leaves),
+        storages=tuple(storages),
+    )
 
 
 _lock = threading.RLock()
@@ -309,3 +349,11 @@ def handler_registrations() -> tuple[HandlerRegistration, ...]:
 def leaf_registrations() -> tuple[LeafRegistration, ...]:
     """Leaf handlers registered by plugins, in plugin-name order."""
     return _discovery().leaves
+
+
+def storage_factories() -> dict[str, Callable[..., Any]]:
+    """Storage backends registered by plugins, by URL scheme (the first plugin by name wins)."""
+    found: dict[str, Callable[..., Any]] = {}
+    for registration in _discovery().storages:
+        found.setdefault(registration.scheme, registration.factory)
+    return found

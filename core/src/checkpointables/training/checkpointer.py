@@ -19,7 +19,7 @@ How it stays correct when things go wrong:
   then removed. A step being loaded by this process is deleted only after the
   load finished.
 - A new Checkpointer deletes temporary directories whose owner is provably
-  gone (see ``_cleanup``), never another live process's save.
+  gone (see ``checkpointables._leftovers``), never another live process's save.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, _saving, errors, layout, multihost
+from checkpointables import _leftovers, _loading, _pytree_api, _saving, errors, layout, multihost
 from checkpointables._asyncio import AsyncResponse, completed, start_background, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
 from checkpointables.training import (
-    _cleanup,
     _context,
     _listing,
     _metrics,
@@ -561,7 +560,7 @@ class Checkpointer:
 
     def _start_cleanup(self) -> None:
         timeout = self._context.async_options.timeout_secs
-        entries = _cleanup.abandoned_entries(
+        entries = _leftovers.abandoned_entries(
             [self._root, self._root / _root_metadata.METADATA_DIR], timeout_secs=timeout
         )
         if not entries:
@@ -570,7 +569,7 @@ class Checkpointer:
 
         def remove_all() -> None:
             for entry in entries:
-                _cleanup.remove(entry)
+                _leftovers.remove(entry)
 
         self._worker.submit(remove_all)
 

@@ -44,6 +44,7 @@ from checkpointables_pytree import (
     _gc,
     _large_reads,
     _local_values,
+    _object_store,
     _ts_futures,
     _value_files,
     _zarr3,
@@ -118,6 +119,8 @@ def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
     """A TensorStore context for one save or load."""
     return ts.Context(
         {
+            # Object stores: the request concurrency and retries of cp.options.StorageOptions.
+            **_object_store.context_resources(),
             "file_io_concurrency": {"limit": 128},
             # Files are flushed once, by the commit that fsyncs the whole checkpoint.
             "file_io_sync": False,
@@ -130,8 +133,8 @@ def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
 
 def _base(directory: epath.PathLike) -> Any:
     text = os.fspath(directory)
-    if "://" in text:
-        return text  # gs://..., s3://...: TensorStore parses the URL.
+    if "://" in text:  # s3://..., gs://...: configured as cp.options.StorageOptions says.
+        return _object_store.kvstore_spec(text)
     return {"driver": "file", "path": text}
 
 
@@ -350,6 +353,8 @@ def _record_checksums(items: Sequence[ArrayWrite]) -> None:
 
 def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
     """Flushes the database's data files not flushed yet (they are immutable once written)."""
+    if not cp.storage.is_local(directory):
+        return  # An object store's writes are durable once acknowledged.
     data = os.path.join(os.fspath(directory), "d")
     try:
         names = os.listdir(data)
@@ -782,7 +787,7 @@ class ArrayReader:
             kvstore: Any = kvstore_spec(self._directory, path=name + "/")
         else:  # Orbax's use_ocdbt=False layout: one directory per array.
             kvstore = _base(self._directory / name)
-            if isinstance(kvstore, dict):
+            if kvstore["driver"] == "file":  # Object-store specs' paths end with "/" already.
                 kvstore["path"] += "/"
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 

@@ -189,7 +189,7 @@ class PyTreeHandler:
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` holds a pytree (has ``_METADATA``); for untyped checkpoints."""
-        return (epath.Path(directory) / _tree_metadata.METADATA_FILE).exists()
+        return cp.storage.exists(epath.Path(directory) / _tree_metadata.METADATA_FILE)
 
     # -- Saving -------------------------------------------------------------------------------
 

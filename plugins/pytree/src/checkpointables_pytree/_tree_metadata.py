@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -171,8 +170,7 @@ _KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
 
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
     """Writes ``_METADATA`` (the commit fsyncs it with the rest of the checkpoint)."""
-    with open(os.fspath(directory / METADATA_FILE), "w") as f:
-        f.write(metadata.to_json_text())
+    cp.storage.write_text(directory / METADATA_FILE, metadata.to_json_text())
 
 
 def _bad(path: epath.Path, what: str) -> cp.errors.MetadataError:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
+from checkpointables_pytree import _object_store
 from checkpointables_pytree._handler import ORBAX_TYPESTRS, PyTreeHandler
 from checkpointables_pytree._leaf_handlers import (
     BYTES,
@@ -50,3 +51,10 @@ def register_leaf_handlers(register: Any) -> None:
         register(scalar_type, scalar_type, ScalarLeafHandler, secondary_typestrs=(SCALAR,))
     register(str, str, StringLeafHandler, secondary_typestrs=(STRING,))
     register(bytes, bytes, BytesLeafHandler, secondary_typestrs=(BYTES,))
+
+
+@cp.hookimpl
+def register_storage(register: Any) -> None:
+    """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
+    for scheme in _object_store.SCHEMES:
+        register(scheme, _object_store.storage_for)
