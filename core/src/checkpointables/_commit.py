@@ -46,7 +46,6 @@ from checkpointables import _leftovers, errors, layout, storage
 
 __all__ = [
     "SAVE_RECORD_FILE",
-    "CheckpointChangedError",
     "SaveTarget",
     "uses_rename",
     "resolve_final",
@@ -57,14 +56,14 @@ __all__ = [
     "identity",
     "check_unchanged",
     "read_record",
-    "delete_checkpoint",
+    "occupied",
+    "Retired",
+    "retire",
+    "remove_unfinished",
+    "remove_abandoned",
 ]
 
 SAVE_RECORD_FILE = ".checkpointables-save"
-
-
-class CheckpointChangedError(errors.CheckpointError, RuntimeError):
-    """The checkpoint was replaced or deleted while it was being read; read it again."""
 
 
 def uses_rename(path: epath.PathLike) -> bool:
@@ -280,26 +279,50 @@ class MarkerTarget(SaveTarget):
 # -- Deleting ---------------------------------------------------------------------------------
 
 
-def delete_checkpoint(path: epath.Path) -> None:
-    """Deletes a committed checkpoint so that it is never seen half-deleted.
+def occupied(path: epath.Path) -> bool:
+    """Whether a save to ``path`` would replace something.
 
-    Local: renamed to a temporary name, then removed. Object stores: a
-    deletion record, then the marker (it stops being a checkpoint), then the
-    rest; an interrupted deletion is finished by the next cleanup.
+    Local: anything at the path. Object stores: a committed checkpoint (an
+    unfinished save there is a leftover the Checkpointer replaces).
+    """
+    if uses_rename(path):
+        return os.path.lexists(os.fspath(path))
+    return storage.is_file(_join(path, layout.COMMIT_SUCCESS_FILE))
+
+
+class Retired:
+    """A checkpoint nobody sees any more, whose files are still to be removed."""
+
+    def __init__(self, path: epath.Path) -> None:
+        self.path = path
+
+    def remove(self) -> None:
+        """Removes the files (an interrupted removal is finished by the next cleanup)."""
+        if uses_rename(self.path):
+            layout.remove_tree(self.path)
+        else:
+            remove_unfinished(self.path)
+
+
+def retire(path: epath.Path) -> Retired | None:
+    """Makes a committed checkpoint invisible at once; ``None`` if it is already gone.
+
+    Local: renamed to a ``.checkpointables-old-`` name. Object stores: a
+    deletion record, then the marker is deleted (the rest stays until
+    ``Retired.remove``).
     """
     if uses_rename(path):
         aside = layout.temporary_path_for(path, layout.OLD_INFIX)
         try:
             os.rename(os.fspath(path), os.fspath(aside))
         except FileNotFoundError:
-            return
-        layout.remove_tree(aside)
-        return
+            return None
+        return Retired(aside)
     store = storage.for_path(path)
     record = _leftovers.SaveRecord.new(deleting=True)
     store.write_bytes(_join(path, SAVE_RECORD_FILE), record.to_json().encode())
     store.remove_file(_join(path, layout.COMMIT_SUCCESS_FILE))
-    remove_unfinished(path)
+    return Retired(path)
 
 
 def remove_unfinished(path: epath.Path) -> None:
@@ -308,6 +331,19 @@ def remove_unfinished(path: epath.Path) -> None:
     files = store.list_files(os.fspath(path))
     _remove_all(store, [_join(path, f) for f in files if f != SAVE_RECORD_FILE])
     store.remove_file(_join(path, SAVE_RECORD_FILE))
+
+
+def remove_abandoned(prefixes: Iterable[epath.Path], *, timeout_secs: float) -> None:
+    """Removes the object-store prefixes among ``prefixes`` whose record proves them abandoned.
+
+    Prefixes without a record (not written by this library) are left alone.
+    """
+    for prefix in prefixes:
+        record = read_record(prefix)
+        if _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs) and not (
+            storage.is_file(_join(prefix, layout.COMMIT_SUCCESS_FILE))
+        ):
+            remove_unfinished(prefix)
 
 
 # -- Reading ----------------------------------------------------------------------------------
@@ -342,10 +378,10 @@ def check_unchanged(path: epath.Path, opened: Identity, error: BaseException | N
     that raced an overwrite or a deletion then says so, instead of returning
     a mix of two checkpoints or reporting damage.
     """
-    if opened is None or identity(path) == opened:
+    if opened is not None and identity(path) == opened:
         return
     message = (
         f"The checkpoint at {path} was replaced or deleted while it was being read (a save with "
         f"overwrite=True, or a deletion, ran meanwhile). Nothing is damaged: load it again."
     )
-    raise CheckpointChangedError(message) from error
+    raise errors.CheckpointChangedError(message) from error

@@ -39,6 +39,10 @@ class Opened:
     meta: dict[str, Any]
     identity: Any  # See _commit.identity; checked again when the load ends.
 
+    def check_unchanged(self, error: BaseException | None) -> None:
+        """Raises ``CheckpointChangedError`` if the checkpoint was replaced since it was opened."""
+        _commit.check_unchanged(self.path, self.identity, error)
+
 
 def open_for_load(path: epath.PathLike, context: Context) -> Opened:
     """Validates ``path`` as a finished checkpoint, notes which one, reads its metadata."""
@@ -53,8 +57,14 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
             or layout.is_temporary_path(path)
         ):
             layout.validate_checkpoint_directory(path)
+            if identity is None:  # Committed just now.
+                identity = _commit.identity(path)
+                _commit.check_unchanged(path, identity, None)
         try:
             return Opened(path, read_checkpoint_metadata(path), identity)
+        except errors.MetadataError as e:
+            _commit.check_unchanged(path, identity, e)
+            raise
         except FileNotFoundError:
             # Committed (validated above) but without its metadata: damaged or deleted meanwhile.
             _commit.check_unchanged(path, identity, None)
@@ -169,16 +179,16 @@ def load_items_async(
                 )
             )
         except Exception as e:
-            _commit.check_unchanged(path, opened.identity, e)
+            opened.check_unchanged(e)
             raise
-        _commit.check_unchanged(path, opened.identity, None)
+        opened.check_unchanged(None)
         return dict(zip(items, values, strict=True))
 
     with context:  # Handlers read options through get_context().
         try:
             awaitables = run_sync(blocking_phase())
         except Exception as e:
-            _commit.check_unchanged(path, opened.identity, e)
+            opened.check_unchanged(e)
             raise
         return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
@@ -198,8 +208,12 @@ def load_checkpointables_async(
     context = get_context(context)
     opened = open_for_load(path, context)
     path = opened.path
-    with context:
-        requested = _requested(path, opened.meta, abstract_checkpointables)
+    try:
+        with context:
+            requested = _requested(path, opened.meta, abstract_checkpointables)
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
     return load_items_async(
         opened, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
     )

@@ -157,8 +157,12 @@ def _start_load(
     opened = _loading.open_for_load(path, context)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
-    with context:
-        name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
+    try:
+        with context:
+            name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
     response = _loading.load_items_async(
         opened, {name: (directory, abstract_pytree)}, context, wait=wait
     )

@@ -89,7 +89,8 @@ class Context:
         _check_options(options)
         self._parent = context if context is not None else _active.get()
         self._overrides = {k: v for k, v in options.items() if v is not None}
-        self._tokens: list[contextvars.Token[Context | None]] = []
+        # Per thread: one context may be entered by a caller and its background work at once.
+        self._local = threading.local()
 
     def _get(self, name: str) -> Any:
         if name in self._overrides:
@@ -138,11 +139,12 @@ class Context:
         return Context(self, **options)
 
     def __enter__(self) -> Context:
-        self._tokens.append(_active.set(self))
+        tokens = self._local.__dict__.setdefault("tokens", [])
+        tokens.append(_active.set(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _active.reset(self._tokens.pop())
+        _active.reset(self._local.tokens.pop())
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={self._get(k)!r}" for k in _OPTION_TYPES)

@@ -18,6 +18,7 @@ __all__ = [
     "PluginError",
     "TreeMismatchError",
     "StorageError",
+    "CheckpointChangedError",
 ]
 
 
@@ -70,3 +71,8 @@ class TreeMismatchError(CheckpointError, ValueError):
 class StorageError(CheckpointError, OSError):
     """Reading, writing, listing or deleting in storage failed (e.g. an object store refused
     or kept failing a request); the message names the path and what to check."""
+
+
+class CheckpointChangedError(CheckpointError, RuntimeError):
+    """A checkpoint was replaced or deleted while it was being read (e.g. by a save with
+    ``overwrite=True`` in another process). Nothing is damaged: read it again."""

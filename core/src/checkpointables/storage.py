@@ -101,8 +101,14 @@ class Storage(Protocol):
         """The contents of a file. Raises ``FileNotFoundError`` if there is none."""
         ...
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Creates or replaces a file, whole (on object stores one PUT)."""
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Creates or replaces a file, whole (on object stores one PUT).
+
+        ``durable``: on a disk, flushed before returning (a commit flushes every
+        file of a checkpoint anyway; only a writer can flush its own files on
+        storage shared between hosts). Object stores are durable once a write
+        is acknowledged.
+        """
         ...
 
     def exists(self, path: str) -> bool:
@@ -151,10 +157,13 @@ class LocalStorage:
         with open(path, "rb") as f:
             return f.read()
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Writes a file (not flushed: a commit flushes every file of a checkpoint)."""
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Writes a file (flushed to disk only if ``durable``)."""
         with open(path, "wb") as f:
             f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
 
     def exists(self, path: str) -> bool:
         """Whether anything is at ``path``."""
@@ -234,9 +243,8 @@ def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> St
             else "install a plugin that registers a storage for it (see docs/object-stores.md)"
         )
         raise MissingStorageError(
-            f"Cannot reach {os.fspath(path)}: no installed plugin serves {scheme}:// paths. "
-            f"{hint[0].upper()}{hint[1:]}, then try again (`checkpointables plugins` lists what "
-            f"is installed)."
+            f"Cannot reach {os.fspath(path)}: no installed plugin serves {scheme}:// paths. To "
+            f"use them: {hint} (`checkpointables plugins` lists what is installed)."
         )
     return factory(context_lib.get_context(context))
 
@@ -251,14 +259,14 @@ def read_text(path: os.PathLike[str] | str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
-def write_bytes(path: os.PathLike[str] | str, data: bytes) -> None:
-    """Creates or replaces a file, local or remote."""
-    for_path(path).write_bytes(os.fspath(path), data)
+def write_bytes(path: os.PathLike[str] | str, data: bytes, *, durable: bool = False) -> None:
+    """Creates or replaces a file, local or remote (``durable``: see ``Storage.write_bytes``)."""
+    for_path(path).write_bytes(os.fspath(path), data, durable)
 
 
-def write_text(path: os.PathLike[str] | str, text: str) -> None:
+def write_text(path: os.PathLike[str] | str, text: str, *, durable: bool = False) -> None:
     """Creates or replaces a text file (UTF-8), local or remote."""
-    write_bytes(path, text.encode("utf-8"))
+    write_bytes(path, text.encode("utf-8"), durable=durable)
 
 
 def exists(path: os.PathLike[str] | str) -> bool:

@@ -175,7 +175,7 @@ def _read_info(directory: epath.Path) -> dict[str, Any] | None:
 def _parse_state(file: epath.Path, kind: str) -> Any:
     """The state stored in ``file``, in the form ``set_state`` of ``kind`` takes."""
     try:
-        text = file.read_text(encoding="utf-8")
+        text = cp.storage.read_text(file)
         if kind == DATA_LOADER_ITERATOR:
             json.loads(text)  # Reject damage here, with the file's name.
             return text.encode("utf-8")

@@ -8,10 +8,10 @@ describing the save as a whole: which kind of iterator, how many processes.
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
+import checkpointables as cp
 from etils import epath
 
 __all__ = [
@@ -36,10 +36,10 @@ def state_file_name(process_index: int, process_count: int) -> str:
 def state_files(directory: epath.Path) -> dict[tuple[int, int], epath.Path]:
     """Every state file in ``directory``, keyed by ``(process index, process count)``."""
     found = {}
-    for entry in directory.iterdir():
+    for entry in cp.storage.list_dir(directory):
         match = _STATE_FILE.fullmatch(entry.name)
         if match is not None:
-            found[(int(match.group(1)), int(match.group(2)))] = entry
+            found[(int(match.group(1)), int(match.group(2)))] = directory / entry.name
     return found
 
 
@@ -52,10 +52,10 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
       ValueError: the file exists but is not a JSON object.
     """
     file = directory / INFO_FILE
-    if not file.is_file():
+    if not cp.storage.is_file(file):
         return None
     try:
-        info = json.loads(file.read_text(encoding="utf-8"))
+        info = json.loads(cp.storage.read_text(file))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from e
     if not isinstance(info, dict) or not isinstance(info.get("process_count"), int):
@@ -64,8 +64,5 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
 
 
 def write_durably(path: epath.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` and flushes it to disk before returning."""
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes ``text`` to ``path`` (a local file or an object) durably before returning."""
+    cp.storage.write_text(path, text, durable=True)

@@ -81,7 +81,7 @@ class ProtoHandler:
             from google.protobuf import text_format
 
             try:
-                return text_format.Parse(file.read_text(encoding="utf-8"), message_class())
+                return text_format.Parse(cp.storage.read_text(file), message_class())
             except UnicodeDecodeError as e:
                 raise cp.errors.IntegrityError(
                     f"{file} is not UTF-8 text ({e}); the checkpointable {directory.name!r} "
@@ -124,7 +124,7 @@ class ProtoHandler:
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` holds a ``proto.pbtxt`` (for checkpoints with no typestr)."""
-        return (directory / PROTO_FILE).is_file()
+        return cp.storage.is_file(directory / PROTO_FILE)
 
     async def verify(self, directory: epath.Path) -> list[str]:
         """Problems found in the stored message (empty when it is sound).
@@ -139,7 +139,7 @@ class ProtoHandler:
             if message_class is not None:
                 await (await self.load(directory, message_class))
                 return []
-            problem = _textproto.skim(file.read_text(encoding="utf-8"))
+            problem = _textproto.skim(cp.storage.read_text(file))
         except (cp.errors.CheckpointError, OSError, UnicodeDecodeError) as e:
             return [str(e)]
         return [] if problem is None else [f"{file} is damaged: {problem}."]
@@ -147,7 +147,7 @@ class ProtoHandler:
 
 def _data_file(directory: epath.Path) -> epath.Path:
     file = directory / PROTO_FILE
-    if not file.is_file():
+    if not cp.storage.is_file(file):
         raise cp.errors.IntegrityError(
             f"{directory} holds no {PROTO_FILE}: the proto checkpointable {directory.name!r} "
             f"is missing its data. The checkpoint is damaged or was not written by a proto handler."

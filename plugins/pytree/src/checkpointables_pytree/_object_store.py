@@ -315,8 +315,8 @@ class KvStoreStorage:
             raise FileNotFoundError(f"No object at {path}.")
         return bytes(result.value)
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Creates or replaces an object (one PUT)."""
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Creates or replaces an object (one PUT; durable once it returns)."""
         store, key = self._store(path)
         try:
             store.write(key, data).result()
