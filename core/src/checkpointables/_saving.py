@@ -168,8 +168,12 @@ def save_checkpointables_async(
     def background() -> None:
         error: BaseException | None = None
         try:
-            directory.create_now()
-            run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
+            try:
+                directory.create_now()
+            finally:
+                # Run even if the creation failed: each handler then fails where it awaits
+                # the directory, and cleans up what it started.
+                run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
         except BaseException as e:
             error = e
         try:

@@ -431,9 +431,14 @@ class ArrayWriter:
         return not self._items
 
     async def run(self) -> None:
-        """Writes every array added; returns once all are committed to the database."""
+        """Writes every array added; returns once all are committed to the database.
+
+        Raises:
+          cp.errors.StorageError: an object store failed requests beyond TensorStore's retries.
+        """
         try:
-            await self._run()
+            with _errors.object_store_failures(self._directory.path, "Writing the arrays to"):
+                await self._run()
         finally:
             self._all_recorded()
 

@@ -22,6 +22,7 @@ from etils import epath
 from checkpointables_pytree import (
     _crc32c,
     _database,
+    _errors,
     _gc,
     _multiprocess,
     _tree,
@@ -320,7 +321,8 @@ class PyTreeHandler:
         """
         if cp.multihost.process_count() > 1:
             context = cp.context.get_context()
-            await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
+            with _errors.object_store_failures(directory, "Merging the databases of"):
+                await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
 
     # -- Loading --------------------------------------------------------------------------------
 

@@ -127,33 +127,43 @@ def _region(options: cp.options.StorageOptions, profile: dict[str, str]) -> str 
     )
 
 
-_static_lock = threading.Lock()
-_static_files: dict[tuple[str, str, str | None], str] = {}
+_private_lock = threading.Lock()
+_private_files: dict[str, str] = {}
 
 
-def _static_credentials_file(key_id: str, secret: str, token: str | None) -> str:
-    """A private credentials file holding explicit keys (TensorStore reads keys from files).
+def _private_file(text: str) -> str:
+    """A file holding ``text`` that only this user can read (one per distinct text).
 
-    Created once per set of keys in a directory only this user can read, and
-    removed when the process exits.
+    TensorStore reads keys from files only: explicit keys are written to one,
+    in a fresh 0700 directory, removed when the process exits.
     """
-    with _static_lock:
-        path = _static_files.get((key_id, secret, token))
+    with _private_lock:
+        path = _private_files.get(text)
         if path is None:
             directory = tempfile.mkdtemp(prefix="checkpointables-aws-")  # Mode 0700.
             atexit.register(shutil.rmtree, directory, ignore_errors=True)
-            path = os.path.join(directory, "credentials")
-            lines = ["[checkpointables]", f"aws_access_key_id = {key_id}"]
-            lines.append(f"aws_secret_access_key = {secret}")
-            if token:
-                lines.append(f"aws_session_token = {token}")
+            path = os.path.join(directory, "aws")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write("\n".join(lines) + "\n")
-            with open(os.path.join(directory, "config"), "w"):
-                pass
-            _static_files[(key_id, secret, token)] = path
+                f.write(text)
+            _private_files[text] = path
         return path
+
+
+def _profile_spec(profile: str, credentials_file: str | None = None) -> dict[str, Any]:
+    """TensorStore's ``profile`` credentials, with both files named (it finds neither alone).
+
+    A file that does not exist is replaced by an empty one.
+    """
+    files = {
+        "credentials_file": credentials_file
+        or _config_path("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+        "config_file": _config_path("AWS_CONFIG_FILE", "~/.aws/config"),
+    }
+    for key, path in files.items():
+        if not os.path.exists(path):
+            files[key] = _private_file("")
+    return {"type": "profile", "profile": profile, **files}
 
 
 def _credentials(options: cp.options.StorageOptions) -> tuple[dict[str, Any], tuple[Any, ...]]:
@@ -161,23 +171,19 @@ def _credentials(options: cp.options.StorageOptions) -> tuple[dict[str, Any], tu
     if options.anonymous:
         return {"type": "anonymous"}, ("anonymous",)
     if options.access_key_id is not None and options.secret_access_key is not None:
-        path = _static_credentials_file(
-            options.access_key_id, options.secret_access_key, options.session_token
-        )
-        spec = {
-            "type": "profile",
-            "profile": "checkpointables",
-            "credentials_file": path,
-            "config_file": os.path.join(os.path.dirname(path), "config"),
-        }
-        return spec, ("static", path)
+        lines = ["[checkpointables]", f"aws_access_key_id = {options.access_key_id}"]
+        lines.append(f"aws_secret_access_key = {options.secret_access_key}")
+        if options.session_token:
+            lines.append(f"aws_session_token = {options.session_token}")
+        path = _private_file("\n".join(lines) + "\n")
+        return _profile_spec("checkpointables", path), ("static", path)
     if options.profile:
-        return {"type": "profile", "profile": options.profile}, ("profile", options.profile)
+        return _profile_spec(options.profile), ("profile", options.profile)
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return {"type": "environment"}, ("environment",)
     if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"):
         name = _profile_name(options)
-        return {"type": "profile", "profile": name}, ("profile", name)
+        return _profile_spec(name), ("profile", name)
     files = [
         _config_path("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
         _config_path("AWS_CONFIG_FILE", "~/.aws/config"),
@@ -291,7 +297,10 @@ class KvStoreStorage:
             store = self._stores.get((scheme, bucket))
             if store is None:
                 spec = kvstore_spec(f"{scheme}://{bucket}", self._settings)
-                store = ts.KvStore.open(spec, context=self._context).result()
+                try:
+                    store = ts.KvStore.open(spec, context=self._context).result()
+                except Exception as e:
+                    raise _failure("Opening", f"{scheme}://{bucket}", e) from e
                 self._stores[(scheme, bucket)] = store
         return store, key
 
