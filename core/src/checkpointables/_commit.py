@@ -42,7 +42,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _leftovers, errors, layout, storage
+from checkpointables import _leftovers, errors, layout, multihost, storage
 
 __all__ = [
     "SAVE_RECORD_FILE",
@@ -113,16 +113,41 @@ def read_record(
 
 
 def check_can_save(
-    path: epath.Path, *, overwrite: bool, replace_unfinished: bool, timeout_secs: float
+    path: epath.Path,
+    *,
+    overwrite: bool,
+    replace_unfinished: bool,
+    timeout_secs: float,
+    operation: str = "",
 ) -> None:
-    """Raises ``FileExistsError`` if a save to ``path`` must not start.
+    """Raises ``FileExistsError`` (on every process) if a save to ``path`` must not start.
+
+    The primary host looks, and tells the others: once it has claimed an
+    object-store prefix, the others would take its claim for another save.
 
     Args:
       overwrite: replace a finished checkpoint (or anything else) at ``path``.
       replace_unfinished: replace an unfinished save on an object store even if
         it may still be running (the Checkpointer, sole writer of its root).
       timeout_secs: an unfinished save older than this is abandoned.
+      operation: the save's name among the processes' collective operations.
     """
+    problem = ""
+    if multihost.is_primary_host():
+        try:
+            _check_can_save(path, overwrite, replace_unfinished, timeout_secs)
+        except FileExistsError as e:
+            problem = str(e)
+    problem = multihost.broadcast_from_primary(
+        f"{operation}/check", problem if multihost.is_primary_host() else None
+    )
+    if problem:
+        raise FileExistsError(problem)
+
+
+def _check_can_save(
+    path: epath.Path, overwrite: bool, replace_unfinished: bool, timeout_secs: float
+) -> None:
     if uses_rename(path):
         if os.path.lexists(os.fspath(path)) and not overwrite:
             raise FileExistsError(

@@ -95,15 +95,19 @@ def save_checkpointables_async(
     _inflight.wait_for(path, timeout)
     if layout.is_temporary_path(path):
         raise ValueError(f"{path} has a temporary directory's name; choose another path.")
-    with context:  # The storage of an object store is configured by the context.
-        _commit.check_can_save(
-            path, overwrite=overwrite, replace_unfinished=replace_unfinished, timeout_secs=timeout
-        )
     chosen = resolve_save_handlers(checkpointables, context, forced_handlers)
     init_ns = time.time_ns()
     primary = multihost.is_primary_host(context)
     # Every process must write to the same place: the primary names it.
     operation = f"save/{multihost.next_operation_id()}" if multihost.is_coordinated(context) else ""
+    with context:  # The storage of an object store is configured by the context.
+        _commit.check_can_save(
+            path,
+            overwrite=overwrite,
+            replace_unfinished=replace_unfinished,
+            timeout_secs=timeout,
+            operation=operation,
+        )
     if primary:
         storage.make_dirs(path.parent)
     root = epath.Path(
