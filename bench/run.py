@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, libraries, memory, report, timing
+from bench import cases, libraries, memory, object_store, report, timing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--case",
         action="append",
-        choices=[c.name for c in cases.CASES],
-        help="run only this case (repeatable); default: all",
+        choices=[c.name for c in cases.CASES] + list(object_store.CASE_NAMES),
+        help="run only this case (repeatable); default: all but s3-1gib",
     )
     p.add_argument(
         "--libs", default=None, help=f"comma-separated subset of {','.join(libraries.LIBRARIES)}"
@@ -206,7 +206,9 @@ def _measure_memory(
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
-    selected = [cases.get_case(n) for n in args.case] if args.case else list(cases.CASES)
+    requested = args.case or [c.name for c in cases.CASES] + list(object_store.DEFAULT_CASES)
+    selected = [cases.get_case(n) for n in requested if n not in object_store.CASE_NAMES]
+    on_s3 = [n for n in requested if n in object_store.CASE_NAMES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
     scratch = libraries.scratch_dir(args.tmp_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
@@ -285,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "memory": mem,
             }
+        if on_s3:
+            document["object_store"] = object_store.run(on_s3, args, _say)
+            failed |= object_store.failed(document["object_store"])
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)

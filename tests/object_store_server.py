@@ -158,6 +158,7 @@ class S3Proxy:
         return "forward"
 
     def _record(self, method: str, sent: int, received: int, fault: bool) -> None:
+        """Counts one request (a GET with ``list-type`` in its query is a ``LIST``)."""
         with self._lock:
             self.counts.requests[method] += 1
             self.counts.bytes_sent[method] += sent
@@ -188,12 +189,13 @@ class S3Proxy:
             def _forward(self) -> None:
                 body = self._body()
                 action = proxy._decide()
+                kind = "LIST" if "list-type=" in self.path else self.command
                 if action == "drop_before":
-                    proxy._record(self.command, len(body), 0, True)
+                    proxy._record(kind, len(body), 0, True)
                     self._drop()
                     return
                 if action == "fail_before":
-                    proxy._record(self.command, len(body), 0, True)
+                    proxy._record(kind, len(body), 0, True)
                     self._answer(503, _SLOW_DOWN, {"Content-Type": "application/xml"})
                     return
                 connection = http.client.HTTPConnection(proxy._target, timeout=120)
@@ -212,7 +214,7 @@ class S3Proxy:
                     kept = {k: v for k, v in response.getheaders() if k.lower() not in dropped}
                 finally:
                     connection.close()
-                proxy._record(self.command, len(body), len(data), action == "drop_after")
+                proxy._record(kind, len(body), len(data), action == "drop_after")
                 if action == "drop_after":
                     self._drop()
                     return

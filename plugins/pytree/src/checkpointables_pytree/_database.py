@@ -45,6 +45,7 @@ from checkpointables_pytree import (
     _large_reads,
     _local_values,
     _object_store,
+    _remote_values,
     _ts_futures,
     _value_files,
     _zarr3,
@@ -786,6 +787,8 @@ class ArrayReader:
             self._index = self._opened.index
         elif ocdbt and _value_files.is_local(directory):
             self._index = _value_files.DatabaseIndex(directory)
+        elif ocdbt:  # An object store: small values are read in few requests.
+            self._index = _value_files.DatabaseIndex(directory, _base(directory))
 
     def array_spec(self, name: str) -> dict[str, Any]:
         if self._ocdbt:
@@ -853,10 +856,14 @@ class ArrayReader:
             else:
                 keys.extend(_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices)
         found: list[Any] = [None] * len(keys)
-        if len(keys) > INLINE_READ_KEYS and self._index is not None:
+        local = _value_files.is_local(self._directory)
+        if self._index is not None and (len(keys) > INLINE_READ_KEYS or not local):
             # A damaged database: TensorStore's reads below report it, naming it.
             with contextlib.suppress(Exception):
-                found = await _local_values.read_local_values(self._index, keys)
+                if local:
+                    found = await _local_values.read_local_values(self._index, keys)
+                else:
+                    found = await _remote_values.read_remote_values(self._index, keys)
         rest = [i for i, value in enumerate(found) if value is None]
         try:
             if rest:
@@ -949,8 +956,8 @@ class ArrayReader:
 
     async def _locate(self, reads: Sequence[ArrayRead]) -> dict[str, _value_files.ValueLocation]:
         """Where the shards of ``reads`` are, when the database is local (else empty)."""
-        if not reads or self._index is None:
-            return {}
+        if not reads or self._index is None or not _value_files.is_local(self._directory):
+            return {}  # (Large values on object stores are read in ranges by _large_reads.)
         keys = [
             _zarr3.chunk_key(r.name, i)
             for r in reads
