@@ -98,6 +98,9 @@ LARGE_GROUP_BYTES = 32 << 20
 # writes its data file on one thread: with one writer a 256 MiB save waited for
 # those writes, and the disk sat idle until the first commit ended.
 WRITERS = 4
+# On an object store each commit waits for several requests (tens of ms each) besides its
+# data PUT: more writers keep more PUTs in flight (see docs/performance.md, "Object stores").
+REMOTE_WRITERS = 16
 # Up to this many keys, read_values waits for them on the event loop's thread.
 INLINE_READ_KEYS = 64
 # A _METADATA of more than this (about 100 leaves) starts a load's index early.
@@ -653,9 +656,10 @@ class ArrayWriter:
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
     """The databases that ``groups`` groups of large arrays are committed to."""
-    if groups < 2 or WRITERS < 2:
+    writers = WRITERS if _value_files.is_local(database) else REMOTE_WRITERS
+    if groups < 2 or writers < 2:
         return [database]
-    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(WRITERS, groups))]
+    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(writers, groups))]
 
 
 async def _merge_when(
@@ -833,7 +837,13 @@ class ArrayReader:
             # Each holds only its group's arrays: no byte limit.
             tasks.append(
                 asyncio.ensure_future(
-                    _large_reads.read_large(kvstore, raw, verify=self._verify, locations=locations)
+                    _large_reads.read_large(
+                        kvstore,
+                        raw,
+                        verify=self._verify,
+                        locations=locations,
+                        remote=not _value_files.is_local(self._directory),
+                    )
                 )
             )
         try:
