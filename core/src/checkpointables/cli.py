@@ -31,6 +31,8 @@ def _plugins(args: argparse.Namespace) -> int:
                 f"    leaf handler {leaf.handler_cls.__name__}: "
                 f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
             )
+        for storage in info.storages:
+            print(f"    storage {storage.scheme}://")
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+import boto3
 import checkpointables as cp
 import jax
 import numpy as np
@@ -155,3 +156,27 @@ def test_without_the_pytree_plugin_the_error_names_the_extra(bucket) -> None:
     assert result.returncode == 0, result.stderr
     assert 'pip install "checkpointables[s3]"' in result.stdout
     assert 'pip install "checkpointables[gcs]"' in result.stdout
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Orbax warns about our typestr, its shardings.
+def test_the_layout_is_orbax_s_both_ways(s3, bucket, tmp_path) -> None:
+    """Orbax cannot reach a local server, so its files travel through boto3, unchanged."""
+    from orbax.checkpoint import v1 as ocp
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    name = bucket.removeprefix("s3://")
+    values = {"a": np.arange(5), "b": {"c": np.ones((3, 3))}}
+    ocp.save(tmp_path / "orbax", values)  # Orbax writes commit_success.txt too.
+    for file in (tmp_path / "orbax").rglob("*"):
+        if file.is_file():
+            key = f"from-orbax/{file.relative_to(tmp_path / 'orbax')}"
+            client.put_object(Bucket=name, Key=key, Body=file.read_bytes())
+    assert cp.is_checkpoint(f"{bucket}/from-orbax")
+    assert_equal(cp.load_pytree(f"{bucket}/from-orbax"), values)
+
+    cp.save_pytree(f"{bucket}/ours", values)
+    for key in keys(s3, f"{bucket}/ours"):
+        target = tmp_path / "ours" / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(client.get_object(Bucket=name, Key=f"ours/{key}")["Body"].read())
+    assert_equal(ocp.load(tmp_path / "ours"), values)
