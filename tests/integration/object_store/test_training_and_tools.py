@@ -111,3 +111,21 @@ def test_json_and_custom_leaf_files_reach_the_bucket(s3, bucket) -> None:
         Bucket=name, Key=f"{key}/config/data.json"
     )["Body"]
     assert json.loads(body.read()) == {"depth": 4}
+
+
+def test_grain_iterators_and_protocol_buffers_on_s3(bucket) -> None:
+    from ...plugins.grain.pipelines import map_pipeline
+    from ...plugins.proto.messages import train_config
+
+    iterator = iter(map_pipeline())
+    for _ in range(5):
+        next(iterator)
+    config = train_config()
+    path = f"{bucket}/everything"
+    cp.save_checkpointables(path, {"pytree": state(5), "dataset": iterator, "config": config})
+    expected = [next(iterator) for _ in range(8)]
+    fresh = iter(map_pipeline())
+    loaded = cp.load_checkpointables(path, {"pytree": None, "dataset": fresh, "config": None})
+    assert loaded["config"] == config
+    assert_equal(loaded["pytree"], state(5))
+    assert [next(fresh) for _ in range(8)] == expected  # Resumed where it was saved.
