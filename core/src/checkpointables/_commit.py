@@ -294,11 +294,8 @@ class MarkerTarget(SaveTarget):
 
     def discard(self) -> None:
         """Deletes what this save wrote, unless another save has taken the prefix over."""
-        if read_record(self.final, self._store) != self._record:
-            return
-        files = self._store.list_files(os.fspath(self.final))
-        _remove_all(self._store, [_join(self.final, f) for f in files if f != SAVE_RECORD_FILE])
-        self._store.remove_file(_join(self.final, SAVE_RECORD_FILE))
+        if read_record(self.final, self._store) == self._record:
+            remove_unfinished(self.final, self._store)
 
 
 # -- Deleting ---------------------------------------------------------------------------------
@@ -350,9 +347,9 @@ def retire(path: epath.Path) -> Retired | None:
     return Retired(path)
 
 
-def remove_unfinished(path: epath.Path) -> None:
+def remove_unfinished(path: epath.Path, store: storage.Storage | None = None) -> None:
     """Deletes an object-store prefix that holds no committed checkpoint, record last."""
-    store = storage.for_path(path)
+    store = storage.for_path(path) if store is None else store
     files = store.list_files(os.fspath(path))
     _remove_all(store, [_join(path, f) for f in files if f != SAVE_RECORD_FILE])
     store.remove_file(_join(path, SAVE_RECORD_FILE))

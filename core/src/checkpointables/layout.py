@@ -197,7 +197,17 @@ def _validate_remote_checkpoint(path: epath.Path) -> None:
 
 
 def is_checkpoint(path: epath.PathLike) -> bool:
-    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0)."""
+    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
+
+    On an object store: whether it has its commit marker (one request).
+    """
+    if local_path(path) is None:
+        if is_temporary_path(path):
+            return False
+        try:
+            return storage.is_file(f"{os.fspath(path).rstrip('/')}/{COMMIT_SUCCESS_FILE}")
+        except OSError:
+            return False
     try:
         validate_checkpoint_directory(epath.Path(path))
     except (FileNotFoundError, errors.NotACheckpointError, OSError):
