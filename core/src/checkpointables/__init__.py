@@ -21,6 +21,8 @@ from checkpointables import (
     partial,
     path,
     plugins,
+    progress,
+    readers,
     serialization,
     training,
 )
@@ -94,6 +96,8 @@ __all__ = [
     "partial",
     "path",
     "plugins",
+    "progress",
+    "readers",
     "serialization",
     "training",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _gc, _loading, _saving, errors, handlers, layout
+from checkpointables import _gc, _loading, _saving, errors, handlers, layout, readers
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
@@ -127,6 +127,14 @@ def find_pytree(
     )
 
 
+def _no_name_for_readers(path: epath.PathLike, checkpointable_name: str | None) -> None:
+    if checkpointable_name is not None:
+        raise ValueError(
+            f"{path} is not a checkpoint directory but a file or directory of another format, "
+            f"which holds one pytree: drop checkpointable_name={checkpointable_name!r}."
+        )
+
+
 def _with_partial_load(context: Context, partial_load: bool) -> Context:
     if not partial_load:
         return context
@@ -154,9 +162,13 @@ def _start_load(
     wait: bool,
 ) -> AsyncResponse[Any]:
     context = _with_partial_load(get_context(), partial_load)
-    path, meta = _loading.open_checkpoint(path, context)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
+    reader = readers.reader_for(path)
+    if reader is not None:  # Another format (e.g. safetensors), read by a plugin.
+        _no_name_for_readers(path, checkpointable_name)
+        return readers.load_async(reader, epath.Path(path), abstract_pytree, context, wait=wait)
+    path, meta = _loading.open_checkpoint(path, context)
     name, directory = find_pytree(path, meta, checkpointable_name)
     response = _loading.load_items_async(
         path, meta, {name: (directory, abstract_pytree)}, context, wait=wait
@@ -214,6 +226,10 @@ def pytree_metadata(
 ) -> CheckpointMetadata[Any]:
     """The abstract tree of a stored pytree (usable as ``abstract_pytree``), cheaply."""
     context = get_context()
+    reader = readers.reader_for(path)
+    if reader is not None:
+        _no_name_for_readers(path, checkpointable_name)
+        return readers.metadata(reader, epath.Path(path), context)
     path, meta = _loading.open_checkpoint(path, context)
     name, directory = find_pytree(path, meta, checkpointable_name)
     recorded = _loading.recorded_typestrs(meta).get(name)

@@ -1,4 +1,9 @@
-"""The ``checkpointables`` command: ``plugins``, ``inspect``, ``verify``, ``demo``."""
+"""The ``checkpointables`` command: ``plugins``, ``inspect``, ``verify``, ``demo``.
+
+Plugins add more commands through the ``register_commands`` hook (the
+safetensors plugin adds ``export`` and ``import``). Every command takes
+``-q``/``--quiet``, which turns progress bars off (see ``cp.progress``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import argparse
 import datetime
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +37,10 @@ def _plugins(args: argparse.Namespace) -> int:
                 f"    leaf handler {leaf.handler_cls.__name__}: "
                 f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
             )
+        for reader in info.readers:
+            print(f"    pytree reader {reader.name}: priority {reader.priority}")
+        for command in info.commands:
+            print(f"    command {command.name}: {command.help}")
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")
@@ -53,12 +63,30 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
     return type(leaf).__name__, 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _print_leaves(value: Any) -> int:
+    """Prints one line per leaf of an abstract tree; returns the bytes of its arrays."""
     import jax
 
-    from checkpointables import _loading
+    from checkpointables import progress
+
+    total = 0
+    leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
+    if not leaves:
+        print(f"  {value!r}"[:200])
+    for keypath, leaf in leaves:
+        text, size = _describe_leaf(leaf)
+        total += size
+        print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+    progress.advance(total)
+    return total
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from checkpointables import _loading, progress, readers
     from checkpointables.context import get_context
 
+    if readers.reader_for(args.path) is not None:
+        return _inspect_other_format(args.path)
     context = get_context()
     path, meta = _loading.open_checkpoint(args.path, context)
     typestrs = _loading.recorded_typestrs(meta)
@@ -74,22 +102,31 @@ def _inspect(args: argparse.Namespace) -> int:
     if meta.get("metrics"):
         print(f"  metrics: {meta.get('metrics')}")
     total = 0
-    items = _inspected_items(path, meta)
-    for name, directory in items:
-        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
-        print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
-        try:
-            value = _loading.item_metadata(directory, name, recorded, context)
-        except Exception as e:  # Show what can be shown; the error names the problem.
-            print(f"  cannot read metadata: {type(e).__name__}: {e}")
-            continue
-        leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
-        if not leaves:
-            print(f"  {value!r}"[:200])
-        for keypath, leaf in leaves:
-            text, size = _describe_leaf(leaf)
-            total += size
-            print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+    with progress.bytes_progress(None, "inspect"):
+        for name, directory in _inspected_items(path, meta):
+            recorded = typestrs.get(name) or (
+                meta.get("item_handlers") if directory == path else None
+            )
+            print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
+            try:
+                value = _loading.item_metadata(directory, name, recorded, context)
+            except Exception as e:  # Show what can be shown; the error names the problem.
+                print(f"  cannot read metadata: {type(e).__name__}: {e}")
+                continue
+            total += _print_leaves(value)
+    print(f"\ntotal array bytes: {total:,}")
+    return 0
+
+
+def _inspect_other_format(path: str) -> int:
+    """``inspect`` of a path a pytree reader recognizes (e.g. a safetensors file)."""
+    from checkpointables import _pytree_api, progress
+
+    with progress.bytes_progress(None, "inspect"):
+        meta = _pytree_api.pytree_metadata(path)
+        print(f"pytree {meta.path} (not a checkpoint: read by a pytree reader plugin)")
+        print(f"  custom_metadata: {meta.custom_metadata}")
+        total = _print_leaves(meta.metadata)
     print(f"\ntotal array bytes: {total:,}")
     return 0
 
@@ -103,8 +140,22 @@ def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(n, path / n) for n in names]
 
 
-def _verify(args: argparse.Namespace) -> int:
+def _array_bytes(directory: Any, name: str, recorded: str | None) -> int | None:
+    """Bytes of the arrays of one checkpointable, from its metadata (``None`` if unknown)."""
+    import jax
+
     from checkpointables import _loading
+    from checkpointables.context import get_context
+
+    try:
+        value = _loading.item_metadata(directory, name, recorded, get_context())
+    except Exception:  # verify() itself reports what is wrong.
+        return None
+    return sum(_describe_leaf(leaf)[1] for leaf in jax.tree_util.tree_leaves(value))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpointables import _loading, progress
     from checkpointables._asyncio import run_sync
     from checkpointables.context import get_context
 
@@ -119,7 +170,8 @@ def _verify(args: argparse.Namespace) -> int:
         if verify is None:
             print(f"{name}: not checked ({type(handler).__name__} has no verify())")
             continue
-        problems = run_sync(verify(directory))
+        with progress.bytes_progress(_array_bytes(directory, name, recorded), f"verify {name}"):
+            problems = run_sync(verify(directory))
         if problems:
             failures += len(problems)
             for problem in problems:
@@ -136,36 +188,91 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.directory, steps=args.steps)
 
 
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-q", "--quiet", action="store_true", help="show no progress bars (see cp.progress)"
+    )
+    return common
+
+
+def _add_plugin_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Adds the commands plugins registered (``register_commands``); a clash is skipped."""
+    from checkpointables import plugins
+
+    for command in plugins.command_registrations():
+        if command.name in sub.choices:
+            warnings.warn(
+                f"plugin {command.plugin!r} registers the command {command.name!r}, which is "
+                f"already taken; it is skipped.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        try:  # On a scratch parser first: a failing plugin must not break the others.
+            if command.add_arguments is not None:
+                command.add_arguments(argparse.ArgumentParser(add_help=False))
+        except Exception as e:
+            warnings.warn(
+                f"plugin {command.plugin!r} failed to add the arguments of its command "
+                f"{command.name!r}, which is skipped: {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        p = sub.add_parser(
+            command.name, help=command.help, description=command.help, parents=[common]
+        )
+        if command.add_arguments is not None:
+            command.add_arguments(p)
+        p.set_defaults(run=command.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``checkpointables`` command."""
+    """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
+    common = _common_options()
     parser = argparse.ArgumentParser(
-        prog="checkpointables", description="Checkpointing for JAX: tools and a demo."
+        prog="checkpointables",
+        description="Checkpointing for JAX: tools and a demo.",
+        parents=[common],
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plugins", help="list installed plugins and their handlers")
+    p = sub.add_parser(
+        "plugins", help="list installed plugins and their handlers", parents=[common]
+    )
     p.set_defaults(run=_plugins)
-    p = sub.add_parser("inspect", help="print what a checkpoint holds, without loading arrays")
+    p = sub.add_parser(
+        "inspect",
+        help="print what a checkpoint (or a file a plugin reads) holds, without loading arrays",
+        parents=[common],
+    )
     p.add_argument("path")
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
-        "verify", help="read every chunk and check its checksum; exit status 1 on any failure"
+        "verify",
+        help="read every chunk and check its checksum; exit status 1 on any failure",
+        parents=[common],
     )
     p.add_argument("path")
     p.set_defaults(run=_verify)
-    p = sub.add_parser("demo", help="train a small JAX model with checkpoints, then resume it")
+    p = sub.add_parser(
+        "demo", help="train a small JAX model with checkpoints, then resume it", parents=[common]
+    )
     p.add_argument(
         "directory", nargs="?", default=None, help="where to write (default: a temp dir)"
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
+    _add_plugin_commands(sub, common)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    from checkpointables import errors
+    from checkpointables import errors, progress
 
     args = build_parser().parse_args(argv)
+    progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))
     except (errors.CheckpointError, FileNotFoundError, FileExistsError) as e:

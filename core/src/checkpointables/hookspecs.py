@@ -60,3 +60,44 @@ def register_leaf_handlers(register: Callable[..., Any]) -> None:
     Returns:
       Nothing.
     """
+
+
+@hookspec
+def register_pytree_readers(register: Callable[..., Any]) -> None:
+    """Registers readers of pytrees stored in other formats than checkpoints.
+
+    ``cp.load_pytree``, ``cp.load_pytree_async`` and ``cp.pytree_metadata``
+    consult readers for a path that is not a checkpoint directory (no
+    ``_CHECKPOINT_METADATA``): the first, by ``(priority, name)``, whose
+    ``recognizes(path)`` is true reads it. A reader meets
+    ``cp.protocols.PyTreeReader``. Called once per plugin, like the other hooks.
+
+    Args:
+      register: call it as ``register(reader_cls, *, priority=None, name=None)``.
+        ``reader_cls`` must be constructible with no arguments; lower priority
+        values are asked first (default 50); ``name`` defaults to the class name
+        without ``Reader``, lower-cased.
+
+    Returns:
+      Nothing.
+    """
+
+
+@hookspec
+def register_commands(register: Callable[..., Any]) -> None:
+    """Adds subcommands to the ``checkpointables`` command line.
+
+    Called once per plugin, when the command line starts (plugins are loaded
+    then, as for ``checkpointables plugins``).
+
+    Args:
+      register: call it as ``register(name, run, *, help, add_arguments=None)``.
+        ``add_arguments(parser)`` adds the command's arguments to its
+        ``argparse.ArgumentParser``; ``run(args)`` runs it with the parsed
+        ``argparse.Namespace`` (which also holds the global ``quiet`` flag)
+        and returns the exit status. A name taken by a built-in command or an
+        earlier plugin is skipped with a warning.
+
+    Returns:
+      Nothing.
+    """

@@ -28,11 +28,15 @@ __all__ = [
     "DISABLE_ENV_VAR",
     "HandlerRegistration",
     "LeafRegistration",
+    "ReaderRegistration",
+    "CommandRegistration",
     "PluginInfo",
     "list_plugins",
     "refresh",
     "handler_registrations",
     "leaf_registrations",
+    "reader_registrations",
+    "command_registrations",
 ]
 
 ENTRY_POINT_GROUP = "checkpointables"
@@ -75,6 +79,32 @@ class LeafRegistration:
 
 
 @attrs.frozen
+class ReaderRegistration:
+    """One pytree reader (``register_pytree_readers``) as registered by a plugin."""
+
+    reader_cls: type
+    name: str
+    priority: int
+    plugin: str
+
+    @property
+    def sort_key(self) -> tuple[int, str]:
+        """Readers are asked in this order whether they recognize a path."""
+        return (self.priority, self.name)
+
+
+@attrs.frozen
+class CommandRegistration:
+    """One subcommand of ``checkpointables`` (``register_commands``) as registered by a plugin."""
+
+    name: str
+    run: Callable[[Any], int]
+    help: str
+    add_arguments: Callable[[Any], None] | None
+    plugin: str
+
+
+@attrs.frozen
 class PluginInfo:
     """What :func:`list_plugins` reports about one entry point."""
 
@@ -86,6 +116,8 @@ class PluginInfo:
     error: str | None
     handlers: tuple[HandlerRegistration, ...]
     leaf_handlers: tuple[LeafRegistration, ...]
+    readers: tuple[ReaderRegistration, ...] = ()
+    commands: tuple[CommandRegistration, ...] = ()
 
 
 def _default_handler_name(handler_cls: type) -> str:
@@ -132,6 +164,46 @@ def make_handler_registration(
     )
 
 
+# The methods of cp.protocols.PyTreeReader.
+_READER_METHODS = ("recognizes", "load", "metadata")
+
+
+def make_reader_registration(
+    reader_cls: type, *, plugin: str, priority: int | None = None, name: str | None = None
+) -> ReaderRegistration:
+    """Validates a ``register(...)`` call of ``register_pytree_readers``."""
+    if not isinstance(reader_cls, type):
+        raise TypeError(f"register() takes a reader class, got {reader_cls!r}.")
+    missing = [m for m in _READER_METHODS if not callable(getattr(reader_cls, m, None))]
+    if missing:
+        raise TypeError(f"{typestr(reader_cls)} is not a PyTreeReader: it lacks {sorted(missing)}.")
+    if priority is not None and not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}.")
+    default_name = reader_cls.__name__.removesuffix("Reader").lower() or reader_cls.__name__
+    return ReaderRegistration(
+        reader_cls=reader_cls,
+        name=name or default_name,
+        priority=DEFAULT_PRIORITY if priority is None else priority,
+        plugin=plugin,
+    )
+
+
+def make_command_registration(
+    name: str,
+    run: Callable[[Any], int],
+    *,
+    plugin: str,
+    help: str = "",
+    add_arguments: Callable[[Any], None] | None = None,
+) -> CommandRegistration:
+    """Validates a ``register(...)`` call of ``register_commands``."""
+    if not isinstance(name, str) or not name or name.startswith("-") or " " in name:
+        raise TypeError(f"A command name is a non-empty word, got {name!r}.")
+    if not callable(run) or (add_arguments is not None and not callable(add_arguments)):
+        raise TypeError(f"Command {name!r}: run and add_arguments must be callables.")
+    return CommandRegistration(name, run, help, add_arguments, plugin)
+
+
 def _disabled_names() -> set[str]:
     raw = os.environ.get(DISABLE_ENV_VAR, "")
     return {part.strip() for part in raw.split(",") if part.strip()}
@@ -142,6 +214,25 @@ class _Discovery:
     plugins: tuple[PluginInfo, ...]
     handlers: tuple[HandlerRegistration, ...]
     leaves: tuple[LeafRegistration, ...]
+    readers: tuple[ReaderRegistration, ...] = ()
+    commands: tuple[CommandRegistration, ...] = ()
+
+
+@attrs.define
+class _Registered:
+    """What one plugin registered through each hook."""
+
+    handlers: list[HandlerRegistration] = attrs.Factory(list)
+    leaves: list[LeafRegistration] = attrs.Factory(list)
+    readers: list[ReaderRegistration] = attrs.Factory(list)
+    commands: list[CommandRegistration] = attrs.Factory(list)
+
+    def extend(self, other: _Registered) -> None:
+        """Adds what ``other`` registered to this."""
+        self.handlers += other.handlers
+        self.leaves += other.leaves
+        self.readers += other.readers
+        self.commands += other.commands
 
 
 def _entry_points() -> list[importlib_metadata.EntryPoint]:
@@ -176,11 +267,10 @@ def _load_plugin(
     ep: importlib_metadata.EntryPoint,
     manager: pluggy.PluginManager,
     taken_names: dict[str, HandlerRegistration],
-) -> tuple[list[HandlerRegistration], list[LeafRegistration]]:
+) -> _Registered:
     """Imports one plugin and calls its hooks; raises if anything about it is wrong."""
     manager.register(ep.load(), name=ep.name)
-    handlers: list[HandlerRegistration] = []
-    leaves: list[LeafRegistration] = []
+    registered = _Registered()
 
     def make_handler(cls: type, **kwargs: Any) -> HandlerRegistration:
         return make_handler_registration(cls, plugin=ep.name, **kwargs)
@@ -195,28 +285,37 @@ def _load_plugin(
             leaf_type, abstract_type, handler_cls, tuple(secondary_typestrs), ep.name
         )
 
-    for impl in manager.hook.register_checkpointable_handlers.get_hookimpls():
-        if impl.plugin_name == ep.name:
-            handlers += _collect(impl.function, make_handler)
-    for impl in manager.hook.register_leaf_handlers.get_hookimpls():
-        if impl.plugin_name == ep.name:
-            leaves += _collect(impl.function, make_leaf)
-    for h in handlers:
+    def make_reader(cls: type, **kwargs: Any) -> ReaderRegistration:
+        return make_reader_registration(cls, plugin=ep.name, **kwargs)
+
+    def make_command(name: str, run: Callable[[Any], int], **kwargs: Any) -> CommandRegistration:
+        return make_command_registration(name, run, plugin=ep.name, **kwargs)
+
+    hooks: list[tuple[Any, Callable[..., Any], list[Any]]] = [
+        (manager.hook.register_checkpointable_handlers, make_handler, registered.handlers),
+        (manager.hook.register_leaf_handlers, make_leaf, registered.leaves),
+        (manager.hook.register_pytree_readers, make_reader, registered.readers),
+        (manager.hook.register_commands, make_command, registered.commands),
+    ]
+    for hook, make, into in hooks:
+        for impl in hook.get_hookimpls():
+            if impl.plugin_name == ep.name:
+                into += _collect(impl.function, make)
+    for h in registered.handlers:
         other = taken_names.get(h.name)
         if other is not None and other.handler_cls is not h.handler_cls:
             raise ValueError(
                 f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
                 f"{other.plugin!r}; pass register(..., name=...) to choose another"
             )
-    return handlers, leaves
+    return registered
 
 
 def _plugin_info(
     ep: importlib_metadata.EntryPoint,
     status: Literal["loaded", "disabled", "failed"],
     error: str | None = None,
-    handlers: Sequence[HandlerRegistration] = (),
-    leaves: Sequence[LeafRegistration] = (),
+    registered: _Registered | None = None,
 ) -> PluginInfo:
     dist = getattr(ep, "dist", None)
     return PluginInfo(
@@ -226,8 +325,10 @@ def _plugin_info(
         version=dist.version if dist is not None else None,
         status=status,
         error=error,
-        handlers=_sort_handlers(handlers),
-        leaf_handlers=tuple(leaves),
+        handlers=_sort_handlers(registered.handlers if registered else ()),
+        leaf_handlers=tuple(registered.leaves if registered else ()),
+        readers=tuple(registered.readers if registered else ()),
+        commands=tuple(registered.commands if registered else ()),
     )
 
 
@@ -245,15 +346,14 @@ def discover(
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     infos: list[PluginInfo] = []
-    handlers: list[HandlerRegistration] = []
-    leaves: list[LeafRegistration] = []
+    everything = _Registered()
     taken_names: dict[str, HandlerRegistration] = {}
     for ep in eps:
         if ep.name in disabled:
             infos.append(_plugin_info(ep, "disabled", f"disabled by {DISABLE_ENV_VAR}"))
             continue
         try:
-            plugin_handlers, plugin_leaves = _load_plugin(ep, manager, taken_names)
+            registered = _load_plugin(ep, manager, taken_names)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
@@ -269,12 +369,17 @@ def discover(
             )
             infos.append(_plugin_info(ep, "failed", message))
             continue
-        for h in plugin_handlers:
+        for h in registered.handlers:
             taken_names.setdefault(h.name, h)
-        handlers += plugin_handlers
-        leaves += plugin_leaves
-        infos.append(_plugin_info(ep, "loaded", None, plugin_handlers, plugin_leaves))
-    return _Discovery(plugins=tuple(infos), handlers=_sort_handlers(handlers), leaves=tuple(leaves))
+        everything.extend(registered)
+        infos.append(_plugin_info(ep, "loaded", None, registered))
+    return _Discovery(
+        plugins=tuple(infos),
+        handlers=_sort_handlers(everything.handlers),
+        leaves=tuple(everything.leaves),
+        readers=tuple(sorted(everything.readers, key=lambda r: r.sort_key)),
+        commands=tuple(everything.commands),
+    )
 
 
 _lock = threading.RLock()
@@ -309,3 +414,13 @@ def handler_registrations() -> tuple[HandlerRegistration, ...]:
 def leaf_registrations() -> tuple[LeafRegistration, ...]:
     """Leaf handlers registered by plugins, in plugin-name order."""
     return _discovery().leaves
+
+
+def reader_registrations() -> tuple[ReaderRegistration, ...]:
+    """Pytree readers registered by plugins, in the order they are asked."""
+    return _discovery().readers
+
+
+def command_registrations() -> tuple[CommandRegistration, ...]:
+    """Subcommands of ``checkpointables`` registered by plugins, in plugin-name order."""
+    return _discovery().commands

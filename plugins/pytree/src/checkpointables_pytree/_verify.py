@@ -132,13 +132,16 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
             batch_bytes += stored.nbytes
             if batch_bytes >= _database.SMALL_BATCH_BYTES:
                 problems += await _check_batch(session, batch)
+                cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
             recorded = stored is not None and stored.checksums is not None
             found = await _check_chunks(session, [entry]) if recorded else []
             problems += found or await _check_with_driver(session, entry)
+            cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
         problems += await _check_batch(session, batch)
+        cp.progress.advance(batch_bytes)
     strings = [e for e in tree.entries if e.value_type == STRING]
     if strings:
         try:
