@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pty
-import struct
-import subprocess
-import sys
-import termios
 import textwrap
 
 import checkpointables as cp
@@ -16,6 +9,8 @@ import importlib_metadata
 import numpy as np
 import pytest
 from checkpointables import cli, plugins
+
+from ..python_subprocess import run_on_terminal
 
 _COMMANDS_PLUGIN = """
     import checkpointables as cp
@@ -88,43 +83,10 @@ def test_no_progress_when_stderr_is_not_a_terminal(tmp_path, capfd) -> None:
     assert "all checksums ok" in captured.out
 
 
-def _run_on_terminal(*args: str) -> str:
-    """Runs the CLI with stderr on a pseudo-terminal (bars shown at once); returns stderr."""
-    code = (
-        "import sys, checkpointables as cp; from checkpointables import cli; "
-        "cp.progress.DELAY_SECS = 0; sys.exit(cli.main(sys.argv[1:]))"
-    )
-    leader, follower = pty.openpty()
-    # A new pseudo-terminal is 0 columns wide; give it a usual width.
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    try:
-        process = subprocess.run(
-            [sys.executable, "-c", code, *args],
-            stdout=subprocess.PIPE,
-            stderr=follower,
-            timeout=120,
-            check=False,
-        )
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # The terminal is closed and drained.
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(leader)
-    assert process.returncode == 0, b"".join(chunks)
-    return b"".join(chunks).decode(errors="replace")
-
-
 def test_verify_shows_bytes_total_and_rate_on_a_terminal(tmp_path) -> None:
     cp.save_pytree(tmp_path / "c", {"w": np.ones((256, 1024), np.float32), "b": np.ones(10)})
-    shown = _run_on_terminal("verify", str(tmp_path / "c"))
+    shown = run_on_terminal("verify", str(tmp_path / "c"))
     assert "verify pytree" in shown
     assert "1.00M/1.00M" in shown  # 256 KiB x 4 + 80 B, in binary units.
     assert "B/s" in shown
-    assert _run_on_terminal("verify", "--quiet", str(tmp_path / "c")) == ""
+    assert run_on_terminal("verify", "--quiet", str(tmp_path / "c")) == ""

@@ -6,6 +6,7 @@ The work is imported only when a command runs, so listing commands stays cheap.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 __all__ = ["register_all"]
@@ -42,13 +43,17 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 def _export(args: argparse.Namespace) -> int:
     from checkpointables_safetensors._export import export_checkpoint
 
-    result = export_checkpoint(
-        args.checkpoint,
-        args.out,
-        subtree=args.subtree,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-    )
+    try:
+        result = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            subtree=args.subtree,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
+    except (KeyError, ValueError) as e:  # A wrong --subtree, or dtypes safetensors lacks.
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     print(f"wrote {result.tensors} tensors ({result.nbytes:,} B) to:")
     for file in result.files:
         print(f"  {file}")

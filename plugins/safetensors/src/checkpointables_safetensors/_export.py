@@ -3,8 +3,9 @@
 Tensor names are key paths joined with dots (``{"model": {"layers": [{"w":
 ...}]}}`` gives ``model.layers.0.w``, as transformers names weights), taken
 below ``subtree`` when one is given. Arrays and numeric scalars (as 0-d
-tensors) are exported; strings and other leaves safetensors cannot hold are
-skipped and reported. A checkpoint is read in batches of about
+tensors) are exported; leaves that are not arrays (strings...) are skipped
+and reported; arrays of dtypes safetensors cannot store (complex128, typed
+PRNG keys) are an error naming them. A checkpoint is read in batches of about
 ``BATCH_BYTES``, in the order the files are written, so an export holds at
 most one batch in memory whatever the model's size.
 """
@@ -67,9 +68,9 @@ def _as_entry(name: str, leaf: Any) -> tuple[TensorEntry, Any] | None:
         return None
     try:
         dtype = np.dtype(dtype)
-        code_of(dtype)
-    except (TypeError, ValueError):  # e.g. typed PRNG keys, complex128, strings.
-        return None
+    except TypeError:  # e.g. typed PRNG keys.
+        raise ValueError(f"safetensors cannot store {dtype}") from None
+    code_of(dtype)  # Raises ValueError for dtypes it cannot store (complex128...).
     entry = TensorEntry(name, tuple(shape), dtype)
     if isinstance(leaf, np.generic):
         return entry, leaf
@@ -81,13 +82,17 @@ def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any,
     """The exportable leaves under ``prefix``, the skipped key paths, the treedef and leaf count."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     head = f"{prefix}{_names.SEPARATOR}" if prefix else ""
-    leaves, skipped, seen = [], [], set()
+    leaves, skipped, unsupported, seen = [], [], [], set()
     for position, (keypath, leaf) in enumerate(flat):
         full = _names.name_of(keypath)
         if prefix and full != prefix and not full.startswith(head):
             continue
         name = full[len(head) :] if prefix else full
-        found = _as_entry(name, leaf)
+        try:
+            found = _as_entry(name, leaf)
+        except ValueError as e:
+            unsupported.append(f"{jax.tree_util.keystr(keypath)} ({e})")
+            continue
         if found is None:
             skipped.append(jax.tree_util.keystr(keypath))
             continue
@@ -98,6 +103,12 @@ def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any,
             )
         seen.add(name)
         leaves.append(_Leaf(position, *found))
+    if unsupported:
+        raise ValueError(
+            f"{len(unsupported)} arrays have dtypes safetensors cannot store: "
+            f"{'; '.join(unsupported[:8])}. Export a subtree without them (--subtree), or cast "
+            f"them first."
+        )
     if prefix and not leaves and not skipped:
         _names.subtree(tree, prefix)  # Raises KeyError naming the keys there.
     return leaves, skipped, treedef, len(flat)

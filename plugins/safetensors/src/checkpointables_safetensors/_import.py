@@ -90,7 +90,7 @@ def import_safetensors(
     _names.nest(dict.fromkeys(tensor_set.tensors), source=source)  # Name clashes fail first.
     with cp.progress.bytes_progress(tensor_set.nbytes, "import"):
         for batch in _batches(tensors, batch_bytes):
-            values = read_all([ArrayRead(t, t.dtype) for t in batch])
+            values = read_all([ArrayRead.as_stored(t) for t in batch])
             pytree = _names.nest(
                 {t.name: v for t, v in zip(batch, values, strict=True)}, source=source
             )

@@ -66,16 +66,6 @@ def _read_for(keypath: str, tensor: _files.StoredTensor, abstract: Any) -> Array
     return ArrayRead(tensor, np.dtype(dtype), sharding=getattr(abstract, "sharding", None))
 
 
-def _default_read(tensor: _files.StoredTensor) -> ArrayRead:
-    """A ``jax.Array`` on the default device; NumPy for dtypes JAX would narrow.
-
-    With 64-bit types off (JAX's default) a ``jax.Array`` cannot hold float64
-    or int64: those tensors load as ``np.ndarray``, bit for bit, instead.
-    """
-    exact = jax.dtypes.canonicalize_dtype(tensor.dtype) == tensor.dtype
-    return ArrayRead(tensor, tensor.dtype, to_jax=exact)
-
-
 def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool) -> LoadPlan:
     """Matches ``abstract`` (or, for ``None``, every tensor) with the tensors of ``tensor_set``.
 
@@ -86,7 +76,7 @@ def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool
     tensors = tensor_set.tensors
     if abstract is None:
         names = list(tensors)
-        reads = [_default_read(tensors[n]) for n in names]
+        reads = [ArrayRead.as_stored(tensors[n]) for n in names]
         source = tensor_set.source
         return LoadPlan(
             reads, lambda values: _names.nest(dict(zip(names, values, strict=True)), source=source)

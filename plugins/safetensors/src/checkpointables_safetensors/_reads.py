@@ -66,6 +66,16 @@ class ArrayRead:
     sharding: jax.sharding.Sharding | None = None
     to_scalar: type | None = None
 
+    @classmethod
+    def as_stored(cls, tensor: StoredTensor) -> ArrayRead:
+        """A ``jax.Array`` on the default device; NumPy for dtypes JAX would narrow.
+
+        With 64-bit types off (JAX's default) a ``jax.Array`` cannot hold float64
+        or int64: those tensors load as ``np.ndarray``, bit for bit, instead.
+        """
+        exact = jax.dtypes.canonicalize_dtype(tensor.dtype) == tensor.dtype
+        return cls(tensor, tensor.dtype, to_jax=exact)
+
     def regions(self) -> list[tuple[Region, list[Any]]]:
         """Each distinct region this process reads, with the devices that hold it."""
         full = tuple(slice(0, n) for n in self.tensor.shape)
