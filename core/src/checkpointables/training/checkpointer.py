@@ -30,6 +30,7 @@ import operator
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -46,6 +47,7 @@ from checkpointables.training import (
     _metrics,
     _readers,
     _root_metadata,
+    _save_stats,
     _worker,
 )
 from checkpointables.training import preservation_policies as preservation_lib
@@ -210,6 +212,7 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._save: AsyncResponse[bool] | None = None
         self._save_step: int | None = None
+        self._last_save_stats: _save_stats.SaveStats | None = None
         self._errors: list[BaseException] = []
         self._gc_deferred = False
         self._closed = False
@@ -238,6 +241,15 @@ class Checkpointer:
         """The committed step with the highest number, or ``None`` for an empty root."""
         with self._lock:
             return self._steps[max(self._steps)] if self._steps else None
+
+    @property
+    def last_save_stats(self) -> _save_stats.SaveStats | None:
+        """What the latest committed save cost (bytes, time blocked, time to commit), or None.
+
+        Each committed save is also logged at INFO on ``checkpointables.training``.
+        """
+        with self._lock:
+            return self._last_save_stats
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save has started and not yet committed (or failed)."""
@@ -379,6 +391,7 @@ class Checkpointer:
     ) -> AsyncResponse[bool]:
         if self._closed:
             raise RuntimeError(f"The Checkpointer of {self._root} is closed; create a new one.")
+        started = time.perf_counter()
         step = as_step(step)
         self._raise_errors()
         if not force and not self._decide(step):
@@ -415,6 +428,8 @@ class Checkpointer:
             forced_handlers=forced,
             context=context,
         )
+        blocked = time.perf_counter() - started
+        nbytes = _save_stats.array_bytes(checkpointables)
         response = _SaveResponse(f"save of step {step} to {path}", self._mark_reported)
         with self._lock:
             self._save, self._save_step = response, step
@@ -424,6 +439,7 @@ class Checkpointer:
             if error is None:
                 try:
                     self._record_commit(step, path, metric_values)
+                    self._record_stats(step, nbytes, blocked, time.perf_counter() - started)
                 except BaseException as e:
                     error = e
             if error is not None:
@@ -437,6 +453,12 @@ class Checkpointer:
 
         core.add_done_callback(finish)
         return response
+
+    def _record_stats(self, step: int, nbytes: int, blocked: float, commit: float) -> None:
+        stats = _save_stats.SaveStats(step, nbytes, blocked, commit)
+        with self._lock:
+            self._last_save_stats = stats
+        _save_stats.log(stats)
 
     def _record_commit(self, step: int, path: epath.Path, metrics: dict[str, Any]) -> None:
         try:
