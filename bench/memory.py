@@ -140,9 +140,20 @@ def measure(
         "path": path,
         "tmp_root": tmp_root,
     }
+    return run_child("bench.memory", args, f"{library} {op}")
+
+
+def run_child(
+    module: str, args: dict[str, Any], what: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Runs ``python -m module '<args as JSON>'``; returns the JSON of its last output line.
+
+    Raises ``RuntimeError`` with the end of the child's stderr if it fails.
+    """
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.memory", json.dumps(args)],
+        [sys.executable, "-m", module, json.dumps(args)],
         cwd=REPO_ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
@@ -150,7 +161,7 @@ def measure(
     )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"memory measurement {library} {op} failed:\n{tail}")
+        raise RuntimeError(f"memory measurement {what} failed:\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, libraries, memory, report, timing
+from bench import cases, interop, libraries, memory, report, timing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--case",
         action="append",
-        choices=[c.name for c in cases.CASES],
+        choices=[c.name for c in cases.CASES] + list(interop.CASES),
         help="run only this case (repeatable); default: all",
     )
     p.add_argument(
@@ -206,7 +206,8 @@ def _measure_memory(
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
-    selected = [cases.get_case(n) for n in args.case] if args.case else list(cases.CASES)
+    chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES)
+    selected = [cases.get_case(n) for n in chosen if n not in interop.CASES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
     scratch = libraries.scratch_dir(args.tmp_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
@@ -285,9 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "memory": mem,
             }
+        for name in (n for n in chosen if n in interop.CASES):
+            document["cases"][name] = interop.run_case(name, args, scratch, _say)
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)
+    verdicts += [row for c in document["cases"].values() for row in c.get("targets", [])]
     document["targets"] = verdicts
     if verdicts:
         note = " (quick/scaled run: sizes differ from the issue's)" if args.scale != 1 else ""

@@ -16,8 +16,8 @@ Memory stays bounded, measured (see docs/safetensors.md):
   its host buffer is dropped: at most one region per thread is on the host.
 
 So a load holds its results plus about ``THREADS * (WINDOW_BYTES +
-PIECE_BYTES)`` (a 1 GiB file loads with a peak of about 1.05x its size,
-where ``safetensors.numpy.load_file`` + ``jax.device_put`` peaks at 2x).
+PIECE_BYTES)``, 80 MiB (a 1 GiB file loads with a peak of about 1.05x its
+size, where ``safetensors.numpy.load_file`` + ``jax.device_put`` peaks at 2x).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
-import os
 import queue
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -41,9 +40,11 @@ __all__ = ["ArrayRead", "read_all", "aligned_empty"]
 
 # jax.device_put aliases host buffers aligned to this on CPU instead of copying them.
 ALIGNMENT = 64
-PIECE_BYTES = 16 << 20
-WINDOW_BYTES = 64 << 20
-THREADS = max(2, min(4, os.cpu_count() or 2))
+PIECE_BYTES = 8 << 20
+WINDOW_BYTES = 32 << 20
+# The package copies out of the file holding the GIL; a second thread copies into the
+# results meanwhile (NumPy releases the GIL). More threads would only add memory.
+THREADS = 2
 
 Region = tuple[slice, ...]
 
