@@ -51,17 +51,22 @@ def write_file(path: str, total_bytes: int, scale: float) -> int:
 
 
 def _mesh_abstract(path: str) -> Any:
-    """The file's abstract tree, each tensor sharded by rows over every device."""
+    """The file's abstract tree, each tensor sharded by rows over every device.
+
+    (Replicated instead where the rows do not divide evenly: tiny ``--scale`` runs.)
+    """
     import checkpointables as cp
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x"))
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        cp.pytree_metadata(path).metadata,
-    )
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+
+    def sharded(s: Any) -> Any:
+        spec = PartitionSpec("x") if s.shape[0] % mesh.size == 0 else PartitionSpec()
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(sharded, cp.pytree_metadata(path).metadata)
 
 
 def load(library: str, path: str, mesh: bool = False) -> Any:
@@ -77,10 +82,14 @@ def load(library: str, path: str, mesh: bool = False) -> Any:
     arrays = load_file(path)
     if not mesh:
         return jax.block_until_ready({k: jax.device_put(v) for k, v in arrays.items()})
-    sharding = jax.tree.leaves(_mesh_abstract(path))[0].sharding
+    abstract = _mesh_abstract(path)
+    shardings = {
+        ".".join(str(k.key) for k in p): s.sharding
+        for p, s in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
     return jax.block_until_ready(
         {
-            k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+            k: jax.make_array_from_callback(v.shape, shardings[k], lambda i, v=v: v[i])
             for k, v in arrays.items()
         }
     )
@@ -244,9 +253,14 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
 def run_case(name: str, args: Any, scratch: str, say: Callable[..., None]) -> dict[str, Any]:
     """Runs interop case ``name`` with the benchmark's settings; returns its results.
 
-    The result's ``targets`` rows have the fields of ``report.evaluate``'s.
+    The result's ``targets`` rows have the fields of ``report.evaluate``'s; a
+    failure is recorded under ``error`` (and fails the run), not raised.
     """
-    return CASES[name](args, scratch, say)
+    try:
+        return CASES[name](args, scratch, say)
+    except Exception as e:
+        say(f"  {name}: FAILED: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}", "targets": []}
 
 
 if __name__ == "__main__":

@@ -287,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                 "memory": mem,
             }
         for name in (n for n in chosen if n in interop.CASES):
-            document["cases"][name] = interop.run_case(name, args, scratch, _say)
+            document["cases"][name] = result = interop.run_case(name, args, scratch, _say)
+            failed |= "error" in result or any(
+                "error" in m for m in result.get("memory", {}).values()
+            )
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)
