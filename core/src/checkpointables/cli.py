@@ -151,7 +151,8 @@ def _array_bytes(directory: Any, name: str, recorded: str | None) -> int | None:
         value = _loading.item_metadata(directory, name, recorded, get_context())
     except Exception:  # verify() itself reports what is wrong.
         return None
-    return sum(_describe_leaf(leaf)[1] for leaf in jax.tree_util.tree_leaves(value))
+    total = sum(_describe_leaf(leaf)[1] for leaf in jax.tree_util.tree_leaves(value))
+    return total or None  # Nothing to count in bytes (e.g. JSON): a bar without a total.
 
 
 def _verify(args: argparse.Namespace) -> int:

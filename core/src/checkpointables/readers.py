@@ -37,17 +37,20 @@ def registered_readers() -> tuple[ReaderRegistration, ...]:
 def reader_for(path: epath.PathLike) -> PyTreeReader | None:
     """The reader that recognizes ``path``, or ``None`` (then it is read as a checkpoint).
 
-    A checkpoint directory is never given to a reader: the check costs a stat
-    on the usual path, before any reader is asked.
+    A checkpoint directory is never given to a reader. Locally that is checked
+    first (two stats); on remote storage only once a reader recognizes the
+    path, so that loading a remote checkpoint costs no extra requests.
     """
     registrations = registered_readers()
-    if not registrations or layout.is_checkpoint(path):
+    if not registrations:
+        return None
+    if layout.local_path(path) is not None and layout.is_checkpoint(path):
         return None
     path = epath.Path(path)
     for registration in registrations:
         reader = registration.reader_cls()
         if reader.recognizes(path):
-            return reader
+            return None if layout.is_checkpoint(path) else reader
     return None
 
 
