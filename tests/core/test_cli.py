@@ -90,3 +90,10 @@ def test_verify_shows_bytes_total_and_rate_on_a_terminal(tmp_path) -> None:
     assert "1.00M/1.00M" in shown  # 256 KiB x 4 + 80 B, in binary units.
     assert "B/s" in shown
     assert run_on_terminal("verify", "--quiet", str(tmp_path / "c")) == ""
+
+
+def test_quiet_goes_before_or_after_the_command() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["-q", "plugins"]).quiet
+    assert parser.parse_args(["plugins", "--quiet"]).quiet
+    assert not parser.parse_args(["plugins"]).quiet

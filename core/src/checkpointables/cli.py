@@ -189,10 +189,14 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.directory, steps=args.steps)
 
 
-def _common_options() -> argparse.ArgumentParser:
+def _common_options(default: Any) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "-q", "--quiet", action="store_true", help="show no progress bars (see cp.progress)"
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="show no progress bars (see cp.progress)",
     )
     return common
 
@@ -231,12 +235,13 @@ def _add_plugin_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
-    common = _common_options()
     parser = argparse.ArgumentParser(
         prog="checkpointables",
         description="Checkpointing for JAX: tools and a demo.",
-        parents=[common],
+        parents=[_common_options(default=False)],
     )
+    # Accepted after the command too; SUPPRESS keeps a -q given before it.
+    common = _common_options(default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "plugins", help="list installed plugins and their handlers", parents=[common]
