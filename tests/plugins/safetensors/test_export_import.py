@@ -117,6 +117,13 @@ def test_round_trips_are_bit_for_bit(tmp_path) -> None:
     assert all(same_bits(again[n], t) for n, t in tensors.items())
 
 
+def test_a_subtree_that_is_one_array_is_named_by_its_key(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "ckpt", train_state())
+    out = tmp_path / "head.safetensors"
+    export_checkpoint(tmp_path / "ckpt", out, subtree="params.lm_head.weight")
+    assert list(load_file(out)) == ["weight"]
+
+
 def test_export_streams_in_batches(tmp_path) -> None:
     state = {f"w{i}": random_bits((64, 64), BF16, i) for i in range(20)}
     cp.save_pytree(tmp_path / "ckpt", state)

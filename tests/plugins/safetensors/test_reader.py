@@ -130,6 +130,7 @@ def test_abstract_leaves_choose_numpy_scalars_lists_and_skips(tmp_path) -> None:
             **meta["model"],
             "layers": [layers["0"], layers["1"]],  # A list: matched as layers.0, layers.1.
             "step": 0,  # A Python int.
+            "rotary": {"inv_freq": cp.PLACEHOLDER},
             "norm": {"weight": np.empty((32,), np.float32)},  # NumPy, cast from float16.
             "mask": None,  # Skipped.
             "empty": cp.PLACEHOLDER,  # Skipped.
@@ -137,6 +138,10 @@ def test_abstract_leaves_choose_numpy_scalars_lists_and_skips(tmp_path) -> None:
     }
     loaded = cp.load_pytree(tmp_path / "m.safetensors", abstract)
     assert loaded["model"]["step"] == 7 and type(loaded["model"]["step"]) is int
+    scalar = cp.load_pytree(
+        tmp_path / "m.safetensors", {"model": {"step": np.float32(0)}}, partial_load=True
+    )
+    assert type(scalar["model"]["step"]) is np.float32 and scalar["model"]["step"] == 7
     norm = loaded["model"]["norm"]["weight"]
     assert type(norm) is np.ndarray and norm.dtype == np.float32
     assert np.array_equal(norm, model_tensors()["model.norm.weight"].astype(np.float32))

@@ -87,7 +87,12 @@ def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any,
         full = _names.name_of(keypath)
         if prefix and full != prefix and not full.startswith(head):
             continue
-        name = full[len(head) :] if prefix else full
+        if not prefix:
+            name = full
+        elif full == prefix:  # The subtree is a single leaf: named by its own key.
+            name = _names.name_of(keypath[-1:])
+        else:
+            name = full[len(head) :]
         try:
             found = _as_entry(name, leaf)
         except ValueError as e:

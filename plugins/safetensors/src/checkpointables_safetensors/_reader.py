@@ -20,7 +20,8 @@ from checkpointables_safetensors._reads import ArrayRead, read_all
 
 __all__ = ["SafetensorsReader", "LoadPlan", "plan_load"]
 
-_SCALAR_TYPES = (bool, int, float)
+# Abstract leaves (types or values) that ask for a scalar of their type.
+_SCALAR_TYPES = (bool, int, float, np.generic)
 _SHOWN = 8  # Key paths named in an error message.
 
 
@@ -40,9 +41,8 @@ def _listing(names: Sequence[str]) -> str:
 
 def _read_for(keypath: str, tensor: _files.StoredTensor, abstract: Any) -> ArrayRead:
     """What the abstract leaf ``abstract`` asks of ``tensor``."""
-    if (isinstance(abstract, type) and issubclass(abstract, _SCALAR_TYPES)) or (
-        isinstance(abstract, _SCALAR_TYPES)
-    ):
+    is_scalar_type = isinstance(abstract, type) and issubclass(abstract, _SCALAR_TYPES)
+    if is_scalar_type or isinstance(abstract, _SCALAR_TYPES):
         scalar_type = abstract if isinstance(abstract, type) else type(abstract)
         if int(np.prod(tensor.shape)) != 1:
             raise cp.errors.TreeMismatchError(

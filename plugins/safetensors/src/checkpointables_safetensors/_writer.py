@@ -229,7 +229,7 @@ def write_safetensors(
     temporaries = [f + tag for f in finals]
     stream = iter(arrays)
     try:
-        for shard, temporary in zip(shards, temporaries, strict=False):
+        for shard, temporary in zip(shards, temporaries[: len(shards)], strict=True):
             _write_file(temporary, shard, stream, metadata or {})
         if len(shards) > 1:
             weight_map = {e.name: n for shard, n in zip(shards, names, strict=True) for e in shard}
