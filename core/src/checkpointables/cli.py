@@ -11,9 +11,10 @@ import argparse
 import datetime
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
+
+from checkpointables import _cli_plugins
 
 __all__ = ["main"]
 
@@ -189,59 +190,15 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.directory, steps=args.steps)
 
 
-def _common_options(default: Any) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        default=default,
-        help="show no progress bars (see cp.progress)",
-    )
-    return common
-
-
-def _add_plugin_commands(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Adds the commands plugins registered (``register_commands``); a clash is skipped."""
-    from checkpointables import plugins
-
-    for command in plugins.command_registrations():
-        if command.name in sub.choices:
-            warnings.warn(
-                f"plugin {command.plugin!r} registers the command {command.name!r}, which is "
-                f"already taken; it is skipped.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        try:  # On a scratch parser first: a failing plugin must not break the others.
-            if command.add_arguments is not None:
-                command.add_arguments(argparse.ArgumentParser(add_help=False))
-        except Exception as e:
-            warnings.warn(
-                f"plugin {command.plugin!r} failed to add the arguments of its command "
-                f"{command.name!r}, which is skipped: {type(e).__name__}: {e}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        p = sub.add_parser(
-            command.name, help=command.help, description=command.help, parents=[common]
-        )
-        if command.add_arguments is not None:
-            command.add_arguments(p)
-        p.set_defaults(run=command.run)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
     parser = argparse.ArgumentParser(
         prog="checkpointables",
         description="Checkpointing for JAX: tools and a demo.",
-        parents=[_common_options(default=False)],
+        parents=[_cli_plugins.quiet_option(default=False)],
     )
     # Accepted after the command too; SUPPRESS keeps a -q given before it.
-    common = _common_options(default=argparse.SUPPRESS)
+    common = _cli_plugins.quiet_option(default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "plugins", help="list installed plugins and their handlers", parents=[common]
@@ -269,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
-    _add_plugin_commands(sub, common)
+    _cli_plugins.add_plugin_commands(sub, common)
     return parser
 
 
