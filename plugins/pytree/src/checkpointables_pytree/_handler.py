@@ -103,7 +103,8 @@ def _describe_type(value: Any) -> str:
 
 
 def _empty_value(value_type: str) -> Any:
-    return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": None}[value_type]
+    # An empty named tuple loads as {}, as non-empty ones load as dicts of their fields.
+    return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": {}}[value_type]
 
 
 def _discard(awaitables: Sequence[Any]) -> None:
@@ -549,6 +550,10 @@ class _Plan:
         for entry in tree.entries:
             names = entry.names
             if names in used or any(names[:i] in skipped for i in range(len(names) + 1)):
+                continue
+            # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
+            # abstract tree's flattening: look for it there.
+            if entry.is_empty_node and _tree.has_empty_node(abstract, names):
                 continue
             missing.append(entry.keystr)
         if unsupported:
