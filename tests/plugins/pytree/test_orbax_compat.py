@@ -120,3 +120,61 @@ def test_we_load_orbax_dotted_keys_and_zarr2_without_ocdbt(tmp_path) -> None:
     with ocp_v1.Context(array_options=options):
         ocp_v1.save(tmp_path / "zarr2", {"x": np.arange(4.0), "y": 2})
     _assert_equal(cp.load_pytree(tmp_path / "zarr2"), {"x": np.arange(4.0), "y": 2})
+
+
+def _key_tree(mesh):
+    sharding = jax.sharding.NamedSharding(mesh, P("x"))
+    return {
+        "fry": jax.random.key(0),
+        "rbg": jax.random.split(jax.random.key(1, impl="rbg"), 3),
+        "urbg": jax.random.key(2, impl="unsafe_rbg"),
+        "sharded": jax.device_put(jax.random.split(jax.random.key(3), 8), sharding),
+        "w": jnp.ones(2),
+    }
+
+
+def _assert_same_keys(loaded, expected) -> None:
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype, name
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value, got = jax.random.key_data(value), jax.random.key_data(loaded[name])
+        else:
+            got = loaded[name]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(value))
+
+
+def _abstract_with_shardings(tree):
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_prng_keys_both_ways(tmp_path, mesh_4x2) -> None:
+    tree = _key_tree(mesh_4x2)
+    cp.save_pytree(tmp_path / "ours", tree)
+    _assert_same_keys(ocp_v1.load(tmp_path / "ours"), tree)
+    from_orbax = ocp_v1.load(tmp_path / "ours", _abstract_with_shardings(tree))
+    _assert_same_keys(from_orbax, tree)
+    assert from_orbax["sharded"].sharding.is_equivalent_to(tree["sharded"].sharding, 1)
+
+    ocp_v1.save(tmp_path / "theirs", tree)
+    _assert_same_keys(cp.load_pytree(tmp_path / "theirs"), tree)
+    loaded = cp.load_pytree(tmp_path / "theirs", _abstract_with_shardings(tree))
+    _assert_same_keys(loaded, tree)
+    assert loaded["sharded"].sharding.is_equivalent_to(tree["sharded"].sharding, 1)
+    metadata = cp.pytree_metadata(tmp_path / "theirs").metadata
+    assert metadata["rbg"].shape == (3,) and metadata["rbg"].dtype == tree["rbg"].dtype
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_loads_our_empty_nodes(tmp_path) -> None:
+    import optax
+
+    params = {"w": jnp.ones(3)}
+    state = {"opt": optax.adam(1e-3).init(params), "params": params}
+    cp.save_pytree(tmp_path / "c", state)
+    loaded = ocp_v1.load(tmp_path / "c", _abstract_with_shardings(state))
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(state)
+    assert isinstance(loaded["opt"][1], optax.EmptyState)

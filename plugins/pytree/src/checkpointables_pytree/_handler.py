@@ -23,6 +23,7 @@ from checkpointables_pytree import (
     _crc32c,
     _database,
     _gc,
+    _keys,
     _multiprocess,
     _tree,
     _tree_metadata,
@@ -95,6 +96,22 @@ class _EntryCache:
         except KeyError:
             entry = self._by_type[t] = self._registry.entry_for_leaf(t)
             return entry
+
+
+def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | None:
+    """What to record besides ``entry.typestr`` when that typestr finds another leaf handler.
+
+    A PRNG key's Orbax value type is ``jax.Array``, which the array handler
+    also writes: the key handler's own typestr is recorded too, so loads find it.
+    """
+    found = registry.entry_for_typestr(entry.typestr)
+    if found is None or found.handler_cls is entry.handler_cls:
+        return None
+    for candidate in (*entry.secondary_typestrs[1:], cp.handlers.typestr(entry.handler_cls)):
+        found = registry.entry_for_typestr(candidate)
+        if found is not None and found.handler_cls is entry.handler_cls:
+            return candidate
+    return None
 
 
 def _describe_type(value: Any) -> str:
@@ -211,7 +228,8 @@ class PyTreeHandler:
         self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
     ) -> Awaitable[None]:
         context = cp.context.get_context()
-        lookup = _EntryCache(leaf_registry(context))
+        registry = leaf_registry(context)
+        lookup = _EntryCache(registry)
         flat = self._flatten(checkpointable)
         self._last_flat = None
         groups: dict[type, list[tuple[SerializationParam[Any], LeafEntry, _tree.Leaf]]] = {}
@@ -263,15 +281,21 @@ class PyTreeHandler:
         session.writer.prepare_early()
         write_shapes, extras = session.write_shapes, session.extras
         for items in groups.values():
+            last_entry, own_type = None, None
             for param, entry, leaf in items:
+                if entry is not last_entry:  # Once per registration, not per leaf.
+                    last_entry, own_type = entry, _own_value_type(registry, entry)
                 name = param.name
+                extra = extras.get(name) or {}
+                if own_type is not None:
+                    extra = {**extra, _tree_metadata.OWN_VALUE_TYPE: own_type}
                 entries.append(
                     _tree_metadata.Entry(
                         names=leaf.names,
                         key_types=leaf.key_types,
                         value_type=entry.typestr,
                         write_shape=write_shapes.get(name),
-                        extra=extras.get(name) or {},
+                        extra=extra,
                     )
                 )
         for path, kind in flat.empty:
@@ -347,6 +371,7 @@ class PyTreeHandler:
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
         opened = _database.OpenedDatabase.start(directory)
         tree = _tree_metadata.read_tree_metadata(directory)
+        _keys.mark_orbax_keys(tree, directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
             plan = _Plan.without_abstract(tree, registry)
@@ -400,6 +425,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         tree = _tree_metadata.read_tree_metadata(directory)
+        _keys.mark_orbax_keys(tree, directory)
         session = LoadSession(directory, tree, context)
         plan = _Plan.without_abstract(tree, registry)
         deserialization_context = PyTreeDeserializationContext(
@@ -456,6 +482,7 @@ class _Plan:
         # Per value type: the list of its handler's group (looked up once per type).
         group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
         jax_keypath = _tree.jax_keypath
+        own_value_type = _tree_metadata.OWN_VALUE_TYPE
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
@@ -466,10 +493,14 @@ class _Plan:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
+            value_type = entry.extra.get(own_value_type) or value_type
             try:
                 group = group_of[value_type]
             except KeyError:
-                leaf_entry = registry.entry_for_typestr(value_type)
+                # A leaf's own value type unknown here falls back to its Orbax value type.
+                leaf_entry = registry.entry_for_typestr(value_type) or registry.entry_for_typestr(
+                    entry.value_type
+                )
                 group = group_of[value_type] = (
                     None if leaf_entry is None else groups.setdefault(leaf_entry.handler_cls, [])
                 )

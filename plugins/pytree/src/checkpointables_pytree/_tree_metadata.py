@@ -13,7 +13,8 @@ The layout is Orbax's, so each tool reads the other's files::
 
 What Orbax has no field for lives under ``"checkpointables"`` keys, which
 Orbax ignores: array shapes, dtypes and chunking (so metadata and small-array
-loads need no reads), Python scalar types, tuple containers, whether storage
+loads need no reads), Python scalar types, the leaf's own value type where
+Orbax's is shared by several leaf handlers, tuple containers, whether storage
 names are escaped, and the checksum of ``_strings.json``.
 """
 
@@ -34,6 +35,9 @@ __all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
 
 METADATA_FILE = "_METADATA"
 EXTRA = "checkpointables"
+# A leaf's own value type, recorded (under EXTRA) where its Orbax value_type is one a more
+# general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
+OWN_VALUE_TYPE = "value_type"
 _KEY_TYPES = frozenset({_tree.SEQUENCE, _tree.DICT})
 FORMAT_VERSION = 1
 

@@ -16,6 +16,12 @@ import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
 from checkpointables_pytree._handler import ORBAX_TYPESTRS, PyTreeHandler
+from checkpointables_pytree._keys import (
+    PRNG_KEY,
+    AbstractPRNGKey,
+    PRNGKeyLeafHandler,
+    key_array_type,
+)
 from checkpointables_pytree._leaf_handlers import (
     BYTES,
     JAX_ARRAY,
@@ -40,8 +46,15 @@ def register_checkpointable_handlers(register: Any) -> None:
 
 @cp.hookimpl
 def register_leaf_handlers(register: Any) -> None:
-    """Registers leaf handlers for ``jax.Array``, ``np.ndarray``, scalars, ``str``, ``bytes``."""
+    """Registers leaf handlers for arrays, typed PRNG keys, scalars, ``str`` and ``bytes``."""
     register(jax.Array, AbstractShardedArray, ArrayLeafHandler, secondary_typestrs=(JAX_ARRAY,))
+    # Key arrays are jax.Arrays in Orbax's format; their own value type tells them apart.
+    register(
+        key_array_type(),
+        AbstractPRNGKey,
+        PRNGKeyLeafHandler,
+        secondary_typestrs=(JAX_ARRAY, PRNG_KEY),
+    )
     register(np.ndarray, AbstractArray, NumpyLeafHandler, secondary_typestrs=(NUMPY_ARRAY,))
     # Scalars: each type is its own abstract type (0.0 loads a float, np.float32(0) a
     # np.float32). np.generic covers NumPy and ml_dtypes scalars; np.str_ and np.bytes_ are
