@@ -12,6 +12,7 @@ from checkpointables import _gc, _loading, _saving, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
+from checkpointables.handlers._resolution import install_hint
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
@@ -121,10 +122,31 @@ def find_pytree(
     for name in ordered:
         if is_pytree(name):
             return name, path / name
+    _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
         f"or use cp.load_checkpointables."
     )
+
+
+def _raise_if_saved_by_a_missing_handler(
+    path: epath.Path, typestrs: Mapping[str, str], names: list[str]
+) -> None:
+    """Raises ``MissingHandlerError`` when one of ``names`` was saved by an unregistered handler.
+
+    Such a checkpointable may be the pytree asked for: the error names the
+    typestr (and the plugin to install) rather than saying there is no pytree.
+    """
+    registered = handlers.registered_handlers()
+    for name in names:
+        recorded = typestrs.get(name)
+        if recorded is not None and not any(r.matches_typestr(recorded) for r in registered):
+            raise errors.MissingHandlerError(
+                f"Checkpoint {path} holds no pytree this installation can read: checkpointable "
+                f"{name!r} was saved by handler {recorded!r}, which is not registered here."
+                f"{install_hint(recorded)} Install the plugin that provides it, or pass "
+                "checkpointable_name=... to load another checkpointable."
+            )
 
 
 def _with_partial_load(context: Context, partial_load: bool) -> Context:

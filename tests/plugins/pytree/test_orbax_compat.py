@@ -178,3 +178,24 @@ def test_orbax_loads_our_empty_nodes(tmp_path) -> None:
     loaded = ocp_v1.load(tmp_path / "c", _abstract_with_shardings(state))
     assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(state)
     assert isinstance(loaded["opt"][1], optax.EmptyState)
+
+
+def test_orbax_loads_bytes_leaves_as_uint8_arrays(tmp_path) -> None:
+    tree = {"blob": b"\x00\xffbinary", "empty": b"", "w": np.ones(2)}
+    cp.save_pytree(tmp_path / "c", tree)
+    loaded = ocp_v1.load(tmp_path / "c")
+    assert loaded["blob"].dtype == np.uint8 and loaded["blob"].tobytes() == tree["blob"]
+    assert loaded["empty"].shape == (0,)
+    # Here they load as bytes, with or without an abstract tree.
+    assert cp.load_pytree(tmp_path / "c")["blob"] == tree["blob"]
+    with_abstract = cp.load_pytree(tmp_path / "c", {"blob": b"", "empty": b"", "w": np.empty(2)})
+    assert with_abstract["blob"] == tree["blob"] and with_abstract["empty"] == b""
+
+
+def test_orbax_loads_a_checkpoint_of_a_pytree_and_json(tmp_path) -> None:
+    cp.save_checkpointables(
+        tmp_path / "c", {"state": {"w": np.arange(3.0), "b": b"xy"}, "config": {"lr": 0.1}}
+    )
+    loaded = ocp_v1.load_checkpointables(tmp_path / "c")
+    assert loaded["config"] == {"lr": 0.1}
+    np.testing.assert_array_equal(loaded["state"]["w"], np.arange(3.0))

@@ -38,10 +38,13 @@ from checkpointables_pytree._session import (
     SaveSession,
 )
 
-__all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTRS"]
+__all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTR", "READABLE_TYPESTRS"]
 
-ORBAX_TYPESTRS = (
-    "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler",
+# Checkpoints record Orbax's typestr for this handler, so Orbax loads them with its own.
+ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+# What this handler also reads: what checkpoints recorded before, and Orbax V0's handlers.
+READABLE_TYPESTRS = (
+    "checkpointables_pytree._handler.PyTreeHandler",
     "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
 )
