@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -43,10 +44,13 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
     if shape is not None and dtype is not None:
         import numpy as np
 
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
+        with contextlib.suppress(TypeError):
+            dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
         sharding = getattr(leaf, "sharding", None)
         extra = f" sharding={sharding}" if sharding is not None else ""
-        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={np.dtype(dtype)}{extra}", size
+        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={dtype}{extra}", size
     if isinstance(leaf, type):
         return f"{leaf.__name__}", 0
     # Metadata of scalars and strings is a placeholder of the stored type, not the value.

@@ -7,6 +7,7 @@ import os
 
 import checkpointables as cp
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,4 +161,28 @@ def test_keys_of_a_deleted_array_or_a_custom_implementation_are_named(tmp_path) 
     key.delete()
     with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['g'\]\['k'\].*deleted"):
         cp.save_pytree(tmp_path / "c", {"g": {"k": key}})
+    toy = jax.extend.random.define_prng_impl(
+        key_shape=(2,),
+        seed=lambda seed: jnp.stack([seed, seed]).astype(jnp.uint32),
+        split=lambda key, shape: jnp.broadcast_to(key, (*shape, 2)),
+        random_bits=lambda key, bit_width, shape: jnp.zeros(shape, jnp.uint32),
+        fold_in=lambda key, data: key,
+        name="toy",
+    )
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['g'\]\['k'\].*not one JAX"):
+        cp.save_pytree(tmp_path / "c", {"w": np.ones(2), "g": {"k": jax.random.key(0, impl=toy)}})
     assert os.listdir(tmp_path) == []
+
+
+def test_keys_in_partial_saves_and_the_command_line(tmp_path, capsys) -> None:
+    from checkpointables.cli import main as cli_main
+
+    path = tmp_path / "c"
+    keys = jax.random.split(jax.random.key(9, impl="rbg"), 2)
+    cp.partial.save(path, {"w": np.ones(2)})
+    cp.partial.save(path, {"rng": keys})
+    cp.partial.finalize(path)
+    _same_keys(cp.load_pytree(path)["rng"], keys)
+    assert cli_main(["inspect", str(path)]) == 0
+    assert "['rng']: PRNGKeyMetadata shape=(2,) dtype=key<rbg>" in capsys.readouterr().out
+    assert cli_main(["verify", str(path)]) == 0

@@ -252,8 +252,9 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
             raise _unsupported(
                 param.keypath,
                 param.value,
-                f"its PRNG implementation {impl} is not one JAX ships ({', '.join(_JAX_IMPLS)}), "
-                "so no reader could rebuild the keys; save jax.random.key_data(keys) instead",
+                f"its PRNG implementation ({param.value.dtype}) is not one JAX ships "
+                f"({', '.join(_JAX_IMPLS)}), so no reader could rebuild the keys; save "
+                "jax.random.key_data(keys) instead",
             )
         return impl
 
