@@ -283,11 +283,13 @@ class PyTreeHandler:
         # The small arrays' checksums start now, while the rest is set up.
         session.writer.prepare_early()
         write_shapes, extras = session.write_shapes, session.extras
+        own_value_types = False
         for items in groups.values():
             last_entry, own_type = None, None
             for param, entry, leaf in items:
                 if entry is not last_entry:  # Once per registration, not per leaf.
                     last_entry, own_type = entry, _own_value_type(registry, entry)
+                    own_value_types = own_value_types or own_type is not None
                 name = param.name
                 extra = extras.get(name) or {}
                 if own_type is not None:
@@ -312,7 +314,9 @@ class PyTreeHandler:
             )
         entries.sort(key=lambda e: e.names)
         tree = _tree_metadata.TreeMetadata(
-            entries=entries, tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples)
+            entries=entries,
+            tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
+            own_value_types=own_value_types,
         )
 
         async def background() -> None:
@@ -486,6 +490,7 @@ class _Plan:
         group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
         jax_keypath = _tree.jax_keypath
         own_value_type = _tree_metadata.OWN_VALUE_TYPE
+        own_value_types = tree.own_value_types
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
@@ -496,7 +501,8 @@ class _Plan:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
-            value_type = entry.extra.get(own_value_type) or value_type
+            if own_value_types:
+                value_type = entry.extra.get(own_value_type) or value_type
             try:
                 group = group_of[value_type]
             except KeyError:

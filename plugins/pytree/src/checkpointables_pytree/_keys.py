@@ -94,7 +94,9 @@ def is_key_dtype(dtype: Any) -> bool:
 
 class _KeyDtypeCheck(type):
     def __instancecheck__(cls, instance: Any) -> bool:
-        return is_key_dtype(getattr(instance, "dtype", None))
+        # Asked of every abstract leaf of every load: NumPy dtypes are ruled out first.
+        dtype = getattr(instance, "dtype", None)
+        return not isinstance(dtype, np.dtype) and is_key_dtype(dtype)
 
 
 class AbstractPRNGKey(metaclass=_KeyDtypeCheck):
@@ -379,6 +381,7 @@ def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) ->
                 RANDOM_KEY_IMPL: impl,
                 _tree_metadata.OWN_VALUE_TYPE: PRNG_KEY,
             }
+            tree.own_value_types = True
 
 
 def _recorded_impls(folder: epath.Path) -> dict[str, Any]:

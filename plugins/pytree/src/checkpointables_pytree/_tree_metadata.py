@@ -91,6 +91,9 @@ class TreeMetadata:
     tuple_paths: frozenset[tuple[str, ...]] = frozenset()
     # True for trees this library wrote: storage names escape '.', '/' and '%'.
     escaped_names: bool = True
+    # Whether some entries record their own value type (OWN_VALUE_TYPE): loads of trees
+    # without any look for none.
+    own_value_types: bool = False
     strings_crc32c: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -103,6 +106,8 @@ class TreeMetadata:
             extra["tuples"] = [list(p) for p in sorted(self.tuple_paths)]
         if self.strings_crc32c is not None:
             extra["strings_crc32c"] = self.strings_crc32c
+        if self.own_value_types:
+            extra["own_value_types"] = True
         document = {
             "tree_metadata": {},
             "use_ocdbt": self.use_ocdbt,
@@ -256,6 +261,7 @@ def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,
+        own_value_types=extra.get("own_value_types") is True,
         strings_crc32c=int(strings_crc) if isinstance(strings_crc, int) else None,
         extra=extra,
     )
