@@ -199,3 +199,35 @@ def test_orbax_loads_a_checkpoint_of_a_pytree_and_json(tmp_path) -> None:
     loaded = ocp_v1.load_checkpointables(tmp_path / "c")
     assert loaded["config"] == {"lr": 0.1}
     np.testing.assert_array_equal(loaded["state"]["w"], np.arange(3.0))
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_loads_every_kind_of_leaf_we_save(tmp_path) -> None:
+    import collections
+
+    import ml_dtypes
+
+    Pair = collections.namedtuple("Pair", ["a", "b"])
+    tree = {
+        "scalars": [3, 2.5, True, 1 + 2j, np.float32(1.5), np.int8(-3), "text", b"bytes"],
+        "arrays": {
+            "bf16": jnp.ones(3, jnp.bfloat16),
+            "int4": np.arange(4).astype(ml_dtypes.int4),
+            "f8": np.ones(2, ml_dtypes.float8_e4m3fn),
+            "complex": np.ones(2, np.complex64),
+            "bools": np.array([True, False]),
+            "zero_size": np.zeros((0, 3)),
+        },
+        "containers": {"tuple": (1, 2.0), "pair": Pair(np.ones(1), 2), "empty": [{}, [], ()]},
+        "none": None,
+        "key": jax.random.key(1),
+    }
+    cp.save_pytree(tmp_path / "c", tree)
+    loaded = ocp_v1.load(tmp_path / "c")
+    assert loaded["scalars"][:7] == tree["scalars"][:7]
+    assert loaded["scalars"][7].tobytes() == b"bytes"  # Orbax has no bytes leaves: uint8.
+    for name, value in tree["arrays"].items():
+        assert loaded["arrays"][name].dtype == value.dtype, name
+        np.testing.assert_array_equal(np.asarray(loaded["arrays"][name]), np.asarray(value))
+    assert loaded["containers"]["pair"]["b"] == 2 and loaded["containers"]["empty"] == [{}, [], ()]
+    assert loaded["none"] is None and loaded["key"].dtype == tree["key"].dtype
