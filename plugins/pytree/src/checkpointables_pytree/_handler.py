@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -115,6 +115,52 @@ def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | No
         if found is not None and found.handler_cls is entry.handler_cls:
             return candidate
     return None
+
+
+def _saved_tree_metadata(
+    groups: Mapping[type, list[tuple[SerializationParam[Any], LeafEntry, _tree.Leaf]]],
+    flat: _tree.Flat,
+    session: SaveSession,
+    registry: LeafHandlerRegistry,
+) -> _tree_metadata.TreeMetadata:
+    """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node."""
+    write_shapes, extras = session.write_shapes, session.extras
+    entries: list[_tree_metadata.Entry] = []
+    own_value_types = False
+    for items in groups.values():
+        last_entry, own_type = None, None
+        for param, entry, leaf in items:
+            if entry is not last_entry:  # Once per registration, not per leaf.
+                last_entry, own_type = entry, _own_value_type(registry, entry)
+                own_value_types = own_value_types or own_type is not None
+            name = param.name
+            extra = extras.get(name) or {}
+            if own_type is not None:
+                extra = {**extra, _tree_metadata.OWN_VALUE_TYPE: own_type}
+            entries.append(
+                _tree_metadata.Entry(
+                    names=leaf.names,
+                    key_types=leaf.key_types,
+                    value_type=entry.typestr,
+                    write_shape=write_shapes.get(name),
+                    extra=extra,
+                )
+            )
+    for path, kind in flat.empty:
+        entries.append(
+            _tree_metadata.Entry(
+                names=_tree.key_names(path),
+                key_types=tuple(_tree.key_type(k) for k in path),
+                value_type=kind,
+                skip_deserialize=True,
+            )
+        )
+    entries.sort(key=lambda e: e.names)
+    return _tree_metadata.TreeMetadata(
+        entries=entries,
+        tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
+        own_value_types=own_value_types,
+    )
 
 
 def _describe_type(value: Any) -> str:
@@ -270,7 +316,6 @@ class PyTreeHandler:
         session = SaveSession.create(directory, context)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         awaitables: list[Any] = []
-        entries: list[_tree_metadata.Entry] = []
         for handler_cls, items in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
@@ -282,42 +327,7 @@ class PyTreeHandler:
                 raise
         # The small arrays' checksums start now, while the rest is set up.
         session.writer.prepare_early()
-        write_shapes, extras = session.write_shapes, session.extras
-        own_value_types = False
-        for items in groups.values():
-            last_entry, own_type = None, None
-            for param, entry, leaf in items:
-                if entry is not last_entry:  # Once per registration, not per leaf.
-                    last_entry, own_type = entry, _own_value_type(registry, entry)
-                    own_value_types = own_value_types or own_type is not None
-                name = param.name
-                extra = extras.get(name) or {}
-                if own_type is not None:
-                    extra = {**extra, _tree_metadata.OWN_VALUE_TYPE: own_type}
-                entries.append(
-                    _tree_metadata.Entry(
-                        names=leaf.names,
-                        key_types=leaf.key_types,
-                        value_type=entry.typestr,
-                        write_shape=write_shapes.get(name),
-                        extra=extra,
-                    )
-                )
-        for path, kind in flat.empty:
-            entries.append(
-                _tree_metadata.Entry(
-                    names=_tree.key_names(path),
-                    key_types=tuple(_tree.key_type(k) for k in path),
-                    value_type=kind,
-                    skip_deserialize=True,
-                )
-            )
-        entries.sort(key=lambda e: e.names)
-        tree = _tree_metadata.TreeMetadata(
-            entries=entries,
-            tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
-            own_value_types=own_value_types,
-        )
+        tree = _saved_tree_metadata(groups, flat, session, registry)
 
         async def background() -> None:
             # The tree's own files are written while the arrays are committed.

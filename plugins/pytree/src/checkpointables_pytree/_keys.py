@@ -76,7 +76,7 @@ def key_array_type() -> type:
         from jax._src.random.prng import PRNGKeyArray
     except ImportError:
         try:
-            from jax._src.prng import PRNGKeyArray  # JAX before 0.8.
+            from jax._src.prng import PRNGKeyArray  # Where older JAX releases keep it.
         except ImportError:  # Moved again: make a key (this initializes JAX's backend).
             return type(jax.random.key(0))
     return PRNGKeyArray  # type: ignore[no-any-return]
@@ -122,6 +122,11 @@ def _key_data_layout(impl: str) -> tuple[Any, tuple[int, ...], np.dtype]:
 
 
 def _layout_or_raise(impl: Any, where: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+    if not isinstance(impl, str):
+        raise cp.errors.MetadataError(
+            f"{where}: the recorded PRNG key implementation {impl!r} is not a name; the "
+            "checkpoint's metadata is damaged."
+        )
     try:
         return _key_data_layout(impl)
     except (TypeError, ValueError, KeyError) as e:
@@ -221,11 +226,12 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
     ) -> Awaitable[None]:
         """Copies the key data to host; returns the awaitable that writes it."""
         session, private = _save_session(self, serialization_context)
-        data = [dataclasses.replace(p, value=self._key_data(p)) for p in params]
+        impls = [self._impl_name(p) for p in params]  # Every leaf checked before any is planned.
+        data = [dataclasses.replace(p, value=jax.random.key_data(p.value)) for p in params]
         lacking = _multiprocess.arrays_the_primary_lacks(
             {p.name: p.value for p in data}, session.directory, session.context
         )
-        for param, physical in zip(params, data, strict=True):
+        for param, physical, impl in zip(params, data, impls, strict=True):
             # The saved dtype is the key data's, whatever the save's storage options say.
             storage = attrs.evolve(
                 _storage_options(session.array_options, param.keypath, param.value), dtype=None
@@ -235,20 +241,16 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
                 physical,
                 primary_lacks=physical.name in lacking,
                 storage=storage,
-                ext_metadata={RANDOM_KEY_IMPL: self._impl_name(param)},
+                ext_metadata={RANDOM_KEY_IMPL: impl},
             )
         return _finish_save(session, private)
 
     @staticmethod
-    def _key_data(param: SerializationParam[Any]) -> jax.Array:
+    def _impl_name(param: SerializationParam[Any]) -> str:
         if param.value.is_deleted():
             raise _unsupported(
                 param.keypath, param.value, "the keys were deleted (or donated) before the save"
             )
-        return jax.random.key_data(param.value)
-
-    @staticmethod
-    def _impl_name(param: SerializationParam[Any]) -> str:
         impl = jax.random.key_impl(param.value)
         if not isinstance(impl, str) or _impl_of_dtype(param.value.dtype) != impl:
             raise _unsupported(
