@@ -126,13 +126,15 @@ def _saved_tree_metadata(
     """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node."""
     write_shapes, extras = session.write_shapes, session.extras
     entries: list[_tree_metadata.Entry] = []
-    own_value_types = False
+    own_types: dict[int, str | None] = {}  # Per registration (by id), not per leaf.
     for items in groups.values():
         last_entry, own_type = None, None
         for param, entry, leaf in items:
-            if entry is not last_entry:  # Once per registration, not per leaf.
-                last_entry, own_type = entry, _own_value_type(registry, entry)
-                own_value_types = own_value_types or own_type is not None
+            if entry is not last_entry:
+                last_entry = entry
+                if id(entry) not in own_types:
+                    own_types[id(entry)] = _own_value_type(registry, entry)
+                own_type = own_types[id(entry)]
             name = param.name
             extra = extras.get(name) or {}
             if own_type is not None:
@@ -159,7 +161,7 @@ def _saved_tree_metadata(
     return _tree_metadata.TreeMetadata(
         entries=entries,
         tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
-        own_value_types=own_value_types,
+        own_value_types=any(t is not None for t in own_types.values()),
     )
 
 
