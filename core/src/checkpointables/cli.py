@@ -26,7 +26,9 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    error: {info.error}")
         for h in info.handlers:
             scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
-            print(f"    handler {h.name}: priority {h.priority}{scope}  {h.typestr}")
+            cls = handlers.typestr(h.handler_cls)
+            recorded = f" (records {h.typestr})" if h.typestr != cls else ""
+            print(f"    handler {h.name}: priority {h.priority}{scope}  {cls}{recorded}")
         for leaf in info.leaf_handlers:
             print(
                 f"    leaf handler {leaf.handler_cls.__name__}: "

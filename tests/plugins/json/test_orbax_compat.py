@@ -44,3 +44,14 @@ def test_we_load_orbax_json_checkpointables(tmp_path) -> None:
     assert (tmp_path / "c" / "config" / "data.json").exists()
     loaded = cp.load_checkpointables(tmp_path / "c")
     assert loaded["config"] == CONFIG and loaded["state"]["w"].tolist() == [1.0, 1.0]
+
+
+def test_the_plugin_listing_shows_the_recorded_typestr(capsys) -> None:
+    from checkpointables.cli import main as cli_main
+
+    assert cli_main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "handler json: priority 60  checkpointables_json.JsonHandler (records "
+        "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler)"
+    ) in out
