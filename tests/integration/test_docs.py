@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import checkpointables as cp
+import jax
 import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -87,3 +88,23 @@ def _check_command_and_reader(namespace: dict, tmp_path) -> None:
 
 async def _twice(awaitable):
     return await (await awaitable)
+
+
+@pytest.mark.slow  # Compiles a few training steps of three libraries.
+def test_recipes_run(tmp_path, monkeypatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("recipes_doc")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # dataclasses look it up
+    namespace = module.__dict__
+    blocks = python_blocks("recipes.md")
+    assert len(blocks) >= 12
+    for block in blocks:
+        exec(compile(block, "docs/recipes.md", "exec"), namespace)
+    # The last restore (Equinox, parameters only) gave back the saved arrays.
+    saved = jax.tree.leaves(namespace["params"])
+    restored = jax.tree.leaves(namespace["loaded"]["model"])
+    assert len(saved) == len(restored) == 6
+    assert all(bool((a == b).all()) for a, b in zip(saved, restored, strict=True))

@@ -11,6 +11,7 @@ from checkpointables import _gc, _inflight, errors, handlers, layout
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
 from checkpointables.context import Context, get_context
+from checkpointables.path._parse import as_path
 
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
@@ -22,7 +23,7 @@ class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
 
 def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
     """Validates ``path`` as a finished checkpoint and reads its metadata."""
-    path = epath.Path(path)
+    path = as_path(path)
     _inflight.wait_for(path, context.async_options.timeout_secs)
     layout.validate_checkpoint_directory(path)
     return path, read_checkpoint_metadata(path)

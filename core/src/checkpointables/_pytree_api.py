@@ -12,6 +12,8 @@ from checkpointables import _gc, _loading, _saving, errors, handlers, layout, re
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
+from checkpointables.handlers._resolution import install_hint
+from checkpointables.path._parse import as_path
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
@@ -121,6 +123,7 @@ def find_pytree(
     for name in ordered:
         if is_pytree(name):
             return name, path / name
+    _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
         f"or use cp.load_checkpointables."
@@ -133,6 +136,26 @@ def _no_name_for_readers(path: epath.PathLike, checkpointable_name: str | None) 
             f"{path} is not a checkpoint directory but a file or directory of another format, "
             f"which holds one pytree: drop checkpointable_name={checkpointable_name!r}."
         )
+
+
+def _raise_if_saved_by_a_missing_handler(
+    path: epath.Path, typestrs: Mapping[str, str], names: list[str]
+) -> None:
+    """Raises ``MissingHandlerError`` when one of ``names`` was saved by an unregistered handler.
+
+    Such a checkpointable may be the pytree asked for: the error names the
+    typestr (and the plugin to install) rather than saying there is no pytree.
+    """
+    registered = handlers.registered_handlers()
+    for name in names:
+        recorded = typestrs.get(name)
+        if recorded is not None and not any(r.matches_typestr(recorded) for r in registered):
+            raise errors.MissingHandlerError(
+                f"Checkpoint {path} holds no pytree this installation can read: checkpointable "
+                f"{name!r} was saved by handler {recorded!r}, which is not registered here."
+                f"{install_hint(recorded)} Install the plugin that provides it, or pass "
+                "checkpointable_name=... to load another checkpointable."
+            )
 
 
 def _with_partial_load(context: Context, partial_load: bool) -> Context:
@@ -167,7 +190,7 @@ def _start_load(
     reader = readers.reader_for(path)
     if reader is not None:  # Another format (e.g. safetensors), read by a plugin.
         _no_name_for_readers(path, checkpointable_name)
-        return readers.load_async(reader, epath.Path(path), abstract_pytree, context, wait=wait)
+        return readers.load_async(reader, as_path(path), abstract_pytree, context, wait=wait)
     path, meta = _loading.open_checkpoint(path, context)
     name, directory = find_pytree(path, meta, checkpointable_name)
     response = _loading.load_items_async(
@@ -229,7 +252,7 @@ def pytree_metadata(
     reader = readers.reader_for(path)
     if reader is not None:
         _no_name_for_readers(path, checkpointable_name)
-        return readers.metadata(reader, epath.Path(path), context)
+        return readers.metadata(reader, as_path(path), context)
     path, meta = _loading.open_checkpoint(path, context)
     name, directory = find_pytree(path, meta, checkpointable_name)
     recorded = _loading.recorded_typestrs(meta).get(name)

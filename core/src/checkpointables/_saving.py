@@ -21,6 +21,7 @@ from checkpointables._asyncio import (
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
 from checkpointables.context import Context, get_context
 from checkpointables.path import PathAwaitingCreation
+from checkpointables.path._parse import as_path
 
 
 def _json_or_raise(value: Any, what: str) -> dict[str, Any]:
@@ -83,7 +84,7 @@ def save_checkpointables_async(
       cp.errors.NoHandlerForObjectError: no handler accepts an object.
     """
     context = get_context(context)
-    path = epath.Path(path)
+    path = as_path(path)
     layout.validate_checkpointables_dict(checkpointables)
     custom = _json_or_raise(custom_metadata, "custom_metadata")
     metric_values = _json_or_raise(metrics, "metrics")

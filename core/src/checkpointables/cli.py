@@ -8,6 +8,7 @@ safetensors plugin adds ``export`` and ``import``). Every command takes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -32,7 +33,9 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    error: {info.error}")
         for h in info.handlers:
             scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
-            print(f"    handler {h.name}: priority {h.priority}{scope}  {h.typestr}")
+            cls = handlers.typestr(h.handler_cls)
+            recorded = f" (records {h.typestr})" if h.typestr != cls else ""
+            print(f"    handler {h.name}: priority {h.priority}{scope}  {cls}{recorded}")
         for leaf in info.leaf_handlers:
             print(
                 f"    leaf handler {leaf.handler_cls.__name__}: "
@@ -54,10 +57,13 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
     if shape is not None and dtype is not None:
         import numpy as np
 
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
+        with contextlib.suppress(TypeError):
+            dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
         sharding = getattr(leaf, "sharding", None)
         extra = f" sharding={sharding}" if sharding is not None else ""
-        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={np.dtype(dtype)}{extra}", size
+        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={dtype}{extra}", size
     if isinstance(leaf, type):
         return f"{leaf.__name__}", 0
     # Metadata of scalars and strings is a placeholder of the stored type, not the value.

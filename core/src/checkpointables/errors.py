@@ -17,6 +17,7 @@ __all__ = [
     "IntegrityError",
     "PluginError",
     "TreeMismatchError",
+    "UnsupportedPathError",
 ]
 
 
@@ -64,3 +65,7 @@ class TreeMismatchError(CheckpointError, ValueError):
 
     The message lists the key paths that are missing, extra or different.
     """
+
+
+class UnsupportedPathError(CheckpointError, ValueError):
+    """A path names a storage scheme (``memory://``, ``ftp://``...) that nothing here reaches."""

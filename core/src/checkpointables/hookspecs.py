@@ -36,10 +36,13 @@ def register_checkpointable_handlers(register: Callable[..., Any]) -> None:
 
     Args:
       register: call it as ``register(handler_cls, *, priority=None, name=None,
-        checkpointable_name=None, secondary_typestrs=())`` for each handler.
-        Lower priority values are tried earlier when saving; ties are broken by
-        name. ``secondary_typestrs`` are other typestrs (e.g. older names) the
-        handler can load.
+        checkpointable_name=None, secondary_typestrs=(), typestr=None)`` for
+        each handler. Lower priority values are tried earlier when saving; ties
+        are broken by name. ``typestr`` is what checkpoints record for the
+        handler (default ``module.qualname`` of the class): a handler writing
+        another library's format records that library's typestr, so that
+        library reads the checkpoint. ``secondary_typestrs`` are other
+        typestrs (e.g. older names) the handler can load.
 
     Returns:
       Nothing.

@@ -25,6 +25,7 @@ from etils import epath
 
 from checkpointables import errors
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.path._parse import as_path
 
 __all__ = [
     "MARKER_FILE",
@@ -168,7 +169,7 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
 def is_checkpoint(path: epath.PathLike) -> bool:
     """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0)."""
     try:
-        validate_checkpoint_directory(epath.Path(path))
+        validate_checkpoint_directory(as_path(path))
     except (FileNotFoundError, errors.NotACheckpointError, OSError):
         return False
     return True

@@ -44,6 +44,7 @@ from checkpointables.checkpoint_metadata import (
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
+from checkpointables.path._parse import as_path
 
 __all__ = ["save", "save_async", "finalize", "session_path", "SESSION_SUFFIX"]
 
@@ -56,7 +57,7 @@ _SEQUENCE = re.compile(r"^(?:staged-|pending-|ocdbt\.partial_)(\d+)")
 
 def session_path(path: epath.PathLike) -> epath.Path:
     """The directory where the partial saves of ``path`` wait for ``finalize``."""
-    path = epath.Path(path)
+    path = as_path(path)
     return path.parent / f"{path.name}{SESSION_SUFFIX}"
 
 
@@ -132,7 +133,7 @@ def save_async(
       ValueError: ``pytree`` is None, or ``custom_metadata`` is not a JSON object.
       cp.errors.NoHandlerForObjectError: some leaves cannot be saved.
     """
-    path = epath.Path(path)
+    path = as_path(path)
     if pytree is None:
         raise ValueError("The pytree to save is None; there is nothing to save.")
     _check_not_finished(path)
@@ -314,7 +315,7 @@ def finalize(path: epath.PathLike) -> None:
       FileExistsError: ``path`` already holds a checkpoint (or anything else).
       FileNotFoundError: no partial save of ``path`` was committed.
     """
-    path = epath.Path(path)
+    path = as_path(path)
     session = session_path(path)
     state = _state(session)
     with state.lock:

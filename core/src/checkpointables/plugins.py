@@ -21,7 +21,7 @@ import importlib_metadata
 import pluggy
 
 from checkpointables import hookspecs
-from checkpointables.protocols import typestr
+from checkpointables.protocols import typestr as typestr_of
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -135,6 +135,7 @@ def make_handler_registration(
     name: str | None = None,
     checkpointable_name: str | None = None,
     secondary_typestrs: Iterable[str] = (),
+    typestr: str | None = None,
 ) -> HandlerRegistration:
     """Validates a ``register(...)`` call and builds its registration."""
     if not isinstance(handler_cls, type):
@@ -149,15 +150,17 @@ def make_handler_registration(
     ]
     if missing:
         raise TypeError(
-            f"{typestr(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
+            f"{typestr_of(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
         )
     if priority is not None and not isinstance(priority, int):
         raise TypeError(f"priority must be an int, got {priority!r}.")
+    if typestr is not None and not (isinstance(typestr, str) and typestr):
+        raise TypeError(f"typestr must be a non-empty str, got {typestr!r}.")
     return HandlerRegistration(
         handler_cls=handler_cls,
         name=name or _default_handler_name(handler_cls),
         priority=DEFAULT_PRIORITY if priority is None else priority,
-        typestr=typestr(handler_cls),
+        typestr=typestr or typestr_of(handler_cls),
         secondary_typestrs=tuple(secondary_typestrs),
         checkpointable_name=checkpointable_name,
         plugin=plugin,
@@ -176,7 +179,9 @@ def make_reader_registration(
         raise TypeError(f"register() takes a reader class, got {reader_cls!r}.")
     missing = [m for m in _READER_METHODS if not callable(getattr(reader_cls, m, None))]
     if missing:
-        raise TypeError(f"{typestr(reader_cls)} is not a PyTreeReader: it lacks {sorted(missing)}.")
+        raise TypeError(
+            f"{typestr_of(reader_cls)} is not a PyTreeReader: it lacks {sorted(missing)}."
+        )
     if priority is not None and not isinstance(priority, int):
         raise TypeError(f"priority must be an int, got {priority!r}.")
     default_name = reader_cls.__name__.removesuffix("Reader").lower() or reader_cls.__name__

@@ -23,6 +23,7 @@ from checkpointables import layout, plugins
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
+from checkpointables.path._parse import as_path
 from checkpointables.plugins import ReaderRegistration
 from checkpointables.protocols import PyTreeReader
 
@@ -41,12 +42,12 @@ def reader_for(path: epath.PathLike) -> PyTreeReader | None:
     first (two stats); on remote storage only once a reader recognizes the
     path, so that loading a remote checkpoint costs no extra requests.
     """
+    path = as_path(path)
     registrations = registered_readers()
     if not registrations:
         return None
     if layout.local_path(path) is not None and layout.is_checkpoint(path):
         return None
-    path = epath.Path(path)
     for registration in registrations:
         reader = registration.reader_cls()
         if reader.recognizes(path):

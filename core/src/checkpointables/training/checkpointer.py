@@ -40,6 +40,7 @@ from checkpointables import _loading, _pytree_api, _saving, errors, layout, mult
 from checkpointables._asyncio import AsyncResponse, completed, start_background, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
+from checkpointables.path._parse import as_path
 from checkpointables.training import (
     _cleanup,
     _context,
@@ -163,7 +164,7 @@ class Checkpointer:
         context: Context | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self._root = epath.Path(root_directory)
+        self._root = as_path(root_directory)
         if self._root.exists() and not self._root.is_dir():
             raise NotADirectoryError(
                 f"The root directory {self._root} is a file; a Checkpointer needs a directory "

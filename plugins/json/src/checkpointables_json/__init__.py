@@ -2,7 +2,8 @@
 
 Dicts and lists of strings, numbers, booleans and ``None`` (no arrays) are
 claimed by this handler ahead of the generic pytree handler, so they stay
-human-readable on disk.
+human-readable on disk. The format is Orbax's ``JsonHandler``'s, and
+checkpoints name that handler, so Orbax loads them too.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ __all__ = ["JsonHandler", "is_json_like"]
 DATA_FILE = "data.json"
 # Older file names this handler also reads: Orbax V0's JsonCheckpointHandler.
 _LEGACY_FILES = ("metadata",)
-_ORBAX_TYPESTRS = (
-    "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler",
+# Checkpoints record Orbax's typestr for this handler: Orbax's own JSON handler reads
+# data.json exactly as written here (json.loads), so Orbax loads these checkpointables.
+ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
+_READABLE_TYPESTRS = (
+    "checkpointables_json.JsonHandler",  # What checkpoints recorded before.
     "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
     "orbax.checkpoint.experimental.v1._src.handlers.json_handler.MetricsHandler",
 )
@@ -115,4 +119,10 @@ class JsonHandler:
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
     """Registers the JSON handler ahead of the pytree handler (priority 60 < 90)."""
-    register(JsonHandler, priority=60, name="json", secondary_typestrs=_ORBAX_TYPESTRS)
+    register(
+        JsonHandler,
+        priority=60,
+        name="json",
+        typestr=ORBAX_TYPESTR,
+        secondary_typestrs=_READABLE_TYPESTRS,
+    )

@@ -13,7 +13,8 @@ The layout is Orbax's, so each tool reads the other's files::
 
 What Orbax has no field for lives under ``"checkpointables"`` keys, which
 Orbax ignores: array shapes, dtypes and chunking (so metadata and small-array
-loads need no reads), Python scalar types, tuple containers, whether storage
+loads need no reads), Python scalar types, the leaf's own value type where
+Orbax's is shared by several leaf handlers, tuple containers, whether storage
 names are escaped, and the checksum of ``_strings.json``.
 """
 
@@ -34,6 +35,9 @@ __all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
 
 METADATA_FILE = "_METADATA"
 EXTRA = "checkpointables"
+# A leaf's own value type, recorded (under EXTRA) where its Orbax value_type is one a more
+# general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
+OWN_VALUE_TYPE = "value_type"
 _KEY_TYPES = frozenset({_tree.SEQUENCE, _tree.DICT})
 FORMAT_VERSION = 1
 
@@ -87,6 +91,9 @@ class TreeMetadata:
     tuple_paths: frozenset[tuple[str, ...]] = frozenset()
     # True for trees this library wrote: storage names escape '.', '/' and '%'.
     escaped_names: bool = True
+    # Whether some entries record their own value type (OWN_VALUE_TYPE): loads of trees
+    # without any look for none.
+    own_value_types: bool = False
     strings_crc32c: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -99,6 +106,8 @@ class TreeMetadata:
             extra["tuples"] = [list(p) for p in sorted(self.tuple_paths)]
         if self.strings_crc32c is not None:
             extra["strings_crc32c"] = self.strings_crc32c
+        if self.own_value_types:
+            extra["own_value_types"] = True
         document = {
             "tree_metadata": {},
             "use_ocdbt": self.use_ocdbt,
@@ -252,6 +261,7 @@ def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,
+        own_value_types=extra.get("own_value_types") is True,
         strings_crc32c=int(strings_crc) if isinstance(strings_crc, int) else None,
         extra=extra,
     )
