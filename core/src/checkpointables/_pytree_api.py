@@ -91,7 +91,7 @@ def find_pytree(
 ) -> tuple[str, epath.Path]:
     """The name and directory of the pytree to load from checkpoint ``path``."""
     typestrs = _loading.recorded_typestrs(meta)
-    available = layout.checkpointable_directories(path, typestrs)
+    available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
         layout.validate_checkpointable_name(checkpointable_name)
         if checkpointable_name not in available:

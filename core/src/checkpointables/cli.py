@@ -104,29 +104,18 @@ def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from checkpointables import _loading
-    from checkpointables._asyncio import run_sync
-    from checkpointables.context import get_context
+    from checkpointables import _verification
 
-    context = get_context()
-    path, meta = _loading.open_checkpoint(args.path, context)
-    typestrs = _loading.recorded_typestrs(meta)
+    findings = _verification.verify_checkpoint(args.path)
+    print(f"checkpoint {args.path}")
     failures = 0
-    for name, directory in _inspected_items(path, meta):
-        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
-        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
-        verify = getattr(handler, "verify", None)
-        if verify is None:
-            print(f"{name}: not checked ({type(handler).__name__} has no verify())")
-            continue
-        problems = run_sync(verify(directory))
-        if problems:
-            failures += len(problems)
-            for problem in problems:
-                print(f"{name}: FAILED {problem}")
+    for finding in findings:
+        if finding.problem is not None:
+            failures += 1
+            print(f"{finding.subject}: FAILED {finding.problem}")
         else:
-            print(f"{name}: ok")
-    print("all checksums ok" if not failures else f"{failures} problem(s) found")
+            print(f"{finding.subject}: {finding.note or 'ok'}")
+    print("all checks passed" if not failures else f"{failures} problem(s) found")
     return 1 if failures else 0
 
 
@@ -148,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
-        "verify", help="read every chunk and check its checksum; exit status 1 on any failure"
+        "verify",
+        help="check every metadata file and read every chunk, as a load would; exit status 1 "
+        "if a load would fail or return different values",
     )
     p.add_argument("path")
     p.set_defaults(run=_verify)

@@ -813,7 +813,10 @@ class ArrayReader:
         if opened is not None:
             kvstore = opened.kvstore
         elif direct or raw:
-            kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+            try:
+                kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+            except Exception as e:
+                raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
         if raw:
@@ -961,9 +964,11 @@ class ArrayReader:
         except Exception as e:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
         stored_shape = tuple(int(s) for s in store.shape)
+        _check_against_metadata(read, stored_shape, store.dtype.numpy_dtype)
         target = check_shape(read, stored_shape)
         regions = regions_of(read, target)
         nbytes = sum(math.prod(region_shape(r)) for r in regions) * store.dtype.numpy_dtype.itemsize
+        _check_fits_in_memory(read, nbytes)
         # The regions of one process's devices usually tile one block: read it once
         # rather than every chunk once per region that touches it.
         box = _tiling_box(regions)
@@ -996,6 +1001,38 @@ class ArrayReader:
                     for region in regions
                 ]
             read.result = read.convert(pieces)
+
+
+def _check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
+    stored = read.stored
+    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
+        raise _errors.integrity_error(
+            f"{read.what} (array {read.name!r})",
+            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
+            f"shape {stored.shape} and dtype {stored.dtype}",
+        )
+
+
+@functools.cache
+def physical_memory_bytes() -> int:
+    """The machine's memory (``0`` where unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _check_fits_in_memory(read: ArrayRead, nbytes: int) -> None:
+    """Refuses, before anything is allocated, a read larger than the machine's memory."""
+    memory = physical_memory_bytes()
+    if memory and nbytes > memory:
+        raise cp.errors.MetadataError(
+            f"{read.what} (array {read.name!r}): loading it here needs {nbytes:,} bytes, more "
+            f"than this machine's memory ({memory:,} bytes). If the checkpoint is damaged, restore "
+            f"it from a copy; otherwise load it across more processes, or skip the leaf "
+            f"(cp.PLACEHOLDER in the abstract tree)."
+        )
 
 
 def _tiling_box(regions: Sequence[Region]) -> Region | None:

@@ -22,6 +22,7 @@ from etils import epath
 from checkpointables_pytree import (
     _crc32c,
     _database,
+    _errors,
     _gc,
     _multiprocess,
     _tree,
@@ -288,6 +289,15 @@ class PyTreeHandler:
         )
 
         async def background() -> None:
+            try:
+                await write()
+            except ValueError as e:  # TensorStore's errors: a full disk, ...
+                translated = _errors.write_error(e, f"the pytree in {directory.path}")
+                if translated is e:
+                    raise
+                raise translated from e
+
+        async def write() -> None:
             # The tree's own files are written while the arrays are committed.
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])

@@ -1,0 +1,119 @@
+"""``checkpointables verify``: everything a load would check, and more, without keeping values.
+
+A checkpoint passes only if a load of every checkpointable would succeed and
+return what was saved: the checkpoint stays inside its directory, every
+metadata file matches the checksum recorded at commit, every recorded
+checkpointable exists and has a handler here, and each one passes its
+handler's ``verify`` (the pytree handler reads every chunk) or, for handlers
+without one, loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from etils import epath
+
+from checkpointables import (
+    _confinement,
+    _loading,
+    _user_paths,
+    errors,
+    layout,
+    metadata_checksums,
+)
+from checkpointables._asyncio import run_sync
+from checkpointables._pytree_api import TREE_METADATA_FILE
+from checkpointables.checkpoint_metadata import read_checkpoint_metadata
+from checkpointables.context import get_context
+
+__all__ = ["Finding", "verify_checkpoint"]
+
+
+@attrs.frozen
+class Finding:
+    """One line of the report: what was checked (``"checkpoint"`` or a checkpointable name),
+    and the problem found (``None``: it passed; ``note``: said, but not a failure)."""
+
+    subject: str
+    problem: str | None = None
+    note: str | None = None
+
+
+def _checked(subject: str, check: Callable[[], Any]) -> Finding | None:
+    """``check()``'s error as a finding (``None`` if it passed)."""
+    try:
+        check()
+    except errors.CheckpointError as e:
+        return Finding(subject, str(e))
+    return None
+
+
+def _checksum_findings(path: epath.Path) -> list[Finding]:
+    """Recorded metadata files that are missing or do not match (handlers are still checked:
+    they name what the damage breaks)."""
+    problems = metadata_checksums.verify(path)
+    if problems:
+        return [Finding("checkpoint", p) for p in problems]
+    if metadata_checksums.is_protected(path):
+        return [Finding("checkpoint", note="metadata checksums ok")]
+    return [
+        Finding(
+            "checkpoint",
+            note="no metadata checksums recorded (written by Orbax or an earlier version): "
+            "metadata files are checked for form only",
+        )
+    ]
+
+
+def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> list[Finding]:
+    context = get_context()
+    try:
+        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
+        verify = getattr(handler, "verify", None)
+        with context:
+            if verify is not None:
+                problems = run_sync(verify(directory))
+            else:  # What a load would find: load it, and drop the value.
+                run_sync(_load(handler, directory))
+                problems = []
+    except errors.CheckpointError as e:
+        return [Finding(name, str(e))]
+    if problems:
+        return [Finding(name, problem) for problem in problems]
+    return [Finding(name, note=None if verify is not None else "loads (no verify in its handler)")]
+
+
+async def _load(handler: Any, directory: epath.Path) -> None:
+    await (await handler.load(directory))
+
+
+def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
+    """Every finding about the checkpoint at ``path``; it passes if none has a ``problem``.
+
+    Raises:
+      FileNotFoundError: nothing exists at ``path``.
+    """
+    path = _user_paths.resolved(path)
+    try:
+        layout.validate_checkpoint_directory(path)
+    except errors.NotACheckpointError as e:
+        return [Finding("checkpoint", str(e))]
+    escape = _checked("checkpoint", lambda: _confinement.check_contained(path))
+    if escape is not None:
+        return [escape]  # Nothing more is read from a checkpoint that leads outside.
+    findings = _checksum_findings(path)
+    try:
+        meta = read_checkpoint_metadata(path)
+        _loading.available_checkpointables(path, meta)
+    except errors.CheckpointError as e:
+        return [*findings, Finding("checkpoint", str(e))]
+    typestrs = _loading.recorded_typestrs(meta)
+    flat = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
+    if flat is not None or (not typestrs and (path / TREE_METADATA_FILE).exists()):
+        return [*findings, *_item_findings("<root>", path, flat)]  # Orbax V0's flat layout.
+    for name in layout.checkpointable_directories(path, typestrs):
+        findings += _item_findings(name, path / name, typestrs.get(name))
+    return findings
