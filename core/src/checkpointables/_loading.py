@@ -101,7 +101,7 @@ def _requested(
     if isinstance(abstract_checkpointables, CheckpointMetadata):
         abstract_checkpointables = abstract_checkpointables.metadata
     if not isinstance(abstract_checkpointables, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             "abstract_checkpointables must be a dict of name to abstract checkpointable, got "
             f"{type(abstract_checkpointables).__name__}; to load one pytree use cp.load_pytree."
         )

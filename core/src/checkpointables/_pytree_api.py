@@ -35,7 +35,7 @@ def pytree_item(checkpointable_name: str, pytree: Any) -> dict[str, Any]:
     """``{checkpointable_name: pytree}``, after the checks every pytree save makes."""
     layout.validate_checkpointable_name(checkpointable_name)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     return {checkpointable_name: pytree}
 
 

@@ -94,10 +94,12 @@ def _names(directory: epath.Path) -> list[str]:
 
 def _check_not_finished(path: epath.Path) -> None:
     if layout.is_temporary_path(path):
-        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+        raise errors.InvalidArgumentError(
+            f"{path} has a temporary directory's name; choose another path."
+        )
     if path.exists():
         what = "a finished checkpoint" if layout.is_checkpoint(path) else "something"
-        raise FileExistsError(
+        raise errors.CheckpointExistsError(
             f"{path} already holds {what}; a partial save never replaces it. Delete it first, or "
             f"choose another path."
         )
@@ -134,7 +136,7 @@ def save_async(
     """
     path = epath.Path(path)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     _check_not_finished(path)
     session = session_path(path)
     state = _state(session)
@@ -334,7 +336,7 @@ def finalize(path: epath.PathLike) -> None:
 
 def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not session.is_dir():
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"No partial save session for {path}: {session} does not exist. Call "
             f"cp.partial.save({str(path)!r}, ...) first."
         )
@@ -345,7 +347,7 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not pytree_dir.is_dir() or not any(
         p.name.startswith(_PARTIAL_PREFIX) for p in pytree_dir.iterdir()
     ):
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"The partial save session {session} holds no committed partial save (they failed or "
             f"were interrupted). Call cp.partial.save({str(path)!r}, ...) again."
         )

@@ -56,7 +56,7 @@ def leaf_registry(context: cp.Context | None = None) -> LeafHandlerRegistry:
     if registry is None:
         return StandardLeafHandlerRegistry()
     if not isinstance(registry, LeafHandlerRegistry):
-        raise TypeError(
+        raise cp.errors.InvalidArgumentTypeError(
             "PyTreeOptions.leaf_handler_registry must be "
             "a cp.serialization.LeafHandlerRegistry, got "
             f"{type(registry).__name__}."
@@ -221,7 +221,7 @@ class PyTreeHandler:
             entry = lookup(leaf.value)
             names = leaf.names
             if names in seen:
-                raise ValueError(
+                raise cp.errors.InvalidArgumentError(
                     f"Two keys of one container have the same string form: "
                     f"{jax.tree_util.keystr(seen[names])} and "
                     f"{jax.tree_util.keystr(leaf.keypath)}. "

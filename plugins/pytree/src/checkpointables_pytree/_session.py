@@ -260,14 +260,14 @@ class LoadSession:
         self, entry: _tree_metadata.Entry, field: str, recorded: Any, least: int
     ) -> tuple[int, ...]:
         """A recorded shape: a list of integers of at least ``least``, else an error."""
-        try:
-            dimensions = tuple(map(int, recorded))
-            valid = type(recorded) is list and dimensions == tuple(recorded)
-        except (TypeError, ValueError, OverflowError):
-            valid = False
-        if not valid or (dimensions and min(dimensions) < least):
-            raise self._malformed(entry, f"its {field} is not a list of integers >= {least}")
-        return dimensions
+        # C-level checks only: a load of many small arrays makes this call for each.
+        if (
+            type(recorded) is list
+            and all(map(_IS_INT, recorded))
+            and (not recorded or min(recorded) >= least)
+        ):
+            return tuple(recorded)
+        raise self._malformed(entry, f"its {field} is not a list of integers >= {least}")
 
     def _checksums(
         self,
@@ -283,7 +283,9 @@ class LoadSession:
                 entry, f"it records {len(recorded)} checksums for {chunks} chunks"
             )
         checksums = tuple(recorded)
-        if not all(type(c) is int and 0 <= c <= _CHECKSUM_MAX for c in checksums):
+        if checksums and (
+            not all(map(_IS_INT, checksums)) or min(checksums) < 0 or max(checksums) > _CHECKSUM_MAX
+        ):
             raise self._malformed(entry, "its chunk checksums are not 32-bit integers")
         return checksums
 
@@ -339,6 +341,7 @@ class LoadSession:
 
 
 _CHECKSUM_MAX = (1 << 32) - 1
+_IS_INT = int.__instancecheck__
 
 
 @functools.lru_cache(maxsize=256)  # Bounded: the names come from the checkpoint.
