@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import weakref
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -112,6 +113,23 @@ def _discard(awaitables: Sequence[Any]) -> None:
     for awaitable in awaitables:
         if inspect.iscoroutine(awaitable):
             awaitable.close()
+
+
+def _owning(background: Any, awaitables: Sequence[Any]) -> Any:
+    """``background``, which closes ``awaitables`` when it is dropped: if another handler's
+    failure means it never runs, its leaf handlers' coroutines must not warn "never awaited"."""
+    weakref.finalize(background, _discard_unstarted, list(awaitables))
+    return background
+
+
+def _discard_unstarted(awaitables: Sequence[Any]) -> None:
+    _discard(
+        [
+            a
+            for a in awaitables
+            if inspect.iscoroutine(a) and inspect.getcoroutinestate(a) == inspect.CORO_CREATED
+        ]
+    )
 
 
 def _is_skip(abstract: Any) -> bool:
@@ -320,7 +338,7 @@ class PyTreeHandler:
                     _multiprocess.flush_database, _database.database_directory(path)
                 )
 
-        return background()
+        return _owning(background(), awaitables)
 
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).
@@ -398,7 +416,7 @@ class PyTreeHandler:
                         plan.values[slot] = value
                 return plan.build(tree, directory)
 
-        return background()
+        return _owning(background(), [a for _, a in pending])
 
     async def metadata(self, directory: epath.Path) -> Any:
         """The abstract tree of what is stored (no array data is read)."""

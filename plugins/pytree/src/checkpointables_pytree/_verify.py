@@ -164,6 +164,12 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
         chunk = tuple(
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
         )
+        chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
+        if _database.physical_memory_bytes() and chunk_bytes > _database.physical_memory_bytes():
+            return [
+                f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
+                "than this machine's memory"
+            ]
         for index in itertools.product(
             *(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))
         ):
