@@ -55,3 +55,11 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
                 method()
     finally:
         cp.handlers.unregister_handler(namespace["PointHandler"])
+
+
+def test_integrity_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in python_blocks("integrity.md"):
+        exec(compile(block, "docs/integrity.md", "exec"), namespace)
+    assert cp.metadata_checksums.is_protected(tmp_path / "ckpt")

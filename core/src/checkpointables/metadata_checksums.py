@@ -45,6 +45,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "record",
     "read_file",
+    "is_covered",
     "is_protected",
     "verify",
 ]
@@ -263,6 +264,16 @@ def read_file(path: epath.PathLike) -> bytes:
     elif zlib.crc32(data) != expected:
         raise _mismatch(text_path, covering, "does not match its recorded checksum")
     return data
+
+
+def is_covered(path: epath.PathLike) -> bool:
+    """Whether reads of the metadata file ``path`` are checked against a recorded checksum.
+
+    Raises:
+      cp.errors.IntegrityError: the covering ``_CHECKSUMS`` is damaged.
+    """
+    covering = _covering_table(os.fspath(path))
+    return covering is not None and covering[1] in covering[0].files
 
 
 def is_protected(checkpoint: epath.PathLike) -> bool:

@@ -763,9 +763,11 @@ class ArrayReader:
         zarr3: bool = True,
         verify: bool = True,
         opened: OpenedDatabase | None = None,
+        cross_check: bool = False,
     ) -> None:
         self._directory = directory
         self._opened = opened if ocdbt else None
+        self._cross_check = cross_check
         self._ocdbt = ocdbt
         self._zarr3 = zarr3
         # False skips the checksums computed here (the zarr3 driver always checks its own).
@@ -817,6 +819,8 @@ class ArrayReader:
                 kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
             except Exception as e:
                 raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        if self._cross_check:
+            await self._check_zarr_json(kvstore, [*direct, *raw])
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
         if raw:
@@ -835,6 +839,23 @@ class ArrayReader:
         except BaseException:
             await _settle(tasks)
             raise
+
+    async def _check_zarr_json(self, kvstore: Any, reads: Sequence[ArrayRead]) -> None:
+        """Each array's ``zarr.json`` must be the one written for its recorded layout."""
+        if not reads:
+            return
+        try:
+            values = await read_values(kvstore, [f"{r.name}/zarr.json" for r in reads])
+        except Exception as e:
+            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        for read, value in zip(reads, values, strict=True):
+            stored = read.stored
+            assert stored is not None
+            if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+                raise _errors.integrity_error(
+                    f"{read.what} (array {read.name!r})",
+                    "its zarr.json does not describe the shape and dtype _METADATA records",
+                )
 
     async def _read_direct(self, kvstore: ts.KvStore, reads: Sequence[ArrayRead]) -> None:
         keys: list[str] = []

@@ -184,6 +184,11 @@ class LoadSession:
             zarr3=tree.use_zarr3,
             verify=bool(context.array_options.verify_checksums),
             opened=opened,
+            # Layouts recorded in an unchecksummed _METADATA (written by an earlier version)
+            # must agree with the arrays' own zarr.json.
+            cross_check=not cp.metadata_checksums.is_covered(
+                directory / _tree_metadata.METADATA_FILE
+            ),
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)

@@ -160,6 +160,9 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
     try:
         store = await ts.open(spec, context=_database.make_context(), open=True)
         shape = tuple(int(s) for s in store.shape)
+        stored = session.stored_array(entry)
+        if stored is not None and (shape, store.dtype.numpy_dtype) != (stored.shape, stored.dtype):
+            return [f"{entry.keystr}: its zarr.json disagrees with _METADATA on shape or dtype"]
         chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
         chunk = tuple(
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
