@@ -15,6 +15,7 @@ from checkpointables import (
     errors,
     handlers,
     layout,
+    metadata_checksums,
 )
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
@@ -161,6 +162,7 @@ def load_items_async(
         return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def load_checkpointables_async(
     path: epath.PathLike,
     abstract_checkpointables: Mapping[str, Any] | None = None,
@@ -208,6 +210,7 @@ def item_metadata(directory: epath.Path, name: str, recorded: str | None, contex
     return run_sync(instance.metadata(directory))
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[str, Any]]:
     """What a checkpoint holds: ``.metadata`` maps each name to its abstract form.
 

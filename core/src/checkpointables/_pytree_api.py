@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _gc, _loading, _saving, errors, handlers, layout
+from checkpointables import _gc, _loading, _saving, errors, handlers, layout, metadata_checksums
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
@@ -145,6 +145,7 @@ def load_pytree_async(
         return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def _start_load(
     path: epath.PathLike,
     abstract_pytree: Any,
@@ -209,6 +210,7 @@ def load_pytree(
     return response.result()
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def pytree_metadata(
     path: epath.PathLike, *, checkpointable_name: str | None = None
 ) -> CheckpointMetadata[Any]:

@@ -90,6 +90,7 @@ async def _load(handler: Any, directory: epath.Path) -> None:
     await (await handler.load(directory))
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
     """Every finding about the checkpoint at ``path``; it passes if none has a ``problem``.
 

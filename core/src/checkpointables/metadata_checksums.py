@@ -28,6 +28,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import re
@@ -36,6 +38,7 @@ import threading
 import zlib
 from collections.abc import Iterator, Mapping
 
+import attrs
 from etils import epath
 
 from checkpointables import errors, safe_json
@@ -44,8 +47,10 @@ __all__ = [
     "CHECKSUMS_FILE",
     "MAX_FILE_BYTES",
     "record",
+    "CheckedFile",
     "read_file",
-    "is_covered",
+    "read_checked",
+    "scope",
     "is_protected",
     "verify",
 ]
@@ -174,10 +179,45 @@ class _Table:
 
 _tables: dict[str, tuple[tuple[int, ...], _Table]] = {}
 _tables_lock = threading.Lock()
+# The tables (and absences of tables) one operation has seen, by directory: see ``scope``.
+_scoped: contextvars.ContextVar[dict[str, _Table | None] | None] = contextvars.ContextVar(
+    "checkpointables_metadata_checksums_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Within it (one load or metadata read of one checkpoint, including the background
+    work it starts), each ``_CHECKSUMS`` is looked for and read once: a remote checkpoint's
+    is fetched once, not once per metadata file.
+
+    Example::
+
+        with cp.metadata_checksums.scope():
+            meta = read_file(path / "_CHECKPOINT_METADATA")
+            tree = read_file(path / "pytree" / "_METADATA")  # No second lookup.
+    """
+    token = _scoped.set({})
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 def _table_in(directory: str) -> _Table | None:
-    """The table at the top of ``directory``, or ``None`` if it has none (cached by identity)."""
+    """The table at the top of ``directory``, or ``None`` if it has none (remembered within a
+    ``scope``; local tables also cached by the file's identity)."""
+    seen = _scoped.get()
+    if seen is None:
+        return _look_for_table(directory)
+    try:
+        return seen[directory]
+    except KeyError:
+        table = seen[directory] = _look_for_table(directory)
+        return table
+
+
+def _look_for_table(directory: str) -> _Table | None:
     path = os.path.join(directory, CHECKSUMS_FILE)
     if not _is_local(path):
         try:
@@ -233,16 +273,17 @@ def _mismatch(path: str, covering: tuple[_Table, str], what: str) -> errors.Inte
     )
 
 
-def read_file(path: epath.PathLike) -> bytes:
-    """The bytes of a checkpoint's metadata file, checked against the recorded checksum.
+@attrs.frozen
+class CheckedFile:
+    """A metadata file's bytes, and whether they were checked against a recorded checksum."""
 
-    Raises:
-      FileNotFoundError: the file does not exist, and the checkpoint does not
-        say it should (it is optional, or the checkpoint records no checksums).
-      cp.errors.IntegrityError: the file does not match its recorded checksum,
-        is missing although recorded, or was not there when the checkpoint was
-        committed.
-    """
+    data: bytes
+    checked: bool
+
+
+def read_checked(path: epath.PathLike) -> CheckedFile:
+    """The bytes of a checkpoint's metadata file, checked against the recorded checksum, and
+    whether there was one (see ``read_file``)."""
     text_path = os.fspath(path)
     covering = _covering_table(text_path)
     try:
@@ -256,24 +297,28 @@ def read_file(path: epath.PathLike) -> bytes:
             raise _mismatch(text_path, covering, "is missing") from None
         raise
     if covering is None:
-        return data
+        return CheckedFile(data, checked=False)
     expected = covering[0].files.get(covering[1])
     if expected is None:
         if len(data) <= MAX_FILE_BYTES:
             raise _mismatch(text_path, covering, "was not part of the checkpoint when it was saved")
-    elif zlib.crc32(data) != expected:
+        return CheckedFile(data, checked=False)
+    if zlib.crc32(data) != expected:
         raise _mismatch(text_path, covering, "does not match its recorded checksum")
-    return data
+    return CheckedFile(data, checked=True)
 
 
-def is_covered(path: epath.PathLike) -> bool:
-    """Whether reads of the metadata file ``path`` are checked against a recorded checksum.
+def read_file(path: epath.PathLike) -> bytes:
+    """The bytes of a checkpoint's metadata file, checked against the recorded checksum.
 
     Raises:
-      cp.errors.IntegrityError: the covering ``_CHECKSUMS`` is damaged.
+      FileNotFoundError: the file does not exist, and the checkpoint does not
+        say it should (it is optional, or the checkpoint records no checksums).
+      cp.errors.IntegrityError: the file does not match its recorded checksum,
+        is missing although recorded, or was not there when the checkpoint was
+        committed.
     """
-    covering = _covering_table(os.fspath(path))
-    return covering is not None and covering[1] in covering[0].files
+    return read_checked(path).data
 
 
 def is_protected(checkpoint: epath.PathLike) -> bool:

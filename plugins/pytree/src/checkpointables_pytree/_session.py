@@ -186,9 +186,7 @@ class LoadSession:
             opened=opened,
             # Layouts recorded in an unchecksummed _METADATA (written by an earlier version)
             # must agree with the arrays' own zarr.json.
-            cross_check=not cp.metadata_checksums.is_covered(
-                directory / _tree_metadata.METADATA_FILE
-            ),
+            cross_check=not tree.checksum_recorded,
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
@@ -282,6 +280,10 @@ class LoadSession:
         chunk_shape: tuple[int, ...],
     ) -> tuple[int, ...]:
         """Recorded chunk checksums: one 32-bit value per chunk, else an error."""
+        if chunk_shape == shape and len(recorded) == 1:  # The usual array: one chunk.
+            (checksum,) = recorded
+            if type(checksum) is int and 0 <= checksum <= _CHECKSUM_MAX:
+                return (checksum,)
         chunks = 1 if chunk_shape == shape else math.prod(_zarr3.chunk_grid(shape, chunk_shape))
         if len(recorded) != chunks:
             raise self._malformed(

@@ -89,6 +89,8 @@ class TreeMetadata:
     escaped_names: bool = True
     strings_crc32c: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Whether the file was checked against the checksum recorded at commit (not written).
+    checksum_recorded: bool = False
 
     def to_json_text(self) -> str:
         """The text of the ``_METADATA`` file."""
@@ -270,7 +272,7 @@ def read_tree_metadata(directory: epath.Path) -> TreeMetadata:
     """
     path = directory / METADATA_FILE
     try:
-        raw = cp.metadata_checksums.read_file(path)
+        checked = cp.metadata_checksums.read_checked(path)
     except FileNotFoundError:
         raise cp.errors.MetadataError(
             f"{path} does not exist, so {directory} is not a pytree checkpointable (or it was "
@@ -278,4 +280,6 @@ def read_tree_metadata(directory: epath.Path) -> TreeMetadata:
         ) from None
     except OSError as e:
         raise cp.errors.MetadataError(f"Cannot read {path}: {e}.") from e
-    return parse_tree_metadata(path, raw)
+    tree = parse_tree_metadata(path, checked.data)
+    tree.checksum_recorded = checked.checked
+    return tree
