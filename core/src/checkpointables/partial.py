@@ -36,7 +36,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _saving, errors, layout, multihost
+from checkpointables import _saving, errors, layout, metadata_checksums, multihost
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, waiting_caller
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_registration
 from checkpointables.checkpoint_metadata import (
@@ -44,6 +44,7 @@ from checkpointables.checkpoint_metadata import (
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
 
 __all__ = ["save", "save_async", "finalize", "session_path", "SESSION_SUFFIX"]
 
@@ -285,7 +286,7 @@ def _remove_leftovers(session: epath.Path) -> None:
                     layout.remove_tree(child)
                 else:
                     child.unlink()
-    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE):
+    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE, CHECKSUMS_FILE):
         (session / name).unlink(missing_ok=True)
 
 
@@ -357,5 +358,6 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     (session / layout.MARKER_FILE).touch()
     (session / layout.COMMIT_SUCCESS_FILE).write_text(f"Checkpoint commit was successful to {path}")
     _write_metadata(session, meta, time.time_ns())
+    metadata_checksums.record(session)
     layout.fsync_tree(session)
     layout.commit(session, path, overwrite=False)
