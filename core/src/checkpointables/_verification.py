@@ -79,8 +79,14 @@ def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> li
             else:  # What a load would find: load it, and drop the value.
                 run_sync(_load(handler, directory))
                 problems = []
+    except errors.InvalidArgumentError as e:
+        # A load needs more than the checkpoint (a stateful object to load into): its files
+        # were still checked against their recorded checksums above.
+        return [Finding(name, note=f"not loaded here: {e}")]
     except errors.CheckpointError as e:
         return [Finding(name, str(e))]
+    except Exception as e:  # A handler's own failure is a failed check, not a crash.
+        return [Finding(name, f"{type(e).__name__}: {e}")]
     if problems:
         return [Finding(name, problem) for problem in problems]
     return [Finding(name, note=None if verify is not None else "loads (no verify in its handler)")]

@@ -25,6 +25,7 @@ from etils import epath
 
 from checkpointables import errors
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
 
 __all__ = [
     "MARKER_FILE",
@@ -45,7 +46,15 @@ TMP_INFIX = ".checkpointables-tmp-"
 OLD_INFIX = ".checkpointables-old-"
 _FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
 RESERVED_NAMES = frozenset(
-    {"metrics", "AUTO", CHECKPOINT_METADATA_FILE, MARKER_FILE, COMMIT_SUCCESS_FILE, "descriptor"}
+    {
+        "metrics",
+        "AUTO",
+        CHECKPOINT_METADATA_FILE,
+        CHECKSUMS_FILE,
+        MARKER_FILE,
+        COMMIT_SUCCESS_FILE,
+        "descriptor",
+    }
 )
 _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$")
 
