@@ -36,7 +36,12 @@ def resolved(path: epath.PathLike) -> epath.Path:
 
         resolved("/runs/a/../b")   # epath.Path("/runs/b") (if /runs/a is not a link)
     """
-    text = os.fspath(path)
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise errors.InvalidArgumentTypeError(
+            f"A checkpoint path must be a str or a path-like object, got {type(path).__name__}."
+        ) from None
     if "://" in text or ".." not in text.split(os.sep):
         return epath.Path(path)
     return epath.Path(os.path.realpath(text))

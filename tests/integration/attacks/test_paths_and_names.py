@@ -74,6 +74,8 @@ def test_errors_do_not_chain_to_an_event_loop_lookup(tmp_path) -> None:
         (lambda p: cp.save_pytree(p / "old", {"x": 1}), cp.errors.CheckpointExistsError),
         (lambda p: cp.load_checkpointables(p / "old", [1]), cp.errors.InvalidArgumentError),
         (lambda p: cp.load_pytree(p / "new"), cp.errors.CheckpointNotFoundError),
+        (lambda p: cp.load_pytree(123), cp.errors.InvalidArgumentTypeError),
+        (lambda p: cp.save_pytree(None, {"x": 1}), cp.errors.InvalidArgumentTypeError),
     ],
 )
 def test_bad_arguments_are_library_errors_keeping_their_builtin_class(tmp_path, call, error):
