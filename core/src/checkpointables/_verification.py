@@ -10,7 +10,6 @@ without one, loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -40,15 +39,6 @@ class Finding:
     subject: str
     problem: str | None = None
     note: str | None = None
-
-
-def _checked(subject: str, check: Callable[[], Any]) -> Finding | None:
-    """``check()``'s error as a finding (``None`` if it passed)."""
-    try:
-        check()
-    except errors.CheckpointError as e:
-        return Finding(subject, str(e))
-    return None
 
 
 def _checksum_findings(path: epath.Path) -> list[Finding]:
@@ -108,9 +98,10 @@ def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
         layout.validate_checkpoint_directory(path)
     except errors.NotACheckpointError as e:
         return [Finding("checkpoint", str(e))]
-    escape = _checked("checkpoint", lambda: _confinement.check_contained(path))
-    if escape is not None:
-        return [escape]  # Nothing more is read from a checkpoint that leads outside.
+    try:
+        _confinement.check_contained(path)
+    except errors.OutsideCheckpointError as e:
+        return [Finding("checkpoint", str(e))]  # Nothing more is read from it.
     findings = _checksum_findings(path)
     try:
         meta = read_checkpoint_metadata(path)
