@@ -26,6 +26,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
 # raw is the floor that shows the method works: ~0x to save, ~1x to load.
 MEMORY_LIBRARIES = ("raw", "checkpointables", "orbax")
+# Checkpoints loaded again and again to see that RSS stays flat (scaled with --scale).
+REPEATED_LOAD_LEAVES = (10_000, 100_000)
 VERSIONED = (
     "checkpointables-core",
     "checkpointables-pytree",
@@ -203,6 +205,26 @@ def _measure_memory(
     return out
 
 
+def _measure_repeated_loads(args: argparse.Namespace, scratch: str) -> list[dict[str, Any]]:
+    """RSS over repeated loads of checkpoints of many small arrays (flat is the target)."""
+    _say("\n== RSS over repeated loads of the same checkpoint (checkpointables) ==")
+    out = []
+    for leaves in REPEATED_LOAD_LEAVES:
+        count = max(100, int(leaves * args.scale))
+        try:
+            m = memory.repeated_loads(count, scratch)
+            rss = ", ".join(f"{r / 2**20:.0f}" for r in m["rss"])
+            _say(
+                f"  {m['leaves']:,} leaves: RSS after each load {rss} MiB; growth after warm-up "
+                f"{m['growth_after_warm_up'] / 2**20:+.1f} MiB"
+            )
+        except Exception as e:
+            m = {"leaves": count, "error": f"{type(e).__name__}: {e}"}
+            _say(f"  {count:,} leaves: FAILED: {m['error']}")
+        out.append(m)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
@@ -291,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             failed |= "error" in result or any(
                 "error" in m for m in result.get("memory", {}).values()
             )
+        if not args.no_memory:
+            document["repeated_loads"] = _measure_repeated_loads(args, scratch)
+            failed |= any("error" in m for m in document["repeated_loads"])
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)

@@ -69,6 +69,10 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
             measured = big["memory"][lib][op]
             assert measured["peak_rss"] >= measured["baseline_rss"] > 0, (lib, op, measured)
 
+    for repeated in doc["repeated_loads"]:  # RSS over repeated loads, in a subprocess each.
+        assert "error" not in repeated, repeated
+        assert len(repeated["rss"]) == 8 and min(repeated["rss"]) > 0, repeated
+
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
     assert len(verdicts) == 16 + 3
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts

@@ -80,7 +80,7 @@ def test_no_progress_when_stderr_is_not_a_terminal(tmp_path, capfd) -> None:
     assert cli.main(["verify", str(tmp_path / "c")]) == 0
     captured = capfd.readouterr()
     assert captured.err == ""
-    assert "all checksums ok" in captured.out
+    assert "all checks passed" in captured.out
 
 
 def test_verify_shows_bytes_total_and_rate_on_a_terminal(tmp_path) -> None:

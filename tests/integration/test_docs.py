@@ -108,3 +108,11 @@ def test_recipes_run(tmp_path, monkeypatch) -> None:
     restored = jax.tree.leaves(namespace["loaded"]["model"])
     assert len(saved) == len(restored) == 6
     assert all(bool((a == b).all()) for a, b in zip(saved, restored, strict=True))
+
+
+def test_integrity_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in python_blocks("integrity.md"):
+        exec(compile(block, "docs/integrity.md", "exec"), namespace)
+    assert cp.metadata_checksums.is_protected(tmp_path / "ckpt")

@@ -8,7 +8,16 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _gc, _loading, _saving, errors, handlers, layout, readers
+from checkpointables import (
+    _gc,
+    _loading,
+    _saving,
+    errors,
+    handlers,
+    layout,
+    metadata_checksums,
+    readers,
+)
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
@@ -37,7 +46,7 @@ def pytree_item(checkpointable_name: str, pytree: Any) -> dict[str, Any]:
     """``{checkpointable_name: pytree}``, after the checks every pytree save makes."""
     layout.validate_checkpointable_name(checkpointable_name)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     return {checkpointable_name: pytree}
 
 
@@ -93,7 +102,7 @@ def find_pytree(
 ) -> tuple[str, epath.Path]:
     """The name and directory of the pytree to load from checkpoint ``path``."""
     typestrs = _loading.recorded_typestrs(meta)
-    available = layout.checkpointable_directories(path, typestrs)
+    available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
         layout.validate_checkpointable_name(checkpointable_name)
         if checkpointable_name not in available:
@@ -176,6 +185,7 @@ def load_pytree_async(
         return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def _start_load(
     path: epath.PathLike,
     abstract_pytree: Any,
@@ -244,6 +254,7 @@ def load_pytree(
     return response.result()
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def pytree_metadata(
     path: epath.PathLike, *, checkpointable_name: str | None = None
 ) -> CheckpointMetadata[Any]:

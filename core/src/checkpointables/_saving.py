@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 
-from checkpointables import _gc, _inflight, handlers, layout, multihost
+from checkpointables import (
+    _gc,
+    _inflight,
+    _os_errors,
+    _user_paths,
+    errors,
+    handlers,
+    layout,
+    metadata_checksums,
+    multihost,
+    safe_json,
+)
 from checkpointables._asyncio import (
     AsyncResponse,
     caller_waits,
@@ -28,14 +38,8 @@ def _json_or_raise(value: Any, what: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{what} must be a dict, got {type(value).__name__}.")
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"{what} must be JSON-serializable ({e}); convert arrays and objects to "
-            f"numbers, strings, lists or dicts."
-        ) from e
+        raise errors.InvalidArgumentError(f"{what} must be a dict, got {type(value).__name__}.")
+    safe_json.dumps_checked(value, what=what)
     return dict(value)
 
 
@@ -81,19 +85,24 @@ def save_checkpointables_async(
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
       FileExistsError: ``path`` exists and ``overwrite`` is false.
+      cp.errors.NameTooLongError: a name is too long for the filesystem.
       cp.errors.NoHandlerForObjectError: no handler accepts an object.
+    Raises (by the response, after a failed write): cp.errors.DiskFullError, ...
     """
     context = get_context(context)
     path = as_path(path)
     layout.validate_checkpointables_dict(checkpointables)
+    _user_paths.check_name_lengths(path, checkpointables)
     custom = _json_or_raise(custom_metadata, "custom_metadata")
     metric_values = _json_or_raise(metrics, "metrics")
     timeout = context.async_options.timeout_secs
     _inflight.wait_for(path, timeout)
     if layout.is_temporary_path(path):
-        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+        raise errors.InvalidArgumentError(
+            f"{path} has a temporary directory's name; choose another path."
+        )
     if path.exists() and not overwrite:
-        raise FileExistsError(
+        raise errors.CheckpointExistsError(
             f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
             f"removed only after the new one is complete), or choose another path."
         )
@@ -103,7 +112,8 @@ def save_checkpointables_async(
     # Every process must use the same temporary directory: the primary names it.
     operation = f"save/{multihost.next_operation_id()}" if multihost.is_coordinated(context) else ""
     if primary:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with _os_errors.translated(f"saving {path}"):
+            path.parent.mkdir(parents=True, exist_ok=True)
     tmp = epath.Path(
         multihost.broadcast_from_primary(
             f"{operation}/tmp",
@@ -135,7 +145,7 @@ def save_checkpointables_async(
         )
 
     try:
-        with context:  # Handlers read options through get_context().
+        with context, _os_errors.translated(f"saving {path}"):  # Handlers read get_context().
             background_awaitables = run_sync(blocking_phase())
     except BaseException:
         if primary:
@@ -162,10 +172,15 @@ def save_checkpointables_async(
                 commit_timestamp_nsecs=time.time_ns(),
             ),
         )
+        metadata_checksums.record(tmp)
         layout.fsync_tree(tmp)
         layout.commit(tmp, path, overwrite=overwrite)
 
     def background() -> None:
+        with _os_errors.translated(f"saving {path}"):
+            write_and_commit()
+
+    def write_and_commit() -> None:
         error: BaseException | None = None
         try:
             root.create_now()

@@ -60,7 +60,9 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
         # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
         with contextlib.suppress(TypeError):
             dtype = np.dtype(dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
+        from checkpointables._verification import leaf_nbytes
+
+        size = leaf_nbytes(leaf)
         sharding = getattr(leaf, "sharding", None)
         extra = f" sharding={sharding}" if sharding is not None else ""
         return f"{type(leaf).__name__} shape={tuple(shape)} dtype={dtype}{extra}", size
@@ -147,46 +149,19 @@ def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(n, path / n) for n in names]
 
 
-def _array_bytes(directory: Any, name: str, recorded: str | None) -> int | None:
-    """Bytes of the arrays of one checkpointable, from its metadata (``None`` if unknown)."""
-    import jax
-
-    from checkpointables import _loading
-    from checkpointables.context import get_context
-
-    try:
-        value = _loading.item_metadata(directory, name, recorded, get_context())
-    except Exception:  # verify() itself reports what is wrong.
-        return None
-    total = sum(_describe_leaf(leaf)[1] for leaf in jax.tree_util.tree_leaves(value))
-    return total or None  # Nothing to count in bytes (e.g. JSON): a bar without a total.
-
-
 def _verify(args: argparse.Namespace) -> int:
-    from checkpointables import _loading, progress
-    from checkpointables._asyncio import run_sync
-    from checkpointables.context import get_context
+    from checkpointables import _verification
 
-    context = get_context()
-    path, meta = _loading.open_checkpoint(args.path, context)
-    typestrs = _loading.recorded_typestrs(meta)
+    findings = _verification.verify_checkpoint(args.path)
+    print(f"checkpoint {args.path}")
     failures = 0
-    for name, directory in _inspected_items(path, meta):
-        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
-        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
-        verify = getattr(handler, "verify", None)
-        if verify is None:
-            print(f"{name}: not checked ({type(handler).__name__} has no verify())")
-            continue
-        with progress.bytes_progress(_array_bytes(directory, name, recorded), f"verify {name}"):
-            problems = run_sync(verify(directory))
-        if problems:
-            failures += len(problems)
-            for problem in problems:
-                print(f"{name}: FAILED {problem}")
+    for finding in findings:
+        if finding.problem is not None:
+            failures += 1
+            print(f"{finding.subject}: FAILED {finding.problem}")
         else:
-            print(f"{name}: ok")
-    print("all checksums ok" if not failures else f"{failures} problem(s) found")
+            print(f"{finding.subject}: {finding.note or 'ok'}")
+    print("all checks passed" if not failures else f"{failures} problem(s) found")
     return 1 if failures else 0
 
 
@@ -219,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
         "verify",
-        help="read every chunk and check its checksum; exit status 1 on any failure",
+        help="check every metadata file and read every chunk, as a load would; exit status 1 "
+        "if a load would fail or return different values",
         parents=[common],
     )
     p.add_argument("path")

@@ -25,6 +25,7 @@ from etils import epath
 
 from checkpointables import errors
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
 from checkpointables.path._parse import as_path
 
 __all__ = [
@@ -46,7 +47,15 @@ TMP_INFIX = ".checkpointables-tmp-"
 OLD_INFIX = ".checkpointables-old-"
 _FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
 RESERVED_NAMES = frozenset(
-    {"metrics", "AUTO", CHECKPOINT_METADATA_FILE, MARKER_FILE, COMMIT_SUCCESS_FILE, "descriptor"}
+    {
+        "metrics",
+        "AUTO",
+        CHECKPOINT_METADATA_FILE,
+        CHECKSUMS_FILE,
+        MARKER_FILE,
+        COMMIT_SUCCESS_FILE,
+        "descriptor",
+    }
 )
 _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$")
 
@@ -54,16 +63,16 @@ _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$
 def validate_checkpointable_name(name: object) -> str:
     """Returns ``name`` if it can name a subdirectory; raises ``ValueError`` otherwise."""
     if not isinstance(name, str):
-        raise ValueError(f"Checkpointable names must be strings, got {name!r}.")
+        raise errors.InvalidArgumentError(f"Checkpointable names must be strings, got {name!r}.")
     if not name:
-        raise ValueError("Checkpointable names must not be empty.")
+        raise errors.InvalidArgumentError("Checkpointable names must not be empty.")
     if "/" in name or "\\" in name or name in (".", "..") or ".." in name or "\0" in name:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Checkpointable name {name!r} is not a plain directory name: it must not contain "
             f"'/', '\\', '..' or NUL. Choose a name like 'params' or 'dataset'."
         )
     if name in RESERVED_NAMES or name.startswith("."):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Checkpointable name {name!r} is reserved (reserved: {sorted(RESERVED_NAMES)} and "
             f"names starting with '.'). Choose another name."
         )
@@ -73,12 +82,14 @@ def validate_checkpointable_name(name: object) -> str:
 def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, object]:
     """Checks the argument of ``save_checkpointables`` before anything is written."""
     if not isinstance(checkpointables, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"save_checkpointables takes a dict of name to checkpointable, got "
             f"{type(checkpointables).__name__}. To save one pytree use cp.save_pytree."
         )
     if not checkpointables:
-        raise ValueError("save_checkpointables got an empty dict; there is nothing to save.")
+        raise errors.InvalidArgumentError(
+            "save_checkpointables got an empty dict; there is nothing to save."
+        )
     for name in checkpointables:
         validate_checkpointable_name(name)
     return checkpointables
@@ -146,7 +157,7 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
     ):
         return  # The usual case, checked cheaply; anything else gets the full story below.
     if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}: the path does not exist.")
+        raise errors.CheckpointNotFoundError(f"No checkpoint at {path}: the path does not exist.")
     if not path.is_dir():
         raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
     if is_temporary_path(path):

@@ -36,7 +36,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _saving, errors, layout, multihost
+from checkpointables import _saving, errors, layout, metadata_checksums, multihost
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, waiting_caller
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_registration
 from checkpointables.checkpoint_metadata import (
@@ -44,6 +44,7 @@ from checkpointables.checkpoint_metadata import (
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
 from checkpointables.path._parse import as_path
 
 __all__ = ["save", "save_async", "finalize", "session_path", "SESSION_SUFFIX"]
@@ -95,10 +96,12 @@ def _names(directory: epath.Path) -> list[str]:
 
 def _check_not_finished(path: epath.Path) -> None:
     if layout.is_temporary_path(path):
-        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+        raise errors.InvalidArgumentError(
+            f"{path} has a temporary directory's name; choose another path."
+        )
     if path.exists():
         what = "a finished checkpoint" if layout.is_checkpoint(path) else "something"
-        raise FileExistsError(
+        raise errors.CheckpointExistsError(
             f"{path} already holds {what}; a partial save never replaces it. Delete it first, or "
             f"choose another path."
         )
@@ -135,7 +138,7 @@ def save_async(
     """
     path = as_path(path)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     _check_not_finished(path)
     session = session_path(path)
     state = _state(session)
@@ -284,7 +287,7 @@ def _remove_leftovers(session: epath.Path) -> None:
                     layout.remove_tree(child)
                 else:
                     child.unlink()
-    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE):
+    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE, CHECKSUMS_FILE):
         (session / name).unlink(missing_ok=True)
 
 
@@ -335,7 +338,7 @@ def finalize(path: epath.PathLike) -> None:
 
 def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not session.is_dir():
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"No partial save session for {path}: {session} does not exist. Call "
             f"cp.partial.save({str(path)!r}, ...) first."
         )
@@ -346,7 +349,7 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not pytree_dir.is_dir() or not any(
         p.name.startswith(_PARTIAL_PREFIX) for p in pytree_dir.iterdir()
     ):
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"The partial save session {session} holds no committed partial save (they failed or "
             f"were interrupted). Call cp.partial.save({str(path)!r}, ...) again."
         )
@@ -356,5 +359,6 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     (session / layout.MARKER_FILE).touch()
     (session / layout.COMMIT_SUCCESS_FILE).write_text(f"Checkpoint commit was successful to {path}")
     _write_metadata(session, meta, time.time_ns())
+    metadata_checksums.record(session)
     layout.fsync_tree(session)
     layout.commit(session, path, overwrite=False)

@@ -281,6 +281,7 @@ def test_overwrite_and_checkpointable_name(tmp_path) -> None:
     np.testing.assert_array_equal(cp.load_pytree(tmp_path / "c")["a"], np.ones(2))
     assert sorted(os.listdir(tmp_path / "c")) == [
         "_CHECKPOINT_METADATA",
+        "_CHECKSUMS",
         "commit_success.txt",
         "orbax.checkpoint",
         "state",

@@ -10,13 +10,12 @@ subdirectory, which is read when ``_CHECKPOINT_METADATA`` has none.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from etils import epath
 
-from checkpointables import errors, layout
+from checkpointables import errors, layout, safe_json
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
@@ -33,10 +32,10 @@ def _orbax_metrics(path: epath.Path) -> dict[str, Any]:
     for name in _ORBAX_METRICS_FILES:
         file = directory / name
         try:
-            value = json.loads(file.read_text())
+            value = safe_json.loads(file.read_bytes(), source=file)
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as e:
+        except (OSError, errors.MetadataError) as e:
             logger.warning("Ignoring unreadable metrics file %s: %s", file, e)
             return {}
         return value if isinstance(value, dict) else {}
@@ -84,6 +83,6 @@ def scan(root: epath.Path, name_format: StepNameFormat) -> dict[int, StepInfo]:
             found[step] = read_step(step, child)
         except (FileNotFoundError, errors.NotACheckpointError):
             continue  # Not committed, or deleted while we looked.
-        except (errors.MetadataError, OSError) as e:
+        except (errors.CheckpointError, OSError) as e:  # Damaged: its metadata, or checksums.
             logger.warning("Skipping step directory %s: %s", child, e)
     return found

@@ -68,13 +68,15 @@ StepLike = int | StepInfo | None
 def as_step(step: Any) -> int:
     """``step`` as an int >= 0 (NumPy and JAX integer scalars are accepted)."""
     if isinstance(step, bool):
-        raise TypeError(f"Steps are integers >= 0, got the bool {step!r}.")
+        raise errors.InvalidArgumentTypeError(f"Steps are integers >= 0, got the bool {step!r}.")
     try:
         value = operator.index(step)
     except TypeError:
-        raise TypeError(f"Steps are integers >= 0, got {type(step).__name__} {step!r}.") from None
+        raise errors.InvalidArgumentTypeError(
+            f"Steps are integers >= 0, got {type(step).__name__} {step!r}."
+        ) from None
     if value < 0:
-        raise ValueError(f"Steps are integers >= 0, got {value}.")
+        raise errors.InvalidArgumentError(f"Steps are integers >= 0, got {value}.")
     return value
 
 
@@ -113,7 +115,7 @@ def _policy(argument: str, value: Any, default: Callable[[], Any], method: str, 
     """``value`` (or ``default()`` when ``None``), checked to have ``method``."""
     chosen = default() if value is None else value
     if not callable(getattr(chosen, method.split("(")[0], None)):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             f"{argument} must have a {method} method (see cp.training.{module}), got {chosen!r}."
         )
     return chosen
@@ -171,7 +173,7 @@ class Checkpointer:
                 f"to hold one checkpoint per step."
             )
         if layout.is_checkpoint(self._root):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{self._root} is itself a checkpoint, not a root of step checkpoints. Pass the "
                 f"directory that holds the steps (probably {self._root.parent}), or load this "
                 f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
@@ -193,12 +195,14 @@ class Checkpointer:
         if step_name_format is None:
             step_name_format = standard_name_format()
         if not isinstance(step_name_format, StepNameFormat):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"step_name_format must have build_name(step) and parse_step(name) methods (see "
                 f"cp.training.step_name_formats), got {step_name_format!r}."
             )
         if context is not None and not isinstance(context, Context):
-            raise TypeError(f"context must be a cp.Context, got {type(context).__name__}.")
+            raise errors.InvalidArgumentTypeError(
+                f"context must be a cp.Context, got {type(context).__name__}."
+            )
         custom = (
             None
             if custom_metadata is None

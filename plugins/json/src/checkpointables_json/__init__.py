@@ -80,12 +80,8 @@ class JsonHandler:
         file = self._find(directory)
 
         async def read() -> Any:
-            try:
-                return json.loads(file.read_text())
-            except json.JSONDecodeError as e:
-                raise cp.errors.MetadataError(
-                    f"{file} is not valid JSON ({e}); the checkpointable is damaged."
-                ) from e
+            # Checked against the checksum recorded when the checkpoint was committed.
+            return cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
 
         return read()
 
@@ -111,8 +107,9 @@ class JsonHandler:
         for name in (DATA_FILE, *_LEGACY_FILES):
             if (directory / name).is_file():
                 return directory / name
-        raise FileNotFoundError(
-            f"{directory} holds no {DATA_FILE}; it is not a JSON checkpointable or was damaged."
+        raise cp.errors.IntegrityError(
+            f"{directory} holds no {DATA_FILE}: it is not a JSON checkpointable, or it was "
+            f"damaged. Restore the checkpoint from a copy, or load an older one."
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import weakref
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from etils import epath
 from checkpointables_pytree import (
     _crc32c,
     _database,
+    _errors,
     _gc,
     _keys,
     _multiprocess,
@@ -59,7 +61,7 @@ def leaf_registry(context: cp.Context | None = None) -> LeafHandlerRegistry:
     if registry is None:
         return StandardLeafHandlerRegistry()
     if not isinstance(registry, LeafHandlerRegistry):
-        raise TypeError(
+        raise cp.errors.InvalidArgumentTypeError(
             "PyTreeOptions.leaf_handler_registry must be "
             "a cp.serialization.LeafHandlerRegistry, got "
             f"{type(registry).__name__}."
@@ -182,6 +184,23 @@ def _discard(awaitables: Sequence[Any]) -> None:
             awaitable.close()
 
 
+def _owning(background: Any, awaitables: Sequence[Any]) -> Any:
+    """``background``, which closes ``awaitables`` when it is dropped: if another handler's
+    failure means it never runs, its leaf handlers' coroutines must not warn "never awaited"."""
+    weakref.finalize(background, _discard_unstarted, list(awaitables))
+    return background
+
+
+def _discard_unstarted(awaitables: Sequence[Any]) -> None:
+    _discard(
+        [
+            a
+            for a in awaitables
+            if inspect.iscoroutine(a) and inspect.getcoroutinestate(a) == inspect.CORO_CREATED
+        ]
+    )
+
+
 def _is_skip(abstract: Any) -> bool:
     return (
         abstract is None
@@ -290,7 +309,7 @@ class PyTreeHandler:
             entry = lookup(leaf.value)
             names = leaf.names
             if names in seen:
-                raise ValueError(
+                raise cp.errors.InvalidArgumentError(
                     f"Two keys of one container have the same string form: "
                     f"{jax.tree_util.keystr(seen[names])} and "
                     f"{jax.tree_util.keystr(leaf.keypath)}. "
@@ -332,6 +351,15 @@ class PyTreeHandler:
         tree = _saved_tree_metadata(groups, flat, session, registry)
 
         async def background() -> None:
+            try:
+                await write()
+            except ValueError as e:  # TensorStore's errors: a full disk, ...
+                translated = _errors.write_error(e, f"the pytree in {directory.path}")
+                if translated is e:
+                    raise
+                raise translated from e
+
+        async def write() -> None:
             # The tree's own files are written while the arrays are committed.
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])
@@ -354,7 +382,7 @@ class PyTreeHandler:
                     _multiprocess.flush_database, _database.database_directory(path)
                 )
 
-        return background()
+        return _owning(background(), awaitables)
 
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).
@@ -433,7 +461,7 @@ class PyTreeHandler:
                         plan.values[slot] = value
                 return plan.build(tree, directory)
 
-        return background()
+        return _owning(background(), [a for _, a in pending])
 
     async def metadata(self, directory: epath.Path) -> Any:
         """The abstract tree of what is stored (no array data is read)."""

@@ -138,7 +138,7 @@ def _storage_options(
         chosen = creator(tuple(keypath), value)
         if chosen is not None:
             if not isinstance(chosen, cp.options.ArrayStorageOptions):
-                raise TypeError(
+                raise cp.errors.InvalidArgumentTypeError(
                     "storage_options_creator returned "
                     f"{type(chosen).__name__} for {_what(keypath)}; "
                     f"it must return cp.options.ArrayStorageOptions or None."
