@@ -8,10 +8,17 @@ mark (``/proc/self/clear_refs`` "5") and runs the operation. Growth is the
 high-water mark (``VmHWM``) minus the starting ``VmRSS``; a thread sampling
 RSS every 5 ms is the fallback where the reset is not allowed. The child
 prints one JSON line.
+
+``repeated_loads`` measures something else: whether memory stays flat when
+the same checkpoint of many small arrays is loaded again and again (a server
+loading checkpoints, an evaluation loop). Its child saves the tree, loads it
+``loads`` times and records the RSS after each load, once the result is
+dropped, ``gc.collect()`` ran and ``malloc_trim`` handed free memory back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -24,6 +31,9 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OPS = ("save", "save_async", "load")
+REPEATED_LOADS = 8
+# Loads before the RSS counts as warmed up (thread pools, allocator arenas, caches).
+WARM_UP_LOADS = 2
 
 
 def _status_kib(field: str) -> int:
@@ -122,6 +132,54 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _trimmed_rss() -> int:
+    """RSS in bytes once garbage is collected and malloc handed free memory back."""
+    import ctypes
+
+    gc.collect()
+    with contextlib.suppress(OSError):  # Not glibc: RSS then includes malloc's free lists.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _status_kib("VmRSS") * 1024
+
+
+def repeated_loads_child(args: dict[str, Any]) -> dict[str, Any]:
+    """Saves ``args["leaves"]`` small arrays with checkpointables, loads them again and again."""
+    import checkpointables as cp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    groups = max(1, args["leaves"] // 100)
+    tree = {
+        f"group_{g:04d}": {f"w_{i:03d}": rng.random(16, dtype=np.float32) for i in range(100)}
+        for g in range(groups)
+    }
+    cp.save_pytree(args["path"], tree)
+    del tree
+    rss = []
+    for _ in range(args["loads"]):
+        loaded = cp.load_pytree(args["path"])
+        del loaded
+        rss.append(_trimmed_rss())
+    return {
+        "leaves": groups * 100,
+        "rss": rss,
+        "growth_after_warm_up": rss[-1] - rss[min(WARM_UP_LOADS, len(rss)) - 1],
+    }
+
+
+def repeated_loads(leaves: int, tmp_root: str, loads: int = REPEATED_LOADS) -> dict[str, Any]:
+    """RSS after each of ``loads`` loads of a checkpoint of ``leaves`` small arrays, measured
+    in a fresh interpreter; ``growth_after_warm_up`` is the last minus the ``WARM_UP_LOADS``-th."""
+    path = os.path.join(tmp_root, f"repeated-loads-{leaves}")
+    args = {"op": "repeated_loads", "leaves": leaves, "loads": loads, "path": path}
+    try:
+        return run_child("bench.memory", args, "repeated loads")
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def measure(
     case_name: str, scale: float, library: str, op: str, path: str, tmp_root: str | None
 ) -> dict[str, Any]:
@@ -140,9 +198,20 @@ def measure(
         "path": path,
         "tmp_root": tmp_root,
     }
+    return run_child("bench.memory", args, f"{library} {op}")
+
+
+def run_child(
+    module: str, args: dict[str, Any], what: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Runs ``python -m module '<args as JSON>'``; returns the JSON of its last output line.
+
+    Raises ``RuntimeError`` with the end of the child's stderr if it fails.
+    """
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.memory", json.dumps(args)],
+        [sys.executable, "-m", module, json.dumps(args)],
         cwd=REPO_ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=900,
@@ -150,9 +219,11 @@ def measure(
     )
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"memory measurement {library} {op} failed:\n{tail}")
+        raise RuntimeError(f"memory measurement {what} failed:\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(json.loads(sys.argv[1]))))
+    _args = json.loads(sys.argv[1])
+    _child = repeated_loads_child if _args.get("op") == "repeated_loads" else child
+    print(json.dumps(_child(_args)))

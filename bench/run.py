@@ -20,12 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, libraries, memory, object_store, report, timing
+from bench import cases, interop, libraries, memory, object_store, report, timing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
 # raw is the floor that shows the method works: ~0x to save, ~1x to load.
 MEMORY_LIBRARIES = ("raw", "checkpointables", "orbax")
+# Checkpoints loaded again and again to see that RSS stays flat (scaled with --scale).
+REPEATED_LOAD_LEAVES = (10_000, 100_000)
 VERSIONED = (
     "checkpointables-core",
     "checkpointables-pytree",
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--case",
         action="append",
-        choices=[c.name for c in cases.CASES] + list(object_store.CASE_NAMES),
+        choices=[c.name for c in cases.CASES] + list(interop.CASES) + list(object_store.CASE_NAMES),
         help="run only this case (repeatable); default: all but s3-1gib",
     )
     p.add_argument(
@@ -203,12 +205,35 @@ def _measure_memory(
     return out
 
 
+def _measure_repeated_loads(args: argparse.Namespace, scratch: str) -> list[dict[str, Any]]:
+    """RSS over repeated loads of checkpoints of many small arrays (flat is the target)."""
+    _say("\n== RSS over repeated loads of the same checkpoint (checkpointables) ==")
+    out = []
+    for leaves in REPEATED_LOAD_LEAVES:
+        count = max(100, int(leaves * args.scale))
+        try:
+            m = memory.repeated_loads(count, scratch)
+            rss = ", ".join(f"{r / 2**20:.0f}" for r in m["rss"])
+            _say(
+                f"  {m['leaves']:,} leaves: RSS after each load {rss} MiB; growth after warm-up "
+                f"{m['growth_after_warm_up'] / 2**20:+.1f} MiB"
+            )
+        except Exception as e:
+            m = {"leaves": count, "error": f"{type(e).__name__}: {e}"}
+            _say(f"  {count:,} leaves: FAILED: {m['error']}")
+        out.append(m)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
-    requested = args.case or [c.name for c in cases.CASES] + list(object_store.DEFAULT_CASES)
-    selected = [cases.get_case(n) for n in requested if n not in object_store.CASE_NAMES]
-    on_s3 = [n for n in requested if n in object_store.CASE_NAMES]
+    chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES) + list(
+        object_store.DEFAULT_CASES
+    )
+    others = (*interop.CASES, *object_store.CASE_NAMES)
+    selected = [cases.get_case(n) for n in chosen if n not in others]
+    on_s3 = [n for n in chosen if n in object_store.CASE_NAMES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
     scratch = libraries.scratch_dir(args.tmp_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
@@ -287,12 +312,21 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "memory": mem,
             }
+        for name in (n for n in chosen if n in interop.CASES):
+            document["cases"][name] = result = interop.run_case(name, args, scratch, _say)
+            failed |= "error" in result or any(
+                "error" in m for m in result.get("memory", {}).values()
+            )
+        if not args.no_memory:
+            document["repeated_loads"] = _measure_repeated_loads(args, scratch)
+            failed |= any("error" in m for m in document["repeated_loads"])
         if on_s3:
             document["object_store"] = object_store.run(on_s3, args, _say)
             failed |= object_store.failed(document["object_store"])
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)
+    verdicts += [row for c in document["cases"].values() for row in c.get("targets", [])]
     document["targets"] = verdicts
     if verdicts:
         note = " (quick/scaled run: sizes differ from the issue's)" if args.scale != 1 else ""

@@ -6,9 +6,13 @@ read once per process, so such tests start their own.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 
 
@@ -25,3 +29,37 @@ def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess
         timeout=120,
         check=False,
     )
+
+
+def run_on_terminal(*args: str) -> str:
+    """Runs ``checkpointables *args`` with stderr on a pseudo-terminal; returns what it shows.
+
+    Progress bars are shown at once (no delay). Fails unless the command exits 0.
+    """
+    code = (
+        "import sys, checkpointables as cp; from checkpointables import cli; "
+        "cp.progress.DELAY_SECS = 0; sys.exit(cli.main(sys.argv[1:]))"
+    )
+    leader, follower = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide; give it a usual width.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    chunks = []
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=follower
+        )
+        os.close(follower)  # Reading ends (EIO) once the child's copy closes too.
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        returncode = process.wait(timeout=120)
+    finally:
+        os.close(leader)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert returncode == 0, shown
+    return shown

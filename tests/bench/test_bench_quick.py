@@ -15,6 +15,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CASES = {"1gib", "256mib", "small-numpy", "small-jax", "tiny-numpy", "tiny-jax"}
+INTEROP_CASES = {"safetensors-1gib", "safetensors-2gib-mesh"}
 LIBRARIES = {"raw", "checkpointables", "orbax", "safetensors"}
 
 
@@ -44,8 +45,16 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     doc = json.loads(output.read_text())
 
     assert doc["unavailable"] == {}, doc["unavailable"]
-    assert set(doc["cases"]) == CASES
+    assert set(doc["cases"]) == CASES | INTEROP_CASES
+    for name in INTEROP_CASES:
+        case = doc["cases"][name]
+        assert "error" not in case, case
+        assert set(case["memory"]) == {"checkpointables", "safetensors"}, name
+        assert all(m["growth"] > 0 for m in case["memory"].values()), case["memory"]
+    assert all(len(s["load_s"]) == 1 for s in doc["cases"]["safetensors-1gib"]["times"].values())
     for name, case in doc["cases"].items():
+        if name in INTEROP_CASES:
+            continue
         assert case["bytes"] > 0 and case["leaves"] > 0, name
         assert set(case["libraries"]) == LIBRARIES, name
         for lib, result in case["libraries"].items():
@@ -60,8 +69,12 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
             measured = big["memory"][lib][op]
             assert measured["peak_rss"] >= measured["baseline_rss"] > 0, (lib, op, measured)
 
+    for repeated in doc["repeated_loads"]:  # RSS over repeated loads, in a subprocess each.
+        assert "error" not in repeated, repeated
+        assert len(repeated["rss"]) == 8 and min(repeated["rss"]) > 0, repeated
+
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
-    assert len(verdicts) == 16
+    assert len(verdicts) == 16 + 3
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
     assert "== targets" in proc.stdout
 

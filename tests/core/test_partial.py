@@ -121,6 +121,7 @@ def _assert_holds(path, indices) -> None:
             assert a == b and type(a) is type(b)
     assert sorted(os.listdir(path)) == [
         "_CHECKPOINT_METADATA",
+        "_CHECKSUMS",
         "commit_success.txt",
         "orbax.checkpoint",
         "pytree",
@@ -185,6 +186,11 @@ _FINALIZE_POINTS = {
     "database-merged": (
         ("checkpointables_pytree._ocdbt_merge", "merge_into", 1, True),
         {"pytree/manifest.ocdbt"},
+    ),
+    # The 4th: each of the three saves recorded its own first.
+    "checksums-recorded": (
+        ("checkpointables.metadata_checksums", "record", 4, True),
+        {"_CHECKSUMS", "pytree/_METADATA"},
     ),
     "before-publish": (
         ("checkpointables.layout", "commit", 4, False),

@@ -39,3 +39,22 @@ def test_creation_error_is_raised_to_every_waiter(tmp_path) -> None:
         asyncio.run(root.await_creation())
     with pytest.raises(PermissionError):
         root.create_now()
+
+
+@pytest.mark.parametrize("url", ["memory://x/y", "ftp://host/ckpt", "file:///tmp/ckpt"])
+def test_a_path_no_storage_reaches_is_a_library_error(tmp_path, url) -> None:
+    import checkpointables as cp
+
+    calls = [
+        lambda: cp.save_checkpointables(url, {"config": {"a": 1}}),
+        lambda: cp.load_checkpointables(url),
+        lambda: cp.pytree_metadata(url),
+        lambda: cp.is_checkpoint(url),
+        lambda: cp.partial.save(url, {"a": 1}),
+        lambda: cp.training.Checkpointer(url),
+    ]
+    for call in calls:
+        with pytest.raises(cp.errors.UnsupportedPathError, match=url.split("://")[0] + "://"):
+            call()
+    assert isinstance(cp.errors.UnsupportedPathError("x"), ValueError)
+    assert cp.path.as_path(tmp_path) == cp.path.Path(tmp_path)

@@ -8,6 +8,7 @@ import os
 import checkpointables as cp
 import pytest
 
+from ..metadata_edits import without_metadata_checksums
 from .helpers import Boom, StatefulPoint
 
 
@@ -21,6 +22,7 @@ def test_json_and_stateful_round_trip(tmp_path) -> None:
     assert cp.is_checkpoint(path)
     assert sorted(os.listdir(path)) == [
         "_CHECKPOINT_METADATA",
+        "_CHECKSUMS",
         "commit_success.txt",
         "extra",
         "orbax.checkpoint",
@@ -30,7 +32,8 @@ def test_json_and_stateful_round_trip(tmp_path) -> None:
     assert json.loads((path / "extra" / "data.json").read_text())["foo"] == "bar"
     meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
     assert meta["item_handlers"] == {
-        "extra": "checkpointables_json.JsonHandler",
+        # Orbax's JSON handler reads data.json as written: Orbax loads it too.
+        "extra": "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler",
         "point": "checkpointables.builtin_plugin.StatefulCheckpointableHandler",
     }
     assert meta["custom_metadata"] == {"run": "exp-7"}
@@ -144,10 +147,61 @@ def test_load_errors(tmp_path) -> None:
         cp.load_checkpointables(tmp_path / "file")
 
 
+class _Note:
+    """An object only ``_NoteHandler`` saves."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _NoteHandler:
+    """A handler registered for one test, then gone: its checkpoints need a missing handler."""
+
+    async def save(self, directory, checkpointable):
+        async def write() -> None:
+            path = await directory.await_creation()
+            (path / "note.txt").write_text(checkpointable.text)
+
+        return write()
+
+    async def load(self, directory, abstract_checkpointable=None):
+        async def read() -> _Note:
+            return _Note((directory / "note.txt").read_text())
+
+        return read()
+
+    async def metadata(self, directory):
+        return None
+
+    def is_handleable(self, checkpointable) -> bool:
+        return isinstance(checkpointable, _Note)
+
+    def is_abstract_handleable(self, abstract_checkpointable):
+        return None
+
+
+def test_a_pytree_saved_by_a_missing_handler_names_it(tmp_path) -> None:
+    cp.handlers.register_handler(_NoteHandler, typestr="some_plugin.NoteHandler")
+    try:
+        cp.save_checkpointables(tmp_path / "c", {"pytree": _Note("hi")})
+    finally:
+        cp.handlers.unregister_handler(_NoteHandler)
+    with pytest.raises(cp.errors.MissingHandlerError, match="'some_plugin.NoteHandler'"):
+        cp.load_pytree(tmp_path / "c")
+    with pytest.raises(cp.errors.MissingHandlerError, match="'some_plugin.NoteHandler'"):
+        cp.pytree_metadata(tmp_path / "c")
+    with pytest.raises(cp.errors.MissingHandlerError, match="'some_plugin.NoteHandler'"):
+        cp.load_pytree(tmp_path / "c", checkpointable_name="pytree")
+
+
 def test_malformed_metadata_names_the_file(tmp_path) -> None:
     path = tmp_path / "ckpt"
     cp.save_checkpointables(path, {"extra": {"k": 1}})
     (path / "_CHECKPOINT_METADATA").write_text("{not json")
+    # The checksum recorded at commit catches the edit first ...
+    with pytest.raises(cp.errors.IntegrityError, match="_CHECKPOINT_METADATA"):
+        cp.load_checkpointables(path)
+    without_metadata_checksums(path)  # ... and without it, the parser names the file.
     with pytest.raises(cp.errors.MetadataError, match="_CHECKPOINT_METADATA"):
         cp.load_checkpointables(path)
     (path / "_CHECKPOINT_METADATA").write_text("[1, 2]")

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import checkpointables as cp
+import jax
 import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -43,6 +44,7 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
         point = namespace["Point"](1.0, 2.0)
         cp.save_checkpointables(tmp_path / "c", {"p": point})
         assert cp.load_checkpointables(tmp_path / "c") == {"p": point}
+        _check_command_and_reader(namespace, tmp_path)
         # The conformance class from the page passes against the page's handler.
         suite = namespace["TestPointHandler"]()
         for test in [n for n in dir(suite) if n.startswith("test_")]:
@@ -55,3 +57,62 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
                 method()
     finally:
         cp.handlers.unregister_handler(namespace["PointHandler"])
+
+
+def _check_command_and_reader(namespace: dict, tmp_path) -> None:
+    """The page's command and reader do what it says, through the page's hook functions."""
+    import argparse
+    import asyncio
+    import contextlib
+    import io
+
+    from etils import epath
+
+    commands, readers = [], []
+    namespace["register_commands"](lambda *a, **k: commands.append((a, k)))
+    namespace["register_pytree_readers"](lambda *a, **k: readers.append((a, k)))
+    (name, run), options = commands[0]
+    parser = argparse.ArgumentParser()
+    options["add_arguments"](parser)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        assert run(parser.parse_args([str(tmp_path / "c")])) == 0
+    assert (name, output.getvalue()) == ("points", "p: (1.0, 2.0)\n")
+    reader = readers[0][0][0]()
+    (tmp_path / "a.point.json").write_text('{"x": 1, "y": 2.5}')
+    path = epath.Path(tmp_path / "a.point.json")
+    assert reader.recognizes(path) and not reader.recognizes(epath.Path(tmp_path / "c"))
+    loaded = asyncio.run(_twice(reader.load(path)))
+    assert loaded == {"x": 1, "y": 2.5}
+
+
+async def _twice(awaitable):
+    return await (await awaitable)
+
+
+@pytest.mark.slow  # Compiles a few training steps of three libraries.
+def test_recipes_run(tmp_path, monkeypatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("recipes_doc")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # dataclasses look it up
+    namespace = module.__dict__
+    blocks = python_blocks("recipes.md")
+    assert len(blocks) >= 12
+    for block in blocks:
+        exec(compile(block, "docs/recipes.md", "exec"), namespace)
+    # The last restore (Equinox, parameters only) gave back the saved arrays.
+    saved = jax.tree.leaves(namespace["params"])
+    restored = jax.tree.leaves(namespace["loaded"]["model"])
+    assert len(saved) == len(restored) == 6
+    assert all(bool((a == b).all()) for a, b in zip(saved, restored, strict=True))
+
+
+def test_integrity_runs(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in python_blocks("integrity.md"):
+        exec(compile(block, "docs/integrity.md", "exec"), namespace)
+    assert cp.metadata_checksums.is_protected(tmp_path / "ckpt")

@@ -6,6 +6,11 @@ entry point brings in its handlers.
 
 from __future__ import annotations
 
+import re
+
+import checkpointables as cp
+import pytest
+from checkpointables import cli
 from checkpointables.testing import HandlerConformance, missing_handler_message
 
 from ..python_subprocess import run_python
@@ -67,3 +72,62 @@ class TestExamplePointConformance(HandlerConformance):
         from checkpointables_example_point import AbstractPoint
 
         assert metadata == AbstractPoint.from_point(original)
+
+
+def test_plugin_command_is_listed_and_runs(tmp_path) -> None:
+    from checkpointables_example_point import Point
+
+    cp.save_checkpointables(tmp_path / "c", {"p": Point(1, 2.5), "other": {"a": 1}})
+    assert "points" in cli.build_parser().format_help()
+    result = run_python(
+        "import sys; from checkpointables import cli; sys.exit(cli.main(sys.argv[1:]))",
+        "points",
+        str(tmp_path / "c"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "p: (1, 2.5)\n"
+
+
+def test_plugin_command_is_absent_without_the_plugin() -> None:
+    code = "import sys; from checkpointables import cli; sys.exit(cli.main(['--help']))"
+    installed = run_python(code)
+    disabled = run_python(code, CHECKPOINTABLES_DISABLE_PLUGINS="example-point")
+    assert installed.returncode == disabled.returncode == 0
+    listed = re.compile(r"^\s+points\s+print the Points", re.M)
+    assert listed.search(installed.stdout)
+    assert not listed.search(disabled.stdout)
+    assert ",points}" not in disabled.stdout
+
+
+def test_plugins_listing_shows_reader_and_command(capsys) -> None:
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "pytree reader pointfile: priority 50" in out
+    assert "command points: print the Points saved in a checkpoint" in out
+
+
+def test_pytree_reader_loads_a_file_that_is_not_a_checkpoint(tmp_path) -> None:
+    path = tmp_path / "a.point.json"
+    path.write_text('{"x": 1, "y": 2.5}')
+    assert not cp.is_checkpoint(path)
+    assert cp.load_pytree(path) == {"x": 1, "y": 2.5}
+    assert cp.load_pytree_async(str(path)).result() == {"x": 1, "y": 2.5}
+    meta = cp.pytree_metadata(path)
+    assert meta.metadata == {"x": int, "y": float}
+    assert cp.load_pytree(path, {"x": float, "y": int}) == {"x": 1.0, "y": 2}
+    with pytest.raises(ValueError, match="drop checkpointable_name='pytree'"):
+        cp.load_pytree(path, checkpointable_name="pytree")
+
+
+def test_checkpoints_are_never_given_to_readers(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "c", {"x": 3})
+    assert cp.readers.reader_for(tmp_path / "c") is None
+    assert type(cp.readers.reader_for(tmp_path / "x.point.json")) is type(None)
+    (tmp_path / "x.point.json").write_text("{}")
+    assert type(cp.readers.reader_for(tmp_path / "x.point.json")).__name__ == "PointFileReader"
+    # Unrecognized paths still get the checkpoint errors.
+    with pytest.raises(FileNotFoundError):
+        cp.load_pytree(tmp_path / "missing")
+    (tmp_path / "x.other").write_text("{}")
+    with pytest.raises(cp.errors.NotACheckpointError):
+        cp.load_pytree(tmp_path / "x.other")

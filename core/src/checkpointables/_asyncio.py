@@ -110,11 +110,18 @@ def _cancel_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
     loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Runs ``coro`` to completion from synchronous code, even inside a running loop."""
+def _in_running_loop() -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        return False
+    return True
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs ``coro`` to completion from synchronous code, even inside a running loop."""
+    if not _in_running_loop():
+        # Outside the except clause above: errors of `coro` must not chain to its RuntimeError.
         loop = _this_threads_loop()
         try:
             return loop.run_until_complete(coro)

@@ -42,7 +42,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _leftovers, errors, layout, multihost, storage
+from checkpointables import _leftovers, errors, layout, metadata_checksums, multihost, storage
 
 __all__ = [
     "SAVE_RECORD_FILE",
@@ -142,7 +142,7 @@ def check_can_save(
         f"{operation}/check", problem if multihost.is_primary_host() else None
     )
     if problem:
-        raise FileExistsError(problem)
+        raise errors.CheckpointExistsError(problem)
 
 
 def _check_can_save(
@@ -150,7 +150,7 @@ def _check_can_save(
 ) -> None:
     if uses_rename(path):
         if os.path.lexists(os.fspath(path)) and not overwrite:
-            raise FileExistsError(
+            raise errors.CheckpointExistsError(
                 f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
                 f"removed only after the new one is complete), or choose another path."
             )
@@ -159,7 +159,7 @@ def _check_can_save(
     if not names or overwrite:
         return
     if layout.COMMIT_SUCCESS_FILE in names:
-        raise FileExistsError(
+        raise errors.CheckpointExistsError(
             f"{path} already holds a checkpoint. Pass overwrite=True to replace it (on an object "
             f"store the old one stops being a checkpoint as soon as the new save starts writing; "
             f"see docs/object-stores.md), or choose another path."
@@ -173,7 +173,7 @@ def _check_can_save(
         else f"objects but no finished checkpoint (no {layout.COMMIT_SUCCESS_FILE}; not written "
         f"by this library, or by an older version)"
     )
-    raise FileExistsError(
+    raise errors.CheckpointExistsError(
         f"{path} holds {what}. Pass overwrite=True to replace it, choose another path, or wait: "
         f"an unfinished save is cleaned by the next save once its process is gone or after "
         f"AsyncOptions.timeout_secs ({timeout_secs:g} s)."
@@ -238,9 +238,11 @@ class RenameTarget(SaveTarget):
             (self.root / name).mkdir(mode=mode)
 
     def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes the files, flushes everything, renames (or swaps) into place."""
+        """Writes the files and the checksums of the metadata, flushes everything, renames (or
+        swaps) into place."""
         for name, text in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items():
             layout.write_file(self.root / name, text)
+        metadata_checksums.record(self.root)
         layout.fsync_tree(self.root)
         layout.commit(self.root, self.final, overwrite=self.overwrite)
 
@@ -280,11 +282,13 @@ class MarkerTarget(SaveTarget):
         _remove_all(self._store, [_join(self.final, f) for f in old])
 
     def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes the files, checks the prefix is still this save's, writes the marker."""
+        """Writes the files and the checksums of the metadata, checks the prefix is still this
+        save's, writes the marker."""
         for name, text in files.items():
             self._store.write_bytes(_join(self.final, name), text.encode())
+        metadata_checksums.record(self.final)
         if read_record(self.final, self._store) != self._record:
-            raise FileExistsError(
+            raise errors.CheckpointExistsError(
                 f"Another save to {self.final} started while this one was writing, so this one "
                 f"was not committed (two saves must not write one path at once). The other "
                 f"save's result, if it finishes, is what the path will hold."

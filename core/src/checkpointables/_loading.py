@@ -8,7 +8,16 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _commit, _gc, _inflight, errors, handlers, layout
+from checkpointables import (
+    _commit,
+    _confinement,
+    _gc,
+    _inflight,
+    errors,
+    handlers,
+    layout,
+    metadata_checksums,
+)
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
 from checkpointables.checkpoint_metadata import (
     CHECKPOINT_METADATA_FILE,
@@ -16,6 +25,7 @@ from checkpointables.checkpoint_metadata import (
     read_checkpoint_metadata,
 )
 from checkpointables.context import Context, get_context
+from checkpointables.path._parse import as_path
 
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
@@ -26,7 +36,8 @@ class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
 
 
 def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
-    """Validates ``path`` as a finished checkpoint and reads its metadata."""
+    """Validates ``path`` as a finished checkpoint that stays inside its directory, and reads
+    its metadata."""
     opened = open_for_load(path, context)
     return opened.path, opened.meta
 
@@ -45,8 +56,9 @@ class Opened:
 
 
 def open_for_load(path: epath.PathLike, context: Context) -> Opened:
-    """Validates ``path`` as a finished checkpoint, notes which one, reads its metadata."""
-    path = epath.Path(path)
+    """Validates ``path`` as a finished checkpoint that stays inside its directory, notes
+    which one, reads its metadata."""
+    path = as_path(path)
     _inflight.wait_for(path, context.async_options.timeout_secs)
     with context:  # An object store is reached as the context says.
         # The identity first: a replacement after this is noticed when the load ends.
@@ -60,9 +72,10 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
             if identity is None:  # Committed just now.
                 identity = _commit.identity(path)
                 _commit.check_unchanged(path, identity, None)
+        _confinement.check_contained(path)
         try:
             return Opened(path, read_checkpoint_metadata(path), identity)
-        except errors.MetadataError as e:
+        except errors.CheckpointError as e:  # Damaged, or replaced while opened?
             _commit.check_unchanged(path, identity, e)
             raise
         except FileNotFoundError:
@@ -109,17 +122,35 @@ def resolve_load_handler(
     return instance
 
 
+def available_checkpointables(path: epath.Path, meta: Mapping[str, Any]) -> list[str]:
+    """The names of the checkpointables stored in checkpoint ``path``, sorted.
+
+    Raises:
+      cp.errors.IntegrityError: a checkpointable recorded in ``_CHECKPOINT_METADATA``
+        has no directory (Orbax, too, records only what it saved).
+    """
+    typestrs = recorded_typestrs(meta)
+    available = layout.checkpointable_directories(path, typestrs)
+    missing = sorted(set(typestrs) - set(available))
+    if missing:
+        raise errors.IntegrityError(
+            f"Checkpoint {path} recorded the checkpointables {missing}, but their directories "
+            f"are missing: the checkpoint is damaged. Restore it from a copy, or load an older "
+            f"checkpoint."
+        )
+    return available
+
+
 def _requested(
     path: epath.Path, meta: Mapping[str, Any], abstract_checkpointables: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    typestrs = recorded_typestrs(meta)
-    available = layout.checkpointable_directories(path, typestrs)
+    available = available_checkpointables(path, meta)
     if abstract_checkpointables is None or not abstract_checkpointables:
         return dict.fromkeys(available)
     if isinstance(abstract_checkpointables, CheckpointMetadata):
         abstract_checkpointables = abstract_checkpointables.metadata
     if not isinstance(abstract_checkpointables, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             "abstract_checkpointables must be a dict of name to abstract checkpointable, got "
             f"{type(abstract_checkpointables).__name__}; to load one pytree use cp.load_pytree."
         )
@@ -193,6 +224,7 @@ def load_items_async(
         return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def load_checkpointables_async(
     path: epath.PathLike,
     abstract_checkpointables: Mapping[str, Any] | None = None,
@@ -246,6 +278,7 @@ def item_metadata(directory: epath.Path, name: str, recorded: str | None, contex
     return run_sync(instance.metadata(directory))
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[str, Any]]:
     """What a checkpoint holds: ``.metadata`` maps each name to its abstract form.
 
@@ -258,7 +291,7 @@ def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[st
     path, meta = open_checkpoint(path, context)
     typestrs = recorded_typestrs(meta)
     with context:
-        names = layout.checkpointable_directories(path, typestrs)
+        names = available_checkpointables(path, meta)
     result = {n: item_metadata(path / n, n, typestrs.get(n), context) for n in names}
     return checkpoint_metadata_for(path, meta, result)
 

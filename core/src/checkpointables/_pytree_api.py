@@ -8,10 +8,22 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _gc, _loading, _saving, errors, handlers, layout, storage
+from checkpointables import (
+    _gc,
+    _loading,
+    _saving,
+    errors,
+    handlers,
+    layout,
+    metadata_checksums,
+    readers,
+    storage,
+)
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
+from checkpointables.handlers._resolution import install_hint
+from checkpointables.path._parse import as_path
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
@@ -35,7 +47,7 @@ def pytree_item(checkpointable_name: str, pytree: Any) -> dict[str, Any]:
     """``{checkpointable_name: pytree}``, after the checks every pytree save makes."""
     layout.validate_checkpointable_name(checkpointable_name)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     return {checkpointable_name: pytree}
 
 
@@ -91,7 +103,7 @@ def find_pytree(
 ) -> tuple[str, epath.Path]:
     """The name and directory of the pytree to load from checkpoint ``path``."""
     typestrs = _loading.recorded_typestrs(meta)
-    available = layout.checkpointable_directories(path, typestrs)
+    available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
         layout.validate_checkpointable_name(checkpointable_name)
         if checkpointable_name not in available:
@@ -121,10 +133,39 @@ def find_pytree(
     for name in ordered:
         if is_pytree(name):
             return name, path / name
+    _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
         f"or use cp.load_checkpointables."
     )
+
+
+def _no_name_for_readers(path: epath.PathLike, checkpointable_name: str | None) -> None:
+    if checkpointable_name is not None:
+        raise ValueError(
+            f"{path} is not a checkpoint directory but a file or directory of another format, "
+            f"which holds one pytree: drop checkpointable_name={checkpointable_name!r}."
+        )
+
+
+def _raise_if_saved_by_a_missing_handler(
+    path: epath.Path, typestrs: Mapping[str, str], names: list[str]
+) -> None:
+    """Raises ``MissingHandlerError`` when one of ``names`` was saved by an unregistered handler.
+
+    Such a checkpointable may be the pytree asked for: the error names the
+    typestr (and the plugin to install) rather than saying there is no pytree.
+    """
+    registered = handlers.registered_handlers()
+    for name in names:
+        recorded = typestrs.get(name)
+        if recorded is not None and not any(r.matches_typestr(recorded) for r in registered):
+            raise errors.MissingHandlerError(
+                f"Checkpoint {path} holds no pytree this installation can read: checkpointable "
+                f"{name!r} was saved by handler {recorded!r}, which is not registered here."
+                f"{install_hint(recorded)} Install the plugin that provides it, or pass "
+                "checkpointable_name=... to load another checkpointable."
+            )
 
 
 def _with_partial_load(context: Context, partial_load: bool) -> Context:
@@ -145,6 +186,7 @@ def load_pytree_async(
         return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def _start_load(
     path: epath.PathLike,
     abstract_pytree: Any,
@@ -154,9 +196,13 @@ def _start_load(
     wait: bool,
 ) -> AsyncResponse[Any]:
     context = _with_partial_load(get_context(), partial_load)
-    opened = _loading.open_for_load(path, context)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
+    reader = readers.reader_for(path)
+    if reader is not None:  # Another format (e.g. safetensors), read by a plugin.
+        _no_name_for_readers(path, checkpointable_name)
+        return readers.load_async(reader, as_path(path), abstract_pytree, context, wait=wait)
+    opened = _loading.open_for_load(path, context)
     try:
         with context:
             name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
@@ -214,11 +260,16 @@ def load_pytree(
     return response.result()
 
 
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
 def pytree_metadata(
     path: epath.PathLike, *, checkpointable_name: str | None = None
 ) -> CheckpointMetadata[Any]:
     """The abstract tree of a stored pytree (usable as ``abstract_pytree``), cheaply."""
     context = get_context()
+    reader = readers.reader_for(path)
+    if reader is not None:
+        _no_name_for_readers(path, checkpointable_name)
+        return readers.metadata(reader, as_path(path), context)
     path, meta = _loading.open_checkpoint(path, context)
     with context:
         name, directory = find_pytree(path, meta, checkpointable_name)

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 
-from checkpointables import _commit, _gc, _inflight, handlers, layout, multihost, storage
+from checkpointables import (
+    _commit,
+    _gc,
+    _inflight,
+    _os_errors,
+    _user_paths,
+    errors,
+    handlers,
+    layout,
+    multihost,
+    safe_json,
+    storage,
+)
 from checkpointables._asyncio import (
     AsyncResponse,
     caller_waits,
@@ -22,20 +33,15 @@ from checkpointables._asyncio import (
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkpoint_metadata_json
 from checkpointables.context import Context, get_context
 from checkpointables.path import PathAwaitingCreation
+from checkpointables.path._parse import as_path
 
 
 def _json_or_raise(value: Any, what: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{what} must be a dict, got {type(value).__name__}.")
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"{what} must be JSON-serializable ({e}); convert arrays and objects to "
-            f"numbers, strings, lists or dicts."
-        ) from e
+        raise errors.InvalidArgumentError(f"{what} must be a dict, got {type(value).__name__}.")
+    safe_json.dumps_checked(value, what=what)
     return dict(value)
 
 
@@ -84,17 +90,22 @@ def save_checkpointables_async(
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
       FileExistsError: ``path`` exists and ``overwrite`` is false.
+      cp.errors.NameTooLongError: a name is too long for the filesystem.
       cp.errors.NoHandlerForObjectError: no handler accepts an object.
+    Raises (by the response, after a failed write): cp.errors.DiskFullError, ...
     """
     context = get_context(context)
-    path = _commit.resolve_final(epath.Path(path))
+    path = _commit.resolve_final(as_path(path))
     layout.validate_checkpointables_dict(checkpointables)
+    _user_paths.check_name_lengths(path, checkpointables)
     custom = _json_or_raise(custom_metadata, "custom_metadata")
     metric_values = _json_or_raise(metrics, "metrics")
     timeout = context.async_options.timeout_secs
     _inflight.wait_for(path, timeout)
     if layout.is_temporary_path(path):
-        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+        raise errors.InvalidArgumentError(
+            f"{path} has a temporary directory's name; choose another path."
+        )
     chosen = resolve_save_handlers(checkpointables, context, forced_handlers)
     init_ns = time.time_ns()
     primary = multihost.is_primary_host(context)
@@ -109,7 +120,8 @@ def save_checkpointables_async(
             operation=operation,
         )
     if primary:
-        storage.make_dirs(path.parent)
+        with _os_errors.translated(f"saving {path}"):
+            storage.make_dirs(path.parent)
     root = epath.Path(
         multihost.broadcast_from_primary(
             f"{operation}/tmp",
@@ -146,7 +158,7 @@ def save_checkpointables_async(
                 target.discard()
 
     try:
-        with context:  # Handlers read options through get_context().
+        with context, _os_errors.translated(f"saving {path}"):  # Handlers read get_context().
             background_awaitables = run_sync(blocking_phase())
     except BaseException:
         discard()
@@ -170,6 +182,10 @@ def save_checkpointables_async(
         )
 
     def background() -> None:
+        with _os_errors.translated(f"saving {path}"):
+            write_and_commit()
+
+    def write_and_commit() -> None:
         error: BaseException | None = None
         try:
             try:

@@ -11,6 +11,7 @@ from typing import Any
 
 from etils import epath
 
+from checkpointables import errors
 from checkpointables.hookspecs import hookimpl
 from checkpointables.path import PathAwaitingCreation
 from checkpointables.protocols import StatefulCheckpointable
@@ -43,7 +44,7 @@ class StatefulCheckpointableHandler:
     ) -> Awaitable[Any]:
         """Returns an awaitable that loads into ``abstract_checkpointable`` and returns it."""
         if not _is_stateful(abstract_checkpointable):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"The checkpointable in {directory} was saved by a stateful object's own save(); "
                 f"to load it, pass an instance of that object as its abstract checkpointable, e.g. "
                 f"load_checkpointables(path, {{{directory.name!r}: MyObject(...)}})."

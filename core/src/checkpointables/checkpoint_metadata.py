@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from etils import epath
 
-from checkpointables import errors, storage
+from checkpointables import errors, metadata_checksums, safe_json
 
 __all__ = ["CheckpointMetadata", "CHECKPOINT_METADATA_FILE", "read_checkpoint_metadata"]
 
@@ -101,33 +100,29 @@ def checkpoint_metadata_json(
 def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     """Reads ``_CHECKPOINT_METADATA``; unknown top-level keys go to ``custom_metadata``.
 
+    The file is checked against the checksum recorded at commit (see
+    ``cp.metadata_checksums``), and every recorded checkpointable name must
+    be a plain directory name.
+
     Raises:
       FileNotFoundError: the file does not exist.
-      errors.MetadataError: the file is unreadable or not a JSON object.
+      errors.MetadataError: the file is unreadable, not a JSON object, or malformed.
+      errors.IntegrityError: the file does not match its recorded checksum.
+      errors.OutsideCheckpointError: a recorded name points outside the checkpoint.
     """
     path = epath.Path(directory) / CHECKPOINT_METADATA_FILE
     try:
-        if "://" in os.fspath(path):
-            text = storage.read_text(path)
-        else:  # Cheaper than epath's read for a local file.
-            with open(os.fspath(path), encoding="utf-8") as f:
-                text = f.read()
-    except FileNotFoundError:
-        raise
+        raw = metadata_checksums.read_file(path)
     except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
         raise errors.MetadataError(f"Cannot read {path}: {e}.") from e
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise errors.MetadataError(
-            f"{path} is not valid JSON ({e}); the checkpoint's metadata is damaged. "
-            f"Restore it from a copy, or load the checkpointable subdirectories directly."
-        ) from e
-    if not isinstance(raw, dict):
-        raise errors.MetadataError(
-            f"{path} holds a JSON {type(raw).__name__}, expected an object with "
-            f"'item_handlers' and timestamps."
-        )
+    result = _validated(path, safe_json.loads_object(raw, source=path))
+    return result
+
+
+def _validated(path: epath.Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The known fields of a parsed ``_CHECKPOINT_METADATA``, checked."""
     result: dict[str, Any] = {k: raw.get(k) for k in _KNOWN_FIELDS}
     custom = raw.get("custom_metadata")
     result["custom_metadata"] = dict(custom) if isinstance(custom, dict) else {}
@@ -136,9 +131,40 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
             result["custom_metadata"].setdefault(key, value)
     if result["metrics"] is None:
         result["metrics"] = {}
+    for field in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
+        value = result[field]
+        if value is not None and (type(value) is not int or value < 0):
+            raise _malformed(path, f"{field!r} must be a non-negative integer")
+    if not isinstance(result["metrics"], dict):
+        raise _malformed(path, "'metrics' must be an object")
     handlers = result["item_handlers"]
-    if handlers is not None and not isinstance(handlers, dict | str):
-        raise errors.MetadataError(
-            f"{path}: 'item_handlers' must be an object or a string, got {handlers!r}."
-        )
+    if isinstance(handlers, dict):
+        for name, typestr in handlers.items():
+            _check_recorded_name(path, name)
+            if typestr is not None and not isinstance(typestr, str):
+                raise _malformed(path, f"the handler recorded for {_shown(name)} is not a string")
+    elif handlers is not None and not isinstance(handlers, str):
+        raise _malformed(path, "'item_handlers' must be an object or a string")
     return result
+
+
+def _shown(name: str) -> str:
+    """A recorded name for a message: quoted, and cut short if it is long."""
+    return repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
+
+
+def _malformed(path: epath.Path, problem: str) -> errors.MetadataError:
+    return errors.MetadataError(
+        f"{path} is malformed: {problem}. The checkpoint's metadata is damaged; restore it from "
+        f"a copy, or load an older checkpoint."
+    )
+
+
+def _check_recorded_name(path: epath.Path, name: str) -> None:
+    """A recorded checkpointable name must name one directory inside the checkpoint."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise errors.OutsideCheckpointError(
+            f"{path} records a checkpointable named {_shown(name)}, which is not a plain "
+            f"directory name: it would be read from outside the checkpoint, so the checkpoint "
+            f"is refused. It is damaged or was crafted; restore it from a copy."
+        )

@@ -1,13 +1,21 @@
-"""The ``checkpointables`` command: ``plugins``, ``inspect``, ``verify``, ``demo``."""
+"""The ``checkpointables`` command: ``plugins``, ``inspect``, ``verify``, ``demo``.
+
+Plugins add more commands through the ``register_commands`` hook (the
+safetensors plugin adds ``export`` and ``import``). Every command takes
+``-q``/``--quiet``, which turns progress bars off (see ``cp.progress``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from checkpointables import _cli_plugins
 
 __all__ = ["main"]
 
@@ -25,12 +33,18 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    error: {info.error}")
         for h in info.handlers:
             scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
-            print(f"    handler {h.name}: priority {h.priority}{scope}  {h.typestr}")
+            cls = handlers.typestr(h.handler_cls)
+            recorded = f" (records {h.typestr})" if h.typestr != cls else ""
+            print(f"    handler {h.name}: priority {h.priority}{scope}  {cls}{recorded}")
         for leaf in info.leaf_handlers:
             print(
                 f"    leaf handler {leaf.handler_cls.__name__}: "
                 f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
             )
+        for reader in info.readers:
+            print(f"    pytree reader {reader.name}: priority {reader.priority}")
+        for command in info.commands:
+            print(f"    command {command.name}: {command.help}")
         for storage in info.storages:
             print(f"    storage {storage.scheme}://")
     print("\nSave resolution order (priority, name):")
@@ -45,22 +59,45 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
     if shape is not None and dtype is not None:
         import numpy as np
 
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
+        with contextlib.suppress(TypeError):
+            dtype = np.dtype(dtype)
+        from checkpointables._verification import leaf_nbytes
+
+        size = leaf_nbytes(leaf)
         sharding = getattr(leaf, "sharding", None)
         extra = f" sharding={sharding}" if sharding is not None else ""
-        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={np.dtype(dtype)}{extra}", size
+        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={dtype}{extra}", size
     if isinstance(leaf, type):
         return f"{leaf.__name__}", 0
     # Metadata of scalars and strings is a placeholder of the stored type, not the value.
     return type(leaf).__name__, 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _print_leaves(value: Any) -> int:
+    """Prints one line per leaf of an abstract tree; returns the bytes of its arrays."""
     import jax
 
-    from checkpointables import _loading
+    from checkpointables import progress
+
+    total = 0
+    leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
+    if not leaves:
+        print(f"  {value!r}"[:200])
+    for keypath, leaf in leaves:
+        text, size = _describe_leaf(leaf)
+        total += size
+        print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+    progress.advance(total)
+    return total
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from checkpointables import _loading, progress, readers
     from checkpointables.context import get_context
 
+    if readers.reader_for(args.path) is not None:
+        return _inspect_other_format(args.path)
     context = get_context()
     path, meta = _loading.open_checkpoint(args.path, context)
     typestrs = _loading.recorded_typestrs(meta)
@@ -76,22 +113,31 @@ def _inspect(args: argparse.Namespace) -> int:
     if meta.get("metrics"):
         print(f"  metrics: {meta.get('metrics')}")
     total = 0
-    items = _inspected_items(path, meta)
-    for name, directory in items:
-        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
-        print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
-        try:
-            value = _loading.item_metadata(directory, name, recorded, context)
-        except Exception as e:  # Show what can be shown; the error names the problem.
-            print(f"  cannot read metadata: {type(e).__name__}: {e}")
-            continue
-        leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
-        if not leaves:
-            print(f"  {value!r}"[:200])
-        for keypath, leaf in leaves:
-            text, size = _describe_leaf(leaf)
-            total += size
-            print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+    with progress.bytes_progress(None, "inspect"):
+        for name, directory in _inspected_items(path, meta):
+            recorded = typestrs.get(name) or (
+                meta.get("item_handlers") if directory == path else None
+            )
+            print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
+            try:
+                value = _loading.item_metadata(directory, name, recorded, context)
+            except Exception as e:  # Show what can be shown; the error names the problem.
+                print(f"  cannot read metadata: {type(e).__name__}: {e}")
+                continue
+            total += _print_leaves(value)
+    print(f"\ntotal array bytes: {total:,}")
+    return 0
+
+
+def _inspect_other_format(path: str) -> int:
+    """``inspect`` of a path a pytree reader recognizes (e.g. a safetensors file)."""
+    from checkpointables import _pytree_api, progress
+
+    with progress.bytes_progress(None, "inspect"):
+        meta = _pytree_api.pytree_metadata(path)
+        print(f"pytree {meta.path} (not a checkpoint: read by a pytree reader plugin)")
+        print(f"  custom_metadata: {meta.custom_metadata}")
+        total = _print_leaves(meta.metadata)
     print(f"\ntotal array bytes: {total:,}")
     return 0
 
@@ -106,29 +152,18 @@ def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from checkpointables import _loading
-    from checkpointables._asyncio import run_sync
-    from checkpointables.context import get_context
+    from checkpointables import _verification
 
-    context = get_context()
-    path, meta = _loading.open_checkpoint(args.path, context)
-    typestrs = _loading.recorded_typestrs(meta)
+    findings = _verification.verify_checkpoint(args.path)
+    print(f"checkpoint {args.path}")
     failures = 0
-    for name, directory in _inspected_items(path, meta):
-        recorded = typestrs.get(name) or (meta.get("item_handlers") if directory == path else None)
-        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
-        verify = getattr(handler, "verify", None)
-        if verify is None:
-            print(f"{name}: not checked ({type(handler).__name__} has no verify())")
-            continue
-        problems = run_sync(verify(directory))
-        if problems:
-            failures += len(problems)
-            for problem in problems:
-                print(f"{name}: FAILED {problem}")
+    for finding in findings:
+        if finding.problem is not None:
+            failures += 1
+            print(f"{finding.subject}: FAILED {finding.problem}")
         else:
-            print(f"{name}: ok")
-    print("all checksums ok" if not failures else f"{failures} problem(s) found")
+            print(f"{finding.subject}: {finding.note or 'ok'}")
+    print("all checks passed" if not failures else f"{failures} problem(s) found")
     return 1 if failures else 0
 
 
@@ -139,35 +174,52 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``checkpointables`` command."""
+    """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
     parser = argparse.ArgumentParser(
-        prog="checkpointables", description="Checkpointing for JAX: tools and a demo."
+        prog="checkpointables",
+        description="Checkpointing for JAX: tools and a demo.",
+        parents=[_cli_plugins.quiet_option(default=False)],
     )
+    # Accepted after the command too; SUPPRESS keeps a -q given before it.
+    common = _cli_plugins.quiet_option(default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plugins", help="list installed plugins and their handlers")
+    p = sub.add_parser(
+        "plugins", help="list installed plugins and their handlers", parents=[common]
+    )
     p.set_defaults(run=_plugins)
-    p = sub.add_parser("inspect", help="print what a checkpoint holds, without loading arrays")
+    p = sub.add_parser(
+        "inspect",
+        help="print what a checkpoint (or a file a plugin reads) holds, without loading arrays",
+        parents=[common],
+    )
     p.add_argument("path")
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
-        "verify", help="read every chunk and check its checksum; exit status 1 on any failure"
+        "verify",
+        help="check every metadata file and read every chunk, as a load would; exit status 1 "
+        "if a load would fail or return different values",
+        parents=[common],
     )
     p.add_argument("path")
     p.set_defaults(run=_verify)
-    p = sub.add_parser("demo", help="train a small JAX model with checkpoints, then resume it")
+    p = sub.add_parser(
+        "demo", help="train a small JAX model with checkpoints, then resume it", parents=[common]
+    )
     p.add_argument(
         "directory", nargs="?", default=None, help="where to write (default: a temp dir)"
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
+    _cli_plugins.add_plugin_commands(sub, common)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    from checkpointables import errors
+    from checkpointables import errors, progress
 
     args = build_parser().parse_args(argv)
+    progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))
     except (errors.CheckpointError, FileNotFoundError, FileExistsError) as e:

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from checkpointables import errors
 from checkpointables import options as options_lib
 
 __all__ = ["Context", "configure", "get_context"]
@@ -32,10 +33,12 @@ _OPTION_TYPES: dict[str, type] = {
 def _check_options(values: dict[str, Any]) -> None:
     for key, value in values.items():
         if key not in _OPTION_TYPES:
-            raise TypeError(f"Unknown option {key!r}; expected one of {sorted(_OPTION_TYPES)}.")
+            raise errors.InvalidArgumentTypeError(
+                f"Unknown option {key!r}; expected one of {sorted(_OPTION_TYPES)}."
+            )
         expected = _OPTION_TYPES[key]
         if value is not None and not isinstance(value, expected):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"Option {key} must be a cp.options.{expected.__name__}, "
                 f"got {type(value).__name__}."
             )

@@ -2,14 +2,25 @@
 
 Every library error derives from :class:`CheckpointError`. Where a builtin
 exception already carries the meaning (a missing path, an existing path, a bad
-argument) the error also derives from that builtin, so ``except
-FileNotFoundError`` keeps working.
+argument, a full disk) the error also derives from that builtin, so ``except
+FileNotFoundError`` or ``except OSError`` keeps working::
+
+    try:
+        state = cp.load_pytree(path)
+    except cp.errors.IntegrityError as e:      # damaged, or changed while being read
+        ...
+    except cp.errors.CheckpointError as e:     # anything else the library refuses
+        ...
 """
 
 from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "NotACheckpointError",
     "MetadataError",
     "MissingHandlerError",
@@ -17,6 +28,10 @@ __all__ = [
     "IntegrityError",
     "PluginError",
     "TreeMismatchError",
+    "UnsupportedPathError",
+    "OutsideCheckpointError",
+    "DiskFullError",
+    "NameTooLongError",
     "StorageError",
     "CheckpointChangedError",
 ]
@@ -24,6 +39,22 @@ __all__ = [
 
 class CheckpointError(Exception):
     """Base class of every error checkpointables raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing exists at the path given (or a file a checkpoint needs is missing)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save would replace something that exists; pass ``overwrite=True`` to replace it."""
+
+
+class InvalidArgumentError(CheckpointError, ValueError):
+    """An argument cannot work: a bad name, an empty dict, a path that cannot hold a checkpoint."""
+
+
+class InvalidArgumentTypeError(CheckpointError, TypeError):
+    """An argument has a type the function does not accept."""
 
 
 class NotACheckpointError(CheckpointError, ValueError):
@@ -54,7 +85,12 @@ class NoHandlerForObjectError(CheckpointError, TypeError):
 
 
 class IntegrityError(CheckpointError):
-    """Stored data failed its checksum or is missing; the message names the leaf."""
+    """Stored data or metadata failed its checksum, or is missing.
+
+    The message names the leaf or the file. Metadata files are checked against
+    the checksums recorded when the checkpoint was committed; a mismatch means
+    the file was damaged, or replaced while it was being read (load again).
+    """
 
 
 class PluginError(CheckpointError, RuntimeError):
@@ -65,6 +101,35 @@ class TreeMismatchError(CheckpointError, ValueError):
     """A tree does not match the tree it was expected to match.
 
     The message lists the key paths that are missing, extra or different.
+    """
+
+
+class UnsupportedPathError(CheckpointError, ValueError):
+    """A path names a storage scheme (``memory://``, ``ftp://``...) that nothing here reaches."""
+
+
+class OutsideCheckpointError(CheckpointError, ValueError):
+    """A checkpoint points outside its own directory, and is refused.
+
+    Raised for a recorded checkpointable name that is not a plain name
+    (``../other``, an absolute path) and for a symbolic link inside the
+    checkpoint whose target lies outside it. Nothing outside is read.
+    """
+
+
+class DiskFullError(CheckpointError, OSError):
+    """A save ran out of disk space (or quota); ``errno`` is ``ENOSPC`` or ``EDQUOT``.
+
+    Nothing was committed and the save's temporary directory was removed: free
+    space (for example by keeping fewer checkpoints) and save again.
+    """
+
+
+class NameTooLongError(CheckpointError, OSError):
+    """A path is too long for the filesystem; ``errno`` is ``ENAMETOOLONG``.
+
+    Raised before anything is written when a checkpoint's or a checkpointable's
+    name cannot be stored; choose a shorter name.
     """
 
 

@@ -36,10 +36,13 @@ def register_checkpointable_handlers(register: Callable[..., Any]) -> None:
 
     Args:
       register: call it as ``register(handler_cls, *, priority=None, name=None,
-        checkpointable_name=None, secondary_typestrs=())`` for each handler.
-        Lower priority values are tried earlier when saving; ties are broken by
-        name. ``secondary_typestrs`` are other typestrs (e.g. older names) the
-        handler can load.
+        checkpointable_name=None, secondary_typestrs=(), typestr=None)`` for
+        each handler. Lower priority values are tried earlier when saving; ties
+        are broken by name. ``typestr`` is what checkpoints record for the
+        handler (default ``module.qualname`` of the class): a handler writing
+        another library's format records that library's typestr, so that
+        library reads the checkpoint. ``secondary_typestrs`` are other
+        typestrs (e.g. older names) the handler can load.
 
     Returns:
       Nothing.
@@ -56,6 +59,47 @@ def register_leaf_handlers(register: Callable[..., Any]) -> None:
     Args:
       register: call it as ``register(leaf_type, abstract_type, handler_cls,
         *, secondary_typestrs=())``.
+
+    Returns:
+      Nothing.
+    """
+
+
+@hookspec
+def register_pytree_readers(register: Callable[..., Any]) -> None:
+    """Registers readers of pytrees stored in other formats than checkpoints.
+
+    ``cp.load_pytree``, ``cp.load_pytree_async`` and ``cp.pytree_metadata``
+    consult readers for a path that is not a checkpoint directory (no
+    ``_CHECKPOINT_METADATA``): the first, by ``(priority, name)``, whose
+    ``recognizes(path)`` is true reads it. A reader meets
+    ``cp.protocols.PyTreeReader``. Called once per plugin, like the other hooks.
+
+    Args:
+      register: call it as ``register(reader_cls, *, priority=None, name=None)``.
+        ``reader_cls`` must be constructible with no arguments; lower priority
+        values are asked first (default 50); ``name`` defaults to the class name
+        without ``Reader``, lower-cased.
+
+    Returns:
+      Nothing.
+    """
+
+
+@hookspec
+def register_commands(register: Callable[..., Any]) -> None:
+    """Adds subcommands to the ``checkpointables`` command line.
+
+    Called once per plugin, when the command line starts (plugins are loaded
+    then, as for ``checkpointables plugins``).
+
+    Args:
+      register: call it as ``register(name, run, *, help, add_arguments=None)``.
+        ``add_arguments(parser)`` adds the command's arguments to its
+        ``argparse.ArgumentParser``; ``run(args)`` runs it with the parsed
+        ``argparse.Namespace`` (which also holds the global ``quiet`` flag)
+        and returns the exit status. A name taken by a built-in command or an
+        earlier plugin is skipped with a warning.
 
     Returns:
       Nothing.

@@ -27,6 +27,8 @@ from etils import epath
 
 from checkpointables import errors, storage
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
+from checkpointables.path._parse import as_path
 
 __all__ = [
     "MARKER_FILE",
@@ -47,7 +49,15 @@ TMP_INFIX = ".checkpointables-tmp-"
 OLD_INFIX = ".checkpointables-old-"
 _FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
 RESERVED_NAMES = frozenset(
-    {"metrics", "AUTO", CHECKPOINT_METADATA_FILE, MARKER_FILE, COMMIT_SUCCESS_FILE, "descriptor"}
+    {
+        "metrics",
+        "AUTO",
+        CHECKPOINT_METADATA_FILE,
+        CHECKSUMS_FILE,
+        MARKER_FILE,
+        COMMIT_SUCCESS_FILE,
+        "descriptor",
+    }
 )
 _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$")
 
@@ -55,16 +65,16 @@ _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$
 def validate_checkpointable_name(name: object) -> str:
     """Returns ``name`` if it can name a subdirectory; raises ``ValueError`` otherwise."""
     if not isinstance(name, str):
-        raise ValueError(f"Checkpointable names must be strings, got {name!r}.")
+        raise errors.InvalidArgumentError(f"Checkpointable names must be strings, got {name!r}.")
     if not name:
-        raise ValueError("Checkpointable names must not be empty.")
+        raise errors.InvalidArgumentError("Checkpointable names must not be empty.")
     if "/" in name or "\\" in name or name in (".", "..") or ".." in name or "\0" in name:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Checkpointable name {name!r} is not a plain directory name: it must not contain "
             f"'/', '\\', '..' or NUL. Choose a name like 'params' or 'dataset'."
         )
     if name in RESERVED_NAMES or name.startswith("."):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Checkpointable name {name!r} is reserved (reserved: {sorted(RESERVED_NAMES)} and "
             f"names starting with '.'). Choose another name."
         )
@@ -74,12 +84,14 @@ def validate_checkpointable_name(name: object) -> str:
 def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, object]:
     """Checks the argument of ``save_checkpointables`` before anything is written."""
     if not isinstance(checkpointables, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"save_checkpointables takes a dict of name to checkpointable, got "
             f"{type(checkpointables).__name__}. To save one pytree use cp.save_pytree."
         )
     if not checkpointables:
-        raise ValueError("save_checkpointables got an empty dict; there is nothing to save.")
+        raise errors.InvalidArgumentError(
+            "save_checkpointables got an empty dict; there is nothing to save."
+        )
     for name in checkpointables:
         validate_checkpointable_name(name)
     return checkpointables
@@ -150,7 +162,7 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         _validate_remote_checkpoint(path)
         return
     if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}: the path does not exist.")
+        raise errors.CheckpointNotFoundError(f"No checkpoint at {path}: the path does not exist.")
     if not path.is_dir():
         raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
     if is_temporary_path(path):
@@ -185,7 +197,9 @@ def _validate_remote_checkpoint(path: epath.Path) -> None:
     if not names:
         if store.is_file(text):
             raise errors.NotACheckpointError(f"{path} is an object, not a checkpoint directory.")
-        raise FileNotFoundError(f"No checkpoint at {path}: nothing is stored under that prefix.")
+        raise errors.CheckpointNotFoundError(
+            f"No checkpoint at {path}: nothing is stored under that prefix."
+        )
     hint = ""
     if any(store.is_file(f"{text}/{n}/{COMMIT_SUCCESS_FILE}") for n in names[:8]):
         hint = " It looks like a root of several checkpoints: load one of its steps."
@@ -202,6 +216,7 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     On an object store: whether it has its commit marker (one request).
     """
     if local_path(path) is None:
+        path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
         if is_temporary_path(path):
             return False
         try:
@@ -209,7 +224,7 @@ def is_checkpoint(path: epath.PathLike) -> bool:
         except OSError:
             return False
     try:
-        validate_checkpoint_directory(epath.Path(path))
+        validate_checkpoint_directory(as_path(path))
     except (FileNotFoundError, errors.NotACheckpointError, OSError):
         return False
     return True
@@ -311,7 +326,7 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
     aside: epath.Path | None = None
     if final.exists():
         if not overwrite:
-            raise FileExistsError(
+            raise errors.CheckpointExistsError(
                 f"{final} appeared while the save was running (another save committed it first), "
                 f"so this save was not committed and its files were discarded. Pass "
                 f"overwrite=True to replace it, or save to another path."

@@ -45,7 +45,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _commit, _saving, errors, layout, multihost, storage
+from checkpointables import _commit, _saving, errors, layout, metadata_checksums, multihost, storage
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, waiting_caller
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_registration
 from checkpointables.checkpoint_metadata import (
@@ -53,6 +53,8 @@ from checkpointables.checkpoint_metadata import (
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
+from checkpointables.path._parse import as_path
 
 __all__ = ["save", "save_async", "finalize", "session_path", "SESSION_SUFFIX"]
 
@@ -68,7 +70,7 @@ def session_path(path: epath.PathLike) -> epath.Path:
 
     On object stores that is ``path`` itself (see the module's docstring).
     """
-    path = epath.Path(path)
+    path = as_path(path)
     if not _commit.uses_rename(path):
         return path
     return path.parent / f"{path.name}{SESSION_SUFFIX}"
@@ -105,17 +107,19 @@ def _names(directory: epath.Path) -> list[str]:
 
 def _check_not_finished(path: epath.Path) -> None:
     if layout.is_temporary_path(path):
-        raise ValueError(f"{path} has a temporary directory's name; choose another path.")
+        raise errors.InvalidArgumentError(
+            f"{path} has a temporary directory's name; choose another path."
+        )
     if not _commit.uses_rename(path):
         if layout.is_checkpoint(path):  # Anything else there is this session's.
-            raise FileExistsError(
+            raise errors.CheckpointExistsError(
                 f"{path} already holds a finished checkpoint; a partial save never replaces it. "
                 f"Delete it first, or choose another path."
             )
         return
     if path.exists():
         what = "a finished checkpoint" if layout.is_checkpoint(path) else "something"
-        raise FileExistsError(
+        raise errors.CheckpointExistsError(
             f"{path} already holds {what}; a partial save never replaces it. Delete it first, or "
             f"choose another path."
         )
@@ -150,9 +154,9 @@ def save_async(
       ValueError: ``pytree`` is None, or ``custom_metadata`` is not a JSON object.
       cp.errors.NoHandlerForObjectError: some leaves cannot be saved.
     """
-    path = epath.Path(path)
+    path = as_path(path)
     if pytree is None:
-        raise ValueError("The pytree to save is None; there is nothing to save.")
+        raise errors.InvalidArgumentError("The pytree to save is None; there is nothing to save.")
     _check_not_finished(path)
     session = session_path(path)
     state = _state(session)
@@ -309,7 +313,7 @@ def _remove_leftovers(session: epath.Path) -> None:
                     layout.remove_tree(child)
                 else:
                     child.unlink()
-    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE):
+    for name in (layout.MARKER_FILE, layout.COMMIT_SUCCESS_FILE, CHECKSUMS_FILE):
         (session / name).unlink(missing_ok=True)
 
 
@@ -336,7 +340,7 @@ def finalize(path: epath.PathLike) -> None:
       FileExistsError: ``path`` already holds a checkpoint (or anything else).
       FileNotFoundError: no partial save of ``path`` was committed.
     """
-    path = epath.Path(path)
+    path = as_path(path)
     session = session_path(path)
     state = _state(session)
     with state.lock:
@@ -359,7 +363,7 @@ def finalize(path: epath.PathLike) -> None:
 
 def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not session.is_dir():
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"No partial save session for {path}: {session} does not exist. Call "
             f"cp.partial.save({str(path)!r}, ...) first."
         )
@@ -370,7 +374,7 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     if not pytree_dir.is_dir() or not any(
         p.name.startswith(_PARTIAL_PREFIX) for p in pytree_dir.iterdir()
     ):
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"The partial save session {session} holds no committed partial save (they failed or "
             f"were interrupted). Call cp.partial.save({str(path)!r}, ...) again."
         )
@@ -384,6 +388,7 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     (session / layout.MARKER_FILE).touch()
     (session / layout.COMMIT_SUCCESS_FILE).write_text(f"Checkpoint commit was successful to {path}")
     _write_metadata(session, meta, time.time_ns())
+    metadata_checksums.record(session)
     layout.fsync_tree(session)
     layout.commit(session, path, overwrite=False)
 
@@ -400,7 +405,7 @@ def _finalize_in_place(path: epath.Path) -> None:
         if name not in committed:
             _commit.remove_unfinished(pytree_dir / name)  # Interrupted: never happened.
     if not committed:
-        raise FileNotFoundError(
+        raise errors.CheckpointNotFoundError(
             f"No committed partial save of {path} (they failed, were interrupted, or none was "
             f"made). Call cp.partial.save({str(path)!r}, ...) first."
         )
@@ -429,6 +434,7 @@ def _finalize_in_place(path: epath.Path) -> None:
             commit_timestamp_nsecs=time.time_ns(),
         ),
     )
+    metadata_checksums.record(path)
     storage.write_text(
         path / layout.COMMIT_SUCCESS_FILE,
         f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n",

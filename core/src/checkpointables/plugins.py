@@ -21,18 +21,22 @@ import importlib_metadata
 import pluggy
 
 from checkpointables import hookspecs
-from checkpointables.protocols import typestr
+from checkpointables.protocols import typestr as typestr_of
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "DISABLE_ENV_VAR",
     "HandlerRegistration",
     "LeafRegistration",
+    "ReaderRegistration",
+    "CommandRegistration",
     "PluginInfo",
     "list_plugins",
     "refresh",
     "handler_registrations",
     "leaf_registrations",
+    "reader_registrations",
+    "command_registrations",
     "StorageRegistration",
     "storage_factories",
 ]
@@ -77,8 +81,34 @@ class LeafRegistration:
 
 
 @attrs.frozen
+class ReaderRegistration:
+    """One pytree reader (``register_pytree_readers``) as registered by a plugin."""
+
+    reader_cls: type
+    name: str
+    priority: int
+    plugin: str
+
+    @property
+    def sort_key(self) -> tuple[int, str]:
+        """Readers are asked in this order whether they recognize a path."""
+        return (self.priority, self.name)
+
+
+@attrs.frozen
+class CommandRegistration:
+    """One subcommand of ``checkpointables`` (``register_commands``) as registered by a plugin."""
+
+    name: str
+    run: Callable[[Any], int]
+    help: str
+    add_arguments: Callable[[Any], None] | None
+    plugin: str
+
+
+@attrs.frozen
 class StorageRegistration:
-    """A storage backend for one URL scheme, as registered by a plugin."""
+    """A storage backend for one URL scheme (``register_storage``), as registered by a plugin."""
 
     scheme: str
     factory: Callable[..., Any]
@@ -97,6 +127,8 @@ class PluginInfo:
     error: str | None
     handlers: tuple[HandlerRegistration, ...]
     leaf_handlers: tuple[LeafRegistration, ...]
+    readers: tuple[ReaderRegistration, ...] = ()
+    commands: tuple[CommandRegistration, ...] = ()
     storages: tuple[StorageRegistration, ...] = ()
 
 
@@ -115,6 +147,7 @@ def make_handler_registration(
     name: str | None = None,
     checkpointable_name: str | None = None,
     secondary_typestrs: Iterable[str] = (),
+    typestr: str | None = None,
 ) -> HandlerRegistration:
     """Validates a ``register(...)`` call and builds its registration."""
     if not isinstance(handler_cls, type):
@@ -129,19 +162,63 @@ def make_handler_registration(
     ]
     if missing:
         raise TypeError(
-            f"{typestr(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
+            f"{typestr_of(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
         )
     if priority is not None and not isinstance(priority, int):
         raise TypeError(f"priority must be an int, got {priority!r}.")
+    if typestr is not None and not (isinstance(typestr, str) and typestr):
+        raise TypeError(f"typestr must be a non-empty str, got {typestr!r}.")
     return HandlerRegistration(
         handler_cls=handler_cls,
         name=name or _default_handler_name(handler_cls),
         priority=DEFAULT_PRIORITY if priority is None else priority,
-        typestr=typestr(handler_cls),
+        typestr=typestr or typestr_of(handler_cls),
         secondary_typestrs=tuple(secondary_typestrs),
         checkpointable_name=checkpointable_name,
         plugin=plugin,
     )
+
+
+# The methods of cp.protocols.PyTreeReader.
+_READER_METHODS = ("recognizes", "load", "metadata")
+
+
+def make_reader_registration(
+    reader_cls: type, *, plugin: str, priority: int | None = None, name: str | None = None
+) -> ReaderRegistration:
+    """Validates a ``register(...)`` call of ``register_pytree_readers``."""
+    if not isinstance(reader_cls, type):
+        raise TypeError(f"register() takes a reader class, got {reader_cls!r}.")
+    missing = [m for m in _READER_METHODS if not callable(getattr(reader_cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"{typestr_of(reader_cls)} is not a PyTreeReader: it lacks {sorted(missing)}."
+        )
+    if priority is not None and not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {priority!r}.")
+    default_name = reader_cls.__name__.removesuffix("Reader").lower() or reader_cls.__name__
+    return ReaderRegistration(
+        reader_cls=reader_cls,
+        name=name or default_name,
+        priority=DEFAULT_PRIORITY if priority is None else priority,
+        plugin=plugin,
+    )
+
+
+def make_command_registration(
+    name: str,
+    run: Callable[[Any], int],
+    *,
+    plugin: str,
+    help: str = "",
+    add_arguments: Callable[[Any], None] | None = None,
+) -> CommandRegistration:
+    """Validates a ``register(...)`` call of ``register_commands``."""
+    if not isinstance(name, str) or not name or name.startswith("-") or " " in name:
+        raise TypeError(f"A command name is a non-empty word, got {name!r}.")
+    if not callable(run) or (add_arguments is not None and not callable(add_arguments)):
+        raise TypeError(f"Command {name!r}: run and add_arguments must be callables.")
+    return CommandRegistration(name, run, help, add_arguments, plugin)
 
 
 def _disabled_names() -> set[str]:
@@ -154,7 +231,28 @@ class _Discovery:
     plugins: tuple[PluginInfo, ...]
     handlers: tuple[HandlerRegistration, ...]
     leaves: tuple[LeafRegistration, ...]
+    readers: tuple[ReaderRegistration, ...] = ()
+    commands: tuple[CommandRegistration, ...] = ()
     storages: tuple[StorageRegistration, ...] = ()
+
+
+@attrs.define
+class _Registered:
+    """What one plugin registered through each hook."""
+
+    handlers: list[HandlerRegistration] = attrs.Factory(list)
+    leaves: list[LeafRegistration] = attrs.Factory(list)
+    readers: list[ReaderRegistration] = attrs.Factory(list)
+    commands: list[CommandRegistration] = attrs.Factory(list)
+    storages: list[StorageRegistration] = attrs.Factory(list)
+
+    def extend(self, other: _Registered) -> None:
+        """Adds what ``other`` registered to this."""
+        self.handlers += other.handlers
+        self.leaves += other.leaves
+        self.readers += other.readers
+        self.commands += other.commands
+        self.storages += other.storages
 
 
 def _entry_points() -> list[importlib_metadata.EntryPoint]:
@@ -189,11 +287,10 @@ def _load_plugin(
     ep: importlib_metadata.EntryPoint,
     manager: pluggy.PluginManager,
     taken_names: dict[str, HandlerRegistration],
-) -> tuple[list[HandlerRegistration], list[LeafRegistration]]:
+) -> _Registered:
     """Imports one plugin and calls its hooks; raises if anything about it is wrong."""
     manager.register(ep.load(), name=ep.name)
-    handlers: list[HandlerRegistration] = []
-    leaves: list[LeafRegistration] = []
+    registered = _Registered()
 
     def make_handler(cls: type, **kwargs: Any) -> HandlerRegistration:
         return make_handler_registration(cls, plugin=ep.name, **kwargs)
@@ -208,46 +305,46 @@ def _load_plugin(
             leaf_type, abstract_type, handler_cls, tuple(secondary_typestrs), ep.name
         )
 
-    for impl in manager.hook.register_checkpointable_handlers.get_hookimpls():
-        if impl.plugin_name == ep.name:
-            handlers += _collect(impl.function, make_handler)
-    for impl in manager.hook.register_leaf_handlers.get_hookimpls():
-        if impl.plugin_name == ep.name:
-            leaves += _collect(impl.function, make_leaf)
-    for h in handlers:
+    def make_reader(cls: type, **kwargs: Any) -> ReaderRegistration:
+        return make_reader_registration(cls, plugin=ep.name, **kwargs)
+
+    def make_command(name: str, run: Callable[[Any], int], **kwargs: Any) -> CommandRegistration:
+        return make_command_registration(name, run, plugin=ep.name, **kwargs)
+
+    def make_storage(scheme: str, factory: Callable[..., Any]) -> StorageRegistration:
+        if not isinstance(scheme, str) or not scheme.isidentifier() or not callable(factory):
+            raise TypeError(
+                f"register_storage's register() takes a scheme like 's3' and a factory "
+                f"callable, got {scheme!r} and {factory!r}"
+            )
+        return StorageRegistration(scheme, factory, ep.name)
+
+    hooks: list[tuple[Any, Callable[..., Any], list[Any]]] = [
+        (manager.hook.register_checkpointable_handlers, make_handler, registered.handlers),
+        (manager.hook.register_leaf_handlers, make_leaf, registered.leaves),
+        (manager.hook.register_pytree_readers, make_reader, registered.readers),
+        (manager.hook.register_commands, make_command, registered.commands),
+        (manager.hook.register_storage, make_storage, registered.storages),
+    ]
+    for hook, make, into in hooks:
+        for impl in hook.get_hookimpls():
+            if impl.plugin_name == ep.name:
+                into += _collect(impl.function, make)
+    for h in registered.handlers:
         other = taken_names.get(h.name)
         if other is not None and other.handler_cls is not h.handler_cls:
             raise ValueError(
                 f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
                 f"{other.plugin!r}; pass register(..., name=...) to choose another"
             )
-    return handlers, leaves
-
-
-def _load_storages(manager: pluggy.PluginManager, plugin: str) -> list[StorageRegistration]:
-    """The storage backends one (already registered) plugin registers."""
-
-    def make(scheme: str, factory: Callable[..., Any]) -> StorageRegistration:
-        if not isinstance(scheme, str) or not scheme.isidentifier() or not callable(factory):
-            raise TypeError(
-                f"register_storage's register() takes a scheme like 's3' and a factory "
-                f"callable, got {scheme!r} and {factory!r}"
-            )
-        return StorageRegistration(scheme, factory, plugin)
-
-    found: list[StorageRegistration] = []
-    for impl in manager.hook.register_storage.get_hookimpls():
-        if impl.plugin_name == plugin:
-            found += _collect(impl.function, make)
-    return found
+    return registered
 
 
 def _plugin_info(
     ep: importlib_metadata.EntryPoint,
     status: Literal["loaded", "disabled", "failed"],
     error: str | None = None,
-    handlers: Sequence[HandlerRegistration] = (),
-    leaves: Sequence[LeafRegistration] = (),
+    registered: _Registered | None = None,
 ) -> PluginInfo:
     dist = getattr(ep, "dist", None)
     return PluginInfo(
@@ -257,8 +354,11 @@ def _plugin_info(
         version=dist.version if dist is not None else None,
         status=status,
         error=error,
-        handlers=_sort_handlers(handlers),
-        leaf_handlers=tuple(leaves),
+        handlers=_sort_handlers(registered.handlers if registered else ()),
+        leaf_handlers=tuple(registered.leaves if registered else ()),
+        readers=tuple(registered.readers if registered else ()),
+        commands=tuple(registered.commands if registered else ()),
+        storages=tuple(registered.storages if registered else ()),
     )
 
 
@@ -276,17 +376,14 @@ def discover(
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     infos: list[PluginInfo] = []
-    handlers: list[HandlerRegistration] = []
-    leaves: list[LeafRegistration] = []
-    storages: list[StorageRegistration] = []
+    everything = _Registered()
     taken_names: dict[str, HandlerRegistration] = {}
     for ep in eps:
         if ep.name in disabled:
             infos.append(_plugin_info(ep, "disabled", f"disabled by {DISABLE_ENV_VAR}"))
             continue
         try:
-            plugin_handlers, plugin_leaves = _load_plugin(ep, manager, taken_names)
-            plugin_storages = _load_storages(manager, ep.name)
+            registered = _load_plugin(ep, manager, taken_names)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
@@ -302,18 +399,17 @@ def discover(
             )
             infos.append(_plugin_info(ep, "failed", message))
             continue
-        for h in plugin_handlers:
+        for h in registered.handlers:
             taken_names.setdefault(h.name, h)
-        handlers += plugin_handlers
-        leaves += plugin_leaves
-        storages += plugin_storages
-        info = _plugin_info(ep, "loaded", None, plugin_handlers, plugin_leaves)
-        infos.append(attrs.evolve(info, storages=tuple(plugin_storages)))
+        everything.extend(registered)
+        infos.append(_plugin_info(ep, "loaded", None, registered))
     return _Discovery(
         plugins=tuple(infos),
-        handlers=_sort_handlers(handlers),
-        leaves=tuple(leaves),
-        storages=tuple(storages),
+        handlers=_sort_handlers(everything.handlers),
+        leaves=tuple(everything.leaves),
+        readers=tuple(sorted(everything.readers, key=lambda r: r.sort_key)),
+        commands=tuple(everything.commands),
+        storages=tuple(everything.storages),
     )
 
 
@@ -349,6 +445,16 @@ def handler_registrations() -> tuple[HandlerRegistration, ...]:
 def leaf_registrations() -> tuple[LeafRegistration, ...]:
     """Leaf handlers registered by plugins, in plugin-name order."""
     return _discovery().leaves
+
+
+def reader_registrations() -> tuple[ReaderRegistration, ...]:
+    """Pytree readers registered by plugins, in the order they are asked."""
+    return _discovery().readers
+
+
+def command_registrations() -> tuple[CommandRegistration, ...]:
+    """Subcommands of ``checkpointables`` registered by plugins, in plugin-name order."""
+    return _discovery().commands
 
 
 def storage_factories() -> dict[str, Callable[..., Any]]:

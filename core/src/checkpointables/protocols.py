@@ -1,4 +1,4 @@
-"""The two protocols a checkpointable type can meet: a handler, or being stateful."""
+"""Protocols: a checkpointable type's handler, or being stateful; and pytree readers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from etils import epath
 
 from checkpointables.path import PathAwaitingCreation
 
-__all__ = ["CheckpointableHandler", "StatefulCheckpointable", "typestr"]
+__all__ = ["CheckpointableHandler", "StatefulCheckpointable", "PyTreeReader", "typestr"]
 
 T = TypeVar("T")
 AbstractT = TypeVar("AbstractT")
@@ -89,6 +89,42 @@ class StatefulCheckpointable(Protocol):
 
     async def load(self, directory: epath.Path) -> Awaitable[None]:
         """Returns the awaitable that reads the directory into ``self``."""
+        ...
+
+
+@runtime_checkable
+class PyTreeReader(Protocol):
+    """Reads pytrees stored in another format (a file or directory that is not a checkpoint).
+
+    Plugins register readers with the ``register_pytree_readers`` hook.
+    ``cp.load_pytree(path)``, ``cp.load_pytree_async`` and
+    ``cp.pytree_metadata(path)`` ask them, in ``(priority, name)`` order, for
+    any ``path`` that is not a checkpoint directory; the first whose
+    ``recognizes`` is true reads it. A reader class must be constructible with
+    no arguments. Options (e.g. ``partial_load``) come from
+    ``cp.context.get_context().pytree_options``, as for handlers.
+
+    Example (the safetensors plugin)::
+
+        @cp.hookimpl
+        def register_pytree_readers(register):
+            register(SafetensorsReader, priority=50)
+    """
+
+    def recognizes(self, path: epath.Path) -> bool:
+        """Whether ``path`` is this reader's format; cheap (names and a stat or two)."""
+        ...
+
+    async def load(self, path: epath.Path, abstract_pytree: Any = None) -> Awaitable[Any]:
+        """Plans the load (blocking phase); returns the awaitable that reads the pytree.
+
+        ``abstract_pytree`` leaves guide it as for checkpoints: e.g.
+        ``jax.ShapeDtypeStruct`` with a sharding gives a ``jax.Array`` on that mesh.
+        """
+        ...
+
+    async def metadata(self, path: epath.Path) -> Any:
+        """A ``cp.CheckpointMetadata`` whose ``.metadata`` is the abstract tree, cheaply."""
         ...
 
 

@@ -143,7 +143,7 @@ class Storage(Protocol):
 StorageFactory = Callable[["Context"], Storage]
 
 
-class MissingStorageError(errors.CheckpointError, ValueError):
+class MissingStorageError(errors.UnsupportedPathError):
     """No installed plugin serves the scheme of a path (``s3://``, ``gs://``, ...)."""
 
 

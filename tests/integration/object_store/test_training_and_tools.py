@@ -88,7 +88,7 @@ def test_inspect_and_verify(s3, bucket, capsys) -> None:
     assert cli.main(["inspect", path]) == 0
     assert "['params']['big']" in capsys.readouterr().out
     assert cli.main(["verify", path]) == 0
-    assert "all checksums ok" in capsys.readouterr().out
+    assert "all checks passed" in capsys.readouterr().out
     # Damage a data object: verify names the failure and exits 1.
     name, _, key = path.removeprefix("s3://").partition("/")
     client = boto3.client("s3", endpoint_url=s3.endpoint)

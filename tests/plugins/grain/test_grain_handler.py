@@ -18,6 +18,7 @@ from checkpointables_grain import (
     ProcessCountMismatchError,
 )
 
+from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
 from .pipelines import PIPELINES, data_loader, map_pipeline, take
 
 
@@ -196,6 +197,7 @@ def _as_if_saved_by_two_processes(directory, *, keep_info: bool) -> None:
         info_file.write_text(json.dumps({**info, "process_count": 2}))
     else:  # As Grain's own handlers and Orbax write it.
         info_file.unlink()
+    with_metadata_checksums_recomputed(directory.parent)  # As that save would have.
 
 
 @pytest.mark.parametrize("keep_info", [True, False])
@@ -227,6 +229,9 @@ def test_damaged_files_are_named(tmp_path) -> None:
     with pytest.raises(cp.errors.IntegrityError, match="process_0-of-1.json"):
         cp.load_checkpointables(tmp_path / "c", {"dataset": iter(map_pipeline())})
     (tmp_path / "c" / "dataset" / "grain_iterator.json").write_text("[1")
+    with pytest.raises(cp.errors.IntegrityError, match="grain_iterator.json"):
+        cp.load_checkpointables(tmp_path / "c", {"dataset": iter(map_pipeline())})
+    without_metadata_checksums(tmp_path / "c")  # Then the parser names it.
     with pytest.raises(cp.errors.MetadataError, match="grain_iterator.json"):
         cp.load_checkpointables(tmp_path / "c", {"dataset": iter(map_pipeline())})
 
@@ -239,6 +244,7 @@ def test_untyped_checkpoint_is_recognized_by_its_files(tmp_path) -> None:
     meta = json.loads(meta_file.read_text())
     del meta["item_handlers"]["dataset"]
     meta_file.write_text(json.dumps(meta))
+    without_metadata_checksums(tmp_path / "c")  # As Orbax writes it.
     shutil.rmtree(tmp_path / "unused", ignore_errors=True)
     fresh = iter(map_pipeline())
     cp.load_checkpointables(tmp_path / "c", {"dataset": fresh})

@@ -11,6 +11,7 @@ from checkpointables.testing import HandlerConformance
 from checkpointables_proto import MessageTypeMismatchError, MessageTypeNotFoundError
 from google.protobuf import duration_pb2, struct_pb2, text_format, timestamp_pb2
 
+from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
 from .messages import Secret, TrainConfig, train_config
 
 
@@ -109,6 +110,7 @@ def test_never_imports_a_module_named_in_the_checkpoint(tmp_path, monkeypatch) -
     cp.save_checkpointables(tmp_path / "c", {"config": duration_pb2.Duration(seconds=1)})
     file = tmp_path / "c" / "config" / "proto.pbtxt"
     file.write_text(file.read_text().replace("google.protobuf.Duration", "evil_ckpt_mod.Duration"))
+    with_metadata_checksums_recomputed(tmp_path / "c")  # As a crafted checkpoint would.
     with pytest.raises(MessageTypeNotFoundError, match=r"evil_ckpt_mod\.Duration"):
         cp.load_checkpointables(tmp_path / "c")
     assert cp.checkpointables_metadata(tmp_path / "c").metadata == {
@@ -198,9 +200,12 @@ def test_damaged_file_names_it_and_verify_reports_it(tmp_path, capsys) -> None:
         cp.load_checkpointables(tmp_path / "c", {"config": TrainConfig})
     assert cli.main(["verify", str(tmp_path / "c")]) == 1
     out = capsys.readouterr().out
-    assert "config: FAILED" in out
-    # Secret's type is unknown here, so it could only be skimmed: still caught.
-    assert "s: FAILED" in out and "unclosed" in out
+    assert "config: FAILED" in out and "s: FAILED" in out
+    # Without recorded checksums, Secret's type is unknown here, so the file can only be
+    # skimmed: still caught.
+    without_metadata_checksums(tmp_path / "c")
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    assert "unclosed" in capsys.readouterr().out
 
 
 def test_missing_file_is_an_integrity_error(tmp_path) -> None:
@@ -219,6 +224,7 @@ def test_untyped_checkpoint_is_recognized_by_its_file(tmp_path) -> None:
     meta = json.loads(meta_file.read_text())
     del meta["item_handlers"]["config"]
     meta_file.write_text(json.dumps(meta))
+    without_metadata_checksums(tmp_path / "c")  # It predates them.
     assert cp.load_checkpointables(tmp_path / "c")["config"] == train_config()
 
 
@@ -233,6 +239,7 @@ def test_any_fields_need_their_type_imported(tmp_path) -> None:
     assert cp.load_checkpointables(tmp_path / "c")["any"] == packed
     # As a program that never imported the packed type would see it.
     file.write_text(file.read_text().replace("google.protobuf.Duration", "elsewhere.Unknown"))
+    with_metadata_checksums_recomputed(tmp_path / "c")
     with pytest.raises(
         MessageTypeNotFoundError, match=r"Any whose type is not imported.*elsewhere"
     ):
@@ -243,5 +250,8 @@ def test_non_utf8_file_is_an_integrity_error(tmp_path) -> None:
     cp.save_checkpointables(tmp_path / "c", {"config": train_config()})
     file = tmp_path / "c" / "config" / "proto.pbtxt"
     file.write_bytes(file.read_bytes() + b"name: '\xff\xfe'\n")
+    with pytest.raises(cp.errors.IntegrityError, match="recorded checksum"):
+        cp.load_checkpointables(tmp_path / "c")
+    without_metadata_checksums(tmp_path / "c")
     with pytest.raises(cp.errors.IntegrityError, match="not UTF-8"):
         cp.load_checkpointables(tmp_path / "c")

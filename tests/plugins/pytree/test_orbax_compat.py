@@ -120,3 +120,114 @@ def test_we_load_orbax_dotted_keys_and_zarr2_without_ocdbt(tmp_path) -> None:
     with ocp_v1.Context(array_options=options):
         ocp_v1.save(tmp_path / "zarr2", {"x": np.arange(4.0), "y": 2})
     _assert_equal(cp.load_pytree(tmp_path / "zarr2"), {"x": np.arange(4.0), "y": 2})
+
+
+def _key_tree(mesh):
+    sharding = jax.sharding.NamedSharding(mesh, P("x"))
+    return {
+        "fry": jax.random.key(0),
+        "rbg": jax.random.split(jax.random.key(1, impl="rbg"), 3),
+        "urbg": jax.random.key(2, impl="unsafe_rbg"),
+        "sharded": jax.device_put(jax.random.split(jax.random.key(3), 8), sharding),
+        "w": jnp.ones(2),
+    }
+
+
+def _assert_same_keys(loaded, expected) -> None:
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype, name
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value, got = jax.random.key_data(value), jax.random.key_data(loaded[name])
+        else:
+            got = loaded[name]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(value))
+
+
+def _abstract_with_shardings(tree):
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_prng_keys_both_ways(tmp_path, mesh_4x2) -> None:
+    tree = _key_tree(mesh_4x2)
+    cp.save_pytree(tmp_path / "ours", tree)
+    _assert_same_keys(ocp_v1.load(tmp_path / "ours"), tree)
+    from_orbax = ocp_v1.load(tmp_path / "ours", _abstract_with_shardings(tree))
+    _assert_same_keys(from_orbax, tree)
+    assert from_orbax["sharded"].sharding.is_equivalent_to(tree["sharded"].sharding, 1)
+
+    ocp_v1.save(tmp_path / "theirs", tree)
+    _assert_same_keys(cp.load_pytree(tmp_path / "theirs"), tree)
+    loaded = cp.load_pytree(tmp_path / "theirs", _abstract_with_shardings(tree))
+    _assert_same_keys(loaded, tree)
+    assert loaded["sharded"].sharding.is_equivalent_to(tree["sharded"].sharding, 1)
+    metadata = cp.pytree_metadata(tmp_path / "theirs").metadata
+    assert metadata["rbg"].shape == (3,) and metadata["rbg"].dtype == tree["rbg"].dtype
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_loads_our_empty_nodes(tmp_path) -> None:
+    import optax
+
+    params = {"w": jnp.ones(3)}
+    state = {"opt": optax.adam(1e-3).init(params), "params": params}
+    cp.save_pytree(tmp_path / "c", state)
+    loaded = ocp_v1.load(tmp_path / "c", _abstract_with_shardings(state))
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(state)
+    assert isinstance(loaded["opt"][1], optax.EmptyState)
+
+
+def test_orbax_loads_bytes_leaves_as_uint8_arrays(tmp_path) -> None:
+    tree = {"blob": b"\x00\xffbinary", "empty": b"", "w": np.ones(2)}
+    cp.save_pytree(tmp_path / "c", tree)
+    loaded = ocp_v1.load(tmp_path / "c")
+    assert loaded["blob"].dtype == np.uint8 and loaded["blob"].tobytes() == tree["blob"]
+    assert loaded["empty"].shape == (0,)
+    # Here they load as bytes, with or without an abstract tree.
+    assert cp.load_pytree(tmp_path / "c")["blob"] == tree["blob"]
+    with_abstract = cp.load_pytree(tmp_path / "c", {"blob": b"", "empty": b"", "w": np.empty(2)})
+    assert with_abstract["blob"] == tree["blob"] and with_abstract["empty"] == b""
+
+
+def test_orbax_loads_a_checkpoint_of_a_pytree_and_json(tmp_path) -> None:
+    cp.save_checkpointables(
+        tmp_path / "c", {"state": {"w": np.arange(3.0), "b": b"xy"}, "config": {"lr": 0.1}}
+    )
+    loaded = ocp_v1.load_checkpointables(tmp_path / "c")
+    assert loaded["config"] == {"lr": 0.1}
+    np.testing.assert_array_equal(loaded["state"]["w"], np.arange(3.0))
+
+
+@pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_loads_every_kind_of_leaf_we_save(tmp_path) -> None:
+    import collections
+
+    import ml_dtypes
+
+    Pair = collections.namedtuple("Pair", ["a", "b"])
+    tree = {
+        "scalars": [3, 2.5, True, 1 + 2j, np.float32(1.5), np.int8(-3), "text", b"bytes"],
+        "arrays": {
+            "bf16": jnp.ones(3, jnp.bfloat16),
+            "int4": np.arange(4).astype(ml_dtypes.int4),
+            "f8": np.ones(2, ml_dtypes.float8_e4m3fn),
+            "complex": np.ones(2, np.complex64),
+            "bools": np.array([True, False]),
+            "zero_size": np.zeros((0, 3)),
+        },
+        "containers": {"tuple": (1, 2.0), "pair": Pair(np.ones(1), 2), "empty": [{}, [], ()]},
+        "none": None,
+        "key": jax.random.key(1),
+    }
+    cp.save_pytree(tmp_path / "c", tree)
+    loaded = ocp_v1.load(tmp_path / "c")
+    assert loaded["scalars"][:7] == tree["scalars"][:7]
+    assert loaded["scalars"][7].tobytes() == b"bytes"  # Orbax has no bytes leaves: uint8.
+    for name, value in tree["arrays"].items():
+        assert loaded["arrays"][name].dtype == value.dtype, name
+        np.testing.assert_array_equal(np.asarray(loaded["arrays"][name]), np.asarray(value))
+    assert loaded["containers"]["pair"]["b"] == 2 and loaded["containers"]["empty"] == [{}, [], ()]
+    assert loaded["none"] is None and loaded["key"].dtype == tree["key"].dtype

@@ -243,6 +243,7 @@ def test_finalized_path_is_an_ordinary_checkpoint(tmp_path, capsys) -> None:
     assert cli_main(["inspect", str(path)]) == 0
     assert "['b']" in capsys.readouterr().out
     assert cli_main(["verify", str(path)]) == 0
+    assert cp.metadata_checksums.is_protected(path)
     assert set(cp.load_checkpointables(path)) == {"pytree"}
     # A finished checkpoint is never a partial session again.
     with pytest.raises(FileExistsError):

@@ -195,7 +195,10 @@ def test_unsupported_leaves_are_named_and_nothing_is_written(tmp_path) -> None:
         (np.array(["a", "b"]), "dtype <U1"),
         (np.array([{}], dtype=object), "dtype object"),
         (2**70, "does not fit in 64 bits"),
-        (jax.random.key(0), "jax.random.key_data"),
+        # TensorStore's zarr3 driver has int4 and int2 but no unsigned 4- or 2-bit types.
+        (np.arange(4).astype(ml_dtypes.uint4), "uint4"),
+        (jnp.arange(4, dtype=jnp.uint4), "uint4"),
+        (np.zeros(2, ml_dtypes.uint2), "uint2"),
     ],
 )
 def test_leaves_that_cannot_be_stored_fail_before_writing(tmp_path, leaf, expected) -> None:
@@ -278,6 +281,7 @@ def test_overwrite_and_checkpointable_name(tmp_path) -> None:
     np.testing.assert_array_equal(cp.load_pytree(tmp_path / "c")["a"], np.ones(2))
     assert sorted(os.listdir(tmp_path / "c")) == [
         "_CHECKPOINT_METADATA",
+        "_CHECKSUMS",
         "commit_success.txt",
         "orbax.checkpoint",
         "state",

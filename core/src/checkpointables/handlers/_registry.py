@@ -22,6 +22,7 @@ def register_handler(
     name: str | None = None,
     checkpointable_name: str | None = None,
     secondary_typestrs: Iterable[str] = (),
+    typestr: str | None = None,
 ) -> H:
     """Registers a handler class for this process; returns it (usable as a decorator).
 
@@ -34,6 +35,8 @@ def register_handler(
       checkpointable_name: if given, the handler is used for that
         checkpointable name only, ahead of resolution.
       secondary_typestrs: other typestrs (older names) this handler can load.
+      typestr: what checkpoints record for this handler; defaults to the
+        class's ``module.qualname``.
 
     Registering the same class again replaces its earlier registration. A
     name that a plugin also uses refers to this handler in ``get`` from now on.
@@ -45,6 +48,7 @@ def register_handler(
         name=name,
         checkpointable_name=checkpointable_name,
         secondary_typestrs=secondary_typestrs,
+        typestr=typestr,
     )
     with _lock:
         _user_registrations[handler_cls] = registration

@@ -71,7 +71,9 @@ def resolve_for_save(
       forced handler that was never registered.
     """
     if checkpointable is None:
-        raise ValueError(f"Checkpointable {name!r} is None; there is nothing to save.")
+        raise errors.InvalidArgumentError(
+            f"Checkpointable {name!r} is None; there is nothing to save."
+        )
     if forced is not None:
         instance = forced()
         if not instance.is_handleable(checkpointable):

@@ -10,5 +10,6 @@ from __future__ import annotations
 from etils.epath import Path, PathLike
 
 from checkpointables.path._awaiting import PathAwaitingCreation
+from checkpointables.path._parse import as_path
 
-__all__ = ["Path", "PathLike", "PathAwaitingCreation"]
+__all__ = ["Path", "PathLike", "PathAwaitingCreation", "as_path"]

@@ -19,8 +19,21 @@ class UnregisteredTypeError(errors.CheckpointError, TypeError):
     """No leaf handler is registered for a type."""
 
 
+_MEMBERS: dict[Any, frozenset[str] | None] = {}  # Per abstract type: looked up for every leaf.
+
+
 def _protocol_members(cls: Any) -> frozenset[str] | None:
     """The member names of a ``typing.Protocol`` class, or ``None`` for other types."""
+    try:
+        return _MEMBERS[cls]
+    except KeyError:
+        members = _MEMBERS[cls] = _find_protocol_members(cls)
+        return members
+    except TypeError:  # An unhashable abstract type.
+        return _find_protocol_members(cls)
+
+
+def _find_protocol_members(cls: Any) -> frozenset[str] | None:
     if not getattr(cls, "_is_protocol", False):
         return None
     members: set[str] = set()

@@ -25,12 +25,14 @@ from checkpointables.training import (
     save_decision_policies,
     step_name_formats,
 )
+from checkpointables.training._save_stats import SaveStats
 from checkpointables.training.checkpointer import Checkpointer
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
 __all__ = [
     "Checkpointer",
+    "SaveStats",
     "StepInfo",
     "RootMetadata",
     "StepNameFormat",

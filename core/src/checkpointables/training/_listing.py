@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
-import json
 import logging
 from typing import Any
 
 import attrs
 from etils import epath
 
-from checkpointables import errors, layout, storage
+from checkpointables import errors, layout, safe_json, storage
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
@@ -40,10 +39,10 @@ def _orbax_metrics(path: epath.Path) -> dict[str, Any]:
     for name in _ORBAX_METRICS_FILES:
         file = directory / name
         try:
-            value = json.loads(storage.read_text(file))
+            value = safe_json.loads(storage.read_bytes(file), source=file)
         except FileNotFoundError:
             continue
-        except (OSError, ValueError) as e:
+        except (OSError, errors.MetadataError) as e:
             logger.warning("Ignoring unreadable metrics file %s: %s", file, e)
             return {}
         return value if isinstance(value, dict) else {}
@@ -88,7 +87,7 @@ def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
         return read_step(step, path, validated=validated)
     except (FileNotFoundError, errors.NotACheckpointError):
         return None  # Not committed, or deleted while we looked.
-    except (errors.MetadataError, OSError) as e:
+    except (errors.CheckpointError, OSError) as e:  # Damaged: its metadata, or checksums.
         logger.warning("Skipping step directory %s: %s", path, e)
         return None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from checkpointables import errors
+
 __all__ = ["to_json"]
 
 
@@ -24,7 +26,7 @@ def _scalar(value: Any, where: str) -> Any:
     item = getattr(value, "item", None)
     if callable(item) and shape is not None and tuple(shape) in ((), (1,)):
         return _scalar(item(), where)
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"metrics{where} is a {type(value).__name__}; metrics must be numbers, strings, "
         f"booleans, None, or dicts/lists of them (scalar NumPy/JAX arrays are converted). "
         f"Reduce arrays to a number first, e.g. float(loss.mean())."
@@ -36,7 +38,7 @@ def _convert(value: Any, where: str) -> Any:
         result = {}
         for key, inner in value.items():
             if not isinstance(key, str):
-                raise ValueError(
+                raise errors.InvalidArgumentError(
                     f"metrics{where} has the key {key!r}; metric names must be strings."
                 )
             result[key] = _convert(inner, f"{where}[{key!r}]")
@@ -56,7 +58,7 @@ def to_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"metrics must be a dict of name to number, got {type(metrics).__name__}; "
             f'e.g. metrics={{"loss": loss}}.'
         )

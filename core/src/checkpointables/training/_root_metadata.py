@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import errors, layout, storage
+from checkpointables import errors, layout, safe_json, storage
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +36,16 @@ def read(root: epath.Path) -> dict[str, Any]:
     for name in (ROOT_METADATA_FILE, _LEGACY_FILE):
         file = root / METADATA_DIR / name
         try:
-            text = storage.read_text(file)
+            raw = storage.read_bytes(file)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         try:
-            value = json.loads(text)
-        except ValueError as e:
+            value = safe_json.loads_object(raw, source=file)
+        except errors.MetadataError as e:
             raise errors.MetadataError(
-                f"{file} is not valid JSON ({e}); the root's metadata is damaged. Restore it or "
-                f"delete the file (custom_metadata is then empty)."
-            ) from e
-        if not isinstance(value, dict):
-            raise errors.MetadataError(
-                f"{file} holds a JSON {type(value).__name__}, expected an object."
-            )
+                f"{e} It is the root's metadata: restore it, or delete the file "
+                f"(custom_metadata is then empty)."
+            ) from None
         custom = value.get("custom_metadata", {})
         return dict(custom) if isinstance(custom, dict) else {}
     return {}

@@ -29,6 +29,7 @@ import logging
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -48,12 +49,14 @@ from checkpointables import (
 from checkpointables._asyncio import AsyncResponse, completed, start_background, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
+from checkpointables.path._parse import as_path
 from checkpointables.training import (
     _context,
     _listing,
     _metrics,
     _readers,
     _root_metadata,
+    _save_stats,
     _worker,
 )
 from checkpointables.training import preservation_policies as preservation_lib
@@ -73,13 +76,15 @@ StepLike = int | StepInfo | None
 def as_step(step: Any) -> int:
     """``step`` as an int >= 0 (NumPy and JAX integer scalars are accepted)."""
     if isinstance(step, bool):
-        raise TypeError(f"Steps are integers >= 0, got the bool {step!r}.")
+        raise errors.InvalidArgumentTypeError(f"Steps are integers >= 0, got the bool {step!r}.")
     try:
         value = operator.index(step)
     except TypeError:
-        raise TypeError(f"Steps are integers >= 0, got {type(step).__name__} {step!r}.") from None
+        raise errors.InvalidArgumentTypeError(
+            f"Steps are integers >= 0, got {type(step).__name__} {step!r}."
+        ) from None
     if value < 0:
-        raise ValueError(f"Steps are integers >= 0, got {value}.")
+        raise errors.InvalidArgumentError(f"Steps are integers >= 0, got {value}.")
     return value
 
 
@@ -118,7 +123,7 @@ def _policy(argument: str, value: Any, default: Callable[[], Any], method: str, 
     """``value`` (or ``default()`` when ``None``), checked to have ``method``."""
     chosen = default() if value is None else value
     if not callable(getattr(chosen, method.split("(")[0], None)):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             f"{argument} must have a {method} method (see cp.training.{module}), got {chosen!r}."
         )
     return chosen
@@ -169,7 +174,7 @@ class Checkpointer:
         context: Context | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self._root = epath.Path(root_directory)
+        self._root = as_path(root_directory)
         save_decision_policy = _policy(
             "save_decision_policy",
             save_decision_policy,
@@ -187,12 +192,14 @@ class Checkpointer:
         if step_name_format is None:
             step_name_format = standard_name_format()
         if not isinstance(step_name_format, StepNameFormat):
-            raise TypeError(
+            raise errors.InvalidArgumentTypeError(
                 f"step_name_format must have build_name(step) and parse_step(name) methods (see "
                 f"cp.training.step_name_formats), got {step_name_format!r}."
             )
         if context is not None and not isinstance(context, Context):
-            raise TypeError(f"context must be a cp.Context, got {type(context).__name__}.")
+            raise errors.InvalidArgumentTypeError(
+                f"context must be a cp.Context, got {type(context).__name__}."
+            )
         custom = (
             None
             if custom_metadata is None
@@ -207,6 +214,7 @@ class Checkpointer:
         self._lock = threading.RLock()
         self._save: AsyncResponse[bool] | None = None
         self._save_step: int | None = None
+        self._last_save_stats: _save_stats.SaveStats | None = None
         self._errors: list[BaseException] = []
         self._gc_deferred = False
         self._closed = False
@@ -229,7 +237,7 @@ class Checkpointer:
                 f"to hold one checkpoint per step."
             )
         if layout.is_checkpoint(self._root):
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"{self._root} is itself a checkpoint, not a root of step checkpoints. Pass the "
                 f"directory that holds the steps (probably {self._root.parent}), or load this "
                 f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
@@ -251,6 +259,15 @@ class Checkpointer:
         """The committed step with the highest number, or ``None`` for an empty root."""
         with self._lock:
             return self._steps[max(self._steps)] if self._steps else None
+
+    @property
+    def last_save_stats(self) -> _save_stats.SaveStats | None:
+        """What the latest committed save cost (bytes, time blocked, time to commit), or None.
+
+        Each committed save is also logged at INFO on ``checkpointables.training``.
+        """
+        with self._lock:
+            return self._last_save_stats
 
     def is_saving_in_progress(self) -> bool:
         """Whether a save has started and not yet committed (or failed)."""
@@ -393,6 +410,7 @@ class Checkpointer:
     ) -> AsyncResponse[bool]:
         if self._closed:
             raise RuntimeError(f"The Checkpointer of {self._root} is closed; create a new one.")
+        started = time.perf_counter()
         step = as_step(step)
         self._raise_errors()
         if not force and not self._decide(step):
@@ -433,6 +451,8 @@ class Checkpointer:
             # This root's only writer: an unfinished save at the step was interrupted.
             replace_unfinished=True,
         )
+        blocked = time.perf_counter() - started
+        nbytes = _save_stats.array_bytes(checkpointables)
         response = _SaveResponse(f"save of step {step} to {path}", self._mark_reported)
         with self._lock:
             self._save, self._save_step = response, step
@@ -442,6 +462,7 @@ class Checkpointer:
             if error is None:
                 try:
                     self._record_commit(step, path, metric_values)
+                    self._record_stats(step, nbytes, blocked, time.perf_counter() - started)
                 except BaseException as e:
                     error = e
             if error is not None:
@@ -455,6 +476,12 @@ class Checkpointer:
 
         core.add_done_callback(finish)
         return response
+
+    def _record_stats(self, step: int, nbytes: int, blocked: float, commit: float) -> None:
+        stats = _save_stats.SaveStats(step, nbytes, blocked, commit)
+        with self._lock:
+            self._last_save_stats = stats
+        _save_stats.log(stats)
 
     def _record_commit(self, step: int, path: epath.Path, metrics: dict[str, Any]) -> None:
         try:

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from checkpointables import errors
 from checkpointables.training.step_info import StepInfo
 
 __all__ = [
@@ -72,12 +73,16 @@ class PreservationPolicy(Protocol):
 
 def _count_or_none(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{attribute.name} must be an int >= 0 or None, got {value!r}.")
+        raise errors.InvalidArgumentError(
+            f"{attribute.name} must be an int >= 0 or None, got {value!r}."
+        )
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{attribute.name} must be a positive number, got {value!r}.")
+        raise errors.InvalidArgumentError(
+            f"{attribute.name} must be a positive number, got {value!r}."
+        )
 
 
 @attrs.frozen
@@ -124,7 +129,9 @@ class EveryNSteps:
     @interval_steps.validator
     def _check(self, attribute: attrs.Attribute[int], value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"interval_steps must be a positive int, got {value!r}.")
+            raise errors.InvalidArgumentError(
+                f"interval_steps must be a positive int, got {value!r}."
+            )
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext
@@ -187,13 +194,13 @@ class BestN:
     @get_metric_fn.validator
     def _check(self, attribute: object, value: object) -> None:
         if not callable(value):
-            raise TypeError(f"get_metric_fn must be callable, got {value!r}.")
+            raise errors.InvalidArgumentTypeError(f"get_metric_fn must be callable, got {value!r}.")
 
     def _metric(self, info: StepInfo) -> float:
         try:
             return self.get_metric_fn(info.metrics)
         except Exception as e:
-            raise ValueError(
+            raise errors.InvalidArgumentError(
                 f"BestN.get_metric_fn failed on the metrics of step {info.step} "
                 f"({info.metrics!r}): {type(e).__name__}: {e}. Save the metric with every step, "
                 f"or make get_metric_fn handle its absence."
@@ -232,7 +239,7 @@ class AnyPreservationPolicy:
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
             if not callable(getattr(policy, "should_preserve", None)):
-                raise TypeError(
+                raise errors.InvalidArgumentTypeError(
                     f"AnyPreservationPolicy takes preservation policies (objects with a "
                     f"should_preserve method), got {policy!r}."
                 )
@@ -254,7 +261,7 @@ def checked_decision(
     """``policy.should_preserve(steps)`` as a list, checked to have one bool per step."""
     answer = list(policy.should_preserve(steps, context=context))
     if len(answer) != len(steps):
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"Preservation policy {policy!r} returned {len(answer)} decisions for {len(steps)} "
             f"steps; should_preserve must return one bool per step, in order."
         )

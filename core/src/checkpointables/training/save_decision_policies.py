@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from checkpointables import errors
 from checkpointables.training.step_info import StepInfo
 
 __all__ = [
@@ -76,7 +77,9 @@ class SaveDecisionPolicy(Protocol):
 
 def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}.")
+        raise errors.InvalidArgumentError(
+            f"{attribute.name} must be a positive int, got {value!r}."
+        )
 
 
 @attrs.frozen
@@ -100,7 +103,9 @@ def _steps_set(values: Iterable[int]) -> frozenset[int]:
     result = frozenset(values)
     bad = [s for s in result if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if bad:
-        raise ValueError(f"SpecificStepsPolicy takes integers >= 0, got {sorted(map(repr, bad))}.")
+        raise errors.InvalidArgumentError(
+            f"SpecificStepsPolicy takes integers >= 0, got {sorted(map(repr, bad))}."
+        )
     return result
 
 
@@ -123,7 +128,9 @@ class SpecificStepsPolicy:
 
 def _interval_or_none(instance: object, attribute: object, value: float | None) -> None:
     if value is not None and (isinstance(value, bool) or not value >= 0):
-        raise ValueError(f"minimum_interval_secs must be >= 0 or None, got {value!r}.")
+        raise errors.InvalidArgumentError(
+            f"minimum_interval_secs must be >= 0 or None, got {value!r}."
+        )
 
 
 @attrs.frozen
@@ -183,7 +190,7 @@ class AnySavePolicy:
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
             if not callable(getattr(policy, "should_save", None)):
-                raise TypeError(
+                raise errors.InvalidArgumentTypeError(
                     f"AnySavePolicy takes save decision policies (objects with a should_save "
                     f"method), got {policy!r}."
                 )

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from checkpointables import errors
+
 __all__ = ["StepNameFormat", "StandardNameFormat", "standard_name_format"]
 
 
@@ -39,9 +41,11 @@ def _check_prefix(instance: object, attribute: object, value: str | None) -> Non
     if value is None:
         return
     if not isinstance(value, str) or not value:
-        raise ValueError(f"step_prefix must be a non-empty string or None, got {value!r}.")
+        raise errors.InvalidArgumentError(
+            f"step_prefix must be a non-empty string or None, got {value!r}."
+        )
     if "/" in value or "\\" in value or value.startswith(".") or "\0" in value:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"step_prefix {value!r} must be a plain name: no '/', '\\', NUL or leading '.'."
         )
 
@@ -50,7 +54,7 @@ def _check_length(instance: object, attribute: object, value: int | None) -> Non
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 40:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"step_format_fixed_length must be an int from 1 to 40 or None, got {value!r}."
         )
 
@@ -75,7 +79,7 @@ class StandardNameFormat:
     def build_name(self, step: int) -> str:
         """The directory name of ``step``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"Steps are integers >= 0, got {step!r}.")
+            raise errors.InvalidArgumentError(f"Steps are integers >= 0, got {step!r}.")
         width = self.step_format_fixed_length or 0
         number = f"{step:0{width}d}"
         return f"{self.step_prefix}_{number}" if self.step_prefix else number

@@ -166,6 +166,8 @@ def _this_process_file(directory: epath.Path, info: dict[str, Any] | None) -> ep
 def _read_info(directory: epath.Path) -> dict[str, Any] | None:
     try:
         return _files.read_info(directory)
+    except cp.errors.CheckpointError:
+        raise
     except ValueError as e:
         raise cp.errors.MetadataError(
             f"{e}; the checkpointable {directory.name!r} is damaged."
@@ -174,13 +176,14 @@ def _read_info(directory: epath.Path) -> dict[str, Any] | None:
 
 def _parse_state(file: epath.Path, kind: str) -> Any:
     """The state stored in ``file``, in the form ``set_state`` of ``kind`` takes."""
+    # Checked against the checksum recorded when the checkpoint was committed.
+    raw = cp.metadata_checksums.read_file(file)
     try:
-        text = cp.storage.read_text(file)
+        cp.safe_json.loads(raw, source=file)  # Reject damage here, with the file's name.
         if kind == DATA_LOADER_ITERATOR:
-            json.loads(text)  # Reject damage here, with the file's name.
-            return text.encode("utf-8")
-        return _state_json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+            return raw
+        return _state_json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         raise cp.errors.IntegrityError(f"{file} is not a readable iterator state ({e}).") from e
 
 

@@ -7,7 +7,6 @@ describing the save as a whole: which kind of iterator, how many processes.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -54,10 +53,8 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
     file = directory / INFO_FILE
     if not cp.storage.is_file(file):
         return None
-    try:
-        info = json.loads(cp.storage.read_text(file))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from e
+    # Checked against the checksum recorded when the checkpoint was committed.
+    info = cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
     if not isinstance(info, dict) or not isinstance(info.get("process_count"), int):
         raise ValueError(f"{file} is not a JSON object with an integer 'process_count'")
     return info

@@ -2,7 +2,8 @@
 
 Dicts and lists of strings, numbers, booleans and ``None`` (no arrays) are
 claimed by this handler ahead of the generic pytree handler, so they stay
-human-readable on disk.
+human-readable on disk. The format is Orbax's ``JsonHandler``'s, and
+checkpoints name that handler, so Orbax loads them too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ __all__ = ["JsonHandler", "is_json_like"]
 DATA_FILE = "data.json"
 # Older file names this handler also reads: Orbax V0's JsonCheckpointHandler.
 _LEGACY_FILES = ("metadata",)
-_ORBAX_TYPESTRS = (
-    "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler",
+# Checkpoints record Orbax's typestr for this handler: Orbax's own JSON handler reads
+# data.json exactly as written here (json.loads), so Orbax loads these checkpointables.
+ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
+_READABLE_TYPESTRS = (
+    "checkpointables_json.JsonHandler",  # What checkpoints recorded before.
     "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler",
     "orbax.checkpoint.experimental.v1._src.handlers.json_handler.MetricsHandler",
 )
@@ -73,12 +77,8 @@ class JsonHandler:
         file = self._find(directory)
 
         async def read() -> Any:
-            try:
-                return json.loads(cp.storage.read_text(file))
-            except json.JSONDecodeError as e:
-                raise cp.errors.MetadataError(
-                    f"{file} is not valid JSON ({e}); the checkpointable is damaged."
-                ) from e
+            # Checked against the checksum recorded when the checkpoint was committed.
+            return cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
 
         return read()
 
@@ -104,12 +104,19 @@ class JsonHandler:
         for name in (DATA_FILE, *_LEGACY_FILES):
             if cp.storage.is_file(directory / name):
                 return directory / name
-        raise FileNotFoundError(
-            f"{directory} holds no {DATA_FILE}; it is not a JSON checkpointable or was damaged."
+        raise cp.errors.IntegrityError(
+            f"{directory} holds no {DATA_FILE}: it is not a JSON checkpointable, or it was "
+            f"damaged. Restore the checkpoint from a copy, or load an older one."
         )
 
 
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
     """Registers the JSON handler ahead of the pytree handler (priority 60 < 90)."""
-    register(JsonHandler, priority=60, name="json", secondary_typestrs=_ORBAX_TYPESTRS)
+    register(
+        JsonHandler,
+        priority=60,
+        name="json",
+        typestr=ORBAX_TYPESTR,
+        secondary_typestrs=_READABLE_TYPESTRS,
+    )

@@ -74,6 +74,7 @@ class ProtoHandler:
     ) -> Awaitable[Any]:
         """Checks the type now; returns an awaitable that reads and parses the message."""
         file = _data_file(directory)
+        text = _checked_text(file, directory)  # Before its header is trusted.
         recorded = _textproto.recorded_type_name(file)
         message_class = _message_class_for(directory, recorded, abstract_checkpointable)
 
@@ -81,12 +82,7 @@ class ProtoHandler:
             from google.protobuf import text_format
 
             try:
-                return text_format.Parse(cp.storage.read_text(file), message_class())
-            except UnicodeDecodeError as e:
-                raise cp.errors.IntegrityError(
-                    f"{file} is not UTF-8 text ({e}); the checkpointable {directory.name!r} "
-                    f"is damaged."
-                ) from e
+                return text_format.Parse(text, message_class())
             except text_format.ParseError as e:
                 if "not found in descriptor pool" in str(e):
                     # A google.protobuf.Any holding a type the program has not imported.
@@ -139,10 +135,21 @@ class ProtoHandler:
             if message_class is not None:
                 await (await self.load(directory, message_class))
                 return []
-            problem = _textproto.skim(cp.storage.read_text(file))
-        except (cp.errors.CheckpointError, OSError, UnicodeDecodeError) as e:
+            problem = _textproto.skim(_checked_text(file, directory))
+        except (cp.errors.CheckpointError, OSError) as e:
             return [str(e)]
         return [] if problem is None else [f"{file} is damaged: {problem}."]
+
+
+def _checked_text(file: epath.Path, directory: epath.Path) -> str:
+    """The text of ``file``, checked against the checksum recorded at commit."""
+    try:
+        return cp.metadata_checksums.read_file(file).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise cp.errors.IntegrityError(
+            f"{file} is not UTF-8 text (byte {e.start}); the checkpointable {directory.name!r} "
+            f"is damaged."
+        ) from None
 
 
 def _data_file(directory: epath.Path) -> epath.Path:

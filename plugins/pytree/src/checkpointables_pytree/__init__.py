@@ -1,4 +1,4 @@
-"""checkpointables plugin: pytrees of arrays, scalars and strings, in Orbax's format.
+"""checkpointables plugin: pytrees of arrays, PRNG keys, scalars and strings, in Orbax's format.
 
 Installed with ``pip install checkpointables`` and found through the entry
 point ``pytree`` (module ``checkpointables_pytree.plugin``); use it through
@@ -17,6 +17,7 @@ what ``cp.pytree_metadata`` returns.
 from __future__ import annotations
 
 from checkpointables_pytree._handler import PyTreeHandler
+from checkpointables_pytree._keys import AbstractPRNGKey, PRNGKeyLeafHandler, PRNGKeyMetadata
 from checkpointables_pytree._leaf_handlers import (
     ArrayLeafHandler,
     BytesLeafHandler,
@@ -36,9 +37,13 @@ __all__ = [
     "ScalarLeafHandler",
     "StringLeafHandler",
     "BytesLeafHandler",
-    # What cp.pytree_metadata returns for array leaves.
+    "PRNGKeyLeafHandler",
+    # Typed PRNG keys: the abstract type their handler loads into.
+    "AbstractPRNGKey",
+    # What cp.pytree_metadata returns for array and key leaves.
     "ArrayMetadata",
     "NumpyMetadata",
+    "PRNGKeyMetadata",
     "StorageMetadata",
     # Storage helpers.
     "choose_inner_chunk_shape",

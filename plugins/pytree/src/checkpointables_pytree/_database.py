@@ -778,9 +778,11 @@ class ArrayReader:
         zarr3: bool = True,
         verify: bool = True,
         opened: OpenedDatabase | None = None,
+        cross_check: bool = False,
     ) -> None:
         self._directory = directory
         self._opened = opened if ocdbt else None
+        self._cross_check = cross_check
         self._ocdbt = ocdbt
         self._zarr3 = zarr3
         # False skips the checksums computed here (the zarr3 driver always checks its own).
@@ -830,7 +832,12 @@ class ArrayReader:
         if opened is not None:
             kvstore = opened.kvstore
         elif direct or raw:
-            kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+            try:
+                kvstore = await ts.KvStore.open(kvstore_spec(self._directory), context=context)
+            except Exception as e:
+                raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        if self._cross_check:
+            await self._check_zarr_json(kvstore, [*direct, *raw])
         locations = await self._locate(raw)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in others]
         if raw:
@@ -855,6 +862,23 @@ class ArrayReader:
         except BaseException:
             await _settle(tasks)
             raise
+
+    async def _check_zarr_json(self, kvstore: Any, reads: Sequence[ArrayRead]) -> None:
+        """Each array's ``zarr.json`` must be the one written for its recorded layout."""
+        if not reads:
+            return
+        try:
+            values = await read_values(kvstore, [f"{r.name}/zarr.json" for r in reads])
+        except Exception as e:
+            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        for read, value in zip(reads, values, strict=True):
+            stored = read.stored
+            assert stored is not None
+            if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+                raise _errors.integrity_error(
+                    f"{read.what} (array {read.name!r})",
+                    "its zarr.json does not describe the shape and dtype _METADATA records",
+                )
 
     async def _read_direct(self, kvstore: ts.KvStore, reads: Sequence[ArrayRead]) -> None:
         keys: list[str] = []
@@ -988,9 +1012,11 @@ class ArrayReader:
         except Exception as e:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
         stored_shape = tuple(int(s) for s in store.shape)
+        _check_against_metadata(read, stored_shape, store.dtype.numpy_dtype)
         target = check_shape(read, stored_shape)
         regions = regions_of(read, target)
         nbytes = sum(math.prod(region_shape(r)) for r in regions) * store.dtype.numpy_dtype.itemsize
+        _check_fits_in_memory(read, nbytes)
         # The regions of one process's devices usually tile one block: read it once
         # rather than every chunk once per region that touches it.
         box = _tiling_box(regions)
@@ -1023,6 +1049,38 @@ class ArrayReader:
                     for region in regions
                 ]
             read.result = read.convert(pieces)
+
+
+def _check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
+    stored = read.stored
+    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
+        raise _errors.integrity_error(
+            f"{read.what} (array {read.name!r})",
+            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
+            f"shape {stored.shape} and dtype {stored.dtype}",
+        )
+
+
+@functools.cache
+def physical_memory_bytes() -> int:
+    """The machine's memory (``0`` where unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _check_fits_in_memory(read: ArrayRead, nbytes: int) -> None:
+    """Refuses, before anything is allocated, a read larger than the machine's memory."""
+    memory = physical_memory_bytes()
+    if memory and nbytes > memory:
+        raise cp.errors.MetadataError(
+            f"{read.what} (array {read.name!r}): loading it here needs {nbytes:,} bytes, more "
+            f"than this machine's memory ({memory:,} bytes). If the checkpoint is damaged, restore "
+            f"it from a copy; otherwise load it across more processes, or skip the leaf "
+            f"(cp.PLACEHOLDER in the abstract tree)."
+        )
 
 
 def _tiling_box(regions: Sequence[Region]) -> Region | None:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import re
 from collections.abc import Iterator
 
 import checkpointables as cp
 
-__all__ = ["is_data_loss", "integrity_error", "storage_error", "object_store_failures"]
+__all__ = [
+    "is_data_loss",
+    "integrity_error",
+    "storage_error",
+    "write_error",
+    "object_store_failures",
+]
 
 _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", "Error decoding")
 _MISSING_MARKERS = ("NOT_FOUND", "not found", "Missing", "missing", "OUT_OF_RANGE")
@@ -33,6 +41,41 @@ def storage_error(what: str, error: BaseException) -> Exception:
     if is_data_loss(error) or any(marker in str(error) for marker in _MISSING_MARKERS):
         return integrity_error(what, error)
     return cp.errors.CheckpointError(f"Reading {what} failed: {error}")
+
+
+# TensorStore's errors are ValueErrors whose text starts with a status code, and name the
+# operating system's error number when there was one.
+_STATUS = re.compile(r"^[A-Z_]+: ")
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
+def write_error(error: BaseException, what: str) -> BaseException:
+    """The error to raise when TensorStore fails while writing ``what`` (``error`` itself
+    when it is not TensorStore's).
+
+    A full disk becomes ``cp.errors.DiskFullError``, a name too long
+    ``cp.errors.NameTooLongError``, anything else of TensorStore's a ``cp.errors.CheckpointError``.
+    """
+    if isinstance(error, cp.errors.CheckpointError) or not (
+        isinstance(error, ValueError) and _STATUS.match(str(error))
+    ):
+        return error
+    code = _OS_ERROR_CODE.search(str(error))
+    number = int(code.group(1)) if code else None
+    if number in (errno.ENOSPC, errno.EDQUOT) or (
+        number is None and "No space left on device" in str(error)
+    ):
+        return cp.errors.DiskFullError(
+            number or errno.ENOSPC,
+            f"No space left on the device while writing {what}. Nothing was committed and the "
+            f"save's temporary files were removed: free some space (for example by keeping "
+            f"fewer checkpoints) and save again. ({error})",
+        )
+    if number == errno.ENAMETOOLONG:
+        return cp.errors.NameTooLongError(
+            number, f"A path is too long for the filesystem while writing {what} ({error})"
+        )
+    return cp.errors.CheckpointError(f"Writing {what} failed: {error}")
 
 
 @contextlib.contextmanager

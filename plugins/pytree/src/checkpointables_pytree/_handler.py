@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Sequence
+import weakref
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -24,6 +25,7 @@ from checkpointables_pytree import (
     _database,
     _errors,
     _gc,
+    _keys,
     _multiprocess,
     _tree,
     _tree_metadata,
@@ -38,10 +40,13 @@ from checkpointables_pytree._session import (
     SaveSession,
 )
 
-__all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTRS"]
+__all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTR", "READABLE_TYPESTRS"]
 
-ORBAX_TYPESTRS = (
-    "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler",
+# Checkpoints record Orbax's typestr for this handler, so Orbax loads them with its own.
+ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+# What this handler also reads: what checkpoints recorded before, and Orbax V0's handlers.
+READABLE_TYPESTRS = (
+    "checkpointables_pytree._handler.PyTreeHandler",
     "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler",
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler",
 )
@@ -56,7 +61,7 @@ def leaf_registry(context: cp.Context | None = None) -> LeafHandlerRegistry:
     if registry is None:
         return StandardLeafHandlerRegistry()
     if not isinstance(registry, LeafHandlerRegistry):
-        raise TypeError(
+        raise cp.errors.InvalidArgumentTypeError(
             "PyTreeOptions.leaf_handler_registry must be "
             "a cp.serialization.LeafHandlerRegistry, got "
             f"{type(registry).__name__}."
@@ -98,13 +103,78 @@ class _EntryCache:
             return entry
 
 
+def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | None:
+    """What to record besides ``entry.typestr`` when that typestr finds another leaf handler.
+
+    A PRNG key's Orbax value type is ``jax.Array``, which the array handler
+    also writes: the key handler's own typestr is recorded too, so loads find it.
+    """
+    found = registry.entry_for_typestr(entry.typestr)
+    if found is None or found.handler_cls is entry.handler_cls:
+        return None
+    for candidate in (*entry.secondary_typestrs[1:], cp.handlers.typestr(entry.handler_cls)):
+        found = registry.entry_for_typestr(candidate)
+        if found is not None and found.handler_cls is entry.handler_cls:
+            return candidate
+    return None
+
+
+def _saved_tree_metadata(
+    groups: Mapping[type, list[tuple[SerializationParam[Any], LeafEntry, _tree.Leaf]]],
+    flat: _tree.Flat,
+    session: SaveSession,
+    registry: LeafHandlerRegistry,
+) -> _tree_metadata.TreeMetadata:
+    """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node."""
+    write_shapes, extras = session.write_shapes, session.extras
+    entries: list[_tree_metadata.Entry] = []
+    own_types: dict[int, str | None] = {}  # Per registration (by id), not per leaf.
+    for items in groups.values():
+        last_entry, own_type = None, None
+        for param, entry, leaf in items:
+            if entry is not last_entry:
+                last_entry = entry
+                if id(entry) not in own_types:
+                    own_types[id(entry)] = _own_value_type(registry, entry)
+                own_type = own_types[id(entry)]
+            name = param.name
+            extra = extras.get(name) or {}
+            if own_type is not None:
+                extra = {**extra, _tree_metadata.OWN_VALUE_TYPE: own_type}
+            entries.append(
+                _tree_metadata.Entry(
+                    names=leaf.names,
+                    key_types=leaf.key_types,
+                    value_type=entry.typestr,
+                    write_shape=write_shapes.get(name),
+                    extra=extra,
+                )
+            )
+    for path, kind in flat.empty:
+        entries.append(
+            _tree_metadata.Entry(
+                names=_tree.key_names(path),
+                key_types=tuple(_tree.key_type(k) for k in path),
+                value_type=kind,
+                skip_deserialize=True,
+            )
+        )
+    entries.sort(key=lambda e: e.names)
+    return _tree_metadata.TreeMetadata(
+        entries=entries,
+        tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
+        own_value_types=any(t is not None for t in own_types.values()),
+    )
+
+
 def _describe_type(value: Any) -> str:
     t = type(value)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _empty_value(value_type: str) -> Any:
-    return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": None}[value_type]
+    # An empty named tuple loads as {}, as non-empty ones load as dicts of their fields.
+    return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": {}}[value_type]
 
 
 def _discard(awaitables: Sequence[Any]) -> None:
@@ -112,6 +182,23 @@ def _discard(awaitables: Sequence[Any]) -> None:
     for awaitable in awaitables:
         if inspect.iscoroutine(awaitable):
             awaitable.close()
+
+
+def _owning(background: Any, awaitables: Sequence[Any]) -> Any:
+    """``background``, which closes ``awaitables`` when it is dropped: if another handler's
+    failure means it never runs, its leaf handlers' coroutines must not warn "never awaited"."""
+    weakref.finalize(background, _discard_unstarted, list(awaitables))
+    return background
+
+
+def _discard_unstarted(awaitables: Sequence[Any]) -> None:
+    _discard(
+        [
+            a
+            for a in awaitables
+            if inspect.iscoroutine(a) and inspect.getcoroutinestate(a) == inspect.CORO_CREATED
+        ]
+    )
 
 
 def _is_skip(abstract: Any) -> bool:
@@ -211,7 +298,8 @@ class PyTreeHandler:
         self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
     ) -> Awaitable[None]:
         context = cp.context.get_context()
-        lookup = _EntryCache(leaf_registry(context))
+        registry = leaf_registry(context)
+        lookup = _EntryCache(registry)
         flat = self._flatten(checkpointable)
         self._last_flat = None
         groups: dict[type, list[tuple[SerializationParam[Any], LeafEntry, _tree.Leaf]]] = {}
@@ -221,7 +309,7 @@ class PyTreeHandler:
             entry = lookup(leaf.value)
             names = leaf.names
             if names in seen:
-                raise ValueError(
+                raise cp.errors.InvalidArgumentError(
                     f"Two keys of one container have the same string form: "
                     f"{jax.tree_util.keystr(seen[names])} and "
                     f"{jax.tree_util.keystr(leaf.keypath)}. "
@@ -249,7 +337,6 @@ class PyTreeHandler:
         session = SaveSession.create(directory, context)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         awaitables: list[Any] = []
-        entries: list[_tree_metadata.Entry] = []
         for handler_cls, items in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
@@ -261,34 +348,18 @@ class PyTreeHandler:
                 raise
         # The small arrays' checksums start now, while the rest is set up.
         session.writer.prepare_early()
-        write_shapes, extras = session.write_shapes, session.extras
-        for items in groups.values():
-            for param, entry, leaf in items:
-                name = param.name
-                entries.append(
-                    _tree_metadata.Entry(
-                        names=leaf.names,
-                        key_types=leaf.key_types,
-                        value_type=entry.typestr,
-                        write_shape=write_shapes.get(name),
-                        extra=extras.get(name) or {},
-                    )
-                )
-        for path, kind in flat.empty:
-            entries.append(
-                _tree_metadata.Entry(
-                    names=_tree.key_names(path),
-                    key_types=tuple(_tree.key_type(k) for k in path),
-                    value_type=kind,
-                    skip_deserialize=True,
-                )
-            )
-        entries.sort(key=lambda e: e.names)
-        tree = _tree_metadata.TreeMetadata(
-            entries=entries, tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples)
-        )
+        tree = _saved_tree_metadata(groups, flat, session, registry)
 
         async def background() -> None:
+            try:
+                await write()
+            except ValueError as e:  # TensorStore's errors: a full disk, ...
+                translated = _errors.write_error(e, f"the pytree in {directory.path}")
+                if translated is e:
+                    raise
+                raise translated from e
+
+        async def write() -> None:
             # The tree's own files are written while the arrays are committed.
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])
@@ -311,7 +382,7 @@ class PyTreeHandler:
                     _multiprocess.flush_database, _database.database_directory(path)
                 )
 
-        return background()
+        return _owning(background(), awaitables)
 
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).
@@ -348,6 +419,7 @@ class PyTreeHandler:
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
         opened = _database.OpenedDatabase.start(directory)
         tree = _tree_metadata.read_tree_metadata(directory)
+        _keys.mark_orbax_keys(tree, directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
             plan = _Plan.without_abstract(tree, registry)
@@ -390,7 +462,7 @@ class PyTreeHandler:
                         plan.values[slot] = value
                 return plan.build(tree, directory)
 
-        return background()
+        return _owning(background(), [a for _, a in pending])
 
     async def metadata(self, directory: epath.Path) -> Any:
         """The abstract tree of what is stored (no array data is read)."""
@@ -401,6 +473,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         tree = _tree_metadata.read_tree_metadata(directory)
+        _keys.mark_orbax_keys(tree, directory)
         session = LoadSession(directory, tree, context)
         plan = _Plan.without_abstract(tree, registry)
         deserialization_context = PyTreeDeserializationContext(
@@ -457,6 +530,8 @@ class _Plan:
         # Per value type: the list of its handler's group (looked up once per type).
         group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
         jax_keypath = _tree.jax_keypath
+        own_value_type = _tree_metadata.OWN_VALUE_TYPE
+        own_value_types = tree.own_value_types
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
@@ -467,10 +542,15 @@ class _Plan:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
+            if own_value_types:
+                value_type = entry.extra.get(own_value_type) or value_type
             try:
                 group = group_of[value_type]
             except KeyError:
-                leaf_entry = registry.entry_for_typestr(value_type)
+                # A leaf's own value type unknown here falls back to its Orbax value type.
+                leaf_entry = registry.entry_for_typestr(value_type) or registry.entry_for_typestr(
+                    entry.value_type
+                )
                 group = group_of[value_type] = (
                     None if leaf_entry is None else groups.setdefault(leaf_entry.handler_cls, [])
                 )
@@ -551,6 +631,10 @@ class _Plan:
         for entry in tree.entries:
             names = entry.names
             if names in used or any(names[:i] in skipped for i in range(len(names) + 1)):
+                continue
+            # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
+            # abstract tree's flattening: look for it there.
+            if entry.is_empty_node and _tree.has_empty_node(abstract, names):
                 continue
             missing.append(entry.keystr)
         if unsupported:

@@ -47,6 +47,9 @@ READ_THREADS = max(2, os.cpu_count() or 2)
 # Large values read through TensorStore's kvstore: ranges of this size, this many at once.
 RANGE_BYTES = 8 << 20
 RANGE_WINDOW = 3
+# Reading through the kvstore, shards are first checked to hold the data recorded when
+# an array claims more than this (smaller buffers are allocated on trust).
+UNCHECKED_ALLOCATION_BYTES = 256 << 20
 # On an object store the threads mostly wait for requests: many of them keep up to
 # REMOTE_READ_THREADS * REMOTE_RANGE_WINDOW requests in flight, holding at most 256 MiB.
 # A 256 MiB load from a local S3 server took 1.96x as long as 256 parallel GETs with the
@@ -118,9 +121,11 @@ def _read_group(
     window: tuple[int, int],
 ) -> None:
     done = []
-    slab = Slab([r.stored.nbytes for r in group])  # type: ignore[union-attr]
+    # Only sizes the data vouches for are allocated (a damaged _METADATA may claim terabytes).
+    local = {id(r) for r in group if _shard_locations(read=r, locations=locations) is not None}
+    slab = Slab([r.stored.nbytes for r in group if id(r) in local])  # type: ignore[union-attr]
     for read in group:
-        array = _read_local(read, verify, locations, files, slab) if locations else None
+        array = _read_local(read, verify, locations, files, slab) if id(read) in local else None
         if array is None:
             array = _read_through_kvstore(kvstore, read, verify, window)
         done.append((read, pieces_of(read, array)))
@@ -209,9 +214,8 @@ def _read_local(
     assert stored is not None and stored.checksums is not None
     dtype, shape = stored.dtype, stored.shape
     nbytes = math.prod(stored.chunk_shape) * dtype.itemsize
-    keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
-    chosen = [locations.get(key) for key in keys]
-    if any(c is None or c.length != nbytes + _zarr3.SHARD_TRAILER_BYTES for c in chosen):
+    chosen = _shard_locations(read, locations)
+    if chosen is None:
         return None
     trailer = _zarr3.shard_trailer(nbytes)
     layout = _zarr3.ZarrLayout(read.name, shape, dtype, stored.chunk_shape)
@@ -248,6 +252,45 @@ def _read_local(
     return full
 
 
+def _shard_locations(
+    read: ArrayRead, locations: dict[str, _value_files.ValueLocation]
+) -> list[_value_files.ValueLocation] | None:
+    """Where each shard of ``read`` is, if every one is known and of the size recorded."""
+    stored = read.stored
+    assert stored is not None
+    if not locations:
+        return None
+    expected = math.prod(stored.chunk_shape) * stored.dtype.itemsize + _zarr3.SHARD_TRAILER_BYTES
+    found = []
+    for index in stored.chunk_indices:
+        location = locations.get(_zarr3.chunk_key(read.name, index))
+        if location is None or location.length != expected:
+            return None
+        found.append(location)
+    return found
+
+
+def _check_shard_sizes(kvstore: Any, read: ArrayRead, keys: Sequence[str], nbytes: int) -> None:
+    """Checks that the shards ``keys`` hold ``nbytes`` of data each (their indexes, read
+    alone, say so) before buffers for them are allocated: a damaged ``_METADATA`` may
+    claim terabytes. Only for claims above ``UNCHECKED_ALLOCATION_BYTES``, which cost
+    one more round trip to the storage (all shards' at once)."""
+    if nbytes * len(keys) <= UNCHECKED_ALLOCATION_BYTES:
+        return
+    end = nbytes + _zarr3.SHARD_TRAILER_BYTES
+    try:
+        futures = [kvstore.read(key, byte_range=slice(nbytes, end)) for key in keys]
+        tails = [f.result().value for f in futures]
+    except Exception as e:
+        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+    trailer = _zarr3.shard_trailer(nbytes)
+    for key, tail in zip(keys, tails, strict=True):
+        if len(tail) != _zarr3.SHARD_TRAILER_BYTES or tail[4:] != trailer:
+            raise _errors.integrity_error(
+                read.what, f"chunk {key} does not hold the {nbytes:,} bytes _METADATA records"
+            )
+
+
 def _read_through_kvstore(
     kvstore: Any, read: ArrayRead, verify: bool, window: tuple[int, int]
 ) -> np.ndarray:
@@ -257,10 +300,11 @@ def _read_through_kvstore(
     nbytes = math.prod(stored.chunk_shape) * stored.dtype.itemsize
     trailer = _zarr3.shard_trailer(nbytes)
     single = stored.chunk_shape == stored.shape
+    keys = [_zarr3.chunk_key(read.name, index) for index in stored.chunk_indices]
+    _check_shard_sizes(kvstore, read, keys, nbytes)
     full = None if single else np.empty(stored.shape, dtype=stored.dtype)
     chunk = None
-    for n, index in enumerate(stored.chunk_indices):
-        key = _zarr3.chunk_key(read.name, index)
+    for n, (index, key) in enumerate(zip(stored.chunk_indices, keys, strict=True)):
         # data, its CRC-32C, the shard index and its CRC-32C
         buffer = aligned_empty(nbytes + _zarr3.SHARD_TRAILER_BYTES)
         try:

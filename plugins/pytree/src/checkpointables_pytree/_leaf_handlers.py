@@ -138,7 +138,7 @@ def _storage_options(
         chosen = creator(tuple(keypath), value)
         if chosen is not None:
             if not isinstance(chosen, cp.options.ArrayStorageOptions):
-                raise TypeError(
+                raise cp.errors.InvalidArgumentTypeError(
                     "storage_options_creator returned "
                     f"{type(chosen).__name__} for {_what(keypath)}; "
                     f"it must return cp.options.ArrayStorageOptions or None."
@@ -243,15 +243,15 @@ def _storage_dtype(
         raise _unsupported(
             keypath,
             value,
-            f"its dtype {dtype} has no NumPy equivalent (for jax.random keys, save "
-            f"jax.random.key_data(key) instead)",
+            f"its dtype {dtype} has no NumPy equivalent; register a leaf handler for it",
         ) from None
     if _zarr3.zarr_dtype_name(target) is None:
         raise _unsupported(
             keypath,
             value,
-            f"dtype {target} cannot be stored in a zarr3 array; convert it to a numeric "
-            f"dtype, or register a leaf handler for it",
+            f"TensorStore's zarr3 driver has no {target} data type; convert the array to "
+            f"one it has (e.g. uint8, or int4 for 4-bit values), or register a leaf handler "
+            f"for it",
         )
     return target
 
@@ -376,14 +376,26 @@ class ArrayLeafHandler(_StandardHandler):
         return _finish_save(session, private)
 
     def _plan(
-        self, session: SaveSession, param: SerializationParam[jax.Array], *, primary_lacks: bool
+        self,
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        *,
+        primary_lacks: bool,
+        storage: cp.options.ArrayStorageOptions | None = None,
+        ext_metadata: dict[str, Any] | None = None,
     ) -> None:
+        """Schedules one array's shards; ``storage`` overrides the save's storage options.
+
+        ``ext_metadata`` goes where Orbax keeps it (``array_metadatas/``) and
+        into the leaf's own ``_METADATA`` fields.
+        """
         array = param.value
         if array.is_deleted():
             raise _unsupported(
                 param.keypath, array, "the array was deleted (or donated) before the save"
             )
-        storage = _storage_options(session.array_options, param.keypath, array)
+        if storage is None:
+            storage = _storage_options(session.array_options, param.keypath, array)
         dtype = _storage_dtype(param.keypath, array, array.dtype, storage)
         shape = tuple(int(s) for s in array.shape)
         if math.prod(shape) == 0:
@@ -398,6 +410,7 @@ class ArrayLeafHandler(_StandardHandler):
             chunk_shape=chunk_shape,
             chunks=chunks,
             storage=storage,
+            extra=ext_metadata,
             held_by_every_process=False,  # Each process writes the shards it owns.
         )
         name = param.name
@@ -410,7 +423,7 @@ class ArrayLeafHandler(_StandardHandler):
                 "param_name": name,
                 "write_shape": list(chunk_shape),
                 "chunk_shape": list(chunk_shape),
-                "ext_metadata": None,
+                "ext_metadata": ext_metadata,
             }
         )
 

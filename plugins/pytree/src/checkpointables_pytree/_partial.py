@@ -228,8 +228,16 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
         extra={
             k: v
             for k, v in trees[-1].extra.items()
-            if k not in ("format_version", "escaped_names", "tuples", "strings_crc32c")
+            if k
+            not in (
+                "format_version",
+                "escaped_names",
+                "tuples",
+                "strings_crc32c",
+                "own_value_types",
+            )
         },
+        own_value_types=any(t.own_value_types for t in trees),
     )
     # Storage names each source wins (a name's keys in a database all start with "<name>/").
     won: list[set[str]] = [set() for _ in sources]

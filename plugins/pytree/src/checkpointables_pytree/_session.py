@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -181,6 +182,9 @@ class LoadSession:
             zarr3=tree.use_zarr3,
             verify=bool(context.array_options.verify_checksums),
             opened=opened,
+            # Layouts recorded in an unchecksummed _METADATA (written by an earlier version)
+            # must agree with the arrays' own zarr.json.
+            cross_check=not tree.checksum_recorded,
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
@@ -215,25 +219,28 @@ class LoadSession:
     def _stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
         extra = entry.extra
         try:
-            dtype = _dtype(extra["dtype"])
+            dtype_name = extra["dtype"]
             recorded_shape = extra["shape"]
         except KeyError:
             return None
+        dtype = _dtype(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             return None
-        shape = tuple(map(int, recorded_shape))
+        shape = self._dimensions(entry, "shape", recorded_shape, 0)
         chunks = extra.get("chunk_shape")
         if chunks is None:
             chunk_shape = _zarr3.default_chunk_shape(shape)
         elif chunks == recorded_shape:  # The usual small array: one chunk.
             chunk_shape = shape
         else:
-            chunk_shape = tuple(map(int, chunks))
+            chunk_shape = self._dimensions(entry, "chunk_shape", chunks, 1)
+            if len(chunk_shape) != len(shape):
+                raise self._malformed(entry, "its chunk shape and shape differ in rank")
         kind = checksums = None
         for known in _checksums.KINDS:
             recorded = extra.get(known)
             if type(recorded) is list:
-                kind, checksums = known, tuple(map(int, recorded))
+                kind, checksums = known, self._checksums(entry, recorded, shape, chunk_shape)
                 break
         return _database.StoredArray(
             shape,
@@ -244,6 +251,49 @@ class LoadSession:
             kind or _checksums.CRC32,
         )
 
+    def _malformed(self, entry: _tree_metadata.Entry, problem: str) -> cp.errors.MetadataError:
+        return cp.errors.MetadataError(
+            f"{self.directory / _tree_metadata.METADATA_FILE} is malformed: {entry.keystr}: "
+            f"{problem}. The pytree's metadata is damaged; restore the checkpoint from a copy."
+        )
+
+    def _dimensions(
+        self, entry: _tree_metadata.Entry, field: str, recorded: Any, least: int
+    ) -> tuple[int, ...]:
+        """A recorded shape: a list of integers of at least ``least``, else an error."""
+        # C-level checks only: a load of many small arrays makes this call for each.
+        if (
+            type(recorded) is list
+            and all(map(_IS_INT, recorded))
+            and (not recorded or min(recorded) >= least)
+        ):
+            return tuple(recorded)
+        raise self._malformed(entry, f"its {field} is not a list of integers >= {least}")
+
+    def _checksums(
+        self,
+        entry: _tree_metadata.Entry,
+        recorded: list[Any],
+        shape: tuple[int, ...],
+        chunk_shape: tuple[int, ...],
+    ) -> tuple[int, ...]:
+        """Recorded chunk checksums: one 32-bit value per chunk, else an error."""
+        if chunk_shape == shape and len(recorded) == 1:  # The usual array: one chunk.
+            (checksum,) = recorded
+            if type(checksum) is int and 0 <= checksum <= _CHECKSUM_MAX:
+                return (checksum,)
+        chunks = 1 if chunk_shape == shape else math.prod(_zarr3.chunk_grid(shape, chunk_shape))
+        if len(recorded) != chunks:
+            raise self._malformed(
+                entry, f"it records {len(recorded)} checksums for {chunks} chunks"
+            )
+        checksums = tuple(recorded)
+        if checksums and (
+            not all(map(_IS_INT, checksums)) or min(checksums) < 0 or max(checksums) > _CHECKSUM_MAX
+        ):
+            raise self._malformed(entry, "its chunk checksums are not 32-bit integers")
+        return checksums
+
     # -- Files read lazily -------------------------------------------------------
 
     def strings(self) -> dict[str, Any]:
@@ -251,7 +301,7 @@ class LoadSession:
         if self._strings is None:
             path = self.directory / STRINGS_FILE
             try:
-                raw = cp.storage.read_bytes(path)
+                raw = cp.metadata_checksums.read_file(path)
             except FileNotFoundError:
                 raise _errors.integrity_error(
                     f"{path}", "the file holding the tree's string leaves is missing"
@@ -259,15 +309,7 @@ class LoadSession:
             expected = self.tree.strings_crc32c
             if expected is not None and _crc32c.crc32c(raw) != expected:
                 raise _errors.integrity_error(f"{path}", "its CRC-32C checksum does not match")
-            try:
-                document = json.loads(raw)
-            except ValueError as e:
-                raise cp.errors.MetadataError(f"{path} is not valid JSON ({e}).") from None
-            if not isinstance(document, dict):
-                raise cp.errors.MetadataError(
-                    f"{path} holds a JSON {type(document).__name__}, expected an object."
-                )
-            self._strings = document
+            self._strings = cp.safe_json.loads_object(raw, source=path)
         return self._strings
 
     def sharding_record(self, storage_name: str) -> dict[str, Any] | None:
@@ -297,32 +339,48 @@ class LoadSession:
             for name, value in zip(wanted, values, strict=True):
                 if not value:
                     raise _errors.integrity_error(f"array {name!r}", f"its {file} is missing")
-                try:
-                    self._zarr_metadata[name] = json.loads(value)
-                except ValueError as e:
-                    raise _errors.integrity_error(
-                        f"array {name!r}", f"its {file} is not JSON ({e})"
-                    ) from None
+                self._zarr_metadata[name] = cp.safe_json.loads_object(
+                    value, source=f"the {file} of array {name!r} in {self.directory}"
+                )
         return {n: self._zarr_metadata[n] for n in names}
+
+
+_CHECKSUM_MAX = (1 << 32) - 1
+_IS_INT = int.__instancecheck__
 
 
 @functools.lru_cache(maxsize=256)  # Bounded: the names come from the checkpoint.
 def _dtype(name: str) -> np.dtype | None:
+    """The dtype recorded as ``name``, if zarr3 can store it (else the driver decides)."""
     try:
-        return np.dtype(name)
+        dtype = np.dtype(name)
     except TypeError:
         return None
+    return dtype if _zarr3.zarr_dtype_name(dtype) == name else None
 
 
 def zarr_shape_dtype(
-    document: Mapping[str, Any],
+    document: Mapping[str, Any], where: str = "a zarr.json"
 ) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
-    """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``."""
-    shape = tuple(int(s) for s in document["shape"])
-    if "data_type" in document:  # zarr v3
-        dtype = np.dtype(document["data_type"])
-        chunk = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-    else:  # zarr v2
-        dtype = np.dtype(document["dtype"])
-        chunk = document.get("chunks")
-    return shape, dtype, tuple(chunk) if chunk is not None else None
+    """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``.
+
+    Raises:
+      cp.errors.MetadataError: ``document`` (``where``, in messages) lacks them or is malformed.
+    """
+    try:
+        shape = tuple(int(s) for s in document["shape"])
+        if "data_type" in document:  # zarr v3
+            dtype = np.dtype(document["data_type"])
+            chunk = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        else:  # zarr v2
+            dtype = np.dtype(document["dtype"])
+            chunk = document.get("chunks")
+        chunks = tuple(int(c) for c in chunk) if chunk is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        chunks = shape = None  # type: ignore[assignment]
+    if shape is None or min(shape, default=0) < 0 or min(chunks or (1,)) < 1 or dtype.hasobject:
+        raise cp.errors.MetadataError(
+            f"{where} does not describe an array (shape, data type and chunk shape): the "
+            f"checkpoint is damaged. Restore it from a copy."
+        )
+    return shape, dtype, chunks

@@ -111,8 +111,8 @@ def rebuild(record: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
             for device in jax.local_devices():
                 if str(device).replace("TFRT_CPU_", "cpu:") == wanted:
                     return jax.sharding.SingleDeviceSharding(device)
-    except (KeyError, TypeError, ValueError):
-        return None
+    except (KeyError, TypeError, ValueError, IndexError, RecursionError):
+        return None  # A record this process cannot rebuild: arrays load onto the default device.
     return None
 
 
@@ -123,26 +123,27 @@ def write_sharding_file(directory: epath.Path, records: Mapping[str, dict[str, A
 
 
 def read_sharding_file(directory: epath.Path) -> dict[str, dict[str, Any]]:
-    """``{file key: record}`` from ``_sharding``; ``{}`` if absent (it is optional)."""
+    """``{file key: record}`` from ``_sharding``; ``{}`` if absent (it is optional).
+
+    The file is checked against the checksum recorded at commit (``cp.metadata_checksums``).
+
+    Raises:
+      cp.errors.MetadataError: the file is damaged.
+      cp.errors.IntegrityError: it does not match its recorded checksum.
+    """
     path = directory / SHARDING_FILE
     try:
-        document = json.loads(cp.storage.read_text(path))
+        raw = cp.metadata_checksums.read_file(path)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
-        raise cp.errors.MetadataError(
-            f"{path} is not valid JSON ({e}). It only records how arrays were sharded: delete it "
-            f"to load the arrays onto the default device."
-        ) from e
-    if not isinstance(document, dict):
-        raise cp.errors.MetadataError(
-            f"{path} holds a JSON {type(document).__name__}, expected an object."
-        )
+    except OSError as e:
+        raise cp.errors.MetadataError(f"Cannot read {path}: {e}.") from e
+    document = cp.safe_json.loads_object(raw, source=path)
     result = {}
     for key, value in document.items():
         try:
-            record = json.loads(value) if isinstance(value, str) else value
-        except ValueError:
+            record = cp.safe_json.loads(value, source=path) if isinstance(value, str) else value
+        except cp.errors.MetadataError:
             continue  # One unreadable record only loses that array's recorded sharding.
         if isinstance(record, dict):
             result[key] = record

@@ -3,8 +3,11 @@
 Keys are recorded the way Orbax records them: each level has a name (the dict
 key, sequence index or attribute name, as a string) and a key type
 (``SEQUENCE`` = 1 for lists, tuples and other indexed nodes, ``DICT`` = 2 for
-dicts, named tuples and attribute nodes). Empty containers and ``None`` are
-recorded too, so a tree without an abstract tree comes back whole.
+dicts, named tuples and attribute nodes). Empty containers, ``None`` and
+registered nodes with no children (``optax.EmptyState()``, an empty
+``flax.struct`` dataclass) are recorded too, so a tree loaded without an
+abstract tree comes back whole, and one loaded with an abstract tree finds
+them where its own empty nodes are.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "Flat",
     "flatten",
     "flatten_abstract",
+    "has_empty_node",
     "key_names",
     "keystr",
     "unflatten",
@@ -194,8 +198,9 @@ def flatten(tree: Any) -> Flat:
             if children is None:
                 leaves.append(Leaf(path, node, names, types))
             elif not children:
-                if isinstance(node, Mapping):
-                    empty.append((path, EMPTY_DICT))
+                # A registered node with no children (an empty dataclass, a custom
+                # container): recorded as an empty dict, as its non-empty kin load.
+                empty.append((path, EMPTY_DICT))
             else:
                 for keys, child in children:
                     walk(
@@ -207,6 +212,34 @@ def flatten(tree: Any) -> Flat:
 
     walk(tree, (), (), ())
     return flat
+
+
+_MISSING = object()
+
+
+def _find_node(tree: Any, names: Sequence[str]) -> Any:
+    """The node of ``tree`` at the key path named ``names``, or ``_MISSING``.
+
+    Walks one level at a time (cost: the siblings along the path); used for the
+    few paths that need it, such as empty nodes recorded in a checkpoint.
+    """
+    node, depth = tree, 0
+    while depth < len(names):
+        children = _one_level(node) if node is not None else None
+        for keys, child in children or ():
+            width = len(keys)
+            if key_names(keys) == tuple(names[depth : depth + width]):
+                node, depth = child, depth + width
+                break
+        else:
+            return _MISSING
+    return node
+
+
+def has_empty_node(tree: Any, names: Sequence[str]) -> bool:
+    """Whether ``tree`` holds, at ``names``, a node with no leaves (``EmptyState()``, ``{}``)."""
+    node = _find_node(tree, names)
+    return node is not _MISSING and not jax.tree_util.tree_leaves(node)
 
 
 def _abstract_is_leaf(x: Any) -> bool:

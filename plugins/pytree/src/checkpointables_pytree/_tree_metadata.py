@@ -13,7 +13,8 @@ The layout is Orbax's, so each tool reads the other's files::
 
 What Orbax has no field for lives under ``"checkpointables"`` keys, which
 Orbax ignores: array shapes, dtypes and chunking (so metadata and small-array
-loads need no reads), Python scalar types, tuple containers, whether storage
+loads need no reads), Python scalar types, the leaf's own value type where
+Orbax's is shared by several leaf handlers, tuple containers, whether storage
 names are escaped, and the checksum of ``_strings.json``.
 """
 
@@ -33,6 +34,9 @@ __all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
 
 METADATA_FILE = "_METADATA"
 EXTRA = "checkpointables"
+# A leaf's own value type, recorded (under EXTRA) where its Orbax value_type is one a more
+# general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
+OWN_VALUE_TYPE = "value_type"
 _KEY_TYPES = frozenset({_tree.SEQUENCE, _tree.DICT})
 FORMAT_VERSION = 1
 
@@ -86,8 +90,13 @@ class TreeMetadata:
     tuple_paths: frozenset[tuple[str, ...]] = frozenset()
     # True for trees this library wrote: storage names escape '.', '/' and '%'.
     escaped_names: bool = True
+    # Whether some entries record their own value type (OWN_VALUE_TYPE): loads of trees
+    # without any look for none.
+    own_value_types: bool = False
     strings_crc32c: int | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Whether the file was checked against the checksum recorded at commit (not written).
+    checksum_recorded: bool = False
 
     def to_json_text(self) -> str:
         """The text of the ``_METADATA`` file."""
@@ -98,6 +107,8 @@ class TreeMetadata:
             extra["tuples"] = [list(p) for p in sorted(self.tuple_paths)]
         if self.strings_crc32c is not None:
             extra["strings_crc32c"] = self.strings_crc32c
+        if self.own_value_types:
+            extra["own_value_types"] = True
         document = {
             "tree_metadata": {},
             "use_ocdbt": self.use_ocdbt,
@@ -180,6 +191,11 @@ def _bad(path: epath.Path, what: str) -> cp.errors.MetadataError:
     )
 
 
+def _shown(text: str) -> str:
+    """A key of the file, for a message: quoted, and cut short if long."""
+    return repr(text) if len(text) <= 80 else repr(text[:80]) + "..."
+
+
 def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
     try:
         keys = value["key_metadata"]
@@ -192,24 +208,25 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
         skip = bool(meta.get("skip_deserialize", False))
     except (TypeError, KeyError, AttributeError):
         raise _bad(
-            path, f"entry {key!r} lacks 'key_metadata' or 'value_metadata' entries"
+            path, f"entry {_shown(key)} lacks 'key_metadata' or 'value_metadata' entries"
         ) from None
-    if not _KEY_TYPES.issuperset(key_types):
-        raise _bad(path, f"entry {key!r} has a malformed key {keys!r}")
+    if not all(type(t) is int and t in _KEY_TYPES for t in key_types):
+        raise _bad(
+            path,
+            f"entry {_shown(key)} has a malformed key (its key type is not 1 or 2)",
+        )
     if _tree.SEQUENCE in key_types and not all(  # Checked only for trees with lists.
-        n.lstrip("-").isdigit()
-        for n, t in zip(names, key_types, strict=True)
-        if t == _tree.SEQUENCE
+        n.isdecimal() for n, t in zip(names, key_types, strict=True) if t == _tree.SEQUENCE
     ):
-        raise _bad(path, f"entry {key!r} has a sequence key that is not an index")
+        raise _bad(path, f"entry {_shown(key)} has a sequence key that is not an index")
     if not isinstance(value_type, str):
-        raise _bad(path, f"entry {key!r} has no 'value_type'")
+        raise _bad(path, f"entry {_shown(key)} has no 'value_type'")
     if write_shape is not None and not (
-        isinstance(write_shape, list) and all(isinstance(d, int) for d in write_shape)
+        isinstance(write_shape, list) and all(type(d) is int and d >= 0 for d in write_shape)
     ):
-        raise _bad(path, f"entry {key!r} has a malformed 'write_shape'")
+        raise _bad(path, f"entry {_shown(key)} has a malformed 'write_shape'")
     if not isinstance(extra, dict):
-        raise _bad(path, f"entry {key!r} has a malformed {EXTRA!r} field")
+        raise _bad(path, f"entry {_shown(key)} has a malformed {EXTRA!r} field")
     return Entry(
         names=names,
         key_types=key_types,
@@ -220,16 +237,13 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
     )
 
 
-def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
-    """Parses the text of a ``_METADATA`` file at ``path``.
+def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
+    """Parses the text (or UTF-8 bytes) of a ``_METADATA`` file at ``path``.
 
     Raises:
       cp.errors.MetadataError: the text is not the expected JSON.
     """
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _bad(path, f"not valid JSON ({e})") from None
+    document = cp.safe_json.loads(text, source=path)
     if not isinstance(document, Mapping) or not isinstance(document.get("tree_metadata"), Mapping):
         raise _bad(path, "expected a JSON object with a 'tree_metadata' object")
     entries = [_parse_entry(path, k, v) for k, v in document["tree_metadata"].items()]
@@ -246,29 +260,34 @@ def parse_tree_metadata(path: epath.Path, text: str) -> TreeMetadata:
         # A missing flag: Orbax then detects OCDBT by the manifest's presence.
         use_ocdbt=bool(use_ocdbt)
         if use_ocdbt is not None
-        else (path.parent / "manifest.ocdbt").exists(),
+        else cp.storage.exists(path.parent / "manifest.ocdbt"),
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,
+        own_value_types=extra.get("own_value_types") is True,
         strings_crc32c=int(strings_crc) if isinstance(strings_crc, int) else None,
         extra=extra,
     )
 
 
 def read_tree_metadata(directory: epath.Path) -> TreeMetadata:
-    """Reads and parses ``directory/_METADATA``.
+    """Reads and parses ``directory/_METADATA``, checked against the checksum recorded when
+    the checkpoint was committed (``cp.metadata_checksums``).
 
     Raises:
       cp.errors.MetadataError: the file is missing, unreadable or malformed.
+      cp.errors.IntegrityError: the file does not match its recorded checksum.
     """
     path = directory / METADATA_FILE
     try:
-        text = cp.layout.read_text(path)
+        checked = cp.metadata_checksums.read_checked(path)
     except FileNotFoundError:
         raise cp.errors.MetadataError(
             f"{path} does not exist, so {directory} is not a pytree checkpointable (or it was "
             f"damaged). Check the path, or load it with the handler that saved it."
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise cp.errors.MetadataError(f"Cannot read {path}: {e}.") from e
-    return parse_tree_metadata(path, text)
+    tree = parse_tree_metadata(path, checked.data)
+    tree.checksum_recorded = checked.checked
+    return tree

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _checksums
+from checkpointables_pytree import _checksums, _ocdbt_dump
 
 __all__ = [
     "DatabaseIndex",
@@ -130,7 +130,7 @@ class DatabaseIndex:
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
         base = ts.KvStore.open(self._base_spec).result()
-        manifest = ts.ocdbt.dump(base).result()
+        manifest = _ocdbt_dump.dump(base)
         versions = manifest.get("versions") or []
         if not versions:
             return base, None
@@ -138,7 +138,7 @@ class DatabaseIndex:
         location = latest.get("root", {}).get("location")
         if location is None:  # An empty database.
             return base, None
-        return base, (location, ts.ocdbt.dump(base, location).result())
+        return base, (location, _ocdbt_dump.dump(base, location))
 
     async def find(
         self, keys: Collection[str] | Collection[bytes]
@@ -230,7 +230,7 @@ class _Walk:
         ``subtree_common_prefix`` its ancestors' entries share)."""
         node = self._nodes.get(location)
         if node is None:
-            node = self._nodes[location] = await ts.ocdbt.dump(self._base, location)
+            node = self._nodes[location] = await _ocdbt_dump.dump_async(self._base, location)
         entries = node["entries"]
         if node["height"] == 0:
             self._leaf(entries, prefix)

@@ -1,15 +1,26 @@
-"""``checkpointables verify`` for pytrees: read every chunk, check every checksum.
+"""``checkpointables verify`` for pytrees: everything a load checks, and every chunk.
 
-Small arrays are checked in batches of keys (checksums computed here). A large
-array is checked twice: whole, against the checksums ``_METADATA`` recorded
-for its chunks (what a load checks), then shard by shard through the zarr3
-driver, which checks each chunk's CRC-32C (what every zarr3 reader checks).
-At most one batch or one large array is in memory at a time.
+First what a load without an abstract tree would refuse: ``_METADATA`` that
+does not parse or does not match its recorded checksum, leaves whose value
+type no registered leaf handler reads, a structure that cannot be rebuilt,
+recorded layouts that are malformed, a damaged ``_sharding``. Then the array
+store is compared with ``_METADATA``: every array's ``zarr.json`` must agree
+with the recorded shape and dtype, and the database must hold no array that
+``_METADATA`` does not list (an entry lost from an unchecksummed ``_METADATA``
+would silently drop a leaf).
+
+Then every chunk is read. Small arrays are checked in batches of keys
+(checksums computed here). A large array is checked twice: whole, against the
+checksums ``_METADATA`` recorded for its chunks (what a load checks), then
+shard by shard through the zarr3 driver, which checks each chunk's CRC-32C
+(what every zarr3 reader checks). At most one batch or one large array is in
+memory at a time.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import checkpointables as cp
@@ -17,8 +28,8 @@ import tensorstore as ts
 from checkpointables.serialization import LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _database, _errors, _tree_metadata, _zarr3
-from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, STRING
+from checkpointables_pytree import _database, _errors, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, SCALAR, STRING
 from checkpointables_pytree._session import LoadSession
 
 __all__ = ["verify_pytree"]
@@ -59,6 +70,63 @@ async def _check_batch(session: LoadSession, entries: Sequence[_tree_metadata.En
     return problems + await _check_chunks(session, entries)
 
 
+def _check_loadable(
+    directory: epath.Path, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
+) -> list[str]:
+    """What a load without an abstract tree refuses before reading any array."""
+    # The handler builds on this module; its plan is what a load does first.
+    from checkpointables_pytree._handler import _Plan
+
+    try:
+        plan = _Plan.without_abstract(tree, registry)
+        plan.build(tree, directory)
+        _sharding.read_sharding_file(directory)
+    except cp.errors.CheckpointError as e:
+        return [str(e)]
+    return []
+
+
+def _check_layouts(session: LoadSession) -> list[str]:
+    """Recorded layouts that are malformed, and scalars that do not hold one value."""
+    problems = []
+    for entry in session.tree.entries:
+        if entry.value_type not in ARRAY_VALUE_TYPES:
+            continue
+        try:
+            stored = session.stored_array(entry)
+        except cp.errors.CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if entry.value_type == SCALAR and stored is not None and math.prod(stored.shape) != 1:
+            problems.append(f"{entry.keystr}: a scalar stored with shape {stored.shape}")
+    return problems
+
+
+async def _check_array_set(session: LoadSession) -> list[str]:
+    """Arrays the database holds that ``_METADATA`` does not list (a lost entry)."""
+    if not session.tree.use_ocdbt:
+        return []
+    try:
+        kvstore = await ts.KvStore.open(
+            _database.kvstore_spec(session.directory), context=_database.make_context()
+        )
+        keys = await kvstore.list()
+    except Exception as e:
+        return [str(_errors.storage_error(f"the database of {session.directory}", e))]
+    suffix = b"/zarr.json" if session.tree.use_zarr3 else b"/.zarray"
+    stored = {k[: -len(suffix)].decode(errors="replace") for k in keys if k.endswith(suffix)}
+    listed = {session.tree.storage_name(e.names) for e in session.tree.entries}
+    unlisted = sorted(stored - listed)
+    if not unlisted:
+        return []
+    shown = ", ".join(repr(n) for n in unlisted[:10]) + (" ..." if len(unlisted) > 10 else "")
+    return [
+        f"{session.directory / _tree_metadata.METADATA_FILE} does not list {len(unlisted)} "
+        f"array(s) the database holds ({shown}): a load would leave them out. The metadata "
+        f"lost entries; restore the checkpoint from a copy."
+    ]
+
+
 async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
     reader = _database.ArrayReader(session.directory)
     for entry in entries:
@@ -92,10 +160,19 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
     try:
         store = await ts.open(spec, context=_database.make_context(), open=True)
         shape = tuple(int(s) for s in store.shape)
+        stored = session.stored_array(entry)
+        if stored is not None and (shape, store.dtype.numpy_dtype) != (stored.shape, stored.dtype):
+            return [f"{entry.keystr}: its zarr.json disagrees with _METADATA on shape or dtype"]
         chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
         chunk = tuple(
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
         )
+        chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
+        if _database.physical_memory_bytes() and chunk_bytes > _database.physical_memory_bytes():
+            return [
+                f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
+                "than this machine's memory"
+            ]
         for index in itertools.product(
             *(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))
         ):
@@ -120,7 +197,10 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     except cp.errors.CheckpointError as e:
         return [str(e)]
     session = LoadSession(directory, tree, cp.context.get_context())
-    problems: list[str] = []
+    problems = _check_loadable(directory, tree, registry) + _check_layouts(session)
+    if problems:
+        return problems  # Reading chunks by a layout that cannot be trusted proves nothing.
+    problems += await _check_array_set(session)
     batch: list[_tree_metadata.Entry] = []
     batch_bytes = 0
     for entry in tree.entries:
@@ -132,13 +212,16 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
             batch_bytes += stored.nbytes
             if batch_bytes >= _database.SMALL_BATCH_BYTES:
                 problems += await _check_batch(session, batch)
+                cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
             recorded = stored is not None and stored.checksums is not None
             found = await _check_chunks(session, [entry]) if recorded else []
             problems += found or await _check_with_driver(session, entry)
+            cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
         problems += await _check_batch(session, batch)
+        cp.progress.advance(batch_bytes)
     strings = [e for e in tree.entries if e.value_type == STRING]
     if strings:
         try:

@@ -42,7 +42,8 @@ __all__ = [
 SHARD_TRAILER_BYTES = 24
 
 # Data types zarr3 (TensorStore) stores as fixed-size little-endian bytes. int4
-# and friends are packed differently, so they always go through the driver.
+# and friends are packed differently, so they always go through the driver
+# (which has no uint4 or uint2: arrays of those cannot be stored).
 _DIRECT_DTYPES = frozenset(
     {
         "bool",
@@ -67,7 +68,7 @@ _DIRECT_DTYPES = frozenset(
         "float8_e5m2fnuz",
     }
 )
-_DRIVER_ONLY_DTYPES = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
+_DRIVER_ONLY_DTYPES = frozenset({"int4", "int2", "float4_e2m1fn"})
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 

@@ -2,8 +2,9 @@
 
 It registers ``PyTreeHandler`` under the name ``pytree`` at priority 90, after
 the JSON handler (60), so plain JSON-like objects stay human-readable and
-everything holding arrays comes here, and the standard leaf handlers. Orbax's
-typestrs are secondary typestrs, so Orbax checkpoints load too.
+everything holding arrays comes here, and the standard leaf handlers.
+Checkpoints record Orbax's typestr for it, so Orbax reads them with its own
+handler; Orbax V0's typestrs are secondary typestrs, so its checkpoints load too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
 from checkpointables_pytree import _object_store
-from checkpointables_pytree._handler import ORBAX_TYPESTRS, PyTreeHandler
+from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
+from checkpointables_pytree._keys import (
+    PRNG_KEY,
+    AbstractPRNGKey,
+    PRNGKeyLeafHandler,
+    key_array_type,
+)
 from checkpointables_pytree._leaf_handlers import (
     BYTES,
     JAX_ARRAY,
@@ -35,14 +42,27 @@ PRIORITY = 90
 
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
-    """Registers ``PyTreeHandler`` as ``pytree`` (priority 90); it reads Orbax's typestrs too."""
-    register(PyTreeHandler, priority=PRIORITY, name="pytree", secondary_typestrs=ORBAX_TYPESTRS)
+    """Registers ``PyTreeHandler`` as ``pytree`` (priority 90), recorded as Orbax's handler."""
+    register(
+        PyTreeHandler,
+        priority=PRIORITY,
+        name="pytree",
+        typestr=ORBAX_TYPESTR,
+        secondary_typestrs=READABLE_TYPESTRS,
+    )
 
 
 @cp.hookimpl
 def register_leaf_handlers(register: Any) -> None:
-    """Registers leaf handlers for ``jax.Array``, ``np.ndarray``, scalars, ``str``, ``bytes``."""
+    """Registers leaf handlers for arrays, typed PRNG keys, scalars, ``str`` and ``bytes``."""
     register(jax.Array, AbstractShardedArray, ArrayLeafHandler, secondary_typestrs=(JAX_ARRAY,))
+    # Key arrays are jax.Arrays in Orbax's format; their own value type tells them apart.
+    register(
+        key_array_type(),
+        AbstractPRNGKey,
+        PRNGKeyLeafHandler,
+        secondary_typestrs=(JAX_ARRAY, PRNG_KEY),
+    )
     register(np.ndarray, AbstractArray, NumpyLeafHandler, secondary_typestrs=(NUMPY_ARRAY,))
     # Scalars: each type is its own abstract type (0.0 loads a float, np.float32(0) a
     # np.float32). np.generic covers NumPy and ml_dtypes scalars; np.str_ and np.bytes_ are
@@ -50,7 +70,8 @@ def register_leaf_handlers(register: Any) -> None:
     for scalar_type in (int, float, bool, complex, np.generic):
         register(scalar_type, scalar_type, ScalarLeafHandler, secondary_typestrs=(SCALAR,))
     register(str, str, StringLeafHandler, secondary_typestrs=(STRING,))
-    register(bytes, bytes, BytesLeafHandler, secondary_typestrs=(BYTES,))
+    # Bytes are uint8 arrays: Orbax, which has no bytes leaves, reads them as np.ndarray.
+    register(bytes, bytes, BytesLeafHandler, secondary_typestrs=(NUMPY_ARRAY, BYTES))
 
 
 @cp.hookimpl

@@ -1,8 +1,10 @@
 """An example third-party checkpointables plugin.
 
 It ships a ``Point`` type and two ways to checkpoint it: ``PointHandler``
-(a whole checkpointable) and ``PointLeafHandler`` (a leaf inside pytrees).
-Both are registered through the entry point in this package's
+(a whole checkpointable) and ``PointLeafHandler`` (a leaf inside pytrees);
+a pytree reader for ``*.point.json`` files (``cp.load_pytree("a.point.json")``
+gives ``{"x": ..., "y": ...}``); and a ``checkpointables points CKPT``
+command. All are registered through the entry point in this package's
 ``pyproject.toml``::
 
     [project.entry-points.checkpointables]
@@ -13,6 +15,7 @@ so that users never import this module to save or load a ``Point``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -23,7 +26,7 @@ from typing import Any
 import checkpointables as cp
 from etils import epath
 
-__all__ = ["Point", "AbstractPoint", "PointHandler", "PointLeafHandler"]
+__all__ = ["Point", "AbstractPoint", "PointHandler", "PointLeafHandler", "PointFileReader"]
 
 
 @dataclasses.dataclass
@@ -162,6 +165,66 @@ class PointLeafHandler:
             )
             result.append(AbstractPoint(type(values["x"]), type(values["y"])))
         return result
+
+
+class PointFileReader:
+    """Reads a ``*.point.json`` file (``{"x": 1, "y": 2}``) as the pytree ``{"x": 1, "y": 2}``."""
+
+    SUFFIX = ".point.json"
+
+    def recognizes(self, path: epath.Path) -> bool:
+        """True for existing files named ``*.point.json``."""
+        return path.name.endswith(self.SUFFIX) and path.is_file()
+
+    async def load(self, path: epath.Path, abstract_pytree: Any = None) -> Awaitable[Any]:
+        """Reads the coordinates; an abstract tree of types casts them."""
+
+        async def read() -> dict[str, Any]:
+            values = json.loads(path.read_text())
+            if abstract_pytree is None:
+                return values
+            return {k: abstract_pytree[k](values[k]) for k in abstract_pytree}
+
+        return read()
+
+    async def metadata(self, path: epath.Path) -> cp.CheckpointMetadata[dict[str, type]]:
+        """The coordinates' types."""
+        values = json.loads(path.read_text())
+        return cp.CheckpointMetadata(path, metadata={k: type(v) for k, v in values.items()})
+
+
+def _add_points_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a checkpoint holding Point checkpointables")
+
+
+def _points_command(args: argparse.Namespace) -> int:
+    """``checkpointables points CKPT``: prints each Point checkpointable of a checkpoint."""
+    metadata = cp.checkpointables_metadata(args.path).metadata
+    names = [n for n, m in metadata.items() if isinstance(m, AbstractPoint)]
+    if not names:
+        print(f"{args.path} holds no Point.")
+        return 1
+    loaded = cp.load_checkpointables(args.path, {n: metadata[n] for n in names})
+    for name in names:
+        print(f"{name}: ({loaded[name].x}, {loaded[name].y})")
+    return 0
+
+
+@cp.hookimpl
+def register_commands(register: Any) -> None:
+    """Adds ``checkpointables points CKPT``."""
+    register(
+        "points",
+        _points_command,
+        help="print the Points saved in a checkpoint (example plugin)",
+        add_arguments=_add_points_arguments,
+    )
+
+
+@cp.hookimpl
+def register_pytree_readers(register: Any) -> None:
+    """Registers ``PointFileReader`` for ``*.point.json`` files."""
+    register(PointFileReader)
 
 
 @cp.hookimpl

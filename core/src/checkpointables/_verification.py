@@ -1,0 +1,144 @@
+"""``checkpointables verify``: everything a load would check, and more, without keeping values.
+
+A checkpoint passes only if a load of every checkpointable would succeed and
+return what was saved: the checkpoint stays inside its directory, every
+metadata file matches the checksum recorded at commit, every recorded
+checkpointable exists and has a handler here, and each one passes its
+handler's ``verify`` (the pytree handler reads every chunk) or, for handlers
+without one, loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from etils import epath
+
+from checkpointables import (
+    _confinement,
+    _loading,
+    errors,
+    layout,
+    metadata_checksums,
+    progress,
+    storage,
+)
+from checkpointables._asyncio import run_sync
+from checkpointables._pytree_api import TREE_METADATA_FILE
+from checkpointables.checkpoint_metadata import read_checkpoint_metadata
+from checkpointables.context import get_context
+from checkpointables.path._parse import as_path
+
+__all__ = ["Finding", "verify_checkpoint", "leaf_nbytes"]
+
+
+@attrs.frozen
+class Finding:
+    """One line of the report: what was checked (``"checkpoint"`` or a checkpointable name),
+    and the problem found (``None``: it passed; ``note``: said, but not a failure)."""
+
+    subject: str
+    problem: str | None = None
+    note: str | None = None
+
+
+def _checksum_findings(path: epath.Path) -> list[Finding]:
+    """Recorded metadata files that are missing or do not match (handlers are still checked:
+    they name what the damage breaks)."""
+    problems = metadata_checksums.verify(path)
+    if problems:
+        return [Finding("checkpoint", p) for p in problems]
+    if metadata_checksums.is_protected(path):
+        return [Finding("checkpoint", note="metadata checksums ok")]
+    return [
+        Finding(
+            "checkpoint",
+            note="no metadata checksums recorded (written by Orbax or an earlier version): "
+            "metadata files are checked for form only",
+        )
+    ]
+
+
+def leaf_nbytes(leaf: Any) -> int:
+    """Bytes of an (abstract) array leaf: its shape's size times its dtype's; 0 for others."""
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    import numpy as np
+
+    return int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
+
+
+def _array_bytes(directory: epath.Path, name: str, recorded: str | None) -> int | None:
+    """Bytes of the arrays of one checkpointable, from its metadata (``None`` if unknown):
+    the total of ``verify``'s progress bar."""
+    import jax
+
+    try:
+        value = _loading.item_metadata(directory, name, recorded, get_context())
+    except Exception:  # The checks below report what is wrong.
+        return None
+    total = sum(leaf_nbytes(leaf) for leaf in jax.tree_util.tree_leaves(value))
+    return total or None  # Nothing to count in bytes (e.g. JSON): a bar without a total.
+
+
+def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> list[Finding]:
+    context = get_context()
+    try:
+        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
+        verify = getattr(handler, "verify", None)
+        with context:
+            if verify is not None:
+                total = _array_bytes(directory, name, recorded) if progress.enabled() else None
+                with progress.bytes_progress(total, f"verify {name}"):
+                    problems = run_sync(verify(directory))
+            else:  # What a load would find: load it, and drop the value.
+                run_sync(_load(handler, directory))
+                problems = []
+    except errors.InvalidArgumentError as e:
+        # A load needs more than the checkpoint (a stateful object to load into): its files
+        # were still checked against their recorded checksums above.
+        return [Finding(name, note=f"not loaded here: {e}")]
+    except errors.CheckpointError as e:
+        return [Finding(name, str(e))]
+    except Exception as e:  # A handler's own failure is a failed check, not a crash.
+        return [Finding(name, f"{type(e).__name__}: {e}")]
+    if problems:
+        return [Finding(name, problem) for problem in problems]
+    return [Finding(name, note=None if verify is not None else "loads (no verify in its handler)")]
+
+
+async def _load(handler: Any, directory: epath.Path) -> None:
+    await (await handler.load(directory))
+
+
+@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
+def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
+    """Every finding about the checkpoint at ``path``; it passes if none has a ``problem``.
+
+    Raises:
+      FileNotFoundError: nothing exists at ``path``.
+    """
+    path = as_path(path)
+    try:
+        layout.validate_checkpoint_directory(path)
+    except errors.NotACheckpointError as e:
+        return [Finding("checkpoint", str(e))]
+    try:
+        _confinement.check_contained(path)
+    except errors.OutsideCheckpointError as e:
+        return [Finding("checkpoint", str(e))]  # Nothing more is read from it.
+    findings = _checksum_findings(path)
+    try:
+        meta = read_checkpoint_metadata(path)
+        _loading.available_checkpointables(path, meta)
+    except errors.CheckpointError as e:
+        return [*findings, Finding("checkpoint", str(e))]
+    typestrs = _loading.recorded_typestrs(meta)
+    flat = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
+    if flat is not None or (not typestrs and storage.exists(path / TREE_METADATA_FILE)):
+        return [*findings, *_item_findings("<root>", path, flat)]  # Orbax V0's flat layout.
+    for name in layout.checkpointable_directories(path, typestrs):
+        findings += _item_findings(name, path / name, typestrs.get(name))
+    return findings

@@ -1,0 +1,68 @@
+"""What each save of a ``Checkpointer`` cost: bytes, time blocked, time to commit.
+
+Every committed save is logged at INFO on ``checkpointables.training`` and
+kept as ``Checkpointer.last_save_stats``; a training loop can send it to its
+own metrics::
+
+    ckptr.save_pytree_async(step, state)
+    ...
+    if (stats := ckptr.last_save_stats) is not None:
+        wandb.log(stats.as_dict(), step=step)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["SaveStats", "array_bytes", "log"]
+
+logger = logging.getLogger("checkpointables.training")
+
+
+@attrs.frozen
+class SaveStats:
+    """The cost of one committed save.
+
+    Attributes:
+      step: the step saved.
+      bytes_written: bytes of array data saved (whole arrays, as in the checkpoint).
+      blocked_secs: how long the ``save_*`` call held the caller (waiting for
+        the previous save, then copying device data to host).
+      commit_secs: from the call until the checkpoint was committed.
+    """
+
+    step: int
+    bytes_written: int
+    blocked_secs: float
+    commit_secs: float
+
+    def as_dict(self) -> dict[str, float]:
+        """The numbers under metric names, e.g. for a metrics logger."""
+        return {
+            "checkpoint/bytes_written": self.bytes_written,
+            "checkpoint/blocked_secs": self.blocked_secs,
+            "checkpoint/commit_secs": self.commit_secs,
+        }
+
+
+def array_bytes(checkpointables: Mapping[str, Any]) -> int:
+    """Bytes of the arrays in ``checkpointables`` (objects that are not pytrees count 0)."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(checkpointables)
+    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
+
+
+def log(stats: SaveStats) -> None:
+    """Logs ``stats`` at INFO."""
+    logger.info(
+        "Saved step %d: %.1f MiB, blocked %.3f s, committed after %.3f s.",
+        stats.step,
+        stats.bytes_written / 2**20,
+        stats.blocked_secs,
+        stats.commit_secs,
+    )

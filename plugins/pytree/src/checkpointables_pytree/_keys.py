@@ -1,0 +1,407 @@
+"""Typed PRNG keys (``jax.random.key``) as pytree leaves, in Orbax's format.
+
+A key array is stored as its key data (``jax.random.key_data``: unsigned
+integers with trailing dimensions, ``(..., 2)`` uint32 for ``threefry2x32``,
+``(..., 4)`` for ``rbg`` and ``unsafe_rbg``), as a ``jax.Array`` leaf whose
+shards are those of the key data. Orbax marks such an array as a key by
+naming its implementation in ``array_metadatas/process_<i>``
+(``"ext_metadata": {"random_key_impl": "threefry2x32"}``); we write the same
+mark, and also record it in the leaf's own ``_METADATA`` fields, so loading
+needs no extra read. Each format reads the other's keys as keys.
+
+Loading a key needs an abstract leaf with a key dtype (``AbstractPRNGKey``:
+``jax.ShapeDtypeStruct(shape, jax.random.key_dtype("rbg"), sharding=...)``,
+a key array, or the ``PRNGKeyMetadata`` of ``cp.pytree_metadata``), or none:
+the recorded implementation then decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import jax
+import numpy as np
+from checkpointables.serialization import (
+    DeserializationContext,
+    DeserializationParam,
+    SerializationContext,
+    SerializationParam,
+)
+from etils import epath
+
+from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata
+from checkpointables_pytree._database import StoredArray
+from checkpointables_pytree._leaf_handlers import (
+    JAX_ARRAY,
+    ArrayLeafHandler,
+    _finish_load,
+    _finish_save,
+    _layouts,
+    _load_session,
+    _save_session,
+    _storage_options,
+    _unsupported,
+)
+from checkpointables_pytree._leaf_metadata import ArrayMetadata, StorageMetadata
+from checkpointables_pytree._session import ARRAY_METADATAS_DIR
+
+__all__ = [
+    "PRNG_KEY",
+    "RANDOM_KEY_IMPL",
+    "AbstractPRNGKey",
+    "PRNGKeyLeafHandler",
+    "PRNGKeyMetadata",
+    "is_key_dtype",
+    "key_array_type",
+    "mark_orbax_keys",
+]
+
+# Orbax's ext_metadata field naming a key array's implementation (and ours in _METADATA).
+RANDOM_KEY_IMPL = "random_key_impl"
+# Our own value type of key leaves: their Orbax value_type is jax.Array's.
+PRNG_KEY = "prng_key"
+# The implementations JAX ships.
+_JAX_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def key_array_type() -> type:
+    """The class of typed key arrays (``type(jax.random.key(0))``), found without making a key."""
+    try:
+        from jax._src.random.prng import PRNGKeyArray
+    except ImportError:
+        try:
+            from jax._src.prng import PRNGKeyArray  # Where older JAX releases keep it.
+        except ImportError:  # Moved again: make a key (this initializes JAX's backend).
+            return type(jax.random.key(0))
+    return PRNGKeyArray  # type: ignore[no-any-return]
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a PRNG key dtype (``key<fry>``, ``key<rbg>``...)."""
+    if dtype is None or isinstance(dtype, np.dtype):  # The common case, decided at once.
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+class _KeyDtypeCheck(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        # Asked of every abstract leaf of every load: NumPy dtypes are ruled out first.
+        dtype = getattr(instance, "dtype", None)
+        return not isinstance(dtype, np.dtype) and is_key_dtype(dtype)
+
+
+class AbstractPRNGKey(metaclass=_KeyDtypeCheck):
+    """Any abstract leaf whose ``dtype`` is a PRNG key dtype (checked by ``isinstance``).
+
+    ``jax.ShapeDtypeStruct(shape, jax.random.key_dtype("threefry2x32"),
+    sharding=...)``, a key array, and ``PRNGKeyMetadata`` all are. A sharding
+    places the keys; without one they load on the default device.
+    """
+
+    # Class attributes, so the registry sees this type as narrower than AbstractShardedArray.
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+    sharding: Any = None
+
+
+@functools.lru_cache(maxsize=32)  # Only valid implementation names are cached.
+def _key_data_layout(impl: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+    """``(key dtype, trailing shape, data dtype)`` of implementation ``impl``."""
+    dtype = jax.random.key_dtype(impl)
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    return dtype, tuple(int(s) for s in data.shape), np.dtype(data.dtype)
+
+
+def _layout_or_raise(impl: Any, where: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+    if not isinstance(impl, str):
+        raise cp.errors.MetadataError(
+            f"{where}: the recorded PRNG key implementation {impl!r} is not a name; the "
+            "checkpoint's metadata is damaged."
+        )
+    try:
+        return _key_data_layout(impl)
+    except (TypeError, ValueError, KeyError) as e:
+        raise cp.errors.MissingHandlerError(
+            f"{where} holds PRNG keys of implementation {impl!r}, which JAX does not know here "
+            f"({e}). Register that implementation with JAX first, or skip the leaf with "
+            "cp.PLACEHOLDER."
+        ) from None
+
+
+@functools.lru_cache(maxsize=32)
+def _impl_of_dtype(dtype: Any) -> str | None:
+    """The name of the implementation JAX ships whose key dtype is ``dtype``, if any."""
+    for impl in _JAX_IMPLS:
+        if _key_data_layout(impl)[0] == dtype:
+            return impl
+    return None
+
+
+def _pad_spec(spec: Sequence[Any], ndim: int) -> tuple[Any, ...]:
+    return (*spec, *([None] * (ndim - len(spec))))
+
+
+def _physical_sharding(sharding: Any, ndim: int, trailing: int) -> Any:
+    """The key data's sharding for keys of ``ndim`` dims sharded by ``sharding``, or ``None``."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = jax.sharding.PartitionSpec(*_pad_spec(sharding.spec, ndim), *([None] * trailing))
+        return jax.sharding.NamedSharding(sharding.mesh, spec)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None  # Read onto the default device, then placed by jax.device_put.
+
+
+def _logical_sharding(sharding: Any, ndim: int) -> Any:
+    """The keys' sharding, from their key data's (the inverse of ``_physical_sharding``)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = _pad_spec(sharding.spec, ndim)[:ndim]
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return sharding
+
+
+class PRNGKeyMetadata(ArrayMetadata):
+    """A stored typed key array: shape, key dtype, implementation and saved sharding.
+
+    What ``cp.pytree_metadata`` returns for a key leaf, and a valid abstract
+    leaf: it loads the keys with the sharding they were saved with, when this
+    process has those devices (else on the default device).
+    """
+
+    __slots__ = ("impl",)
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        impl: str,
+        sharding_metadata: Mapping[str, Any] | None = None,
+        storage: StorageMetadata | None = None,
+    ) -> None:
+        # The recorded sharding is the key data's: ``sharding`` turns it into the keys'.
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = jax.random.key_dtype(impl)
+        self.storage = storage
+        self.sharding_metadata = dict(sharding_metadata) if sharding_metadata else None
+        self._sharding: Any = ...
+        self.impl = impl
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding | None:
+        """The saved sharding on this process's devices, or ``None`` if they differ."""
+        if self._sharding is ...:
+            physical = _sharding.rebuild(self.sharding_metadata)
+            self._sharding = _logical_sharding(physical, len(self.shape))
+        return self._sharding  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        kind = (self.sharding_metadata or {}).get("sharding_type")
+        return f"PRNGKeyMetadata(shape={self.shape}, dtype={self.dtype}, sharding={kind})"
+
+
+@attrs.frozen
+class _KeyRead:
+    """How one key leaf is read: its implementation and where the keys go."""
+
+    impl: str
+    place_on: Any  # A sharding jax.device_put applies after reading, or None.
+
+
+class PRNGKeyLeafHandler(ArrayLeafHandler):
+    """Saves typed PRNG key arrays as their key data, in Orbax's format; loads them as keys.
+
+    Every implementation JAX ships (``threefry2x32``, ``rbg``, ``unsafe_rbg``)
+    works, sharded or not; keys load onto any mesh, like arrays.
+    """
+
+    async def serialize(
+        self, params: Sequence[SerializationParam[Any]], serialization_context: SerializationContext
+    ) -> Awaitable[None]:
+        """Copies the key data to host; returns the awaitable that writes it."""
+        session, private = _save_session(self, serialization_context)
+        impls = [self._impl_name(p) for p in params]  # Every leaf checked before any is planned.
+        data = [dataclasses.replace(p, value=jax.random.key_data(p.value)) for p in params]
+        lacking = _multiprocess.arrays_the_primary_lacks(
+            {p.name: p.value for p in data}, session.directory, session.context
+        )
+        for param, physical, impl in zip(params, data, impls, strict=True):
+            # The saved dtype is the key data's, whatever the save's storage options say.
+            storage = attrs.evolve(
+                _storage_options(session.array_options, param.keypath, param.value), dtype=None
+            )
+            self._plan(
+                session,
+                physical,
+                primary_lacks=physical.name in lacking,
+                storage=storage,
+                ext_metadata={RANDOM_KEY_IMPL: impl},
+            )
+        return _finish_save(session, private)
+
+    @staticmethod
+    def _impl_name(param: SerializationParam[Any]) -> str:
+        if param.value.is_deleted():
+            raise _unsupported(
+                param.keypath, param.value, "the keys were deleted (or donated) before the save"
+            )
+        impl = jax.random.key_impl(param.value)
+        if not isinstance(impl, str) or _impl_of_dtype(param.value.dtype) != impl:
+            raise _unsupported(
+                param.keypath,
+                param.value,
+                f"its PRNG implementation ({param.value.dtype}) is not one JAX ships "
+                f"({', '.join(_JAX_IMPLS)}), so no reader could rebuild the keys; save "
+                "jax.random.key_data(keys) instead",
+            )
+        return impl
+
+    async def deserialize(
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
+    ) -> Awaitable[Sequence[jax.Array]]:
+        """Schedules the reads of the key data; returns the awaitable that yields the keys."""
+        session, private = _load_session(self, deserialization_context)
+        reads, keys = [], []
+        for param in params:
+            entry, _ = session.info(param.keypath, getattr(param, "names", None))
+            key, physical = self._plan_key(entry, param.value, session.stored_array(entry))
+            reads.append(self._plan_read(session, dataclasses.replace(param, value=physical)))
+            keys.append(key)
+
+        async def wrap() -> list[jax.Array]:
+            data = await _finish_load(session, private, reads)
+            result = []
+            for key, array in zip(keys, data, strict=True):
+                wrapped = jax.random.wrap_key_data(array, impl=key.impl)
+                if key.place_on is not None:
+                    wrapped = jax.device_put(wrapped, key.place_on)
+                result.append(wrapped)
+            return result
+
+        return wrap()
+
+    @staticmethod
+    def _plan_key(
+        entry: _tree_metadata.Entry, abstract: Any, stored: StoredArray | None
+    ) -> tuple[_KeyRead, Any]:
+        """How a key leaf is read, and the abstract leaf of its key data (``None``: as stored)."""
+        recorded = entry.extra.get(RANDOM_KEY_IMPL)
+        wanted = None if abstract is None or isinstance(abstract, type) else abstract.dtype
+        if recorded is not None:
+            dtype, trailing, data_dtype = _layout_or_raise(recorded, entry.keystr)
+            if wanted is not None and wanted != dtype:
+                raise cp.errors.TreeMismatchError(
+                    f"{entry.keystr} holds {recorded} keys ({dtype}); the abstract tree asks for "
+                    f"{wanted}. Use an abstract leaf of dtype jax.random.key_dtype({recorded!r}), "
+                    "or cp.PLACEHOLDER to skip it."
+                )
+            impl = recorded
+        else:
+            impl = _impl_of_key_data(entry, abstract, stored)
+            _, trailing, data_dtype = _key_data_layout(impl)
+        if wanted is None:
+            return _KeyRead(impl, None), None
+        shape = tuple(int(s) for s in abstract.shape)
+        sharding = getattr(abstract, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            sharding = None
+        physical_sharding = _physical_sharding(sharding, len(shape), len(trailing))
+        physical = jax.ShapeDtypeStruct((*shape, *trailing), data_dtype, sharding=physical_sharding)
+        return _KeyRead(impl, sharding if physical_sharding is None else None), physical
+
+    async def metadata(
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
+    ) -> Sequence[PRNGKeyMetadata]:
+        """Shape, implementation and recorded sharding of each stored key array."""
+        session, _ = _load_session(self, deserialization_context)
+        layouts = await _layouts(session, params)
+        result = []
+        for param, (shape, _, chunk_shape) in zip(params, layouts, strict=True):
+            entry = session.entry(param.keypath)
+            impl = entry.extra.get(RANDOM_KEY_IMPL)
+            _, trailing, _ = _layout_or_raise(impl, entry.keystr)
+            result.append(
+                PRNGKeyMetadata(
+                    shape[: len(shape) - len(trailing)],
+                    impl,
+                    sharding_metadata=session.sharding_record(session.storage_name(param.keypath)),
+                    storage=StorageMetadata(chunk_shape, entry.write_shape),
+                )
+            )
+        return result
+
+
+def _impl_of_key_data(
+    entry: _tree_metadata.Entry, abstract: Any, stored: StoredArray | None
+) -> str:
+    """The implementation to wrap a plain stored array with: the key data of ``abstract``'s keys.
+
+    Raises:
+      cp.errors.TreeMismatchError: the leaf was not saved as keys, nor as fitting key data.
+    """
+    dtype = getattr(abstract, "dtype", None)
+    impl = _impl_of_dtype(dtype) if is_key_dtype(dtype) else None
+    if impl is not None:
+        _, trailing, data_dtype = _key_data_layout(impl)
+        expected = (*(int(s) for s in abstract.shape), *trailing)
+        if stored is None or (stored.dtype == data_dtype and stored.shape == expected):
+            return impl  # (Unrecorded layouts are checked when read.)
+    raise cp.errors.TreeMismatchError(
+        f"{entry.keystr} was not saved as PRNG keys"
+        + (f", nor as the key data of {abstract.shape} {dtype} keys" if impl else "")
+        + "; load it with an array abstract leaf, or cp.PLACEHOLDER to skip it."
+    )
+
+
+def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) -> None:
+    """Marks the key arrays of a tree Orbax wrote as we mark ours (in their ``_METADATA`` fields).
+
+    Orbax names a key array's implementation only in ``array_metadatas/``;
+    trees we wrote carry it in ``_METADATA`` already, and are left alone.
+    """
+    if tree.escaped_names:
+        return
+    arrays = {tree.storage_name(e.names): e for e in tree.entries if e.value_type == JAX_ARRAY}
+    folder = directory / ARRAY_METADATAS_DIR
+    if not arrays or not cp.storage.is_dir(folder):
+        return
+    for name, impl in _recorded_impls(folder).items():
+        entry = arrays.get(name)
+        if entry is not None and isinstance(impl, str):
+            entry.extra = {
+                **entry.extra,
+                RANDOM_KEY_IMPL: impl,
+                _tree_metadata.OWN_VALUE_TYPE: PRNG_KEY,
+            }
+            tree.own_value_types = True
+
+
+def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
+    """``{param name: implementation}`` from the first process's array metadata file."""
+    names = [e.name for e in cp.storage.list_dir(folder)]
+    if not names:
+        return {}
+    first = folder / min(names, key=lambda n: (n != "process_0", n))
+    try:
+        document = json.loads(cp.storage.read_text(first))
+        items = [item["array_metadata"] for item in document["array_metadatas"]]
+        return {
+            item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)
+            for item in items
+            if (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL) is not None
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise cp.errors.MetadataError(
+            f"{first} is malformed ({e!r}); it names which arrays are PRNG keys. Restore it "
+            "from a copy of the checkpoint."
+        ) from None

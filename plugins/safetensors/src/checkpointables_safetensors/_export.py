@@ -1,0 +1,224 @@
+"""Export: a checkpoint's pytree (or an in-memory pytree) as Hugging Face safetensors.
+
+Tensor names are key paths joined with dots (``{"model": {"layers": [{"w":
+...}]}}`` gives ``model.layers.0.w``, as transformers names weights), taken
+below ``subtree`` when one is given. Arrays and numeric scalars (as 0-d
+tensors) are exported; leaves that are not arrays (strings...) are skipped
+and reported; arrays of dtypes safetensors cannot store (complex128, typed
+PRNG keys) are an error naming them. A checkpoint is read in batches of about
+``BATCH_BYTES``, in the order the files are written, so an export holds at
+most one batch in memory whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import jax
+import numpy as np
+
+from checkpointables_safetensors import _names
+from checkpointables_safetensors._files import code_of
+from checkpointables_safetensors._writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Output,
+    TensorEntry,
+    write_order,
+    write_safetensors,
+)
+
+__all__ = ["ExportResult", "export_checkpoint", "save_pytree", "BATCH_BYTES", "FORMAT_METADATA"]
+
+BATCH_BYTES = 256 << 20
+# transformers (and most loaders of the Hub's files) refuse files without a known "format".
+FORMAT_METADATA = {"format": "pt"}
+# Where `checkpointables import` keeps the source's header metadata, for a later export.
+IMPORTED_METADATA_KEY = "safetensors_metadata"
+
+
+@attrs.frozen
+class ExportResult:
+    """What an export wrote and what it left out."""
+
+    files: tuple[str, ...]
+    tensors: int
+    nbytes: int
+    skipped: tuple[str, ...]  # Key paths of leaves safetensors cannot hold.
+
+
+@attrs.frozen
+class _Leaf:
+    """A leaf of the source tree: where it is, its tensor, and its abstract form for loading."""
+
+    position: int
+    entry: TensorEntry
+    abstract: Any
+
+
+def _as_entry(name: str, leaf: Any) -> tuple[TensorEntry, Any] | None:
+    """The tensor a leaf (or its metadata) becomes, with an abstract leaf that loads it."""
+    if isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic):
+        return TensorEntry(name, (), np.asarray(leaf).dtype), leaf
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # e.g. typed PRNG keys.
+        raise ValueError(f"safetensors cannot store {dtype}") from None
+    code_of(dtype)  # Raises ValueError for dtypes it cannot store (complex128...).
+    entry = TensorEntry(name, tuple(shape), dtype)
+    if isinstance(leaf, np.generic):
+        return entry, leaf
+    # A NumPy abstract leaf loads to host memory; a zero-strided view costs no memory.
+    return entry, np.broadcast_to(np.empty((), dtype), entry.shape)
+
+
+def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any, int]:
+    """The exportable leaves under ``prefix``, the skipped key paths, the treedef and leaf count."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    head = f"{prefix}{_names.SEPARATOR}" if prefix else ""
+    leaves, skipped, unsupported, seen = [], [], [], set()
+    for position, (keypath, leaf) in enumerate(flat):
+        full = _names.name_of(keypath)
+        if prefix and full != prefix and not full.startswith(head):
+            continue
+        if not prefix:
+            name = full
+        elif full == prefix:  # The subtree is a single leaf: named by its own key.
+            name = _names.name_of(keypath[-1:])
+        else:
+            name = full[len(head) :]
+        try:
+            found = _as_entry(name, leaf)
+        except ValueError as e:
+            unsupported.append(f"{jax.tree_util.keystr(keypath)} ({e})")
+            continue
+        if found is None:
+            skipped.append(jax.tree_util.keystr(keypath))
+            continue
+        if name in seen:
+            raise ValueError(
+                f"Two leaves are both named {name!r} once their keys are joined with dots (a key "
+                f"holds a dot); safetensors names must be unique. Rename the key."
+            )
+        seen.add(name)
+        leaves.append(_Leaf(position, *found))
+    if unsupported:
+        raise ValueError(
+            f"{len(unsupported)} arrays have dtypes safetensors cannot store: "
+            f"{'; '.join(unsupported[:8])}. Export a subtree without them (--subtree), or cast "
+            f"them first."
+        )
+    if prefix and not leaves and not skipped:
+        _names.subtree(tree, prefix)  # Raises KeyError naming the keys there.
+    return leaves, skipped, treedef, len(flat)
+
+
+def _batches(leaves: Sequence[_Leaf], limit: int) -> Iterator[list[_Leaf]]:
+    batch: list[_Leaf] = []
+    size = 0
+    for leaf in leaves:
+        if batch and size + leaf.entry.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(leaf)
+        size += leaf.entry.nbytes
+    if batch:
+        yield batch
+
+
+def _arrays_from_checkpoint(
+    checkpoint: Any, leaves: Sequence[_Leaf], treedef: Any, count: int, batch_bytes: int
+) -> Iterator[np.ndarray]:
+    """Each leaf's array, in order, loading one batch at a time."""
+    for batch in _batches(leaves, batch_bytes):
+        abstract = [cp.PLACEHOLDER] * count
+        for leaf in batch:
+            abstract[leaf.position] = leaf.abstract
+        loaded = jax.tree_util.tree_leaves(
+            cp.load_pytree(checkpoint, jax.tree_util.tree_unflatten(treedef, abstract)),
+            is_leaf=lambda x: x is None,
+        )
+        for leaf in batch:
+            yield np.asarray(loaded[leaf.position], dtype=leaf.entry.dtype)
+        del loaded
+
+
+def _in_write_order(leaves: Sequence[_Leaf], max_shard_size: int) -> list[_Leaf]:
+    by_name = {leaf.entry.name: leaf for leaf in leaves}
+    return [by_name[e.name] for e in write_order([leaf.entry for leaf in leaves], max_shard_size)]
+
+
+def export_checkpoint(
+    checkpoint: os.PathLike[str] | str,
+    out: os.PathLike[str] | str,
+    *,
+    subtree: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    batch_bytes: int = BATCH_BYTES,
+) -> ExportResult:
+    """Writes the pytree of ``checkpoint`` (or its ``subtree``, a dotted key path) as safetensors.
+
+    ``out`` is a ``*.safetensors`` path or a directory (then ``model.safetensors``
+    in it); above ``max_shard_size`` bytes the data is split into Hub-style
+    shards with an index. The header metadata is ``{"format": "pt"}``, the
+    metadata a ``checkpointables import`` recorded, and ``metadata``.
+
+    Example::
+
+        export_checkpoint("ckpt/1000", "hf/model.safetensors", subtree="params")
+    """
+    meta = cp.pytree_metadata(checkpoint)
+    leaves, skipped, treedef, count = _leaves(meta.metadata, subtree)
+    leaves = _in_write_order(leaves, max_shard_size)
+    imported = (meta.custom_metadata or {}).get(IMPORTED_METADATA_KEY)
+    header = {**FORMAT_METADATA, **(imported if isinstance(imported, dict) else {})}
+    header.update(metadata or {})
+    total = sum(leaf.entry.nbytes for leaf in leaves)
+    with cp.progress.bytes_progress(total, "export"):
+        files = write_safetensors(
+            Output.at(out),
+            [leaf.entry for leaf in leaves],
+            _arrays_from_checkpoint(checkpoint, leaves, treedef, count, batch_bytes),
+            max_shard_size=max_shard_size,
+            metadata=header,
+            overwrite=overwrite,
+        )
+    return ExportResult(tuple(files), len(leaves), total, tuple(skipped))
+
+
+def save_pytree(
+    out: os.PathLike[str] | str,
+    pytree: Any,
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> ExportResult:
+    """Writes an in-memory pytree of arrays as safetensors (sharded above ``max_shard_size``).
+
+    Example::
+
+        save_pytree("finetuned/", {"model": params})   # finetuned/model.safetensors
+    """
+    leaves, skipped, _, _ = _leaves(pytree, None)
+    leaves = _in_write_order(leaves, max_shard_size)
+    flat = jax.tree_util.tree_leaves(pytree, is_leaf=lambda x: x is None)
+    arrays = (np.asarray(flat[leaf.position], dtype=leaf.entry.dtype) for leaf in leaves)
+    files = write_safetensors(
+        Output.at(out),
+        [leaf.entry for leaf in leaves],
+        arrays,
+        max_shard_size=max_shard_size,
+        metadata={**FORMAT_METADATA, **(metadata or {})},
+        overwrite=overwrite,
+    )
+    total = sum(leaf.entry.nbytes for leaf in leaves)
+    return ExportResult(tuple(files), len(leaves), total, tuple(skipped))

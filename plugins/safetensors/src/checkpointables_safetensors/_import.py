@@ -1,0 +1,100 @@
+"""Import: safetensors data (a file, an index or a directory) as a checkpoint.
+
+The tensors are read in batches of about ``BATCH_BYTES`` and each batch is
+added to the checkpoint with ``cp.partial.save``; ``cp.partial.finalize``
+publishes it at the end, so nothing appears at the checkpoint's path before
+every tensor is written, and memory holds one batch whatever the model's
+size. The pytree is the nested dict ``cp.load_pytree`` gives for the same
+path (``jax.Array`` leaves); the files' header metadata is kept in the
+checkpoint's custom metadata (``safetensors_metadata``), from where
+``export`` writes it back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import attrs
+import checkpointables as cp
+from etils import epath
+
+from checkpointables_safetensors import _names
+from checkpointables_safetensors._export import IMPORTED_METADATA_KEY
+from checkpointables_safetensors._files import StoredTensor, open_tensor_set
+from checkpointables_safetensors._reads import ArrayRead, read_all
+
+__all__ = ["ImportResult", "import_safetensors", "BATCH_BYTES"]
+
+BATCH_BYTES = 1 << 30
+
+
+@attrs.frozen
+class ImportResult:
+    """What an import wrote."""
+
+    checkpoint: str
+    tensors: int
+    nbytes: int
+    files: tuple[str, ...]  # The safetensors files read.
+
+
+def _batches(tensors: Sequence[StoredTensor], limit: int) -> Iterator[list[StoredTensor]]:
+    batch: list[StoredTensor] = []
+    size = 0
+    for tensor in tensors:
+        if batch and size + tensor.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(tensor)
+        size += tensor.nbytes
+    if batch:
+        yield batch
+
+
+def import_safetensors(
+    source: os.PathLike[str] | str,
+    checkpoint: os.PathLike[str] | str,
+    *,
+    batch_bytes: int = BATCH_BYTES,
+) -> ImportResult:
+    """Writes the tensors of ``source`` as a pytree checkpoint at ``checkpoint``.
+
+    Example::
+
+        import_safetensors("gemma-2b/", "ckpt/gemma-2b")
+        params = cp.load_pytree("ckpt/gemma-2b")
+
+    Raises:
+      FileExistsError: ``checkpoint`` exists, or an interrupted import left its
+        partial save session (delete it, or ``cp.partial.finalize`` it).
+      cp.errors.MetadataError: a source file is malformed or truncated.
+    """
+    tensor_set = open_tensor_set(source)
+    target = epath.Path(checkpoint)
+    session = cp.partial.session_path(target)
+    if target.exists():
+        raise FileExistsError(f"{target} exists; import into a new path.")
+    if session.exists():
+        raise FileExistsError(
+            f"{session} holds the partial saves of an earlier, unfinished import or partial "
+            f"save; delete it (or call cp.partial.finalize on {target}) and import again."
+        )
+    custom = {
+        IMPORTED_METADATA_KEY: dict(tensor_set.metadata),
+        "imported_from": os.fspath(source),
+    }
+    tensors = list(tensor_set.tensors.values())
+    if not tensors:
+        raise cp.errors.CheckpointError(f"{source} holds no tensor; there is nothing to import.")
+    _names.nest(dict.fromkeys(tensor_set.tensors), source=source)  # Name clashes fail first.
+    with cp.progress.bytes_progress(tensor_set.nbytes, "import"):
+        for batch in _batches(tensors, batch_bytes):
+            values = read_all([ArrayRead.as_stored(t) for t in batch])
+            pytree = _names.nest(
+                {t.name: v for t, v in zip(batch, values, strict=True)}, source=source
+            )
+            cp.partial.save(target, pytree, custom_metadata=custom)
+            del values, pytree
+        cp.partial.finalize(target)
+    return ImportResult(os.fspath(target), len(tensors), tensor_set.nbytes, tensor_set.files)

@@ -1,0 +1,257 @@
+"""Writing safetensors files tensor by tensor, sharded like the Hugging Face Hub's.
+
+The ``safetensors`` package writes a file only from tensors that are all in
+memory at once (its maintainers keep it so: safetensors#291, #531). An export
+larger than memory streams instead: this module writes the header the format
+specifies (8-byte little-endian length, then JSON with each tensor's dtype
+code, shape and byte offsets, padded with spaces to a multiple of 8), then
+each tensor's bytes as they arrive. The dtype codes come from the package
+(``TensorSpec``), and every file is opened with the package's ``safe_open``,
+which checks the header against the file, before it is moved into place.
+
+Files are written under temporary names and renamed into place only once
+all of them are complete and fsynced; the index comes last. A failed export
+leaves no partial file under a final name.
+
+Layout of a large export (``model.safetensors`` asked, 3 shards)::
+
+    model-00001-of-00003.safetensors ... model-00003-of-00003.safetensors
+    model.safetensors.index.json   {"metadata": {"total_size": N}, "weight_map": {name: file}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import attrs
+import checkpointables as cp
+import numpy as np
+
+from checkpointables_safetensors._files import INDEX_SUFFIX, SUFFIX, code_of, safe_open
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "TensorEntry",
+    "Output",
+    "parse_size",
+    "plan_shards",
+    "write_safetensors",
+]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", the Hub's usual shard size.
+DEFAULT_FILE_NAME = "model" + SUFFIX
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+@attrs.frozen
+class TensorEntry:
+    """One tensor to write: its name in the file, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@attrs.frozen
+class Output:
+    """Where an export goes: ``directory/stem.safetensors`` or its shards and index."""
+
+    directory: str
+    stem: str
+
+    @classmethod
+    def at(cls, path: os.PathLike[str] | str) -> Output:
+        """``x/model.safetensors`` writes that file (or its shards); a directory gets ``model``."""
+        text = os.path.abspath(os.fspath(path))
+        if text.endswith(SUFFIX) and not os.path.isdir(text):
+            return cls(os.path.dirname(text), os.path.basename(text).removesuffix(SUFFIX))
+        return cls(text, DEFAULT_FILE_NAME.removesuffix(SUFFIX))
+
+    def file_names(self, count: int) -> list[str]:
+        """The names of ``count`` files, as the Hub names shards."""
+        if count == 1:
+            return [self.stem + SUFFIX]
+        return [f"{self.stem}-{i:05d}-of-{count:05d}{SUFFIX}" for i in range(1, count + 1)]
+
+    @property
+    def index_name(self) -> str:
+        """The index file's name."""
+        return self.stem + INDEX_SUFFIX
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size such as ``"5GB"`` (10**9 each), ``"500MiB"`` (2**20 each) or ``"1024"``.
+
+    Raises:
+      ValueError: the text is not a size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 1000000.")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"A size must be positive, got {text!r}.")
+    return value
+
+
+def plan_shards(entries: Sequence[TensorEntry], max_shard_size: int) -> list[list[TensorEntry]]:
+    """Cuts ``entries`` (in order) into files of at most ``max_shard_size`` bytes of data.
+
+    A tensor larger than the limit gets a file of its own, as on the Hub.
+    """
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def data_order(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
+    """The order of the tensors' data in a file: larger items first, so each is aligned."""
+    return sorted(entries, key=lambda e: -e.dtype.itemsize)  # Stable: tree order otherwise.
+
+
+def _header(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -> bytes:
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": code_of(entry.dtype),
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # Keeps the data 8-byte aligned, as the package does.
+    return len(text).to_bytes(8, "little") + text
+
+
+def _little_endian(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    if array.shape != entry.shape or array.dtype != entry.dtype:
+        raise ValueError(
+            f"Tensor {entry.name!r}: expected shape {entry.shape} and dtype {entry.dtype}, got "
+            f"{array.shape} and {array.dtype}."
+        )
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array)
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(
+    path: str,
+    entries: Sequence[TensorEntry],
+    arrays: Iterator[np.ndarray],
+    metadata: Mapping[str, str],
+) -> None:
+    with open(path, "wb") as f:
+        f.write(_header(entries, metadata))
+        for entry in entries:
+            array = _little_endian(next(arrays), entry)
+            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+            cp.progress.advance(entry.nbytes)
+            del array
+        f.flush()
+        os.fsync(f.fileno())
+    with safe_open(path) as check:  # The package checks the header against the file.
+        if len(check.keys()) != len(entries):
+            raise cp.errors.MetadataError(f"{path}: the written header lost tensors.")
+
+
+def write_safetensors(
+    output: Output,
+    entries: Sequence[TensorEntry],
+    arrays: Iterable[np.ndarray],
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Writes ``entries`` as one file or Hub-style shards with an index; returns the paths.
+
+    ``arrays`` yields each entry's array in *write order*: the order of
+    ``write_order(...)`` for the same arguments, so a caller can stream them.
+
+    Raises:
+      FileExistsError: a file to write exists and ``overwrite`` is false.
+      ValueError: an array does not match its entry, or a dtype safetensors cannot hold.
+    """
+    shards = [data_order(s) for s in plan_shards(entries, max_shard_size)]
+    names = output.file_names(len(shards))
+    finals = [os.path.join(output.directory, n) for n in names]
+    if len(shards) > 1:
+        finals.append(os.path.join(output.directory, output.index_name))
+    existing = [f for f in finals if os.path.exists(f)]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{existing[0]} exists; pass overwrite=True (--overwrite) to replace it."
+        )
+    for entry in entries:
+        code_of(entry.dtype)  # Refuse unsupported dtypes before writing anything.
+    os.makedirs(output.directory, exist_ok=True)
+    tag = f".tmp-{uuid.uuid4().hex[:8]}"
+    temporaries = [f + tag for f in finals]
+    stream = iter(arrays)
+    try:
+        for shard, temporary in zip(shards, temporaries[: len(shards)], strict=True):
+            _write_file(temporary, shard, stream, metadata or {})
+        if len(shards) > 1:
+            weight_map = {e.name: n for shard, n in zip(shards, names, strict=True) for e in shard}
+            index = {
+                "metadata": {"total_size": sum(e.nbytes for e in entries)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            with open(temporaries[-1], "w") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+        for temporary, final in zip(temporaries, finals, strict=True):
+            os.replace(temporary, final)
+        _fsync_directory(output.directory)
+    finally:
+        for temporary in temporaries:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+    return finals
+
+
+def write_order(entries: Sequence[TensorEntry], max_shard_size: int) -> list[TensorEntry]:
+    """The order in which ``write_safetensors`` consumes the arrays of ``entries``."""
+    return [e for shard in plan_shards(entries, max_shard_size) for e in data_order(shard)]

@@ -1,0 +1,99 @@
+"""The command line: commands added by plugins, ``--quiet`` and progress bars on terminals."""
+
+from __future__ import annotations
+
+import textwrap
+
+import checkpointables as cp
+import importlib_metadata
+import numpy as np
+import pytest
+from checkpointables import cli, plugins
+
+from ..python_subprocess import run_on_terminal
+
+_COMMANDS_PLUGIN = """
+    import checkpointables as cp
+
+    def hello(args):
+        print(f"hello {args.who}, quiet={args.quiet}")
+        return 3
+
+    def add_hello_arguments(parser):
+        parser.add_argument("who")
+
+    def add_broken_arguments(parser):
+        raise RuntimeError("no arguments today")
+
+    @cp.hookimpl
+    def register_commands(register):
+        register("hello", hello, help="say hello", add_arguments=add_hello_arguments)
+        register("verify", hello, help="clashes with the built-in")
+        register("broken", hello, help="fails to add its arguments",
+                 add_arguments=add_broken_arguments)
+"""
+
+
+@pytest.fixture
+def commands_plugin(tmp_path, monkeypatch):
+    """A real plugin module registering commands, discovered through its entry point."""
+    (tmp_path / "cpt_commands_plugin.py").write_text(textwrap.dedent(_COMMANDS_PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib_metadata.EntryPoint(
+        name="commands", value="cpt_commands_plugin", group=plugins.ENTRY_POINT_GROUP
+    )
+    monkeypatch.setattr(plugins, "_cached", plugins.discover([ep], disabled=set()))
+
+
+def test_plugin_commands_run_and_clashes_are_skipped(commands_plugin, capsys) -> None:
+    with pytest.warns(RuntimeWarning) as warned:
+        status = cli.main(["hello", "world", "--quiet"])
+    assert status == 3
+    assert capsys.readouterr().out == "hello world, quiet=True\n"
+    messages = [str(w.message) for w in warned]
+    assert any("'verify', which is already taken" in m for m in messages)
+    assert any("command 'broken', which is skipped: RuntimeError" in m for m in messages)
+    with pytest.warns(RuntimeWarning):
+        help_text = cli.build_parser().format_help()
+    assert "say hello" in help_text and "broken" not in help_text
+
+
+def test_bad_registrations_fail_the_plugin_with_a_warning(tmp_path, monkeypatch) -> None:
+    (tmp_path / "cpt_bad_command.py").write_text(
+        "import checkpointables as cp\n"
+        "@cp.hookimpl\n"
+        "def register_commands(register):\n"
+        "    register('two words', print)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = importlib_metadata.EntryPoint(
+        name="bad", value="cpt_bad_command", group=plugins.ENTRY_POINT_GROUP
+    )
+    with pytest.warns(RuntimeWarning, match="non-empty word"):
+        found = plugins.discover([ep], disabled=set())
+    assert found.plugins[0].status == "failed"
+    assert found.commands == ()
+
+
+def test_no_progress_when_stderr_is_not_a_terminal(tmp_path, capfd) -> None:
+    cp.save_pytree(tmp_path / "c", {"w": np.arange(1000.0)})
+    assert cli.main(["verify", str(tmp_path / "c")]) == 0
+    captured = capfd.readouterr()
+    assert captured.err == ""
+    assert "all checks passed" in captured.out
+
+
+def test_verify_shows_bytes_total_and_rate_on_a_terminal(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "c", {"w": np.ones((256, 1024), np.float32), "b": np.ones(10)})
+    shown = run_on_terminal("verify", str(tmp_path / "c"))
+    assert "verify pytree" in shown
+    assert "1.00M/1.00M" in shown  # 256 KiB x 4 + 80 B, in binary units.
+    assert "B/s" in shown
+    assert run_on_terminal("verify", "--quiet", str(tmp_path / "c")) == ""
+
+
+def test_quiet_goes_before_or_after_the_command() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["-q", "plugins"]).quiet
+    assert parser.parse_args(["plugins", "--quiet"]).quiet
+    assert not parser.parse_args(["plugins"]).quiet

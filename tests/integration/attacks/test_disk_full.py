@@ -1,0 +1,70 @@
+"""Saves onto a full disk: a small tmpfs mounted for the test (skipped, with the reason,
+where mounting is not allowed).
+
+Every save fails with ``cp.errors.DiskFullError`` (an ``OSError`` with errno
+``ENOSPC``), leaves nothing behind, and never damages the checkpoint that was
+there; once space is freed, saves work again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import traceback
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+DISK_BYTES = 2 << 20
+RNG = np.random.default_rng(0)
+TOO_BIG = {
+    "large arrays": lambda: {"w": RNG.random(600_000)},  # Through the zarr3 driver.
+    "small arrays": lambda: {f"k{i}": RNG.random(300) for i in range(1_500)},  # Batched.
+    "json": lambda: {"text": "x" * (3 << 20)},
+}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        reason = (mounted.stderr or mounted.stdout).strip() or f"exit {mounted.returncode}"
+        pytest.skip(f"cannot mount a {DISK_BYTES >> 20} MiB tmpfs to fill ({reason})")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def _assert_disk_full(error: BaseException) -> None:
+    assert isinstance(error, cp.errors.DiskFullError) and isinstance(error, OSError)
+    assert error.errno == errno.ENOSPC
+    assert "free some space" in str(error)
+    assert "no running event loop" not in "".join(traceback.format_exception(error))
+
+
+@pytest.mark.parametrize("kind", TOO_BIG)
+def test_a_save_onto_a_full_disk_is_a_disk_full_error_and_leaves_nothing(small_disk, kind):
+    cp.save_pytree(small_disk / "old", {"x": np.arange(4)})
+    item = TOO_BIG[kind]()
+    for save in (
+        lambda: cp.save_checkpointables(small_disk / "new", {"item": item}),
+        lambda: cp.save_checkpointables_async(small_disk / "new", {"item": item}).result(),
+        lambda: cp.save_checkpointables(small_disk / "old", {"item": item}, overwrite=True),
+    ):
+        with pytest.raises(cp.errors.DiskFullError) as info:
+            save()
+        _assert_disk_full(info.value)
+        assert sorted(os.listdir(small_disk)) == ["old"]
+    np.testing.assert_array_equal(cp.load_pytree(small_disk / "old")["x"], np.arange(4))
+    cp.save_pytree(small_disk / "after", {"x": np.arange(4)})  # Small: it fits.
+    assert cp.is_checkpoint(small_disk / "after")

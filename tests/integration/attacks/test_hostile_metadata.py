@@ -1,0 +1,178 @@
+"""Metadata that was crafted or mangled: what a load must refuse with a library error.
+
+Most edits here are caught by the checksums recorded at commit. Each is also
+made with those checksums recomputed (as someone editing files on purpose
+could) or removed (as in checkpoints written by Orbax): then the form of the
+metadata, and its agreement with the array store, are what catch it.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
+from .checkpoints import copy, load_outcome, save, verify_fails
+
+EDITS_AFTER = {
+    "checksummed": lambda path: None,
+    "recomputed": with_metadata_checksums_recomputed,
+    "unchecksummed": without_metadata_checksums,
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("saved") / "c")
+
+
+def _edited_metadata(checkpoint, leaf: str, **changes) -> None:
+    """Changes recorded fields of ``leaf``'s ``_METADATA`` entry."""
+    file = checkpoint / "pytree" / "_METADATA"
+    document = json.loads(file.read_text())
+    (entry,) = [v for k, v in document["tree_metadata"].items() if f"'{leaf}'" in k]
+    for field, value in changes.items():
+        if field == "value_type":
+            entry["value_metadata"]["value_type"] = value
+        else:
+            entry["value_metadata"]["checkpointables"][field] = value
+    file.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("after", EDITS_AFTER)
+@pytest.mark.parametrize(
+    "content",
+    [b"\xff" * 8, pickle.dumps({"item_handlers": {}}), b"[" * 100_000 + b"]" * 100_000],
+    ids=["non-utf8", "pickle", "deep-json"],
+)
+@pytest.mark.parametrize(
+    "relative",
+    ["_CHECKPOINT_METADATA", "pytree/_METADATA", "pytree/_strings.json", "meta/data.json"],
+)
+def test_garbage_in_a_metadata_file_is_a_library_error(
+    saved, tmp_path, relative, content, after
+) -> None:
+    checkpoint = copy(saved, tmp_path / "c")
+    (checkpoint / relative).write_bytes(content)
+    EDITS_AFTER[after](checkpoint)
+    assert load_outcome(checkpoint) in ("IntegrityError", "MetadataError")
+    assert verify_fails(checkpoint)
+
+
+@pytest.mark.parametrize("after", EDITS_AFTER)
+@pytest.mark.parametrize(
+    "shape",
+    [[10**12], [10**6, 10**6], [-5], ["x"], [2], [4], None, [3.5]],
+    ids=["1e12", "1e6x1e6", "negative", "text", "shorter", "longer", "null", "float"],
+)
+def test_a_recorded_shape_that_lies_is_refused_before_any_allocation(
+    saved, tmp_path, shape, after
+) -> None:
+    checkpoint = copy(saved, tmp_path / "c")
+    _edited_metadata(checkpoint, "a", shape=shape, chunk_shape=shape)
+    EDITS_AFTER[after](checkpoint)
+    assert load_outcome(checkpoint) in ("IntegrityError", "MetadataError")
+    assert verify_fails(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("leaf", "changes"),
+    [
+        ("a", {"dtype": "float32"}),  # Same size as the int32 saved: only the store can tell.
+        ("n", {"scalar_type": "float"}),
+        ("a", {"crc32": [1, 2]}),
+    ],
+)
+def test_recorded_types_and_checksums_that_lie_are_caught(saved, tmp_path, leaf, changes) -> None:
+    checkpoint = copy(saved, tmp_path / "c")
+    _edited_metadata(checkpoint, leaf, **changes)
+    assert load_outcome(checkpoint) == "IntegrityError"
+
+
+@pytest.mark.parametrize("after", EDITS_AFTER)
+def test_a_dtype_of_the_same_size_is_checked_against_the_array_store(saved, tmp_path, after):
+    checkpoint = copy(saved, tmp_path / "c")
+    _edited_metadata(checkpoint, "a", dtype="float32")  # Saved as int32.
+    EDITS_AFTER[after](checkpoint)
+    # Loads trust metadata whose recorded checksum matches (forged checksums are out of
+    # scope, see docs/integrity.md); verify compares it with the array store anyway.
+    if after != "recomputed":
+        assert load_outcome(checkpoint) == "IntegrityError"
+    assert verify_fails(checkpoint)
+
+
+def test_an_unknown_value_type_fails_the_load_and_verify(saved, tmp_path) -> None:
+    checkpoint = copy(saved, tmp_path / "c")
+    _edited_metadata(checkpoint, "n", value_type="mystery")
+    with_metadata_checksums_recomputed(checkpoint)
+    assert load_outcome(checkpoint) == "MissingHandlerError"
+    assert verify_fails(checkpoint)
+
+
+def test_a_lost_metadata_entry_is_caught(saved, tmp_path) -> None:
+    for after in EDITS_AFTER:
+        checkpoint = copy(saved, tmp_path / after)
+        file = checkpoint / "pytree" / "_METADATA"
+        document = json.loads(file.read_text())
+        del document["tree_metadata"][next(k for k in document["tree_metadata"] if "'a'" in k)]
+        file.write_text(json.dumps(document))
+        EDITS_AFTER[after](checkpoint)
+        if after == "checksummed":
+            assert load_outcome(checkpoint) == "IntegrityError"
+        # Without trustworthy checksums a load cannot tell (documented); verify compares the
+        # metadata with the arrays the database holds.
+        assert verify_fails(checkpoint), after
+
+
+def test_a_deleted_checkpointable_fails_the_load_and_verify(saved, tmp_path) -> None:
+    for after in EDITS_AFTER:
+        checkpoint = copy(saved, tmp_path / after)
+        shutil.rmtree(checkpoint / "pytree")
+        EDITS_AFTER[after](checkpoint)
+        assert load_outcome(checkpoint) == "IntegrityError", after
+        with pytest.raises(cp.errors.IntegrityError, match="pytree"):
+            cp.load_pytree(checkpoint)
+        assert verify_fails(checkpoint), after
+
+
+def test_verify_command_exit_status_names_the_problem(saved, tmp_path) -> None:
+    checkpoint = copy(saved, tmp_path / "c")
+    _edited_metadata(checkpoint, "a", shape=[21])
+    result = subprocess.run(
+        [sys.executable, "-m", "checkpointables", "verify", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "pytree/_METADATA" in result.stdout and "FAILED" in result.stdout
+
+
+def test_a_1e12_element_array_claimed_by_the_array_store_is_refused(tmp_path) -> None:
+    # An Orbax-style checkpoint (no recorded layout): the zarr.json claims the size.
+    cp.save_pytree(tmp_path / "c", {"big": np.arange(100_000, dtype=np.float32)})
+    without_metadata_checksums(tmp_path / "c")
+    import tensorstore as ts
+    from checkpointables_pytree import _database, _zarr3
+
+    file = tmp_path / "c" / "pytree" / "_METADATA"
+    document = json.loads(file.read_text())
+    for entry in document["tree_metadata"].values():
+        entry["value_metadata"].pop("checkpointables", None)
+    document.pop("checkpointables")
+    file.write_text(json.dumps(document))
+    store = ts.KvStore.open(
+        _database.kvstore_spec(tmp_path / "c" / "pytree"), context=_database.make_context()
+    ).result()
+    metadata = _zarr3.metadata_dict((10**12,), np.float32, (10**12,))
+    store.write("big/zarr.json", json.dumps(metadata).encode()).result()
+    with pytest.raises(cp.errors.MetadataError, match="more than this machine's memory"):
+        cp.load_pytree(tmp_path / "c")

@@ -1,0 +1,203 @@
+"""checkpointables export / import, and save_pytree: files that safetensors' own loader reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import checkpointables as cp
+import jax
+import numpy as np
+import pytest
+from checkpointables import cli
+from checkpointables_safetensors import export_checkpoint, import_safetensors, save_pytree
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from ...python_subprocess import run_on_terminal, run_python
+from .files import BF16, model_tensors, random_bits, same_bits, write_sharded
+
+
+def train_state() -> dict:
+    """A checkpointed training state: params with transformers-style names, and more."""
+    layers = [
+        {
+            "self_attn": {"q_proj": {"weight": random_bits((32, 32), BF16, i)}},
+            "mlp": {"up_proj": {"weight": random_bits((32, 64), np.float32, 10 + i)}},
+        }
+        for i in range(3)
+    ]
+    return {
+        "params": {
+            "model": {
+                "embed_tokens": {"weight": random_bits((128, 32), BF16, 9)},
+                "layers": layers,
+            },
+            "lm_head": {"weight": jax.device_put(random_bits((32, 128), BF16, 8))},
+        },
+        "step": 1200,
+        "note": "not a tensor",
+    }
+
+
+HF_NAMES = {
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    *(f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)),
+    *(f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)),
+}
+
+
+def test_export_is_read_by_safetensors_with_transformers_names(tmp_path, capsys) -> None:
+    state = train_state()
+    cp.save_pytree(tmp_path / "ckpt", state)
+    out = tmp_path / "hf" / "model.safetensors"
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(out), "--subtree", "params"]) == 0
+    assert "wrote 8 tensors" in capsys.readouterr().out
+    tensors = load_file(out)
+    assert set(tensors) == HF_NAMES
+    assert same_bits(tensors["lm_head.weight"], state["params"]["lm_head"]["weight"])
+    up_proj = state["params"]["model"]["layers"][2]["mlp"]["up_proj"]["weight"]
+    assert same_bits(tensors["model.layers.2.mlp.up_proj.weight"], up_proj)
+    with safe_open(out, "numpy") as f:
+        assert f.metadata() == {"format": "pt"}  # What transformers requires.
+
+
+def test_whole_tree_export_skips_what_safetensors_cannot_hold(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "ckpt", train_state())
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert "skipped 1 leaves safetensors cannot hold: [\"['note']\"]" in capsys.readouterr().out
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert tensors["step"].shape == () and tensors["step"] == 1200
+    assert "params.model.layers.0.self_attn.q_proj.weight" in tensors
+
+
+def test_large_exports_are_sharded_with_an_index_like_the_hubs(tmp_path) -> None:
+    state = train_state()
+    cp.save_pytree(tmp_path / "ckpt", state)
+    out = tmp_path / "hf"
+    argv = ["export", str(tmp_path / "ckpt"), str(out), "--subtree", "params"]
+    assert cli.main([*argv, "--max-shard-size", "20KB"]) == 0
+    files = sorted(os.listdir(out))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert files == [*shards, "model.safetensors.index.json"]
+    assert all(re.fullmatch(r"model-0000\d-of-0000\d\.safetensors", f) for f in shards)
+    count = len(shards)
+    assert count >= 3 and shards[-1] == f"model-{count:05d}-of-{count:05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == HF_NAMES
+    merged = {}
+    for shard in shards:
+        tensors = load_file(out / shard)
+        assert sum(t.nbytes for t in tensors.values()) <= 20_000 or len(tensors) == 1
+        assert all(index["weight_map"][n] == shard for n in tensors)
+        merged.update(tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in merged.values())
+    # The set loads back through the index, bit for bit.
+    loaded = cp.load_pytree(out)
+    assert same_bits(loaded["model"]["embed_tokens"]["weight"], merged["model.embed_tokens.weight"])
+
+
+def test_round_trips_are_bit_for_bit(tmp_path) -> None:
+    tensors = model_tensors()
+    index = write_sharded(tmp_path / "hub", tensors)
+    assert cli.main(["import", index, str(tmp_path / "ckpt")]) == 0
+    state = cp.load_pytree(tmp_path / "ckpt")
+    assert same_bits(
+        state["model"]["layers"]["1"]["self_attn"]["q_proj"]["weight"],
+        tensors["model.layers.1.self_attn.q_proj.weight"],
+    )
+    assert cp.pytree_metadata(tmp_path / "ckpt").custom_metadata["safetensors_metadata"] == {
+        "format": "pt"
+    }
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "again.safetensors")]) == 0
+    again = load_file(tmp_path / "again.safetensors")
+    assert sorted(again) == sorted(tensors)
+    assert all(same_bits(again[n], t) for n, t in tensors.items())
+
+
+def test_a_subtree_that_is_one_array_is_named_by_its_key(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "ckpt", train_state())
+    out = tmp_path / "head.safetensors"
+    export_checkpoint(tmp_path / "ckpt", out, subtree="params.lm_head.weight")
+    assert list(load_file(out)) == ["weight"]
+
+
+def test_export_streams_in_batches(tmp_path) -> None:
+    state = {f"w{i}": random_bits((64, 64), BF16, i) for i in range(20)}
+    cp.save_pytree(tmp_path / "ckpt", state)
+    result = export_checkpoint(
+        tmp_path / "ckpt", tmp_path / "o.safetensors", batch_bytes=10_000, max_shard_size=30_000
+    )
+    assert result.tensors == 20
+    assert len(result.files) == 7 + 1  # 3 tensors of 8 KiB per shard, and the index.
+    loaded = cp.load_pytree(tmp_path)  # The directory: through its index.
+    assert all(same_bits(loaded[k], v) for k, v in state.items())
+
+
+def test_import_in_batches_publishes_only_when_complete(tmp_path) -> None:
+    tensors = model_tensors()
+    save_pytree(tmp_path / "m.safetensors", tensors)
+    result = import_safetensors(tmp_path / "m.safetensors", tmp_path / "ckpt", batch_bytes=4096)
+    assert result.tensors == len(tensors)
+    assert not cp.partial.session_path(tmp_path / "ckpt").exists()
+    flat = cp.load_pytree(tmp_path / "ckpt")
+    assert same_bits(flat["model"]["embed_tokens"]["weight"], tensors["model.embed_tokens.weight"])
+
+
+def test_existing_outputs_are_refused_unless_overwritten(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32)})
+    out = str(tmp_path / "o.safetensors")
+    assert cli.main(["export", str(tmp_path / "ckpt"), out]) == 0
+    assert cli.main(["export", str(tmp_path / "ckpt"), out]) == 2
+    assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    assert cli.main(["export", str(tmp_path / "ckpt"), out, "--overwrite"]) == 0
+    assert cli.main(["import", out, str(tmp_path / "ckpt")]) == 2
+    assert "exists; import into a new path" in capsys.readouterr().err
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
+
+
+def test_bad_arguments_say_what_to_do(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "ckpt", train_state())
+    with pytest.raises(SystemExit):
+        cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "o"), "--max-shard-size", "5XB"])
+    assert "'5XB' is not a size" in capsys.readouterr().err
+    with pytest.raises(KeyError, match=r"No key 'parms' under the root; the keys there are"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "o", subtree="parms")
+    with pytest.raises(ValueError, match=r"\[.c.\] \(safetensors cannot store complex128: Unknown"):
+        save_pytree(tmp_path / "c.safetensors", {"c": np.ones(2, np.complex128)})
+
+
+def test_commands_are_listed_only_when_the_plugin_is_installed() -> None:
+    code = "import sys; from checkpointables import cli; sys.exit(cli.main(['--help']))"
+    installed = run_python(code)
+    disabled = run_python(code, CHECKPOINTABLES_DISABLE_PLUGINS="safetensors")
+    assert installed.returncode == disabled.returncode == 0, installed.stderr
+    for command in ("export", "import"):
+        assert re.search(rf"^\s+{command}\s+write ", installed.stdout, re.M)
+        assert not re.search(rf"^\s+{command}\s", disabled.stdout, re.M)
+
+
+def test_plugin_discovery_does_not_import_safetensors(tmp_path) -> None:
+    result = run_python(
+        f"""
+        import sys, numpy as np, checkpointables as cp
+        cp.save_pytree({str(tmp_path / "c")!r}, {{"a": np.ones(2)}})
+        cp.load_pytree({str(tmp_path / "c")!r})
+        assert "safetensors" in [p.name for p in cp.plugins.list_plugins() if p.status == "loaded"]
+        print("MODULES", sorted(m for m in sys.modules if m.split(".")[0] == "safetensors"))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MODULES []" in result.stdout
+
+
+def test_export_and_import_show_progress_on_a_terminal(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones((512, 512), np.float32)})
+    shown = run_on_terminal("export", str(tmp_path / "ckpt"), str(tmp_path / "o.safetensors"))
+    assert "export: 100%" in shown and "1.00M/1.00M" in shown
+    shown = run_on_terminal("import", str(tmp_path / "o.safetensors"), str(tmp_path / "back"))
+    assert "import: 100%" in shown and "1.00M/1.00M" in shown
+    out = str(tmp_path / "o2.safetensors")
+    assert run_on_terminal("export", "-q", str(tmp_path / "ckpt"), out) == ""
