@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, interop, libraries, memory, report, timing
+from bench import cases, interop, libraries, memory, object_store, report, timing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
@@ -55,8 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--case",
         action="append",
-        choices=[c.name for c in cases.CASES] + list(interop.CASES),
-        help="run only this case (repeatable); default: all",
+        choices=[c.name for c in cases.CASES] + list(interop.CASES) + list(object_store.CASE_NAMES),
+        help="run only this case (repeatable); default: all but s3-1gib",
     )
     p.add_argument(
         "--libs", default=None, help=f"comma-separated subset of {','.join(libraries.LIBRARIES)}"
@@ -228,8 +228,12 @@ def _measure_repeated_loads(args: argparse.Namespace, scratch: str) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
-    chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES)
-    selected = [cases.get_case(n) for n in chosen if n not in interop.CASES]
+    chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES) + list(
+        object_store.DEFAULT_CASES
+    )
+    others = (*interop.CASES, *object_store.CASE_NAMES)
+    selected = [cases.get_case(n) for n in chosen if n not in others]
+    on_s3 = [n for n in chosen if n in object_store.CASE_NAMES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
     scratch = libraries.scratch_dir(args.tmp_dir)
     started = time.strftime("%Y%m%d-%H%M%S")
@@ -316,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_memory:
             document["repeated_loads"] = _measure_repeated_loads(args, scratch)
             failed |= any("error" in m for m in document["repeated_loads"])
+        if on_s3:
+            document["object_store"] = object_store.run(on_s3, args, _say)
+            failed |= object_store.failed(document["object_store"])
     finally:
         libraries.remove(scratch)
     verdicts = report.evaluate(results)

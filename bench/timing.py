@@ -202,10 +202,15 @@ def time_case(
                 progress(f"  {lib.name}: FAILED: {result.error}")
                 progress(traceback.format_exc(limit=4))
         if not warm:
-            line = ", ".join(
-                f"{name} {r.save_s[-1]:.3f}/{r.load_s[-1]:.3f}"
-                for name, r in results.items()
-                if r.error is None and r.save_s
-            )
-            progress(f"  repeat {round_no - warmup + 1}/{repeats} save/load s: {line}")
+            progress(repeat_line(results, round_no - warmup + 1, repeats))
     return results
+
+
+def repeat_line(results: dict[str, LibraryTimes], number: int, repeats: int) -> str:
+    """The progress line of timed repeat ``number``: each library's last save/load times."""
+    line = ", ".join(
+        f"{name} {r.save_s[-1]:.3f}/{r.load_s[-1]:.3f}"
+        for name, r in results.items()
+        if r.error is None and r.save_s
+    )
+    return f"  repeat {number}/{repeats} save/load s: {line}"

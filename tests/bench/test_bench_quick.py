@@ -1,9 +1,9 @@
 """Keeps the benchmark harness (bench/) from rotting: its quick mode, on tiny sizes.
 
 No timing assertions: the harness is the judge of speed. This checks that
-every case runs every library, that each library's loaded values matched
-what was saved, that memory was measured in subprocesses, and that every
-target of issue 3 got a verdict.
+every case runs every library (the object-store cases too), that each
+library's loaded values matched what was saved, that memory was measured in
+subprocesses, and that every target of issue 3 got a verdict.
 """
 
 import json
@@ -77,3 +77,15 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     assert len(verdicts) == 16 + 3
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
     assert "== targets" in proc.stdout
+
+    # The object-store cases (bench/object_store.py), against a local S3 server.
+    s3 = doc["object_store"]
+    assert set(s3["cases"]) == {"s3-256mib", "s3-small"}
+    assert set(s3["unavailable"]) == {"orbax"}  # It cannot reach a local server.
+    for name, case in s3["cases"].items():
+        assert set(case["times"]) == {"raw", "checkpointables"}, name
+        for lib, result in case["times"].items():
+            assert result["error"] is None and result["verified"], (name, lib, result["error"])
+        for op in ("save", "load"):
+            assert case["requests"]["checkpointables"][op]["total"] > 0, (name, op)
+    assert {t["verdict"] for t in s3["targets"]} <= {"PASS", "FAIL"}, s3["targets"]

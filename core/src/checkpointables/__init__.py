@@ -24,6 +24,7 @@ from checkpointables import (
     progress,
     readers,
     serialization,
+    storage,
     training,
 )
 from checkpointables._asyncio import AsyncResponse
@@ -99,5 +100,6 @@ __all__ = [
     "progress",
     "readers",
     "serialization",
+    "storage",
     "training",
 ]

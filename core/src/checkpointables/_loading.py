@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 from etils import epath
 
 from checkpointables import (
+    _commit,
     _confinement,
     _gc,
     _inflight,
@@ -17,7 +19,11 @@ from checkpointables import (
     metadata_checksums,
 )
 from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
-from checkpointables.checkpoint_metadata import CheckpointMetadata, read_checkpoint_metadata
+from checkpointables.checkpoint_metadata import (
+    CHECKPOINT_METADATA_FILE,
+    CheckpointMetadata,
+    read_checkpoint_metadata,
+)
 from checkpointables.context import Context, get_context
 from checkpointables.path._parse import as_path
 
@@ -32,11 +38,53 @@ class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
 def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
     """Validates ``path`` as a finished checkpoint that stays inside its directory, and reads
     its metadata."""
+    opened = open_for_load(path, context)
+    return opened.path, opened.meta
+
+
+@attrs.frozen
+class Opened:
+    """A checkpoint opened for loading: its path, its metadata and its identity."""
+
+    path: epath.Path
+    meta: dict[str, Any]
+    identity: Any  # See _commit.identity; checked again when the load ends.
+
+    def check_unchanged(self, error: BaseException | None) -> None:
+        """Raises ``CheckpointChangedError`` if the checkpoint was replaced since it was opened."""
+        _commit.check_unchanged(self.path, self.identity, error)
+
+
+def open_for_load(path: epath.PathLike, context: Context) -> Opened:
+    """Validates ``path`` as a finished checkpoint that stays inside its directory, notes
+    which one, reads its metadata."""
     path = as_path(path)
     _inflight.wait_for(path, context.async_options.timeout_secs)
-    layout.validate_checkpoint_directory(path)
-    _confinement.check_contained(path)
-    return path, read_checkpoint_metadata(path)
+    with context:  # An object store is reached as the context says.
+        # The identity first: a replacement after this is noticed when the load ends.
+        identity = _commit.identity(path)
+        if (
+            identity is None
+            or layout.local_path(path) is not None
+            or layout.is_temporary_path(path)
+        ):
+            layout.validate_checkpoint_directory(path)
+            if identity is None:  # Committed just now.
+                identity = _commit.identity(path)
+                _commit.check_unchanged(path, identity, None)
+        _confinement.check_contained(path)
+        try:
+            return Opened(path, read_checkpoint_metadata(path), identity)
+        except errors.CheckpointError as e:  # Damaged, or replaced while opened?
+            _commit.check_unchanged(path, identity, e)
+            raise
+        except FileNotFoundError:
+            # Committed (validated above) but without its metadata: damaged or deleted meanwhile.
+            _commit.check_unchanged(path, identity, None)
+            raise errors.NotACheckpointError(
+                f"{path} has a commit marker but no {CHECKPOINT_METADATA_FILE}; it is not a "
+                f"checkpoint this library can read."
+            ) from None
 
 
 def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:
@@ -115,8 +163,7 @@ def _requested(
 
 
 def load_items_async(
-    path: epath.Path,
-    meta: Mapping[str, Any],
+    opened: Opened,
     items: Mapping[str, tuple[epath.Path, Any]],
     context: Context,
     *,
@@ -125,8 +172,11 @@ def load_items_async(
     """Loads ``{name: (directory, abstract)}`` with the recorded handlers.
 
     With ``wait`` (a synchronous load) the reading runs on the caller's thread
-    and the returned response is already done.
+    and the returned response is already done. A load that fails, or ends
+    after the checkpoint was replaced, raises ``CheckpointChangedError`` if
+    the checkpoint changed meanwhile.
     """
+    path, meta = opened.path, opened.meta
     typestrs = recorded_typestrs(meta)
     flat_typestr = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
     instances = {}
@@ -150,15 +200,27 @@ def load_items_async(
         )
 
     def background() -> dict[str, Any]:
-        values = run_sync(
-            gather_awaitables(
-                [named(n, d, a) for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)]
+        try:
+            values = run_sync(
+                gather_awaitables(
+                    [
+                        named(n, d, a)
+                        for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)
+                    ]
+                )
             )
-        )
+        except Exception as e:
+            opened.check_unchanged(e)
+            raise
+        opened.check_unchanged(None)
         return dict(zip(items, values, strict=True))
 
     with context:  # Handlers read options through get_context().
-        awaitables = run_sync(blocking_phase())
+        try:
+            awaitables = run_sync(blocking_phase())
+        except Exception as e:
+            opened.check_unchanged(e)
+            raise
         return start_background(background, f"load of {path}", daemon=True, inline=wait)
 
 
@@ -176,10 +238,16 @@ def load_checkpointables_async(
     name as saved) and guides each load; ``None`` loads everything.
     """
     context = get_context(context)
-    path, meta = open_checkpoint(path, context)
-    requested = _requested(path, meta, abstract_checkpointables)
+    opened = open_for_load(path, context)
+    path = opened.path
+    try:
+        with context:
+            requested = _requested(path, opened.meta, abstract_checkpointables)
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
     return load_items_async(
-        path, meta, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
+        opened, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
     )
 
 
@@ -222,7 +290,8 @@ def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[st
     context = get_context()
     path, meta = open_checkpoint(path, context)
     typestrs = recorded_typestrs(meta)
-    names = available_checkpointables(path, meta)
+    with context:
+        names = available_checkpointables(path, meta)
     result = {n: item_metadata(path / n, n, typestrs.get(n), context) for n in names}
     return checkpoint_metadata_for(path, meta, result)
 

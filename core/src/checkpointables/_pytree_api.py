@@ -17,6 +17,7 @@ from checkpointables import (
     layout,
     metadata_checksums,
     readers,
+    storage,
 )
 from checkpointables._asyncio import AsyncResponse, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
@@ -112,7 +113,7 @@ def find_pytree(
             )
         return checkpointable_name, path / checkpointable_name
     if isinstance(meta.get("item_handlers"), str) or (
-        not typestrs and (path / TREE_METADATA_FILE).exists()
+        not typestrs and storage.exists(path / TREE_METADATA_FILE)
     ):
         return DEFAULT_NAME, path  # A flat (Orbax V0) checkpoint: the pytree is the root.
     try:
@@ -124,7 +125,7 @@ def find_pytree(
         recorded = typestrs.get(name)
         if recorded is not None and registration is not None:
             return registration.matches_typestr(recorded)
-        return (path / name / TREE_METADATA_FILE).exists()
+        return storage.exists(path / name / TREE_METADATA_FILE)
 
     ordered = [n for n in PREFERRED_NAMES if n in available] + [
         n for n in available if n not in PREFERRED_NAMES
@@ -201,10 +202,15 @@ def _start_load(
     if reader is not None:  # Another format (e.g. safetensors), read by a plugin.
         _no_name_for_readers(path, checkpointable_name)
         return readers.load_async(reader, as_path(path), abstract_pytree, context, wait=wait)
-    path, meta = _loading.open_checkpoint(path, context)
-    name, directory = find_pytree(path, meta, checkpointable_name)
+    opened = _loading.open_for_load(path, context)
+    try:
+        with context:
+            name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
     response = _loading.load_items_async(
-        path, meta, {name: (directory, abstract_pytree)}, context, wait=wait
+        opened, {name: (directory, abstract_pytree)}, context, wait=wait
     )
     return _Unwrapped(response, name)
 
@@ -265,7 +271,8 @@ def pytree_metadata(
         _no_name_for_readers(path, checkpointable_name)
         return readers.metadata(reader, as_path(path), context)
     path, meta = _loading.open_checkpoint(path, context)
-    name, directory = find_pytree(path, meta, checkpointable_name)
+    with context:
+        name, directory = find_pytree(path, meta, checkpointable_name)
     recorded = _loading.recorded_typestrs(meta).get(name)
     if recorded is None and isinstance(meta.get("item_handlers"), str):
         recorded = meta["item_handlers"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from etils import epath
 
 from checkpointables import (
+    _commit,
     _gc,
     _inflight,
     _os_errors,
@@ -16,9 +18,9 @@ from checkpointables import (
     errors,
     handlers,
     layout,
-    metadata_checksums,
     multihost,
     safe_json,
+    storage,
 )
 from checkpointables._asyncio import (
     AsyncResponse,
@@ -75,12 +77,15 @@ def save_checkpointables_async(
     metrics: Mapping[str, Any] | None = None,
     forced_handlers: Mapping[str, type] | None = None,
     context: Context | None = None,
+    replace_unfinished: bool = False,
 ) -> AsyncResponse[None]:
     """Saves several checkpointables into one checkpoint; returns after the blocking phase.
 
     Each checkpointable goes to ``path/<name>/`` through the handler chosen for
-    it (see ``cp.handlers``). Nothing appears at ``path`` until every handler
-    finished and the checkpoint is committed.
+    it (see ``cp.handlers``). Nothing counts as a checkpoint at ``path`` until
+    every handler finished and the checkpoint is committed (see ``_commit``).
+    ``replace_unfinished`` (for the Checkpointer, sole writer of its root)
+    replaces an object-store save that did not finish even if it may be running.
 
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
@@ -90,7 +95,7 @@ def save_checkpointables_async(
     Raises (by the response, after a failed write): cp.errors.DiskFullError, ...
     """
     context = get_context(context)
-    path = as_path(path)
+    path = _commit.resolve_final(as_path(path))
     layout.validate_checkpointables_dict(checkpointables)
     _user_paths.check_name_lengths(path, checkpointables)
     custom = _json_or_raise(custom_metadata, "custom_metadata")
@@ -101,80 +106,80 @@ def save_checkpointables_async(
         raise errors.InvalidArgumentError(
             f"{path} has a temporary directory's name; choose another path."
         )
-    if path.exists() and not overwrite:
-        raise errors.CheckpointExistsError(
-            f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
-            f"removed only after the new one is complete), or choose another path."
-        )
     chosen = resolve_save_handlers(checkpointables, context, forced_handlers)
     init_ns = time.time_ns()
     primary = multihost.is_primary_host(context)
-    # Every process must use the same temporary directory: the primary names it.
+    # Every process must write to the same place: the primary names it.
     operation = f"save/{multihost.next_operation_id()}" if multihost.is_coordinated(context) else ""
+    with context:  # The storage of an object store is configured by the context.
+        _commit.check_can_save(
+            path,
+            overwrite=overwrite,
+            replace_unfinished=replace_unfinished,
+            timeout_secs=timeout,
+            operation=operation,
+        )
     if primary:
         with _os_errors.translated(f"saving {path}"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = epath.Path(
+            storage.make_dirs(path.parent)
+    root = epath.Path(
         multihost.broadcast_from_primary(
             f"{operation}/tmp",
-            str(layout.temporary_path_for(path)) if primary else None,
+            str(_commit.write_root_for(path)) if primary else None,
             context=context,
         )
     )
+    with context:  # The target keeps the storage the context configures.
+        target = _commit.target_for(path, root, overwrite=overwrite, timeout_secs=timeout)
     mode = context.file_options.path_permission_mode
 
     def create_directories() -> None:
         error = None
         if primary:
             try:
-                tmp.mkdir(mode=mode if mode is not None else 0o777)
-                for name in checkpointables:
-                    (tmp / name).mkdir(mode=mode if mode is not None else 0o777)
+                target.create(checkpointables, mode)
             except OSError as e:
                 error = e
         multihost.sync_global_processes(f"{operation}/created", error=error, context=context)
 
-    root = PathAwaitingCreation(tmp, create_directories)
+    directory = PathAwaitingCreation(root, create_directories)
 
     async def blocking_phase() -> list[Any]:
         return await gather_awaitables(
             [
-                instance.save(root / name, checkpointables[name])
+                instance.save(directory / name, checkpointables[name])
                 for name, (_, instance) in chosen.items()
             ]
         )
+
+    def discard() -> None:
+        if primary:
+            with contextlib.suppress(Exception):
+                target.discard()
 
     try:
         with context, _os_errors.translated(f"saving {path}"):  # Handlers read get_context().
             background_awaitables = run_sync(blocking_phase())
     except BaseException:
-        if primary:
-            layout.remove_tree(tmp)
+        discard()
         raise
 
     def commit() -> None:
         for name, (_, instance) in chosen.items():
             finalize = getattr(instance, "finalize", None)
             if finalize is not None:
-                run_sync(finalize(tmp / name))
-        layout.write_file(tmp / layout.MARKER_FILE, "")
-        layout.write_file(
-            tmp / layout.COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {path}"
+                run_sync(finalize(root / name))
+        metadata = checkpoint_metadata_json(
+            item_handlers={name: ts for name, (ts, _) in chosen.items()},
+            custom_metadata=custom,
+            metrics=metric_values,
+            init_timestamp_nsecs=init_ns,
+            commit_timestamp_nsecs=time.time_ns(),
         )
-        # Flushed with every other file of the checkpoint, just below.
-        layout.write_file(
-            tmp / CHECKPOINT_METADATA_FILE,
-            checkpoint_metadata_json(
-                item_handlers={name: ts for name, (ts, _) in chosen.items()},
-                custom_metadata=custom,
-                metrics=metric_values,
-                init_timestamp_nsecs=init_ns,
-                commit_timestamp_nsecs=time.time_ns(),
-            ),
+        target.publish(
+            {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata},
+            marker=f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n",
         )
-        metadata_checksums.record(tmp)
-        layout.fsync_tree(tmp)
-        layout.commit(tmp, path, overwrite=overwrite)
 
     def background() -> None:
         with _os_errors.translated(f"saving {path}"):
@@ -183,8 +188,12 @@ def save_checkpointables_async(
     def write_and_commit() -> None:
         error: BaseException | None = None
         try:
-            root.create_now()
-            run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
+            try:
+                directory.create_now()
+            finally:
+                # Run even if the creation failed: each handler then fails where it awaits
+                # the directory, and cleans up what it started.
+                run_sync(gather_awaitables([a for a in background_awaitables if a is not None]))
         except BaseException as e:
             error = e
         try:
@@ -199,8 +208,7 @@ def save_checkpointables_async(
             # ... and nobody returns before the checkpoint is visible.
             multihost.sync_global_processes(f"{operation}/committed", error=error, context=context)
         except BaseException:
-            if primary:
-                layout.remove_tree(tmp)
+            discard()
             raise
 
     with context:

@@ -22,6 +22,7 @@ from checkpointables import (
     layout,
     metadata_checksums,
     progress,
+    storage,
 )
 from checkpointables._asyncio import run_sync
 from checkpointables._pytree_api import TREE_METADATA_FILE
@@ -136,7 +137,7 @@ def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
         return [*findings, Finding("checkpoint", str(e))]
     typestrs = _loading.recorded_typestrs(meta)
     flat = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
-    if flat is not None or (not typestrs and (path / TREE_METADATA_FILE).exists()):
+    if flat is not None or (not typestrs and storage.exists(path / TREE_METADATA_FILE)):
         return [*findings, *_item_findings("<root>", path, flat)]  # Orbax V0's flat layout.
     for name in layout.checkpointable_directories(path, typestrs):
         findings += _item_findings(name, path / name, typestrs.get(name))

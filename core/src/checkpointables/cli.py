@@ -45,6 +45,8 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    pytree reader {reader.name}: priority {reader.priority}")
         for command in info.commands:
             print(f"    command {command.name}: {command.help}")
+        for storage in info.storages:
+            print(f"    storage {storage.scheme}://")
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")

@@ -26,6 +26,7 @@ _OPTION_TYPES: dict[str, type] = {
     "pytree_options": options_lib.PyTreeOptions,
     "array_options": options_lib.ArrayOptions,
     "checkpointables_options": options_lib.CheckpointablesOptions,
+    "storage_options": options_lib.StorageOptions,
 }
 
 
@@ -55,6 +56,7 @@ class _Defaults:
     checkpointables_options: options_lib.CheckpointablesOptions = (
         options_lib.CheckpointablesOptions()
     )
+    storage_options: options_lib.StorageOptions = options_lib.StorageOptions()
 
 
 _defaults = _Defaults()
@@ -90,7 +92,8 @@ class Context:
         _check_options(options)
         self._parent = context if context is not None else _active.get()
         self._overrides = {k: v for k, v in options.items() if v is not None}
-        self._tokens: list[contextvars.Token[Context | None]] = []
+        # Per thread: one context may be entered by a caller and its background work at once.
+        self._local = threading.local()
 
     def _get(self, name: str) -> Any:
         if name in self._overrides:
@@ -129,16 +132,22 @@ class Context:
         """The ``CheckpointablesOptions`` in force."""
         return self._get("checkpointables_options")
 
+    @property
+    def storage_options(self) -> options_lib.StorageOptions:
+        """The ``StorageOptions`` in force (object stores)."""
+        return self._get("storage_options")
+
     def replace(self, **options: Any) -> Context:
         """Returns a context with some options replaced (``self`` is unchanged)."""
         return Context(self, **options)
 
     def __enter__(self) -> Context:
-        self._tokens.append(_active.set(self))
+        tokens = self._local.__dict__.setdefault("tokens", [])
+        tokens.append(_active.set(self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _active.reset(self._tokens.pop())
+        _active.reset(self._local.tokens.pop())
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={self._get(k)!r}" for k in _OPTION_TYPES)

@@ -32,6 +32,8 @@ __all__ = [
     "OutsideCheckpointError",
     "DiskFullError",
     "NameTooLongError",
+    "StorageError",
+    "CheckpointChangedError",
 ]
 
 
@@ -129,3 +131,13 @@ class NameTooLongError(CheckpointError, OSError):
     Raised before anything is written when a checkpoint's or a checkpointable's
     name cannot be stored; choose a shorter name.
     """
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading, writing, listing or deleting in storage failed (e.g. an object store refused
+    or kept failing a request); the message names the path and what to check."""
+
+
+class CheckpointChangedError(CheckpointError, RuntimeError):
+    """A checkpoint was replaced or deleted while it was being read (e.g. by a save with
+    ``overwrite=True`` in another process). Nothing is damaged: read it again."""

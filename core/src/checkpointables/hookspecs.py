@@ -104,3 +104,20 @@ def register_commands(register: Callable[..., Any]) -> None:
     Returns:
       Nothing.
     """
+
+
+@hookspec
+def register_storage(register: Callable[..., Any]) -> None:
+    """Registers storage backends for URL schemes (``s3://``, ``gs://``, ...).
+
+    Called once per plugin when a path with a scheme is first used, and again
+    after ``cp.plugins.refresh()``. See ``cp.storage``.
+
+    Args:
+      register: call it as ``register(scheme, factory)``, e.g. ``register("s3",
+        factory)``, where ``factory(context)`` returns a ``cp.storage.Storage``
+        configured by ``context`` (a ``cp.Context``; its ``storage_options``).
+
+    Returns:
+      Nothing.
+    """

@@ -1,10 +1,12 @@
 """The checkpoint directory: names, validation, temporary paths and the atomic commit.
 
-A checkpoint is written under a temporary sibling directory and renamed into
-place only after every handler finished and ``_CHECKPOINT_METADATA`` is
-written and flushed to disk. An interrupted save therefore leaves at most a
-directory whose name says it is temporary; it is never mistaken for a
-checkpoint and never touches an existing one.
+On a local disk a checkpoint is written under a temporary sibling directory
+and renamed into place only after every handler finished and
+``_CHECKPOINT_METADATA`` is written and flushed to disk. An interrupted save
+therefore leaves at most a directory whose name says it is temporary; it is
+never mistaken for a checkpoint and never touches an existing one. On object
+stores a checkpoint counts once its ``commit_success.txt`` exists (see
+``_commit``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from etils import epath
 
-from checkpointables import errors
+from checkpointables import errors, storage
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
 from checkpointables.metadata_checksums import CHECKSUMS_FILE
 from checkpointables.path._parse import as_path
@@ -135,7 +137,7 @@ def read_text(path: epath.PathLike) -> str:
     """The text of a file, local or remote."""
     local = local_path(path)
     if local is None:
-        return epath.Path(path).read_text()
+        return storage.read_text(path)
     with open(local, encoding="utf-8") as f:
         return f.read()
 
@@ -156,6 +158,9 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         and os.path.isfile(os.path.join(local, CHECKPOINT_METADATA_FILE))
     ):
         return  # The usual case, checked cheaply; anything else gets the full story below.
+    if local is None:
+        _validate_remote_checkpoint(path)
+        return
     if not path.exists():
         raise errors.CheckpointNotFoundError(f"No checkpoint at {path}: the path does not exist.")
     if not path.is_dir():
@@ -177,8 +182,47 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         )
 
 
+def _validate_remote_checkpoint(path: epath.Path) -> None:
+    """``validate_checkpoint_directory`` on an object store: committed iff it has the marker."""
+    store = storage.for_path(path)
+    text = os.fspath(path).rstrip("/")
+    if is_temporary_path(path):
+        raise errors.NotACheckpointError(
+            f"{path} is the temporary directory of a save that did not finish; it is not a "
+            f"checkpoint. Load the final path instead, or delete it."
+        )
+    if store.is_file(f"{text}/{COMMIT_SUCCESS_FILE}"):
+        return
+    names = sorted(e.name for e in store.list_dir(text))
+    if not names:
+        if store.is_file(text):
+            raise errors.NotACheckpointError(f"{path} is an object, not a checkpoint directory.")
+        raise errors.CheckpointNotFoundError(
+            f"No checkpoint at {path}: nothing is stored under that prefix."
+        )
+    hint = ""
+    if any(store.is_file(f"{text}/{n}/{COMMIT_SUCCESS_FILE}") for n in names[:8]):
+        hint = " It looks like a root of several checkpoints: load one of its steps."
+    raise errors.NotACheckpointError(
+        f"{path} is not a finished checkpoint: it has no {COMMIT_SUCCESS_FILE}, so a save to it "
+        f"is still running or was interrupted (it holds {names[:8]}).{hint} Wait for the save, "
+        f"or save again."
+    )
+
+
 def is_checkpoint(path: epath.PathLike) -> bool:
-    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0)."""
+    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
+
+    On an object store: whether it has its commit marker (one request).
+    """
+    if local_path(path) is None:
+        path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
+        if is_temporary_path(path):
+            return False
+        try:
+            return storage.is_file(f"{os.fspath(path).rstrip('/')}/{COMMIT_SUCCESS_FILE}")
+        except OSError:
+            return False
     try:
         validate_checkpoint_directory(as_path(path))
     except (FileNotFoundError, errors.NotACheckpointError, OSError):
@@ -282,9 +326,10 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
     aside: epath.Path | None = None
     if final.exists():
         if not overwrite:
-            raise FileExistsError(
-                f"{final} appeared while the save was running; the new checkpoint is kept at "
-                f"{tmp}. Pass overwrite=True to replace it."
+            raise errors.CheckpointExistsError(
+                f"{final} appeared while the save was running (another save committed it first), "
+                f"so this save was not committed and its files were discarded. Pass "
+                f"overwrite=True to replace it, or save to another path."
             )
         if _exchange(os.fspath(tmp), os.fspath(final)):
             _fsync(os.fspath(final.parent), directory=True)
@@ -311,8 +356,7 @@ def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> lis
         }
         names.update(c for c in children if c not in RESERVED_NAMES and not c.startswith("."))
         return sorted(names)
-    names = {n for n in recorded if (path / n).is_dir()}
-    for child in path.iterdir():
-        if child.is_dir() and child.name not in RESERVED_NAMES and not child.name.startswith("."):
-            names.add(child.name)
+    directories = {e.name for e in storage.list_dir(path) if e.is_dir}
+    names = {n for n in recorded if n in directories}
+    names.update(n for n in directories if n not in RESERVED_NAMES and not n.startswith("."))
     return sorted(names)

@@ -41,7 +41,7 @@ from collections.abc import Iterator, Mapping
 import attrs
 from etils import epath
 
-from checkpointables import errors, safe_json
+from checkpointables import errors, safe_json, storage
 
 __all__ = [
     "CHECKSUMS_FILE",
@@ -75,7 +75,7 @@ def _crc32_of_file(path: str, size: int) -> int:
     if size == 0:
         return 0  # The marker file; nothing to read.
     if not _is_local(path):
-        return zlib.crc32(epath.Path(path).read_bytes())
+        return zlib.crc32(storage.read_bytes(path))
     crc = 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # Cheaper than open() for small files.
     try:
@@ -89,6 +89,8 @@ def _crc32_of_file(path: str, size: int) -> int:
 def _covered_files(checkpoint: str) -> Iterator[tuple[str, str, int]]:
     """``(name in the table, path, size)`` of every file the table covers, in name order."""
     for name, kind, size in _entries(checkpoint):
+        if name.startswith("."):
+            continue  # Not part of the checkpoint (e.g. a save's record on an object store).
         path = f"{checkpoint.rstrip('/')}/{name}"
         if kind == "dir":
             for child, child_kind, child_size in _entries(path):
@@ -99,15 +101,14 @@ def _covered_files(checkpoint: str) -> Iterator[tuple[str, str, int]]:
 
 
 def _entries(directory: str) -> list[tuple[str, str, int]]:
-    """``(name, "file" | "dir" | "other", size)`` of each entry (symlinks are "other")."""
+    """``(name, "file" | "dir" | "other", size)`` of each entry (symlinks are "other").
+
+    On an object store sizes are not listed: they are -1 (unknown), so every
+    file at the covered levels is covered (they are small metadata files there too).
+    """
     if not _is_local(directory):
-        result = []
-        for child in epath.Path(directory).iterdir():
-            if child.is_dir():
-                result.append((child.name, "dir", 0))
-            else:
-                result.append((child.name, "file", child.stat().length))
-        return sorted(result)
+        listed = storage.list_dir(directory)
+        return sorted((e.name, "dir" if e.is_dir else "file", -1) for e in listed)
     result = []
     with os.scandir(directory) as entries:
         for entry in entries:
@@ -145,7 +146,7 @@ def record(checkpoint: epath.PathLike) -> None:
         finally:
             os.close(fd)
     else:
-        epath.Path(target).write_bytes(_sealed(files))
+        storage.write_bytes(target, _sealed(files))
 
 
 # -- Reading ------------------------------------------------------------------------
@@ -221,7 +222,7 @@ def _look_for_table(directory: str) -> _Table | None:
     path = os.path.join(directory, CHECKSUMS_FILE)
     if not _is_local(path):
         try:
-            return _Table(path, epath.Path(path).read_bytes())
+            return _Table(path, storage.read_bytes(path))
         except FileNotFoundError:
             return None
     try:
@@ -291,7 +292,7 @@ def read_checked(path: epath.PathLike) -> CheckedFile:
             with open(text_path, "rb") as f:
                 data = f.read()
         else:
-            data = epath.Path(text_path).read_bytes()
+            data = storage.read_bytes(text_path)
     except FileNotFoundError:
         if covering is not None and covering[1] in covering[0].files:
             raise _mismatch(text_path, covering, "is missing") from None

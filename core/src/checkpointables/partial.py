@@ -22,6 +22,15 @@ directories (its database only references theirs: no array data is copied),
 and renames the session directory to ``path``. Every step can be repeated, so
 a ``finalize`` (or a ``save``) interrupted at any point is resumed by calling
 it again.
+
+On object stores, which cannot rename, the session lives at ``path`` itself
+(``path`` counts as a checkpoint only once its ``commit_success.txt`` exists):
+each partial save is an ordinary checkpoint committed at
+``path/pytree/ocdbt.partial_<seq>/`` (its own marker is its commit), and
+``finalize`` builds ``path/pytree/`` from the committed ones, writes
+``_CHECKPOINT_METADATA`` and commits ``path`` with its marker, last. Partial
+saves that were interrupted are deleted by ``finalize``; an interrupted
+``finalize`` is resumed by calling it again.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import _saving, errors, layout, metadata_checksums, multihost
+from checkpointables import _commit, _saving, errors, layout, metadata_checksums, multihost, storage
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, waiting_caller
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_registration
 from checkpointables.checkpoint_metadata import (
@@ -57,8 +66,13 @@ _SEQUENCE = re.compile(r"^(?:staged-|pending-|ocdbt\.partial_)(\d+)")
 
 
 def session_path(path: epath.PathLike) -> epath.Path:
-    """The directory where the partial saves of ``path`` wait for ``finalize``."""
+    """The directory where the partial saves of ``path`` wait for ``finalize``.
+
+    On object stores that is ``path`` itself (see the module's docstring).
+    """
     path = as_path(path)
+    if not _commit.uses_rename(path):
+        return path
     return path.parent / f"{path.name}{SESSION_SUFFIX}"
 
 
@@ -88,10 +102,7 @@ def _sequences(session: epath.Path) -> list[int]:
 
 
 def _names(directory: epath.Path) -> list[str]:
-    try:
-        return os.listdir(os.fspath(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    return [e.name for e in storage.list_dir(directory)]
 
 
 def _check_not_finished(path: epath.Path) -> None:
@@ -99,6 +110,13 @@ def _check_not_finished(path: epath.Path) -> None:
         raise errors.InvalidArgumentError(
             f"{path} has a temporary directory's name; choose another path."
         )
+    if not _commit.uses_rename(path):
+        if layout.is_checkpoint(path):  # Anything else there is this session's.
+            raise errors.CheckpointExistsError(
+                f"{path} already holds a finished checkpoint; a partial save never replaces it. "
+                f"Delete it first, or choose another path."
+            )
+        return
     if path.exists():
         what = "a finished checkpoint" if layout.is_checkpoint(path) else "something"
         raise errors.CheckpointExistsError(
@@ -151,7 +169,11 @@ def save_async(
         sequence = int(multihost.broadcast_from_primary(f"{operation}/seq", str(local)))
         state.last_sequence = sequence
         previous = state.last_save
-        staged = session / f"{_STAGED}{sequence:06d}"
+        in_place = not _commit.uses_rename(path)
+        if in_place:  # Committed where finalize needs it: nothing to move later.
+            staged = session / DEFAULT_NAME / f"{_PARTIAL_PREFIX}{sequence:06d}"
+        else:
+            staged = session / f"{_STAGED}{sequence:06d}"
         try:
             inner = _saving.save_checkpointables_async(
                 staged,
@@ -160,7 +182,7 @@ def save_async(
                 forced_handlers={DEFAULT_NAME: handler_cls},
             )
         except BaseException:
-            if primary:
+            if primary and not in_place:
                 with contextlib.suppress(OSError):
                     session.rmdir()  # Only if this failed save left it empty.
             raise
@@ -171,7 +193,7 @@ def save_async(
             error = None
             try:
                 inner.result()
-                if primary:  # The commit: the staged checkpoint joins the session.
+                if primary and not in_place:  # The commit: the staged checkpoint joins.
                     _rename_durably(staged, session / f"{_PENDING}{sequence:06d}")
             except BaseException as e:
                 error = e
@@ -221,6 +243,19 @@ def _write_metadata(session: epath.Path, meta: Mapping[str, Any], commit_ns: int
     _rename_durably(scratch, session / CHECKPOINT_METADATA_FILE)
 
 
+def _merge_saved_metadata(meta: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Folds one partial save's ``_CHECKPOINT_METADATA`` into the session's ``meta``."""
+    meta["custom_metadata"] = _merge_json(
+        meta["custom_metadata"], saved.get("custom_metadata") or {}
+    )
+    handlers = saved.get("item_handlers")
+    if isinstance(handlers, dict) and handlers.get(DEFAULT_NAME):
+        meta["item_handlers"] = {DEFAULT_NAME: handlers[DEFAULT_NAME]}
+    init = saved.get("init_timestamp_nsecs")
+    if isinstance(init, int):
+        meta["init_timestamp_nsecs"] = min(meta["init_timestamp_nsecs"] or init, init)
+
+
 def _fold_pending(session: epath.Path, meta: dict[str, Any]) -> None:
     """Moves every pending save into the session's pytree directory, oldest first.
 
@@ -234,16 +269,7 @@ def _fold_pending(session: epath.Path, meta: dict[str, Any]) -> None:
         sequence = int(_SEQUENCE.match(directory.name).group(1))  # type: ignore[union-attr]
         moved = pytree_dir / f"{_PARTIAL_PREFIX}{sequence:06d}"
         if (directory / DEFAULT_NAME).exists():
-            saved = read_checkpoint_metadata(directory)
-            meta["custom_metadata"] = _merge_json(
-                meta["custom_metadata"], saved.get("custom_metadata") or {}
-            )
-            handlers = saved.get("item_handlers")
-            if isinstance(handlers, dict) and handlers.get(DEFAULT_NAME):
-                meta["item_handlers"] = {DEFAULT_NAME: handlers[DEFAULT_NAME]}
-            init = saved.get("init_timestamp_nsecs")
-            if isinstance(init, int):
-                meta["init_timestamp_nsecs"] = min(meta["init_timestamp_nsecs"] or init, init)
+            _merge_saved_metadata(meta, read_checkpoint_metadata(directory))
             # The metadata first: once the pytree moves, this save's metadata is gone.
             _write_metadata(session, meta, time.time_ns())
             pytree_dir.mkdir(exist_ok=True)
@@ -291,12 +317,8 @@ def _remove_leftovers(session: epath.Path) -> None:
         (session / name).unlink(missing_ok=True)
 
 
-def _merge_pytrees(session: epath.Path) -> None:
-    pytree_dir = session / DEFAULT_NAME
-    sources = sorted(
-        (p for p in pytree_dir.iterdir() if p.name.startswith(_PARTIAL_PREFIX)),
-        key=lambda p: p.name,
-    )
+def _merge_pytrees(sources: list[epath.Path], pytree_dir: epath.Path) -> None:
+    """Builds ``pytree_dir`` from the partial saves' pytree directories ``sources``."""
     registration = pytree_registration()
     merge = getattr(registration.handler_cls(), "merge_partial", None)
     if merge is None:
@@ -329,7 +351,10 @@ def finalize(path: epath.PathLike) -> None:
         error: BaseException | None = None
         if multihost.is_primary_host():
             try:
-                _finalize_session(path, session)
+                if _commit.uses_rename(path):
+                    _finalize_session(path, session)
+                else:
+                    _finalize_in_place(path)
             except BaseException as e:
                 error = e
         multihost.sync_global_processes(f"{operation}/finalized", error=error)
@@ -353,7 +378,11 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
             f"The partial save session {session} holds no committed partial save (they failed or "
             f"were interrupted). Call cp.partial.save({str(path)!r}, ...) again."
         )
-    _merge_pytrees(session)
+    sources = sorted(
+        (p for p in pytree_dir.iterdir() if p.name.startswith(_PARTIAL_PREFIX)),
+        key=lambda p: p.name,
+    )
+    _merge_pytrees(sources, pytree_dir)
     if meta["init_timestamp_nsecs"] is None:
         meta["init_timestamp_nsecs"] = time.time_ns()
     (session / layout.MARKER_FILE).touch()
@@ -362,3 +391,51 @@ def _finalize_session(path: epath.Path, session: epath.Path) -> None:
     metadata_checksums.record(session)
     layout.fsync_tree(session)
     layout.commit(session, path, overwrite=False)
+
+
+def _finalize_in_place(path: epath.Path) -> None:
+    """``finalize`` on an object store: build ``path/pytree`` from the committed partial saves.
+
+    Every step can be repeated: what an interrupted call built is rebuilt.
+    """
+    pytree_dir = path / DEFAULT_NAME
+    parts = sorted(n for n in _names(pytree_dir) if n.startswith(_PARTIAL_PREFIX))
+    committed = [n for n in parts if layout.is_checkpoint(pytree_dir / n)]
+    for name in parts:
+        if name not in committed:
+            _commit.remove_unfinished(pytree_dir / name)  # Interrupted: never happened.
+    if not committed:
+        raise errors.CheckpointNotFoundError(
+            f"No committed partial save of {path} (they failed, were interrupted, or none was "
+            f"made). Call cp.partial.save({str(path)!r}, ...) first."
+        )
+    # What an interrupted finalize built beside the partial saves is built again.
+    for entry in storage.list_dir(pytree_dir):
+        if not entry.name.startswith(_PARTIAL_PREFIX):
+            storage.remove_tree(pytree_dir / entry.name)
+    for entry in storage.list_dir(path):
+        if entry.name != DEFAULT_NAME:
+            storage.remove_tree(path / entry.name)
+    meta: dict[str, Any] = {
+        "item_handlers": {DEFAULT_NAME: pytree_registration().typestr},
+        "custom_metadata": {},
+        "init_timestamp_nsecs": None,
+    }
+    for name in committed:
+        _merge_saved_metadata(meta, read_checkpoint_metadata(pytree_dir / name))
+    _merge_pytrees([pytree_dir / n / DEFAULT_NAME for n in committed], pytree_dir)
+    storage.write_text(path / layout.MARKER_FILE, "")
+    storage.write_text(
+        path / CHECKPOINT_METADATA_FILE,
+        checkpoint_metadata_json(
+            item_handlers=meta["item_handlers"],
+            custom_metadata=meta["custom_metadata"],
+            init_timestamp_nsecs=meta["init_timestamp_nsecs"] or time.time_ns(),
+            commit_timestamp_nsecs=time.time_ns(),
+        ),
+    )
+    metadata_checksums.record(path)
+    storage.write_text(
+        path / layout.COMMIT_SUCCESS_FILE,
+        f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n",
+    )

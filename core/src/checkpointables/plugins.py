@@ -37,6 +37,8 @@ __all__ = [
     "leaf_registrations",
     "reader_registrations",
     "command_registrations",
+    "StorageRegistration",
+    "storage_factories",
 ]
 
 ENTRY_POINT_GROUP = "checkpointables"
@@ -105,6 +107,15 @@ class CommandRegistration:
 
 
 @attrs.frozen
+class StorageRegistration:
+    """A storage backend for one URL scheme (``register_storage``), as registered by a plugin."""
+
+    scheme: str
+    factory: Callable[..., Any]
+    plugin: str
+
+
+@attrs.frozen
 class PluginInfo:
     """What :func:`list_plugins` reports about one entry point."""
 
@@ -118,6 +129,7 @@ class PluginInfo:
     leaf_handlers: tuple[LeafRegistration, ...]
     readers: tuple[ReaderRegistration, ...] = ()
     commands: tuple[CommandRegistration, ...] = ()
+    storages: tuple[StorageRegistration, ...] = ()
 
 
 def _default_handler_name(handler_cls: type) -> str:
@@ -221,6 +233,7 @@ class _Discovery:
     leaves: tuple[LeafRegistration, ...]
     readers: tuple[ReaderRegistration, ...] = ()
     commands: tuple[CommandRegistration, ...] = ()
+    storages: tuple[StorageRegistration, ...] = ()
 
 
 @attrs.define
@@ -231,6 +244,7 @@ class _Registered:
     leaves: list[LeafRegistration] = attrs.Factory(list)
     readers: list[ReaderRegistration] = attrs.Factory(list)
     commands: list[CommandRegistration] = attrs.Factory(list)
+    storages: list[StorageRegistration] = attrs.Factory(list)
 
     def extend(self, other: _Registered) -> None:
         """Adds what ``other`` registered to this."""
@@ -238,6 +252,7 @@ class _Registered:
         self.leaves += other.leaves
         self.readers += other.readers
         self.commands += other.commands
+        self.storages += other.storages
 
 
 def _entry_points() -> list[importlib_metadata.EntryPoint]:
@@ -296,11 +311,20 @@ def _load_plugin(
     def make_command(name: str, run: Callable[[Any], int], **kwargs: Any) -> CommandRegistration:
         return make_command_registration(name, run, plugin=ep.name, **kwargs)
 
+    def make_storage(scheme: str, factory: Callable[..., Any]) -> StorageRegistration:
+        if not isinstance(scheme, str) or not scheme.isidentifier() or not callable(factory):
+            raise TypeError(
+                f"register_storage's register() takes a scheme like 's3' and a factory "
+                f"callable, got {scheme!r} and {factory!r}"
+            )
+        return StorageRegistration(scheme, factory, ep.name)
+
     hooks: list[tuple[Any, Callable[..., Any], list[Any]]] = [
         (manager.hook.register_checkpointable_handlers, make_handler, registered.handlers),
         (manager.hook.register_leaf_handlers, make_leaf, registered.leaves),
         (manager.hook.register_pytree_readers, make_reader, registered.readers),
         (manager.hook.register_commands, make_command, registered.commands),
+        (manager.hook.register_storage, make_storage, registered.storages),
     ]
     for hook, make, into in hooks:
         for impl in hook.get_hookimpls():
@@ -334,6 +358,7 @@ def _plugin_info(
         leaf_handlers=tuple(registered.leaves if registered else ()),
         readers=tuple(registered.readers if registered else ()),
         commands=tuple(registered.commands if registered else ()),
+        storages=tuple(registered.storages if registered else ()),
     )
 
 
@@ -384,6 +409,7 @@ def discover(
         leaves=tuple(everything.leaves),
         readers=tuple(sorted(everything.readers, key=lambda r: r.sort_key)),
         commands=tuple(everything.commands),
+        storages=tuple(everything.storages),
     )
 
 
@@ -429,3 +455,11 @@ def reader_registrations() -> tuple[ReaderRegistration, ...]:
 def command_registrations() -> tuple[CommandRegistration, ...]:
     """Subcommands of ``checkpointables`` registered by plugins, in plugin-name order."""
     return _discovery().commands
+
+
+def storage_factories() -> dict[str, Callable[..., Any]]:
+    """Storage backends registered by plugins, by URL scheme (the first plugin by name wins)."""
+    found: dict[str, Callable[..., Any]] = {}
+    for registration in _discovery().storages:
+        found.setdefault(registration.scheme, registration.factory)
+    return found

@@ -6,16 +6,23 @@ unfinished saves and half-deleted steps have names no format parses, so they
 are never listed. Roots written by Orbax's ``CheckpointManager`` qualify too:
 their steps have ``_CHECKPOINT_METADATA`` and keep metrics in a ``metrics/``
 subdirectory, which is read when ``_CHECKPOINT_METADATA`` has none.
+
+On an object store one listing of the root shows every step and whether it
+has its ``commit_success.txt``; the committed steps' metadata is then read
+in parallel (one request each).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 from typing import Any
 
+import attrs
 from etils import epath
 
-from checkpointables import errors, layout, safe_json
+from checkpointables import errors, layout, safe_json, storage
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
@@ -32,7 +39,7 @@ def _orbax_metrics(path: epath.Path) -> dict[str, Any]:
     for name in _ORBAX_METRICS_FILES:
         file = directory / name
         try:
-            value = safe_json.loads(file.read_bytes(), source=file)
+            value = safe_json.loads(storage.read_bytes(file), source=file)
         except FileNotFoundError:
             continue
         except (OSError, errors.MetadataError) as e:
@@ -42,18 +49,21 @@ def _orbax_metrics(path: epath.Path) -> dict[str, Any]:
     return {}
 
 
-def read_step(step: int, path: epath.Path) -> StepInfo:
+def read_step(step: int, path: epath.Path, *, validated: bool = False) -> StepInfo:
     """The ``StepInfo`` of the committed checkpoint at ``path``.
+
+    ``validated``: the caller knows it is committed (from a listing).
 
     Raises:
       FileNotFoundError, cp.errors.NotACheckpointError: ``path`` is not a
         finished checkpoint.
       cp.errors.MetadataError: its ``_CHECKPOINT_METADATA`` is damaged.
     """
-    layout.validate_checkpoint_directory(path)
+    if not validated:
+        layout.validate_checkpoint_directory(path)
     meta = read_checkpoint_metadata(path)
     metrics = meta.get("metrics") or {}
-    if not metrics and (path / _ORBAX_METRICS_DIR).is_dir():
+    if not metrics and storage.is_dir(path / _ORBAX_METRICS_DIR):
         metrics = _orbax_metrics(path)
     commit = meta.get("commit_timestamp_nsecs")
     return StepInfo(
@@ -64,25 +74,70 @@ def read_step(step: int, path: epath.Path) -> StepInfo:
     )
 
 
+@attrs.frozen
+class Listing:
+    """What a root holds: committed steps, and (object stores) step prefixes without a commit."""
+
+    steps: dict[int, StepInfo]
+    unfinished: tuple[epath.Path, ...] = ()
+
+
+def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
+    try:
+        return read_step(step, path, validated=validated)
+    except (FileNotFoundError, errors.NotACheckpointError):
+        return None  # Not committed, or deleted while we looked.
+    except (errors.CheckpointError, OSError) as e:  # Damaged: its metadata, or checksums.
+        logger.warning("Skipping step directory %s: %s", path, e)
+        return None
+
+
 def scan(root: epath.Path, name_format: StepNameFormat) -> dict[int, StepInfo]:
     """Every committed step under ``root``, by step number.
 
     Steps whose metadata cannot be read are left out with a logged warning:
     one damaged step must not stop a run from resuming from the others.
     """
+    return list_root(root, name_format).steps
+
+
+def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
+    """The committed steps under ``root`` and, on object stores, the unfinished ones."""
+    if not storage.is_local(root):
+        return _list_object_store(root, name_format)
     found: dict[int, StepInfo] = {}
     try:
         children = list(root.iterdir())
     except FileNotFoundError:
-        return found
+        return Listing(found)
     for child in children:
         step = name_format.parse_step(child.name)
         if step is None or layout.is_temporary_path(child):
             continue
-        try:
-            found[step] = read_step(step, child)
-        except (FileNotFoundError, errors.NotACheckpointError):
-            continue  # Not committed, or deleted while we looked.
-        except (errors.CheckpointError, OSError) as e:  # Damaged: its metadata, or checksums.
-            logger.warning("Skipping step directory %s: %s", child, e)
-    return found
+        info = _read(step, child, validated=False)
+        if info is not None:
+            found[step] = info
+    return Listing(found)
+
+
+def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing:
+    committed: dict[int, epath.Path] = {}
+    unfinished: dict[str, epath.Path] = {}
+    for key in storage.list_files(root):
+        name, _, rest = key.partition("/")
+        step = name_format.parse_step(name) if rest else None
+        if step is None or layout.is_temporary_path(name):
+            continue
+        if rest == layout.COMMIT_SUCCESS_FILE:
+            committed[step] = root / name
+            unfinished.pop(name, None)
+        elif step not in committed:
+            unfinished.setdefault(name, root / name)
+    # One request per step: many at once (each thread in a copy of this thread's context).
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = {
+            step: pool.submit(contextvars.copy_context().run, _read, step, path, True)
+            for step, path in committed.items()
+        }
+        steps = {step: info for step, f in futures.items() if (info := f.result()) is not None}
+    return Listing(steps, tuple(unfinished.values()))

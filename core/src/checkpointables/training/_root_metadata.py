@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import errors, layout, safe_json
+from checkpointables import errors, layout, safe_json, storage
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def read(root: epath.Path) -> dict[str, Any]:
     for name in (ROOT_METADATA_FILE, _LEGACY_FILE):
         file = root / METADATA_DIR / name
         try:
-            raw = file.read_bytes()
+            raw = storage.read_bytes(file)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         try:
@@ -54,15 +54,19 @@ def read(root: epath.Path) -> dict[str, Any]:
 def write_if_absent(root: epath.Path, custom_metadata: Mapping[str, Any]) -> bool:
     """Writes the root metadata unless a file exists; returns whether it wrote.
 
-    The file appears whole or not at all (written aside, flushed, renamed).
+    The file appears whole or not at all (locally written aside, flushed and
+    renamed; on an object store one PUT is atomic).
     """
     directory = root / METADATA_DIR
     file = directory / ROOT_METADATA_FILE
-    if file.exists() or (directory / _LEGACY_FILE).exists():
+    if storage.exists(file) or storage.exists(directory / _LEGACY_FILE):
         logger.info("Keeping the existing root metadata of %s.", root)
         return False
-    directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"internal_metadata": {}, "custom_metadata": dict(custom_metadata)})
+    if not storage.is_local(file):
+        storage.write_text(file, text)
+        return True
+    directory.mkdir(parents=True, exist_ok=True)
     tmp = layout.temporary_path_for(file)
     try:
         layout.write_file_durably(tmp, text)

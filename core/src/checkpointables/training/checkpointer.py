@@ -19,7 +19,7 @@ How it stays correct when things go wrong:
   then removed. A step being loaded by this process is deleted only after the
   load finished.
 - A new Checkpointer deletes temporary directories whose owner is provably
-  gone (see ``_cleanup``), never another live process's save.
+  gone (see ``checkpointables._leftovers``), never another live process's save.
 """
 
 from __future__ import annotations
@@ -28,21 +28,29 @@ import contextlib
 import logging
 import operator
 import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, _saving, errors, layout, multihost
+from checkpointables import (
+    _commit,
+    _leftovers,
+    _loading,
+    _pytree_api,
+    _saving,
+    errors,
+    layout,
+    multihost,
+    storage,
+)
 from checkpointables._asyncio import AsyncResponse, completed, start_background, waiting_caller
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
 from checkpointables.path._parse import as_path
 from checkpointables.training import (
-    _cleanup,
     _context,
     _listing,
     _metrics,
@@ -167,17 +175,6 @@ class Checkpointer:
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self._root = as_path(root_directory)
-        if self._root.exists() and not self._root.is_dir():
-            raise NotADirectoryError(
-                f"The root directory {self._root} is a file; a Checkpointer needs a directory "
-                f"to hold one checkpoint per step."
-            )
-        if layout.is_checkpoint(self._root):
-            raise errors.InvalidArgumentError(
-                f"{self._root} is itself a checkpoint, not a root of step checkpoints. Pass the "
-                f"directory that holds the steps (probably {self._root.parent}), or load this "
-                f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
-            )
         save_decision_policy = _policy(
             "save_decision_policy",
             save_decision_policy,
@@ -224,11 +221,27 @@ class Checkpointer:
         self._worker = _worker.Worker(f"checkpointables GC {self._root}", self._record_error)
         self._primary = multihost.is_primary_host(self._context)
 
-        if custom is not None and self._primary:
-            _root_metadata.write_if_absent(self._root, custom)
-        self._steps: dict[int, StepInfo] = _listing.scan(self._root, self._name_format)
+        with self._context:  # An object store is reached as the context says.
+            self._check_root()
+            if custom is not None and self._primary:
+                _root_metadata.write_if_absent(self._root, custom)
+            listing = _listing.list_root(self._root, self._name_format)
+        self._steps: dict[int, StepInfo] = listing.steps
         if self._primary:
-            self._start_cleanup()
+            self._start_cleanup(listing.unfinished)
+
+    def _check_root(self) -> None:
+        if storage.is_file(self._root):
+            raise NotADirectoryError(
+                f"The root directory {self._root} is a file; a Checkpointer needs a directory "
+                f"to hold one checkpoint per step."
+            )
+        if layout.is_checkpoint(self._root):
+            raise errors.InvalidArgumentError(
+                f"{self._root} is itself a checkpoint, not a root of step checkpoints. Pass the "
+                f"directory that holds the steps (probably {self._root.parent}), or load this "
+                f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
+            )
 
     # Properties and listing.
 
@@ -272,7 +285,8 @@ class Checkpointer:
         """
         self._wait_for_save()
         self._worker.wait_idle()
-        steps = _listing.scan(self._root, self._name_format)
+        with self._call_context():
+            steps = _listing.scan(self._root, self._name_format)
         with self._lock:
             self._steps = steps
 
@@ -415,7 +429,9 @@ class Checkpointer:
         path = self._step_path(step)
         with self._lock:
             known = step in self._steps
-        if not overwrite and (known or path.exists()):
+        with context:
+            occupied = _commit.occupied(path)
+        if not overwrite and (known or occupied):
             what = "a checkpoint" if known else "a directory that is not a committed checkpoint"
             raise StepAlreadyExistsError(
                 f"Step {step} already exists: {path} holds {what}. Pass overwrite=True to "
@@ -432,6 +448,8 @@ class Checkpointer:
             metrics=metric_values,
             forced_handlers=forced,
             context=context,
+            # This root's only writer: an unfinished save at the step was interrupted.
+            replace_unfinished=True,
         )
         blocked = time.perf_counter() - started
         nbytes = _save_stats.array_bytes(checkpointables)
@@ -560,24 +578,22 @@ class Checkpointer:
                 if self._steps.get(info.step) is info:
                     del self._steps[info.step]
             return True
-        aside = layout.temporary_path_for(info.path, layout.OLD_INFIX)
 
-        def rename_away() -> bool:
+        def retire() -> _commit.Retired | None:
             with self._lock:
                 if self._steps.get(info.step) is not info:
-                    return False  # Overwritten or already deleted since the decision.
-                # FileNotFoundError: deleted by someone else; only our listing was stale.
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(os.fspath(info.path), os.fspath(aside))
+                    return None  # Overwritten or already deleted since the decision.
+                # From here on nobody sees the step (renamed away, or its marker deleted).
+                retired = _commit.retire(info.path)
                 del self._steps[info.step]
-                return True
+                return retired
 
-        ran, renamed = _readers.run_if_unread(info.path, rename_away)
-        if not ran:
-            return False
-        if renamed:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(os.fspath(aside))
+        with self._context:
+            ran, retired = _readers.run_if_unread(info.path, retire)
+            if not ran:
+                return False
+            if retired is not None:
+                retired.remove()
         return True
 
     def _after_read(self) -> None:
@@ -586,9 +602,20 @@ class Checkpointer:
         if retry:
             self._schedule_gc()
 
-    def _start_cleanup(self) -> None:
+    def _start_cleanup(self, unfinished: Sequence[epath.Path]) -> None:
+        """Removes what dead saves and deletions left under the root, in the background.
+
+        ``unfinished``: object-store step prefixes without a commit (each is
+        removed if its record proves it abandoned).
+        """
         timeout = self._context.async_options.timeout_secs
-        entries = _cleanup.abandoned_entries(
+        if not storage.is_local(self._root):
+            if unfinished:
+                self._worker.submit(
+                    lambda: _commit.remove_abandoned(unfinished, timeout_secs=timeout)
+                )
+            return
+        entries = _leftovers.abandoned_entries(
             [self._root, self._root / _root_metadata.METADATA_DIR], timeout_secs=timeout
         )
         if not entries:
@@ -597,7 +624,7 @@ class Checkpointer:
 
         def remove_all() -> None:
             for entry in entries:
-                _cleanup.remove(entry)
+                _leftovers.remove(entry)
 
         self._worker.submit(remove_all)
 
@@ -623,8 +650,9 @@ class Checkpointer:
         if info is not None:
             return info
         path = self._step_path(number)
-        if layout.is_checkpoint(path):  # Committed by another process since we listed.
-            return _listing.read_step(number, path)
+        with self._call_context():
+            if layout.is_checkpoint(path):  # Committed by another process since we listed.
+                return _listing.read_step(number, path)
         with self._lock:
             known = sorted(self._steps)
         raise StepNotFoundError(
@@ -636,7 +664,9 @@ class Checkpointer:
         """Registers ``step`` as being read (GC then leaves it alone) until ``_release``."""
         info = self._resolve(step)
         key = _readers.acquire(info.path)
-        if not info.path.exists():
+        with self._call_context():
+            gone = not storage.exists(info.path)
+        if gone:
             self._release(key)
             raise StepNotFoundError(
                 f"Step {info.step} was deleted from {self._root} (by this run's preservation "

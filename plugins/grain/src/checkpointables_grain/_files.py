@@ -7,7 +7,6 @@ describing the save as a whole: which kind of iterator, how many processes.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -36,10 +35,10 @@ def state_file_name(process_index: int, process_count: int) -> str:
 def state_files(directory: epath.Path) -> dict[tuple[int, int], epath.Path]:
     """Every state file in ``directory``, keyed by ``(process index, process count)``."""
     found = {}
-    for entry in directory.iterdir():
+    for entry in cp.storage.list_dir(directory):
         match = _STATE_FILE.fullmatch(entry.name)
         if match is not None:
-            found[(int(match.group(1)), int(match.group(2)))] = entry
+            found[(int(match.group(1)), int(match.group(2)))] = directory / entry.name
     return found
 
 
@@ -52,7 +51,7 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
       ValueError: the file exists but is not a JSON object.
     """
     file = directory / INFO_FILE
-    if not file.is_file():
+    if not cp.storage.is_file(file):
         return None
     # Checked against the checksum recorded when the checkpoint was committed.
     info = cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
@@ -62,8 +61,5 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
 
 
 def write_durably(path: epath.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` and flushes it to disk before returning."""
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes ``text`` to ``path`` (a local file or an object) durably before returning."""
+    cp.storage.write_text(path, text, durable=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Awaitable
 from typing import Any
 
@@ -66,10 +65,8 @@ class JsonHandler:
         async def write() -> None:
             path = await directory.await_creation()
             if cp.multihost.is_primary_host():
-                with open(os.fspath(path / DATA_FILE), "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
+                # Local or object store; the commit flushes every file of the checkpoint.
+                cp.storage.write_text(path / DATA_FILE, text)
 
         return write()
 
@@ -100,12 +97,12 @@ class JsonHandler:
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` looks like a JSON checkpointable (for untyped checkpoints)."""
-        return any((directory / n).is_file() for n in (DATA_FILE, *_LEGACY_FILES))
+        return any(cp.storage.is_file(directory / n) for n in (DATA_FILE, *_LEGACY_FILES))
 
     @staticmethod
     def _find(directory: epath.Path) -> epath.Path:
         for name in (DATA_FILE, *_LEGACY_FILES):
-            if (directory / name).is_file():
+            if cp.storage.is_file(directory / name):
                 return directory / name
         raise cp.errors.IntegrityError(
             f"{directory} holds no {DATA_FILE}: it is not a JSON checkpointable, or it was "

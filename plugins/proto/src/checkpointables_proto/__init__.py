@@ -120,7 +120,7 @@ class ProtoHandler:
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` holds a ``proto.pbtxt`` (for checkpoints with no typestr)."""
-        return (directory / PROTO_FILE).is_file()
+        return cp.storage.is_file(directory / PROTO_FILE)
 
     async def verify(self, directory: epath.Path) -> list[str]:
         """Problems found in the stored message (empty when it is sound).
@@ -154,7 +154,7 @@ def _checked_text(file: epath.Path, directory: epath.Path) -> str:
 
 def _data_file(directory: epath.Path) -> epath.Path:
     file = directory / PROTO_FILE
-    if not file.is_file():
+    if not cp.storage.is_file(file):
         raise cp.errors.IntegrityError(
             f"{directory} holds no {PROTO_FILE}: the proto checkpointable {directory.name!r} "
             f"is missing its data. The checkpoint is damaged or was not written by a proto handler."

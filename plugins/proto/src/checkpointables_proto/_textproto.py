@@ -7,10 +7,10 @@ so Orbax's ``ProtoHandler`` and ``text_format.Parse`` read the file unchanged.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
+import checkpointables as cp
 from etils import epath
 
 __all__ = ["PROTO_FILE", "render", "recorded_type_name", "skim", "write_durably"]
@@ -36,14 +36,13 @@ def recorded_type_name(file: epath.Path) -> str | None:
 
     Files written by Orbax have no header, hence no recorded type.
     """
-    with open(os.fspath(file), encoding="utf-8", errors="replace") as f:
-        for _ in range(_MAX_HEADER_LINES):
-            line = f.readline()
-            if not line.startswith("#"):
-                return None
-            match = _MESSAGE_LINE.match(line.rstrip("\n"))
-            if match is not None:
-                return match.group(1)
+    lines = cp.storage.read_bytes(file).decode("utf-8", errors="replace").splitlines()
+    for line in lines[:_MAX_HEADER_LINES]:
+        if not line.startswith("#"):
+            return None
+        match = _MESSAGE_LINE.match(line)
+        if match is not None:
+            return match.group(1)
     return None
 
 
@@ -72,8 +71,5 @@ def skim(text: str) -> str | None:
 
 
 def write_durably(path: epath.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` and flushes it to disk before returning."""
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes ``text`` to ``path`` (a local file or an object) durably before returning."""
+    cp.storage.write_text(path, text, durable=True)

@@ -44,6 +44,8 @@ from checkpointables_pytree import (
     _gc,
     _large_reads,
     _local_values,
+    _object_store,
+    _remote_values,
     _ts_futures,
     _value_files,
     _zarr3,
@@ -96,6 +98,9 @@ LARGE_GROUP_BYTES = 32 << 20
 # writes its data file on one thread: with one writer a 256 MiB save waited for
 # those writes, and the disk sat idle until the first commit ended.
 WRITERS = 4
+# On an object store each commit waits for several requests (tens of ms each) besides its
+# data PUT: more writers keep more PUTs in flight (see docs/performance.md, "Object stores").
+REMOTE_WRITERS = 16
 # Up to this many keys, read_values waits for them on the event loop's thread.
 INLINE_READ_KEYS = 64
 # A _METADATA of more than this (about 100 leaves) starts a load's index early.
@@ -118,6 +123,8 @@ def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
     """A TensorStore context for one save or load."""
     return ts.Context(
         {
+            # Object stores: the request concurrency and retries of cp.options.StorageOptions.
+            **_object_store.context_resources(),
             "file_io_concurrency": {"limit": 128},
             # Files are flushed once, by the commit that fsyncs the whole checkpoint.
             "file_io_sync": False,
@@ -130,8 +137,8 @@ def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
 
 def _base(directory: epath.PathLike) -> Any:
     text = os.fspath(directory)
-    if "://" in text:
-        return text  # gs://..., s3://...: TensorStore parses the URL.
+    if "://" in text:  # s3://..., gs://...: configured as cp.options.StorageOptions says.
+        return _object_store.kvstore_spec(text)
     return {"driver": "file", "path": text}
 
 
@@ -350,6 +357,8 @@ def _record_checksums(items: Sequence[ArrayWrite]) -> None:
 
 def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
     """Flushes the database's data files not flushed yet (they are immutable once written)."""
+    if not cp.storage.is_local(directory):
+        return  # An object store's writes are durable once acknowledged.
     data = os.path.join(os.fspath(directory), "d")
     try:
         names = os.listdir(data)
@@ -426,9 +435,14 @@ class ArrayWriter:
         return not self._items
 
     async def run(self) -> None:
-        """Writes every array added; returns once all are committed to the database."""
+        """Writes every array added; returns once all are committed to the database.
+
+        Raises:
+          cp.errors.StorageError: an object store failed requests beyond TensorStore's retries.
+        """
         try:
-            await self._run()
+            with _errors.object_store_failures(self._directory.path, "Writing the arrays to"):
+                await self._run()
         finally:
             self._all_recorded()
 
@@ -642,9 +656,10 @@ class ArrayWriter:
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
     """The databases that ``groups`` groups of large arrays are committed to."""
-    if groups < 2 or WRITERS < 2:
+    writers = WRITERS if _value_files.is_local(database) else REMOTE_WRITERS
+    if groups < 2 or writers < 2:
         return [database]
-    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(WRITERS, groups))]
+    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(writers, groups))]
 
 
 async def _merge_when(
@@ -778,13 +793,15 @@ class ArrayReader:
             self._index = self._opened.index
         elif ocdbt and _value_files.is_local(directory):
             self._index = _value_files.DatabaseIndex(directory)
+        elif ocdbt:  # An object store: small values are read in few requests.
+            self._index = _value_files.DatabaseIndex(directory, _base(directory))
 
     def array_spec(self, name: str) -> dict[str, Any]:
         if self._ocdbt:
             kvstore: Any = kvstore_spec(self._directory, path=name + "/")
         else:  # Orbax's use_ocdbt=False layout: one directory per array.
             kvstore = _base(self._directory / name)
-            if isinstance(kvstore, dict):
+            if kvstore["driver"] == "file":  # Object-store specs' paths end with "/" already.
                 kvstore["path"] += "/"
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 
@@ -827,7 +844,13 @@ class ArrayReader:
             # Each holds only its group's arrays: no byte limit.
             tasks.append(
                 asyncio.ensure_future(
-                    _large_reads.read_large(kvstore, raw, verify=self._verify, locations=locations)
+                    _large_reads.read_large(
+                        kvstore,
+                        raw,
+                        verify=self._verify,
+                        locations=locations,
+                        remote=not _value_files.is_local(self._directory),
+                    )
                 )
             )
         try:
@@ -867,10 +890,14 @@ class ArrayReader:
             else:
                 keys.extend(_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices)
         found: list[Any] = [None] * len(keys)
-        if len(keys) > INLINE_READ_KEYS and self._index is not None:
+        local = _value_files.is_local(self._directory)
+        if self._index is not None and (len(keys) > INLINE_READ_KEYS or not local):
             # A damaged database: TensorStore's reads below report it, naming it.
             with contextlib.suppress(Exception):
-                found = await _local_values.read_local_values(self._index, keys)
+                if local:
+                    found = await _local_values.read_local_values(self._index, keys)
+                else:
+                    found = await _remote_values.read_remote_values(self._index, keys)
         rest = [i for i, value in enumerate(found) if value is None]
         try:
             if rest:
@@ -963,8 +990,8 @@ class ArrayReader:
 
     async def _locate(self, reads: Sequence[ArrayRead]) -> dict[str, _value_files.ValueLocation]:
         """Where the shards of ``reads`` are, when the database is local (else empty)."""
-        if not reads or self._index is None:
-            return {}
+        if not reads or self._index is None or not _value_files.is_local(self._directory):
+            return {}  # (Large values on object stores are read in ranges by _large_reads.)
         keys = [
             _zarr3.chunk_key(r.name, i)
             for r in reads

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
+from collections.abc import Iterator
 
 import checkpointables as cp
 
-__all__ = ["is_data_loss", "integrity_error", "storage_error", "write_error"]
+__all__ = [
+    "is_data_loss",
+    "integrity_error",
+    "storage_error",
+    "write_error",
+    "object_store_failures",
+]
 
 _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", "Error decoding")
 _MISSING_MARKERS = ("NOT_FOUND", "not found", "Missing", "missing", "OUT_OF_RANGE")
@@ -68,3 +76,24 @@ def write_error(error: BaseException, what: str) -> BaseException:
             number, f"A path is too long for the filesystem while writing {what} ({error})"
         )
     return cp.errors.CheckpointError(f"Writing {what} failed: {error}")
+
+
+@contextlib.contextmanager
+def object_store_failures(where: object, action: str) -> Iterator[None]:
+    """Raises what fails in the body as ``cp.errors.StorageError`` if ``where`` is remote.
+
+    TensorStore retries failed requests; what still fails is reported as the
+    library's error, naming the path. Local failures pass unchanged.
+    """
+    try:
+        yield
+    except cp.errors.CheckpointError:
+        raise
+    except Exception as e:
+        if cp.storage.is_local(str(where)):
+            raise
+        raise cp.errors.StorageError(
+            f"{action} {where} failed: {e}. The object store kept failing requests after "
+            f"TensorStore's retries (cp.options.StorageOptions(request_retries=...) allows "
+            f"more); nothing was committed."
+        ) from e

@@ -277,7 +277,7 @@ class PyTreeHandler:
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` holds a pytree (has ``_METADATA``); for untyped checkpoints."""
-        return (epath.Path(directory) / _tree_metadata.METADATA_FILE).exists()
+        return cp.storage.exists(epath.Path(directory) / _tree_metadata.METADATA_FILE)
 
     # -- Saving -------------------------------------------------------------------------------
 
@@ -392,7 +392,8 @@ class PyTreeHandler:
         """
         if cp.multihost.process_count() > 1:
             context = cp.context.get_context()
-            await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
+            with _errors.object_store_failures(directory, "Merging the databases of"):
+                await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
 
     # -- Loading --------------------------------------------------------------------------------
 

@@ -373,7 +373,7 @@ def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) ->
         return
     arrays = {tree.storage_name(e.names): e for e in tree.entries if e.value_type == JAX_ARRAY}
     folder = directory / ARRAY_METADATAS_DIR
-    if not arrays or not folder.exists():
+    if not arrays or not cp.storage.is_dir(folder):
         return
     for name, impl in _recorded_impls(folder).items():
         entry = arrays.get(name)
@@ -388,11 +388,12 @@ def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) ->
 
 def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
     """``{param name: implementation}`` from the first process's array metadata file."""
-    files = sorted(folder.iterdir(), key=lambda p: (p.name != "process_0", p.name))
-    if not files:
+    names = [e.name for e in cp.storage.list_dir(folder)]
+    if not names:
         return {}
+    first = folder / min(names, key=lambda n: (n != "process_0", n))
     try:
-        document = json.loads(files[0].read_text())
+        document = json.loads(cp.storage.read_text(first))
         items = [item["array_metadata"] for item in document["array_metadatas"]]
         return {
             item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)
@@ -401,6 +402,6 @@ def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
         }
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise cp.errors.MetadataError(
-            f"{files[0]} is malformed ({e!r}); it names which arrays are PRNG keys. Restore it "
+            f"{first} is malformed ({e!r}); it names which arrays are PRNG keys. Restore it "
             "from a copy of the checkpoint."
         ) from None

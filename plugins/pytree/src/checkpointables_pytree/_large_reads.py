@@ -50,6 +50,13 @@ RANGE_WINDOW = 3
 # Reading through the kvstore, shards are first checked to hold the data recorded when
 # an array claims more than this (smaller buffers are allocated on trust).
 UNCHECKED_ALLOCATION_BYTES = 256 << 20
+# On an object store the threads mostly wait for requests: many of them keep up to
+# REMOTE_READ_THREADS * REMOTE_RANGE_WINDOW requests in flight, holding at most 256 MiB.
+# A 256 MiB load from a local S3 server took 1.96x as long as 256 parallel GETs with the
+# 2 local threads (6 requests in flight), 1.49x with 16 threads and 1.17x with 32.
+REMOTE_READ_THREADS = 32
+REMOTE_RANGE_BYTES = 8 << 20
+REMOTE_RANGE_WINDOW = 1
 
 
 async def read_large(
@@ -58,19 +65,23 @@ async def read_large(
     *,
     verify: bool,
     locations: dict[str, _value_files.ValueLocation],
+    remote: bool = False,
 ) -> None:
     """Reads, checks and converts ``reads`` in the reading threads; sets each ``result``.
 
     ``locations`` says where the shards of a local database are (empty: read
-    everything through ``kvstore``). Raises the first error of any read.
+    everything through ``kvstore``); ``remote``: the database is on an object
+    store. Raises the first error of any read.
     """
-    groups = _groups(reads, locations, READ_THREADS)
+    pool = _remote_read_pool() if remote else _read_pool()
+    groups = _groups(reads, locations, REMOTE_READ_THREADS if remote else READ_THREADS)
     files = _OpenFiles()
+    window = (REMOTE_RANGE_BYTES, REMOTE_RANGE_WINDOW) if remote else (RANGE_BYTES, RANGE_WINDOW)
     try:
         read_group = functools.partial(
-            _read_group, kvstore, verify=verify, locations=locations, files=files
+            _read_group, kvstore, verify=verify, locations=locations, files=files, window=window
         )
-        await _map_in_pool(_read_pool(), read_group, groups)
+        await _map_in_pool(pool, read_group, groups)
     finally:
         files.close()
 
@@ -107,6 +118,7 @@ def _read_group(
     verify: bool,
     locations: dict[str, _value_files.ValueLocation],
     files: _OpenFiles,
+    window: tuple[int, int],
 ) -> None:
     done = []
     # Only sizes the data vouches for are allocated (a damaged _METADATA may claim terabytes).
@@ -115,7 +127,7 @@ def _read_group(
     for read in group:
         array = _read_local(read, verify, locations, files, slab) if id(read) in local else None
         if array is None:
-            array = _read_through_kvstore(kvstore, read, verify)
+            array = _read_through_kvstore(kvstore, read, verify, window)
         done.append((read, pieces_of(read, array)))
     convert_all(done)
 
@@ -153,6 +165,14 @@ def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
     """
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=READ_THREADS, thread_name_prefix="checkpointables-read"
+    )
+
+
+@functools.cache
+def _remote_read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that read large arrays from object stores (mostly waiting for requests)."""
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=REMOTE_READ_THREADS, thread_name_prefix="checkpointables-read-remote"
     )
 
 
@@ -271,7 +291,9 @@ def _check_shard_sizes(kvstore: Any, read: ArrayRead, keys: Sequence[str], nbyte
             )
 
 
-def _read_through_kvstore(kvstore: Any, read: ArrayRead, verify: bool) -> np.ndarray:
+def _read_through_kvstore(
+    kvstore: Any, read: ArrayRead, verify: bool, window: tuple[int, int]
+) -> np.ndarray:
     """The whole array, its shards read through TensorStore's kvstore and checked here."""
     stored = read.stored
     assert stored is not None and stored.checksums is not None
@@ -286,7 +308,7 @@ def _read_through_kvstore(kvstore: Any, read: ArrayRead, verify: bool) -> np.nda
         # data, its CRC-32C, the shard index and its CRC-32C
         buffer = aligned_empty(nbytes + _zarr3.SHARD_TRAILER_BYTES)
         try:
-            got = _read_value_into(kvstore, key, buffer)
+            got = _read_value_into(kvstore, key, buffer, *window)
         except Exception as e:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
         if got != nbytes + _zarr3.SHARD_TRAILER_BYTES or buffer[nbytes + 4 :].tobytes() != trailer:
@@ -305,23 +327,26 @@ def _read_through_kvstore(kvstore: Any, read: ArrayRead, verify: bool) -> np.nda
     return array
 
 
-def _read_value_into(kvstore: Any, key: str, buffer: np.ndarray) -> int:
-    """Reads a value into ``buffer`` with a sliding window of parallel ranged reads.
+def _read_value_into(
+    kvstore: Any, key: str, buffer: np.ndarray, range_bytes: int, range_window: int
+) -> int:
+    """Reads a value into ``buffer`` with a sliding window of ``range_window`` parallel reads
+    of ``range_bytes``.
 
     Parallel ranges cut the latency of one large read several times; the
     window bounds the memory in flight. Returns the number of bytes read.
     """
     total = len(buffer)
-    starts = iter(range(0, total, RANGE_BYTES))
+    starts = iter(range(0, total, range_bytes))
     pending: collections.deque[tuple[int, Any]] = collections.deque()
 
     def submit() -> None:
         start = next(starts, None)
         if start is not None:
-            end = min(total, start + RANGE_BYTES)
+            end = min(total, start + range_bytes)
             pending.append((start, kvstore.read(key, byte_range=slice(start, end))))
 
-    for _ in range(RANGE_WINDOW):
+    for _ in range(range_window):
         submit()
     read = 0
     while pending:

@@ -117,7 +117,7 @@ def _sources(pytree_directory: epath.Path, context: cp.Context) -> list[epath.Pa
     for index in indices:
         database = process_database(pytree_directory, index)
         # A process that had no array to write created no database.
-        if (database / _MANIFEST).exists():
+        if cp.storage.exists(database / _MANIFEST):
             found.append(database)
     return found
 
@@ -140,7 +140,10 @@ def flush_database(database: epath.Path) -> None:
     The primary host's commit flushes the whole checkpoint, but on storage
     shared between hosts only the writer can make its own writes durable, so
     every process flushes its database before reporting that it finished.
+    (An object store's writes are durable once acknowledged: nothing to do.)
     """
+    if not cp.storage.is_local(database):
+        return
     for root, _, files in os.walk(os.fspath(database)):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)

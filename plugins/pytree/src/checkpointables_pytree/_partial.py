@@ -16,7 +16,8 @@ pytree directory as ``PyTreeHandler.save`` wrote it; later sources win:
 The root OCDBT database is built by ``_ocdbt_merge.merge_into``: it only
 references the sources' data files. ``_METADATA``, ``_sharding``,
 ``_strings.json`` and ``array_metadatas/`` are rebuilt from the winning
-leaves; other files (written by custom leaf handlers) are hard-linked.
+leaves; other files (written by custom leaf handlers) are hard-linked
+(copied on object stores).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import checkpointables as cp
 from etils import epath
 
 from checkpointables_pytree import _crc32c, _ocdbt_merge, _sharding, _tree_metadata
@@ -125,13 +127,19 @@ def plan_merge(
 
 def _read_json(path: epath.Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(cp.storage.read_text(path))
     except FileNotFoundError:
         return None
 
 
 def _link_tree(source: str, target: str) -> None:
     """Hard-links ``source`` (a file or directory) at ``target``; copies where links fail."""
+    if not cp.storage.is_local(source):  # An object store: copy each object.
+        files = cp.storage.list_files(source) or ([""] if cp.storage.is_file(source) else [])
+        for name in files:
+            data = cp.storage.read_bytes(f"{source}/{name}" if name else source)
+            cp.storage.write_bytes(f"{target}/{name}" if name else target, data)
+        return
     if os.path.isdir(source):
         os.makedirs(target, exist_ok=True)
         for name in os.listdir(source):
@@ -167,7 +175,7 @@ def _custom_files(
     for index in reversed(range(len(sources))):
         directory = sources[index]
         storage_names = [trees[index].storage_name(e.names) for e in trees[index].entries]
-        for name in sorted(os.listdir(os.fspath(directory))):
+        for name in sorted(e.name for e in cp.storage.list_dir(directory)):
             if name in _MANAGED or name.startswith("ocdbt.") or name in taken:
                 continue
             owner = _owner(name, storage_names)
@@ -183,16 +191,15 @@ def _array_metadatas(
     merged: dict[str, list[Any]] = {}
     for directory, names in zip(sources, won, strict=True):
         folder = directory / ARRAY_METADATAS_DIR
-        if not folder.exists():
-            continue
-        for file in sorted(folder.iterdir()):
+        for entry in cp.storage.list_dir(folder):
+            file = folder / entry.name
             document = _read_json(file) or {}
             for item in document.get("array_metadatas", []):
                 name = (item.get("array_metadata") or {}).get("param_name")
                 if name in names:
                     merged.setdefault(file.name, []).append(item)
     if merged:
-        (target / ARRAY_METADATAS_DIR).mkdir(exist_ok=True)
+        cp.storage.make_dirs(target / ARRAY_METADATAS_DIR)
         for file_name, items in merged.items():
             write_text(
                 target / ARRAY_METADATAS_DIR / file_name, json.dumps({"array_metadatas": items})
@@ -239,7 +246,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
             won[winner.source].add(merged.storage_name(winner.entry.names))
     merge_sources = []
     for index, directory in enumerate(sources):
-        if not won[index] or not (directory / _MANIFEST).exists():
+        if not won[index] or not cp.storage.exists(directory / _MANIFEST):
             continue
         stored = {trees[index].storage_name(e.names) for e in trees[index].entries}
         # A source that wins all its leaves is merged whole: one range, not one per leaf.

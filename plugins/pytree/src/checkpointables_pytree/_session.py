@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,7 +112,7 @@ class SaveSession:
         if self.shardings and primary:
             _sharding.write_sharding_file(directory, self.shardings)
         if self.array_metadatas:
-            (directory / ARRAY_METADATAS_DIR).mkdir(exist_ok=True)
+            cp.storage.make_dirs(directory / ARRAY_METADATAS_DIR)
             write_text(
                 directory / ARRAY_METADATAS_DIR / f"process_{cp.multihost.process_index()}",
                 json.dumps(
@@ -124,8 +123,7 @@ class SaveSession:
 
 def write_text(path: epath.Path, text: str) -> None:
     """Writes a small file. Not flushed here: the commit fsyncs every file of the checkpoint."""
-    with open(os.fspath(path), "w", encoding="utf-8") as f:
-        f.write(text)
+    cp.storage.write_text(path, text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +333,7 @@ class LoadSession:
                 values = []
                 for n in wanted:
                     try:
-                        values.append((self.directory / n / file).read_bytes())
+                        values.append(cp.storage.read_bytes(self.directory / n / file))
                     except FileNotFoundError:
                         values.append(b"")
             for name, value in zip(wanted, values, strict=True):

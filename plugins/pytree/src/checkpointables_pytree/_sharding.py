@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,8 +119,7 @@ def rebuild(record: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
 def write_sharding_file(directory: epath.Path, records: Mapping[str, dict[str, Any]]) -> None:
     """Writes ``_sharding`` for ``{storage name: record}`` (the commit fsyncs it)."""
     document = {file_key(name): json.dumps(record) for name, record in records.items()}
-    with open(os.fspath(directory / SHARDING_FILE), "w") as f:
-        f.write(json.dumps(document))
+    cp.storage.write_text(directory / SHARDING_FILE, json.dumps(document))
 
 
 def read_sharding_file(directory: epath.Path) -> dict[str, dict[str, Any]]:

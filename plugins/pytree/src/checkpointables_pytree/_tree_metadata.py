@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -182,8 +181,7 @@ _KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
 
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
     """Writes ``_METADATA`` (the commit fsyncs it with the rest of the checkpoint)."""
-    with open(os.fspath(directory / METADATA_FILE), "w") as f:
-        f.write(metadata.to_json_text())
+    cp.storage.write_text(directory / METADATA_FILE, metadata.to_json_text())
 
 
 def _bad(path: epath.Path, what: str) -> cp.errors.MetadataError:
@@ -262,7 +260,7 @@ def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
         # A missing flag: Orbax then detects OCDBT by the manifest's presence.
         use_ocdbt=bool(use_ocdbt)
         if use_ocdbt is not None
-        else (path.parent / "manifest.ocdbt").exists(),
+        else cp.storage.exists(path.parent / "manifest.ocdbt"),
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,

@@ -104,10 +104,23 @@ class DatabaseIndex:
         found = await index.find(["params.w/c/0/0"])
     """
 
-    def __init__(self, directory: epath.PathLike) -> None:
+    def __init__(self, directory: epath.PathLike, base_spec: Any = None) -> None:
         self._root = os.fspath(directory)
+        # The database's location as a kvstore spec (default: a local directory).
+        self._base_spec = base_spec or {"driver": "file", "path": self._root.rstrip("/") + "/"}
         self._start: concurrent.futures.Future[tuple[Any, Any]] | None = None
         self._nodes: dict[str, Any] = {}
+
+    @property
+    def root(self) -> str:
+        """The database's directory (data file locations are paths under it)."""
+        return self._root
+
+    async def base(self) -> Any:
+        """The kvstore of the database's directory (opened once)."""
+        self.prefetch()
+        assert self._start is not None
+        return (await asyncio.wrap_future(self._start))[0]
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -116,7 +129,7 @@ class DatabaseIndex:
 
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
-        base = ts.KvStore.open({"driver": "file", "path": self._root.rstrip("/") + "/"}).result()
+        base = ts.KvStore.open(self._base_spec).result()
         manifest = _ocdbt_dump.dump(base)
         versions = manifest.get("versions") or []
         if not versions:

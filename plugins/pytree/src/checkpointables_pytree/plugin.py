@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
+from checkpointables_pytree import _object_store
 from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
 from checkpointables_pytree._keys import (
     PRNG_KEY,
@@ -71,3 +72,10 @@ def register_leaf_handlers(register: Any) -> None:
     register(str, str, StringLeafHandler, secondary_typestrs=(STRING,))
     # Bytes are uint8 arrays: Orbax, which has no bytes leaves, reads them as np.ndarray.
     register(bytes, bytes, BytesLeafHandler, secondary_typestrs=(NUMPY_ARRAY, BYTES))
+
+
+@cp.hookimpl
+def register_storage(register: Any) -> None:
+    """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
+    for scheme in _object_store.SCHEMES:
+        register(scheme, _object_store.storage_for)

@@ -1,0 +1,313 @@
+"""Where checkpoints live: one small interface to the local disk and to object stores.
+
+Everything the library does to storage outside of array data goes through a
+``Storage``: read and write small files, check existence, list, delete a
+directory tree. Local paths use the built-in ``LocalStorage``; URLs such as
+``s3://bucket/run/1`` or ``gs://bucket/run/1`` use the backend a plugin
+registered for their scheme (the pytree plugin registers ``s3`` and ``gs``,
+through TensorStore's key-value stores, configured by ``cp.options.StorageOptions``
+and the standard AWS settings).
+
+Plugins that write files should use the functions of this module rather than
+``open()``, so that their checkpointables work on object stores too::
+
+    import checkpointables as cp
+
+    async def save(self, directory, checkpointable):
+        async def write():
+            path = await directory.await_creation()
+            cp.storage.write_text(path / "point.json", json.dumps(...))
+        return write()
+
+    async def load(self, directory, abstract=None):
+        text = cp.storage.read_text(directory / "point.json")
+
+A backend is registered by a plugin hook::
+
+    @cp.hookimpl
+    def register_storage(register):
+        register("s3", lambda context: MyS3Storage(context.storage_options))
+
+The two kinds of storage commit a save differently (see ``atomic_rename``
+and ``docs/object-stores.md``); ``Storage`` says which kind it is, the core
+picks the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+
+from checkpointables import errors
+
+if TYPE_CHECKING:
+    from checkpointables.context import Context
+
+__all__ = [
+    "Storage",
+    "Entry",
+    "LocalStorage",
+    "MissingStorageError",
+    "StorageFactory",
+    "for_path",
+    "scheme_of",
+    "is_local",
+    "read_bytes",
+    "read_text",
+    "write_bytes",
+    "write_text",
+    "exists",
+    "is_file",
+    "is_dir",
+    "list_dir",
+    "list_files",
+    "remove_file",
+    "remove_tree",
+    "make_dirs",
+]
+
+# What to install for the schemes our own plugins serve.
+_EXTRAS = {"s3": "checkpointables[s3]", "gs": "checkpointables[gcs]"}
+
+
+@attrs.frozen
+class Entry:
+    """A child of a directory: its name and whether it is a directory (a prefix)."""
+
+    name: str
+    is_dir: bool
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """File operations on one kind of storage; paths are local paths or URLs, as strings.
+
+    Attributes:
+      atomic_rename: True where a directory can be renamed atomically (local
+        disks): a save is written under a temporary name and renamed into
+        place. False on object stores, which have neither renames nor
+        directories: a save is written in place and committed by a marker
+        object written last.
+    """
+
+    atomic_rename: bool
+
+    def read_bytes(self, path: str) -> bytes:
+        """The contents of a file. Raises ``FileNotFoundError`` if there is none."""
+        ...
+
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Creates or replaces a file, whole (on object stores one PUT).
+
+        ``durable``: on a disk, flushed before returning (a commit flushes every
+        file of a checkpoint anyway; only a writer can flush its own files on
+        storage shared between hosts). Object stores are durable once a write
+        is acknowledged.
+        """
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether a file, or a directory holding anything, is at ``path``."""
+        ...
+
+    def is_file(self, path: str) -> bool:
+        """Whether a file (an object) is at ``path``."""
+        ...
+
+    def list_dir(self, path: str) -> list[Entry]:
+        """The children of a directory, in no particular order (``[]`` if there is none)."""
+        ...
+
+    def list_files(self, path: str) -> list[str]:
+        """Every file under ``path``, as paths relative to it (``[]`` if there is none)."""
+        ...
+
+    def remove_file(self, path: str) -> None:
+        """Deletes a file; a missing one is fine."""
+        ...
+
+    def remove_tree(self, path: str) -> None:
+        """Deletes a directory and everything under it; a missing one is fine."""
+        ...
+
+    def make_dirs(self, path: str, mode: int | None = None) -> None:
+        """Creates a directory and its parents (a no-op on object stores)."""
+        ...
+
+
+StorageFactory = Callable[["Context"], Storage]
+
+
+class MissingStorageError(errors.UnsupportedPathError):
+    """No installed plugin serves the scheme of a path (``s3://``, ``gs://``, ...)."""
+
+
+class LocalStorage:
+    """The local file system, through ``os`` calls."""
+
+    atomic_rename = True
+
+    def read_bytes(self, path: str) -> bytes:
+        """The contents of a file."""
+        with open(path, "rb") as f:
+            return f.read()
+
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Writes a file (flushed to disk only if ``durable``)."""
+        with open(path, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def exists(self, path: str) -> bool:
+        """Whether anything is at ``path``."""
+        return os.path.lexists(path)
+
+    def is_file(self, path: str) -> bool:
+        """Whether a regular file is at ``path``."""
+        return os.path.isfile(path)
+
+    def list_dir(self, path: str) -> list[Entry]:
+        """The children of a directory (``[]`` if it does not exist)."""
+        try:
+            with os.scandir(path) as entries:
+                return [Entry(e.name, e.is_dir()) for e in entries]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def list_files(self, path: str) -> list[str]:
+        """Every file under ``path``, relative to it."""
+        found = []
+        for root, _, files in os.walk(path):
+            relative = os.path.relpath(root, path)
+            found += [f if relative == "." else os.path.join(relative, f) for f in files]
+        return found
+
+    def remove_file(self, path: str) -> None:
+        """Deletes a file; a missing one is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def remove_tree(self, path: str) -> None:
+        """Deletes a directory tree (or a file, or a symbolic link); a missing one is fine."""
+        if os.path.islink(path) or os.path.isfile(path):
+            self.remove_file(path)
+            return
+        shutil.rmtree(path, ignore_errors=True)
+
+    def make_dirs(self, path: str, mode: int | None = None) -> None:
+        """Creates a directory and its parents."""
+        os.makedirs(path, mode=0o777 if mode is None else mode, exist_ok=True)
+
+
+_LOCAL = LocalStorage()
+
+
+def scheme_of(path: os.PathLike[str] | str) -> str | None:
+    """The URL scheme of ``path`` (``"s3"``, ``"gs"``), or ``None`` for a local path."""
+    text = os.fspath(path)
+    head, sep, _ = text.partition("://")
+    return head if sep and "/" not in head else None
+
+
+def is_local(path: os.PathLike[str] | str) -> bool:
+    """Whether ``path`` is on the local file system."""
+    return scheme_of(path) is None
+
+
+def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> Storage:
+    """The storage that serves ``path``, configured by ``context`` (default: the one in force).
+
+    Raises:
+      MissingStorageError: no installed plugin serves the path's scheme; the
+        message names what to install.
+    """
+    scheme = scheme_of(path)
+    if scheme is None:
+        return _LOCAL
+    from checkpointables import context as context_lib
+    from checkpointables import plugins
+
+    factory = plugins.storage_factories().get(scheme)
+    if factory is None:
+        extra = _EXTRAS.get(scheme)
+        hint = (
+            f'pip install "{extra}"'
+            if extra
+            else "install a plugin that registers a storage for it (see docs/object-stores.md)"
+        )
+        raise MissingStorageError(
+            f"Cannot reach {os.fspath(path)}: no installed plugin serves {scheme}:// paths. To "
+            f"use them: {hint} (`checkpointables plugins` lists what is installed)."
+        )
+    return factory(context_lib.get_context(context))
+
+
+def read_bytes(path: os.PathLike[str] | str) -> bytes:
+    """The contents of a file, local or remote. Raises ``FileNotFoundError``."""
+    return for_path(path).read_bytes(os.fspath(path))
+
+
+def read_text(path: os.PathLike[str] | str) -> str:
+    """The text (UTF-8) of a file, local or remote. Raises ``FileNotFoundError``."""
+    return read_bytes(path).decode("utf-8")
+
+
+def write_bytes(path: os.PathLike[str] | str, data: bytes, *, durable: bool = False) -> None:
+    """Creates or replaces a file, local or remote (``durable``: see ``Storage.write_bytes``)."""
+    for_path(path).write_bytes(os.fspath(path), data, durable)
+
+
+def write_text(path: os.PathLike[str] | str, text: str, *, durable: bool = False) -> None:
+    """Creates or replaces a text file (UTF-8), local or remote."""
+    write_bytes(path, text.encode("utf-8"), durable=durable)
+
+
+def exists(path: os.PathLike[str] | str) -> bool:
+    """Whether a file, or a directory holding anything, is at ``path``."""
+    return for_path(path).exists(os.fspath(path))
+
+
+def is_file(path: os.PathLike[str] | str) -> bool:
+    """Whether a file (an object) is at ``path``."""
+    return for_path(path).is_file(os.fspath(path))
+
+
+def is_dir(path: os.PathLike[str] | str) -> bool:
+    """Whether a directory (on object stores: a prefix holding objects) is at ``path``."""
+    text = os.fspath(path)
+    storage = for_path(text)
+    if isinstance(storage, LocalStorage):
+        return os.path.isdir(text)
+    return bool(storage.list_dir(text))
+
+
+def list_dir(path: os.PathLike[str] | str) -> list[Entry]:
+    """The children of a directory, sorted by name (``[]`` if there is none)."""
+    return sorted(for_path(path).list_dir(os.fspath(path)), key=lambda e: e.name)
+
+
+def list_files(path: os.PathLike[str] | str) -> list[str]:
+    """Every file under ``path`` (relative to it), sorted."""
+    return sorted(for_path(path).list_files(os.fspath(path)))
+
+
+def remove_file(path: os.PathLike[str] | str) -> None:
+    """Deletes a file; a missing one is fine."""
+    for_path(path).remove_file(os.fspath(path))
+
+
+def remove_tree(path: os.PathLike[str] | str) -> None:
+    """Deletes a directory tree; a missing one is fine."""
+    for_path(path).remove_tree(os.fspath(path))
+
+
+def make_dirs(path: os.PathLike[str] | str, mode: int | None = None) -> None:
+    """Creates a directory and its parents (nothing to do on object stores)."""
+    for_path(path).make_dirs(os.fspath(path), mode)

@@ -1,0 +1,107 @@
+"""Local disks: what killed and racing saves leave, and what loads racing an overwrite see."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+from .helpers import Gate
+from .test_crash import _SCRIPT
+
+
+def _kill_mid_save(path, started) -> None:
+    """Runs a save of ``path`` with overwrite=True in another process, killed mid-way."""
+    with subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), str(started)]) as proc:
+        try:
+            deadline = time.monotonic() + 60
+            while not started.exists():
+                assert proc.poll() is None, "the saving process died early"
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(30)
+    started.unlink()
+
+
+def test_killed_overwrites_leave_temporaries_the_next_save_removes(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"extra": {"v": 1}})
+    started = tmp_path.parent / f"{tmp_path.name}-started"
+
+    def temporaries() -> set[str]:
+        return {n for n in os.listdir(tmp_path) if cp.layout.is_temporary_path(tmp_path / n)}
+
+    _kill_mid_save(path, started)
+    first = temporaries()
+    assert len(first) == 1
+    _kill_mid_save(path, started)  # This save removed the first one's directory.
+    assert len(temporaries()) == 1 and not first & temporaries()
+    # A save in progress in this process (a live pid) must survive the cleanup.
+    live = cp.layout.temporary_path_for(tmp_path / "other")
+    live.mkdir()
+    # The next save into the same directory removes what the dead saves left.
+    cp.save_checkpointables(tmp_path / "next", {"extra": {"v": 3}})
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", "next", live.name])
+    assert cp.load_checkpointables(path) == {"extra": {"v": 1}}  # The old one is intact.
+
+
+def test_loads_racing_overwrites_return_one_checkpoint_whole_or_say_it_changed(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    versions = [{f"leaf{i}": np.full(100, v) for i in range(40)} | {"n": v} for v in range(2)]
+    cp.save_pytree(path, versions[0])
+    done = threading.Event()
+
+    def overwrite() -> None:
+        for i in range(30):
+            cp.save_pytree(path, versions[(i + 1) % 2], overwrite=True)
+        done.set()
+
+    writer = threading.Thread(target=overwrite)
+    writer.start()
+    outcomes = set()
+    while not (done.is_set() and "whole" in outcomes):  # Once the writer is done: whole.
+        try:
+            loaded = cp.load_pytree(path)
+        except cp.errors.CheckpointChangedError:
+            outcomes.add("changed")
+            continue
+        values = {int(v) for k, leaf in loaded.items() if k != "n" for v in np.unique(leaf)}
+        assert values == {loaded["n"]}, "a mix of two checkpoints"
+        outcomes.add("whole")
+    writer.join()
+    assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
+
+
+def test_racing_saves_name_no_directory_that_does_not_exist(tmp_path, misbehaving_handlers) -> None:
+    path = tmp_path / "ckpt"
+    gate = Gate()
+    response = cp.save_checkpointables_async(path, {"g": gate})
+    assert gate.started.wait(30)
+    path.mkdir()  # Another writer gets there first.
+    gate.release.set()
+    with pytest.raises(FileExistsError) as raised:
+        response.result()
+    for named in re.findall(re.escape(str(tmp_path)) + r"[^\s,;)]*", str(raised.value)):
+        assert os.path.exists(named.rstrip(".")), f"the message names {named}, which is gone"
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_overwrite_through_a_symbolic_link_replaces_its_target(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "100", {"step": 100})
+    (tmp_path / "latest").symlink_to(tmp_path / "100")
+    cp.save_pytree(tmp_path / "latest", {"step": 101}, overwrite=True)
+    assert os.readlink(tmp_path / "latest") == str(tmp_path / "100")  # Still the same link.
+    assert cp.load_pytree(tmp_path / "100") == {"step": 101}
+    assert sorted(os.listdir(tmp_path)) == ["100", "latest"]
+    with pytest.raises(FileExistsError):
+        cp.save_pytree(tmp_path / "latest", {"step": 102})

@@ -1,0 +1,45 @@
+"""Requests per save and load: few, and not growing with the number of leaves.
+
+Object stores charge per request and each costs tens of milliseconds, so a
+tree of thousands of small arrays must not cost thousands of requests.
+Counted by a proxy of our own between the library and the server.
+"""
+
+from __future__ import annotations
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+from ...object_store_server import S3Proxy
+from .helpers import assert_equal
+
+
+@pytest.fixture
+def proxy(s3):
+    proxy = S3Proxy(s3.endpoint)
+    yield proxy
+    proxy.stop()
+
+
+def _counts(proxy: S3Proxy, path: str, tree: dict) -> tuple[int, int, int]:
+    """(requests of a save, of which PUTs, requests of a load) of ``tree``."""
+    with cp.Context(storage_options=cp.options.StorageOptions(endpoint=proxy.endpoint)):
+        with proxy.counting() as saved:
+            cp.save_pytree(path, tree)
+        with proxy.counting() as loaded:
+            assert_equal(cp.load_pytree(path), tree)
+    return saved.total, saved.requests["PUT"], loaded.total
+
+
+def test_thousands_of_small_arrays_cost_a_few_requests(s3, proxy) -> None:
+    bucket = f"s3://{s3.new_bucket()}"
+    rng = np.random.default_rng(0)
+    small = {f"leaf{i}": rng.random(int(rng.integers(64, 4096))) for i in range(100)}
+    many = {f"leaf{i}": rng.random(int(rng.integers(64, 4096))) for i in range(3000)}
+    few_save, _, few_load = _counts(proxy, f"{bucket}/few", small)
+    save, puts, load = _counts(proxy, f"{bucket}/many", many)
+    assert puts <= 20 and save <= 40, (save, dict(proxy.counts.requests))
+    assert load <= 30, load
+    # Thirty times the leaves, about the same requests.
+    assert save <= few_save + 10 and load <= few_load + 10, (few_save, save, few_load, load)
