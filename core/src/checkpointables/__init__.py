@@ -13,6 +13,7 @@ from __future__ import annotations
 from checkpointables import (
     context,
     errors,
+    execution,
     handlers,
     hookspecs,
     layout,
@@ -22,6 +23,7 @@ from checkpointables import (
     path,
     plugins,
     progress,
+    protocols,
     readers,
     serialization,
     storage,
@@ -89,6 +91,7 @@ __all__ = [
     # Modules.
     "context",
     "errors",
+    "execution",
     "handlers",
     "hookspecs",
     "layout",
@@ -98,6 +101,7 @@ __all__ = [
     "path",
     "plugins",
     "progress",
+    "protocols",
     "readers",
     "serialization",
     "storage",

@@ -11,9 +11,9 @@ from etils import epath
 from checkpointables import (
     _commit,
     _confinement,
-    _gc,
     _inflight,
     errors,
+    execution,
     handlers,
     layout,
     metadata_checksums,
@@ -26,6 +26,7 @@ from checkpointables.checkpoint_metadata import (
 )
 from checkpointables.context import Context, get_context
 from checkpointables.path._parse import as_path
+from checkpointables.protocols import Recognizing
 
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
@@ -96,9 +97,8 @@ def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:
 def _recognizers(directory: epath.Path) -> dict[str, bool]:
     result = {}
     for r in handlers.registered_handlers():
-        recognizes = getattr(r.handler_cls, "recognizes", None)
-        if recognizes is not None:
-            result[r.name] = bool(recognizes(directory))
+        if issubclass(r.handler_cls, Recognizing):
+            result[r.name] = bool(r.handler_cls.recognizes(directory))
     return result
 
 
@@ -267,7 +267,7 @@ def load_checkpointables(
       KeyError: a requested name is not in the checkpoint.
       cp.errors.MissingHandlerError: a needed handler is not installed.
     """
-    with _gc.paused():
+    with execution.paused_gc():
         response = load_checkpointables_async(path, abstract_checkpointables, _wait=True)
     return response.result()
 

@@ -9,10 +9,10 @@ import attrs
 from etils import epath
 
 from checkpointables import (
-    _gc,
     _loading,
     _saving,
     errors,
+    execution,
     handlers,
     layout,
     metadata_checksums,
@@ -63,7 +63,7 @@ def save_pytree_async(
 
     The caller may change or delete its arrays as soon as this returns.
     """
-    with _gc.paused():  # The blocking phase (and, for save_pytree, the writing).
+    with execution.paused_gc():  # The blocking phase (and, for save_pytree, the writing).
         return _saving.save_checkpointables_async(
             path,
             pytree_item(checkpointable_name, pytree),
@@ -87,7 +87,7 @@ def save_pytree(
 
         cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
     """
-    with waiting_caller(), _gc.paused():
+    with waiting_caller(), execution.paused_gc():
         response = save_pytree_async(
             path,
             pytree,
@@ -182,7 +182,7 @@ def load_pytree_async(
     partial_load: bool = False,
 ) -> AsyncResponse[Any]:
     """Starts loading a pytree; reading happens in the background."""
-    with _gc.paused():  # The blocking phase only.
+    with execution.paused_gc():  # The blocking phase only.
         return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
 
 
@@ -255,7 +255,7 @@ def load_pytree(
         state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
     """
     # The caller waits: read on its thread rather than in the background.
-    with _gc.paused():
+    with execution.paused_gc():
         response = _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=True)
     return response.result()
 

@@ -11,11 +11,11 @@ from etils import epath
 
 from checkpointables import (
     _commit,
-    _gc,
     _inflight,
     _os_errors,
     _user_paths,
     errors,
+    execution,
     handlers,
     layout,
     multihost,
@@ -34,6 +34,7 @@ from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, checkp
 from checkpointables.context import Context, get_context
 from checkpointables.path import PathAwaitingCreation
 from checkpointables.path._parse import as_path
+from checkpointables.protocols import Finalizable
 
 
 def _json_or_raise(value: Any, what: str) -> dict[str, Any]:
@@ -166,9 +167,8 @@ def save_checkpointables_async(
 
     def commit() -> None:
         for name, (_, instance) in chosen.items():
-            finalize = getattr(instance, "finalize", None)
-            if finalize is not None:
-                run_sync(finalize(root / name))
+            if isinstance(instance, Finalizable):
+                run_sync(instance.finalize(root / name))
         metadata = checkpoint_metadata_json(
             item_handlers={name: ts for name, (ts, _) in chosen.items()},
             custom_metadata=custom,
@@ -232,7 +232,7 @@ def save_checkpointables(
         cp.save_checkpointables(path, {"pytree": state, "dataset": iterator},
                                 custom_metadata={"run": "exp-7"})
     """
-    with waiting_caller(), _gc.paused():
+    with waiting_caller(), execution.paused_gc():
         response = save_checkpointables_async(
             path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata
         )

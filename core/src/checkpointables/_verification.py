@@ -29,6 +29,7 @@ from checkpointables._pytree_api import TREE_METADATA_FILE
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import get_context
 from checkpointables.path._parse import as_path
+from checkpointables.protocols import Verifiable
 
 __all__ = ["Finding", "verify_checkpoint", "leaf_nbytes"]
 
@@ -87,12 +88,12 @@ def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> li
     context = get_context()
     try:
         handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
-        verify = getattr(handler, "verify", None)
+        verifiable = isinstance(handler, Verifiable)
         with context:
-            if verify is not None:
+            if verifiable:
                 total = _array_bytes(directory, name, recorded) if progress.enabled() else None
                 with progress.bytes_progress(total, f"verify {name}"):
-                    problems = run_sync(verify(directory))
+                    problems = run_sync(handler.verify(directory))
             else:  # What a load would find: load it, and drop the value.
                 run_sync(_load(handler, directory))
                 problems = []
@@ -106,7 +107,7 @@ def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> li
         return [Finding(name, f"{type(e).__name__}: {e}")]
     if problems:
         return [Finding(name, problem) for problem in problems]
-    return [Finding(name, note=None if verify is not None else "loads (no verify in its handler)")]
+    return [Finding(name, note=None if verifiable else "loads (no verify in its handler)")]
 
 
 async def _load(handler: Any, directory: epath.Path) -> None:

@@ -55,6 +55,7 @@ from checkpointables.checkpoint_metadata import (
 )
 from checkpointables.metadata_checksums import CHECKSUMS_FILE
 from checkpointables.path._parse import as_path
+from checkpointables.protocols import Mergeable
 
 __all__ = ["save", "save_async", "finalize", "session_path", "SESSION_SUFFIX"]
 
@@ -320,13 +321,14 @@ def _remove_leftovers(session: epath.Path) -> None:
 def _merge_pytrees(sources: list[epath.Path], pytree_dir: epath.Path) -> None:
     """Builds ``pytree_dir`` from the partial saves' pytree directories ``sources``."""
     registration = pytree_registration()
-    merge = getattr(registration.handler_cls(), "merge_partial", None)
-    if merge is None:
+    handler = registration.handler_cls()
+    if not isinstance(handler, Mergeable):
         raise errors.PluginError(
             f"The pytree handler {registration.typestr} (plugin {registration.plugin}) cannot "
-            f"merge partial saves: it has no merge_partial method. Upgrade checkpointables-pytree."
+            f"merge partial saves: it is not a cp.protocols.Mergeable (no merge_partial method). "
+            f"Upgrade checkpointables-pytree."
         )
-    run_sync(merge(sources, pytree_dir))
+    run_sync(handler.merge_partial(sources, pytree_dir))
 
 
 def finalize(path: epath.PathLike) -> None:

@@ -1,15 +1,32 @@
-"""Protocols: a checkpointable type's handler, or being stateful; and pytree readers."""
+"""Protocols: a checkpointable type's handler, or being stateful; pytree readers; and the
+optional capabilities a handler may declare.
+
+Core checks optional capabilities with ``isinstance`` against the
+runtime-checkable protocols below, never by probing attributes: a handler
+has a capability exactly when it defines the protocol's method.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from etils import epath
 
 from checkpointables.path import PathAwaitingCreation
 
-__all__ = ["CheckpointableHandler", "StatefulCheckpointable", "PyTreeReader", "typestr"]
+__all__ = [
+    "CheckpointableHandler",
+    "StatefulCheckpointable",
+    "PyTreeReader",
+    # Optional capabilities of a handler.
+    "Recognizing",
+    "Finalizable",
+    "Verifiable",
+    "Mergeable",
+    "ExplainsUnhandleable",
+    "typestr",
+]
 
 T = TypeVar("T")
 AbstractT = TypeVar("AbstractT")
@@ -25,17 +42,10 @@ class CheckpointableHandler(Protocol, Generic[T, AbstractT]):
     snapshotting mutable state). The awaitable it returns is the *background*
     phase, run on a background thread.
 
-    A handler class must be constructible with no arguments. Optional
-    methods used when present:
-
-    - ``recognizes(directory) -> bool`` (a staticmethod): for checkpoints that
-      recorded no handler (older formats), whether the directory is this
-      handler's.
-    - ``async finalize(directory)``: called once, on the primary host, after
-      every process finished its background writes and before the commit
-      (e.g. to merge per-process files).
-    - ``async verify(directory) -> list[str]``: reads everything back and
-      describes each problem found (``checkpointables verify``).
+    A handler class must be constructible with no arguments. It may also
+    declare optional capabilities by meeting the protocols ``Recognizing``,
+    ``Finalizable``, ``Verifiable``, ``Mergeable`` and ``ExplainsUnhandleable``
+    of this module.
 
     Example::
 
@@ -125,6 +135,64 @@ class PyTreeReader(Protocol):
 
     async def metadata(self, path: epath.Path) -> Any:
         """A ``cp.CheckpointMetadata`` whose ``.metadata`` is the abstract tree, cheaply."""
+        ...
+
+
+@runtime_checkable
+class Recognizing(Protocol):
+    """A handler that can tell its own directories, for checkpoints that recorded no handler.
+
+    Older formats (Orbax V0) name no handler in ``_CHECKPOINT_METADATA``; core
+    then asks every ``Recognizing`` handler, in resolution order.
+    """
+
+    @staticmethod
+    def recognizes(directory: epath.Path) -> bool:
+        """Whether ``directory`` holds what this handler writes; cheap (a stat or two)."""
+        ...
+
+
+@runtime_checkable
+class Finalizable(Protocol):
+    """A handler with work to do once every process has written its part of a save."""
+
+    async def finalize(self, directory: epath.Path) -> None:
+        """Called once, on the primary host, after every process finished its
+        background writes and before the commit (e.g. to merge per-process files)."""
+        ...
+
+
+@runtime_checkable
+class Verifiable(Protocol):
+    """A handler that checks what it stored (``checkpointables verify``).
+
+    Handlers without it are verified by loading what they stored.
+    """
+
+    async def verify(self, directory: epath.Path) -> list[str]:
+        """Reads everything back; returns one description per problem found (none: ok)."""
+        ...
+
+
+@runtime_checkable
+class Mergeable(Protocol):
+    """A handler that builds one checkpointable from several partial saves (``cp.partial``)."""
+
+    async def merge_partial(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
+        """Builds the checkpointable in ``target`` from the partial saves' directories ``sources``
+        (oldest first; later ones replace earlier ones' keys). The sources sit inside ``target``
+        and stay there, so the merged result may refer to their files instead of copying them.
+        """
+        ...
+
+
+@runtime_checkable
+class ExplainsUnhandleable(Protocol):
+    """A handler that says why it cannot save an object (shown in ``NoHandlerForObjectError``)."""
+
+    def unhandleable_reason(self, checkpointable: Any) -> str | None:
+        """Why ``is_handleable(checkpointable)`` is false (e.g. naming the key paths of
+        unsupported leaves), or ``None`` if it is true."""
         ...
 
 

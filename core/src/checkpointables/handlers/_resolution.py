@@ -7,6 +7,7 @@ from typing import Any
 
 from checkpointables import errors
 from checkpointables.plugins import HandlerRegistration
+from checkpointables.protocols import ExplainsUnhandleable
 
 # Typestr prefixes of handlers shipped by known distributions: for the
 # "pip install" hint when a checkpoint needs a plugin that is not installed.
@@ -42,12 +43,12 @@ def _describe(registrations: Sequence[HandlerRegistration]) -> str:
 
 
 def _reason(instance: Any, checkpointable: Any) -> str:
-    """Why a handler rejects an object: its optional ``unhandleable_reason(obj)``, or ``""``."""
-    explain = getattr(instance, "unhandleable_reason", None)
-    if explain is None:
+    """Why a handler rejects an object: its ``unhandleable_reason(obj)``
+    (``cp.protocols.ExplainsUnhandleable``), or ``""``."""
+    if not isinstance(instance, ExplainsUnhandleable):
         return ""
     try:
-        return explain(checkpointable) or ""
+        return instance.unhandleable_reason(checkpointable) or ""
     except Exception:  # An explanation must never hide the real error.
         return ""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from checkpointables.serialization._registry import (
     AlreadyRegisteredTypeError,
+    LeafEntry,
     LeafHandlerRegistry,
     StandardLeafHandlerRegistry,
     UnregisteredTypeError,
@@ -36,6 +37,7 @@ __all__ = [
     "LeafHandler",
     "LeafHandlerRegistry",
     "StandardLeafHandlerRegistry",
+    "LeafEntry",
     "SerializationParam",
     "DeserializationParam",
     "SerializationContext",

@@ -35,13 +35,13 @@ from typing import Any
 import checkpointables as cp
 import numpy as np
 import tensorstore as ts
+from checkpointables import execution
 from etils import epath
 
 from checkpointables_pytree import (
     _checksums,
     _crc32c,
     _errors,
-    _gc,
     _large_reads,
     _local_values,
     _object_store,
@@ -527,7 +527,7 @@ class ArrayWriter:
                 ready = await prepared.popleft()
                 if n + PREPARED_AHEAD < len(batches):
                     prepared.append(prepare(batches[n + PREPARED_AHEAD]))
-                with _gc.paused():
+                with execution.paused_gc():
                     transaction = self._stage_small(kvstore, batch, ready, metadata_only)
                 metadata_only = []
                 del ready
@@ -906,7 +906,7 @@ class ArrayReader:
                     found[i] = value
         except Exception as e:  # An OCDBT node that fails to decode.
             raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
-        with _gc.paused():
+        with execution.paused_gc():
             self._decode(reads, found)
 
     def _decode(self, reads: Sequence[ArrayRead], values: list[Any]) -> None:

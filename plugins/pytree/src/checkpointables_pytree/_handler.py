@@ -10,21 +10,21 @@ from typing import Any
 
 import checkpointables as cp
 import jax
+from checkpointables import execution
 from checkpointables.serialization import (
     DeserializationParam,
+    LeafEntry,
     LeafHandlerRegistry,
     SerializationParam,
     StandardLeafHandlerRegistry,
     param_name_from_keypath,
 )
-from checkpointables.serialization._registry import LeafEntry
 from etils import epath
 
 from checkpointables_pytree import (
     _crc32c,
     _database,
     _errors,
-    _gc,
     _keys,
     _multiprocess,
     _tree,
@@ -291,7 +291,7 @@ class PyTreeHandler:
             (the message lists their key paths), or cannot be stored.
           ValueError: two keys of one container have the same string form.
         """
-        with _gc.paused():
+        with execution.paused_gc():
             return await self._save(directory, checkpointable)
 
     async def _save(
@@ -365,10 +365,10 @@ class PyTreeHandler:
             others = asyncio.gather(*[a for a in awaitables if a is not None])
             try:
                 path = await directory.await_creation()
-                with _gc.paused():
+                with execution.paused_gc():
                     session.write_files(path)
                 await session.writer.checksums()  # They go into _METADATA.
-                with _gc.paused():
+                with execution.paused_gc():
                     if cp.multihost.is_primary_host(context):
                         if session.strings:
                             text = session.strings_text().encode()
@@ -408,7 +408,7 @@ class PyTreeHandler:
             message lists the key paths).
           cp.errors.MissingHandlerError: a leaf needs a leaf handler not in the registry.
         """
-        with _gc.paused():
+        with execution.paused_gc():
             return await self._load(directory, abstract_checkpointable)
 
     async def _load(
@@ -456,7 +456,7 @@ class PyTreeHandler:
                 _discard([a for _, a in pending])
                 raise
             results = await asyncio.gather(*[a for _, a in pending])
-            with _gc.paused():
+            with execution.paused_gc():
                 for (slots, _), values in zip(pending, results, strict=True):
                     for slot, value in zip(slots, values, strict=True):
                         plan.values[slot] = value
@@ -466,7 +466,7 @@ class PyTreeHandler:
 
     async def metadata(self, directory: epath.Path) -> Any:
         """The abstract tree of what is stored (no array data is read)."""
-        with _gc.paused():
+        with execution.paused_gc():
             return await self._metadata(directory)
 
     async def _metadata(self, directory: epath.Path) -> Any:

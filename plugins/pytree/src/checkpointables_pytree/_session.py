@@ -76,7 +76,7 @@ class SaveSession:
     @classmethod
     def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
         """A session for a save into ``directory`` under ``context``."""
-        from checkpointables._asyncio import caller_waits
+        from checkpointables.execution import caller_waits
 
         return cls(
             directory=directory,

@@ -1,4 +1,9 @@
-"""Pausing Python's cyclic garbage collector around allocation-heavy sections.
+"""What a handler may use of how the library runs its work: GC pauses, the waiting caller.
+
+Public for plugins: a third-party handler uses these exactly as the built-in
+ones do.
+
+``paused_gc()`` pauses Python's cyclic garbage collector around allocation-heavy sections.
 
 Flattening a tree, parsing ``_METADATA`` and decoding thousands of small
 arrays allocate hundreds of thousands of small objects, none of them in
@@ -18,7 +23,9 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["paused"]
+from checkpointables._asyncio import caller_waits
+
+__all__ = ["paused_gc", "caller_waits"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -26,8 +33,18 @@ _was_enabled = False
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Disables the cyclic garbage collector for the ``with`` body."""
+def paused_gc() -> Iterator[None]:
+    """Disables the cyclic garbage collector for the ``with`` body.
+
+    Pauses nest, across threads: the collector is re-enabled by the last one
+    out, and only if it was enabled before. Use it around CPU-bound sections
+    that allocate many small objects, never around waits for I/O.
+
+    Example::
+
+        with cp.execution.paused_gc():
+            entries = [describe(leaf) for leaf in leaves]
+    """
     global _depth, _was_enabled
     with _lock:
         if _depth == 0:
