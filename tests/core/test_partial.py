@@ -184,7 +184,7 @@ _FINALIZE_POINTS = {
         {"pytree/ocdbt.partial_000003", "pending-000003"},
     ),
     "database-merged": (
-        ("checkpointables_pytree._ocdbt_merge", "merge_into", 1, True),
+        ("checkpointables_pytree._ocdbt", "merge_into", 1, True),
         {"pytree/manifest.ocdbt"},
     ),
     # The 4th: each of the three saves recorded its own first.

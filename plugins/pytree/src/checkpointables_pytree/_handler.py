@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
+import crc32c
 import jax
 from checkpointables import execution
 from checkpointables.serialization import (
@@ -22,11 +23,11 @@ from checkpointables.serialization import (
 from etils import epath
 
 from checkpointables_pytree import (
-    _crc32c,
-    _database,
     _errors,
     _keys,
     _multiprocess,
+    _ocdbt,
+    _read,
     _tree,
     _tree_metadata,
     _verify,
@@ -346,8 +347,6 @@ class PyTreeHandler:
             except BaseException:
                 _discard(awaitables)
                 raise
-        # The small arrays' checksums start now, while the rest is set up.
-        session.writer.prepare_early()
         tree = _saved_tree_metadata(groups, flat, session, registry)
 
         async def background() -> None:
@@ -367,19 +366,16 @@ class PyTreeHandler:
                 path = await directory.await_creation()
                 with execution.paused_gc():
                     session.write_files(path)
-                await session.writer.checksums()  # They go into _METADATA.
-                with execution.paused_gc():
                     if cp.multihost.is_primary_host(context):
                         if session.strings:
-                            text = session.strings_text().encode()
-                            tree.strings_crc32c = int(_crc32c.crc32c_many([text])[0])
+                            tree.strings_crc32c = crc32c.crc32c(session.strings_text().encode())
                         _tree_metadata.write_tree_metadata(path, tree)
             finally:
                 await asyncio.gather(arrays, others)
             if cp.multihost.process_count() > 1 and not session.writer.empty:
                 # Durable before this process reports that it finished writing.
                 await asyncio.to_thread(
-                    _multiprocess.flush_database, _database.database_directory(path)
+                    _multiprocess.flush_database, _ocdbt.database_directory(path)
                 )
 
         return _owning(background(), awaitables)
@@ -417,7 +413,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = _database.OpenedDatabase.start(directory)
+        opened = _read.OpenedDatabase.start(directory)
         tree = _tree_metadata.read_tree_metadata(directory)
         _keys.mark_orbax_keys(tree, directory)
         session = LoadSession(directory, tree, context, opened)

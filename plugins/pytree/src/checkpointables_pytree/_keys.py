@@ -36,7 +36,7 @@ from checkpointables.serialization import (
 from etils import epath
 
 from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata
-from checkpointables_pytree._database import StoredArray
+from checkpointables_pytree._array_reads import StoredArray
 from checkpointables_pytree._leaf_handlers import (
     JAX_ARRAY,
     ArrayLeafHandler,

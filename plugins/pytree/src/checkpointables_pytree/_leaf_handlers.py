@@ -29,7 +29,6 @@ from checkpointables.serialization import (
 )
 
 from checkpointables_pytree import (
-    _database,
     _errors,
     _multiprocess,
     _sharding,
@@ -37,8 +36,10 @@ from checkpointables_pytree import (
     _tree_metadata,
     _zarr3,
 )
+from checkpointables_pytree._array_reads import ArrayRead
 from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
 from checkpointables_pytree._session import LoadSession, SaveSession, zarr_shape_dtype
+from checkpointables_pytree._write import ArrayWrite
 
 __all__ = [
     "ArrayLeafHandler",
@@ -216,17 +217,14 @@ def _plan_array(
         "one_chunk_shards": inner is None and not compression,
     }
     layout = _zarr3.ZarrLayout(name, shape, dtype, chunk_shape)
-    # The writer adds each chunk's zlib CRC-32 to `recorded`: loads check those (C speed)
-    # instead of recomputing CRC-32Cs; the chunks keep their CRC-32C for other readers.
     session.writer.add(
-        _database.ArrayWrite(
+        ArrayWrite(
             _LeafLabel(param.keypath),
             layout,
             chunks,
             inner_chunk_shape=inner,
             compression=compression,
             write_metadata=primary,
-            record=recorded,
         )
     )
     if extra:
@@ -476,7 +474,7 @@ class ArrayLeafHandler(_StandardHandler):
         return _finish_load(session, private, reads)
 
     @staticmethod
-    def _plan_read(session: LoadSession, param: DeserializationParam[Any]) -> _database.ArrayRead:
+    def _plan_read(session: LoadSession, param: DeserializationParam[Any]) -> ArrayRead:
         entry, name = session.info(param.keypath, getattr(param, "names", None))
         _check_stored_type(entry, ARRAY_VALUE_TYPES, "a jax.Array")
         shape, dtype, sharding = _target_of(param.value)
@@ -485,7 +483,7 @@ class ArrayLeafHandler(_StandardHandler):
             regions, convert = _sharded_read(shape, dtype, sharding)
         else:
             convert = _OnDefaultDevice(dtype)
-        read = _database.ArrayRead(
+        read = ArrayRead(
             label=entry,
             name=name,
             stored=session.stored_array(entry),
@@ -542,9 +540,7 @@ async def _layouts(
     return found
 
 
-async def _finish_load(
-    session: LoadSession, private: bool, reads: list[_database.ArrayRead]
-) -> list[Any]:
+async def _finish_load(session: LoadSession, private: bool, reads: list[ArrayRead]) -> list[Any]:
     if private:
         await session.reader.run()
     return [r.result for r in reads]
@@ -616,7 +612,7 @@ class NumpyLeafHandler(_StandardHandler):
             else:
                 shape, dtype, _ = _target_of(param.value)
                 convert = functools.partial(_numpy_converted, dtype=dtype)
-            read = _database.ArrayRead(
+            read = ArrayRead(
                 label=entry,
                 name=name,
                 stored=stored_array(entry),
@@ -751,7 +747,7 @@ class ScalarLeafHandler(_StandardHandler):
                 )
                 if stored is None:
                     scalar_type = None  # Decided by the stored dtype, once read.
-            read = _database.ArrayRead(
+            read = ArrayRead(
                 label=entry,
                 name=name,
                 stored=session.stored_array(entry),
@@ -859,7 +855,7 @@ class BytesLeafHandler(_StandardHandler):
         for param in params:
             entry = session.entry(param.keypath)
             _check_stored_type(entry, ARRAY_VALUE_TYPES, "bytes")
-            read = _database.ArrayRead(
+            read = ArrayRead(
                 label=entry,
                 name=session.storage_name(param.keypath),
                 stored=session.stored_array(entry),

@@ -13,7 +13,7 @@ pytree directory as ``PyTreeHandler.save`` wrote it; later sources win:
 * everything else is kept, so ``{"params": {"layer0": ...}}`` followed by
   ``{"params": {"layer1": ...}}`` holds both layers.
 
-The root OCDBT database is built by ``_ocdbt_merge.merge_into``: it only
+The root OCDBT database is built by ``_ocdbt.merge_into``: it only
 references the sources' data files. ``_METADATA``, ``_sharding``,
 ``_strings.json`` and ``array_metadatas/`` are rebuilt from the winning
 leaves; other files (written by custom leaf handlers) are hard-linked
@@ -30,9 +30,10 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
+import crc32c
 from etils import epath
 
-from checkpointables_pytree import _crc32c, _ocdbt_merge, _sharding, _tree_metadata
+from checkpointables_pytree import _ocdbt, _sharding, _tree_metadata
 from checkpointables_pytree._session import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
 
 __all__ = ["PARTIAL_PREFIX", "merge_partial_saves", "plan_merge", "Winner"]
@@ -251,9 +252,9 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
         stored = {trees[index].storage_name(e.names) for e in trees[index].entries}
         # A source that wins all its leaves is merged whole: one range, not one per leaf.
         prefixes = None if won[index] >= stored else tuple(sorted(f"{n}/" for n in won[index]))
-        merge_sources.append(_ocdbt_merge.Source(directory, prefixes))
+        merge_sources.append(_ocdbt.Source(directory, prefixes))
     if merge_sources:
-        _ocdbt_merge.merge_into(target, merge_sources)
+        _ocdbt.merge_into(target, merge_sources)
 
     strings: dict[str, Any] = {}
     shardings: dict[str, dict[str, Any]] = {}
@@ -270,7 +271,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     if strings:
         text = json.dumps(strings, ensure_ascii=False)
         write_text(target / STRINGS_FILE, text)
-        merged.strings_crc32c = int(_crc32c.crc32c(text.encode()))
+        merged.strings_crc32c = crc32c.crc32c(text.encode())
     if shardings:
         _sharding.write_sharding_file(target, shardings)
     _array_metadatas(sources, won, target)

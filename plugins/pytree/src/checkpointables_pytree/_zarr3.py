@@ -23,9 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import crc32c
 import numpy as np
-
-from checkpointables_pytree import _crc32c
 
 __all__ = [
     "zarr_dtype_name",
@@ -203,7 +202,7 @@ def all_chunk_indices(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[
 def shard_trailer(nbytes: int) -> bytes:
     """The index of a shard with one inner chunk of ``nbytes`` data bytes, and its checksum."""
     index = (0).to_bytes(8, "little") + (nbytes + 4).to_bytes(8, "little")
-    return index + _crc32c.crc32c_bytes(index)
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
 def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
