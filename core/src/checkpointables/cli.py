@@ -99,8 +99,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if readers.reader_for(args.path) is not None:
         return _inspect_other_format(args.path)
     context = get_context()
-    path, meta = _loading.open_checkpoint(args.path, context)
-    typestrs = _loading.recorded_typestrs(meta)
+    opened = _loading.open_for_load(args.path, context)
+    path, meta = opened.path, opened.meta
     print(f"checkpoint {path}")
     for key in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
         value = meta.get(key)
@@ -115,9 +115,7 @@ def _inspect(args: argparse.Namespace) -> int:
     total = 0
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
-            recorded = typestrs.get(name) or (
-                meta.get("item_handlers") if directory == path else None
-            )
+            recorded = opened.typestr(name, directory)
             print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
             try:
                 value = _loading.item_metadata(directory, name, recorded, context)
