@@ -81,13 +81,19 @@ def _summary(steps: list[int]) -> str:
     return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
 
 
-def _checked(argument: str, value: Any, protocol: type, module: str) -> Any:
-    """``value``, checked to meet the documented ``protocol``."""
-    if not isinstance(value, protocol):
-        raise errors.InvalidArgumentTypeError(
-            f"{argument} must be a {protocol.__name__} (see cp.training.{module}), got {value!r}."
+def _checked(argument: str, value: Any, default: Callable[[], Any], protocol: type) -> Any:
+    """``value`` (``default()`` if ``None``), checked to meet the documented ``protocol``."""
+    chosen = default() if value is None else value
+    if not isinstance(chosen, protocol):
+        public = (
+            "cp.Context"
+            if protocol is Context
+            else f"cp.{protocol.__module__.removeprefix('checkpointables.')}"
         )
-    return value
+        raise errors.InvalidArgumentTypeError(
+            f"{argument} must be a {protocol.__name__} (see {public}), got {chosen!r}."
+        )
+    return chosen
 
 
 class Checkpointer:
@@ -137,60 +143,53 @@ class Checkpointer:
     ) -> None:
         self._root = as_path(root_directory)
         self._name_format = _checked(
-            "step_name_format",
-            step_name_format or standard_name_format(),
-            StepNameFormat,
-            "step_name_formats",
+            "step_name_format", step_name_format, standard_name_format, StepNameFormat
         )
-        if context is not None and not isinstance(context, Context):
-            raise errors.InvalidArgumentTypeError(
-                f"context must be a cp.Context, got {type(context).__name__}."
-            )
-        custom = (
-            None
-            if custom_metadata is None
-            else _saving.json_or_raise(custom_metadata, "custom_metadata")
+        keep = _checked(
+            "preservation_policy",
+            preservation_policy,
+            preservation_lib.PreserveAll,
+            preservation_lib.PreservationPolicy,
         )
+        decide = _checked(
+            "save_decision_policy",
+            save_decision_policy,
+            decision_lib.default_policy,
+            decision_lib.SaveDecisionPolicy,
+        )
+        if context is not None:
+            _checked("context", context, Context, Context)
         self._ambient = _context.active()
         self._context = _context.base_context(context)
         self._primary = multihost.is_primary_host(self._context)
         self._closed = False
         self._errors = BackgroundErrors()
         self._worker = Worker(f"checkpointables GC {self._root}", self._errors.record)
-        with self._context:  # An object store is reached as the context says.
-            self._check_root()
-            if custom is not None and self._primary:
-                _root_metadata.write_if_absent(self._root, custom)
-            listing = _listing.list_root(self._root, self._name_format)
+        listing = self._open_root(custom_metadata)
         self._steps = _listing.StepIndex(listing.steps)
         self._retention = Retention(
             self._root,
-            _checked(
-                "preservation_policy",
-                preservation_policy or preservation_lib.PreserveAll(),
-                preservation_lib.PreservationPolicy,
-                "preservation_policies",
-            ),
+            keep,
             self._steps,
             self._worker,
             context=self._context,
             primary=self._primary,
         )
-        self._saves = Saves(
-            self._step_path,
-            _checked(
-                "save_decision_policy",
-                save_decision_policy or decision_lib.default_policy(),
-                decision_lib.SaveDecisionPolicy,
-                "save_decision_policies",
-            ),
-            self._steps,
-            self._retention,
-            self._errors,
-        )
+        self._saves = Saves(self._step_path, decide, self._steps, self._retention, self._errors)
         self._leases = _readers.Leases(self._root, self._retention.after_read)
         if self._primary:
             self._retention.clean_leftovers(listing.unfinished)
+
+    def _open_root(self, custom_metadata: Mapping[str, Any] | None) -> _listing.Listing:
+        """Checks the root, writes its metadata if it has none, and lists its steps."""
+        custom = None
+        if custom_metadata is not None:
+            custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
+        with self._context:  # An object store is reached as the context says.
+            self._check_root()
+            if custom is not None and self._primary:
+                _root_metadata.write_if_absent(self._root, custom)
+            return _listing.list_root(self._root, self._name_format)
 
     def _check_root(self) -> None:
         if storage.is_file(self._root):
