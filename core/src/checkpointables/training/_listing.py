@@ -14,20 +14,22 @@ in parallel (one request each).
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
 import logging
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 from etils import epath
 
 from checkpointables import errors, layout, safe_json, storage
+from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Where Orbax's CheckpointManager keeps a step's metrics (its MetricsHandler).
 _ORBAX_METRICS_DIR = "metrics"
@@ -82,7 +84,7 @@ class Listing:
     unfinished: tuple[epath.Path, ...] = ()
 
 
-def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
+def _read(step: int, path: epath.Path, *, validated: bool) -> StepInfo | None:
     try:
         return read_step(step, path, validated=validated)
     except (FileNotFoundError, errors.NotACheckpointError):
@@ -92,17 +94,12 @@ def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
         return None
 
 
-def scan(root: epath.Path, name_format: StepNameFormat) -> dict[int, StepInfo]:
-    """Every committed step under ``root``, by step number.
+def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
+    """The committed steps under ``root`` and, on object stores, the unfinished ones.
 
     Steps whose metadata cannot be read are left out with a logged warning:
     one damaged step must not stop a run from resuming from the others.
     """
-    return list_root(root, name_format).steps
-
-
-def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
-    """The committed steps under ``root`` and, on object stores, the unfinished ones."""
     if not storage.is_local(root):
         return _list_object_store(root, name_format)
     found: dict[int, StepInfo] = {}
@@ -133,11 +130,50 @@ def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing
             unfinished.pop(name, None)
         elif step not in committed:
             unfinished.setdefault(name, root / name)
-    # One request per step: many at once (each thread in a copy of this thread's context).
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = {
-            step: pool.submit(contextvars.copy_context().run, _read, step, path, True)
-            for step, path in committed.items()
-        }
-        steps = {step: info for step, f in futures.items() if (info := f.result()) is not None}
+    # One request per step: many at once.
+    infos = concurrently(lambda item: _read(*item, validated=True), committed.items())
+    steps = {info.step: info for info in infos if info is not None}
     return Listing(steps, tuple(unfinished.values()))
+
+
+class StepIndex:
+    """The committed steps of a root, by step number, shared by a Checkpointer's threads."""
+
+    def __init__(self, steps: dict[int, StepInfo]) -> None:
+        self._lock = threading.Lock()
+        self._steps = dict(steps)
+
+    def sorted(self) -> list[StepInfo]:
+        """Every step, sorted by step number."""
+        with self._lock:
+            return [self._steps[s] for s in sorted(self._steps)]
+
+    def latest(self) -> StepInfo | None:
+        """The step with the highest number, or ``None``."""
+        with self._lock:
+            return self._steps[max(self._steps)] if self._steps else None
+
+    def get(self, step: int) -> StepInfo | None:
+        """The step ``step``, or ``None``."""
+        with self._lock:
+            return self._steps.get(step)
+
+    def add(self, info: StepInfo) -> None:
+        """Records a step (replacing one of the same number)."""
+        with self._lock:
+            self._steps[info.step] = info
+
+    def replace_all(self, steps: dict[int, StepInfo]) -> None:
+        """Forgets every step, and records ``steps``."""
+        with self._lock:
+            self._steps = dict(steps)
+
+    def take(self, info: StepInfo, action: Callable[[], T]) -> T | None:
+        """Runs ``action`` and forgets ``info``, unless another save replaced it (or it is
+        gone): then ``None``. Atomic with the other methods."""
+        with self._lock:
+            if self._steps.get(info.step) is not info:
+                return None
+            result = action()
+            del self._steps[info.step]
+            return result
