@@ -94,6 +94,6 @@ def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) ->
     cp.partial.save(root, {"params": tree["params"]})
     cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
     cp.partial.finalize(root)
-    assert list((root / "pytree").glob(f"ocdbt.partial_*/{_write.WRITER_PREFIX}*"))
+    assert list((root / "pytree").glob(f"{cp.partial.SOURCE_PREFIX}*/**/{_write.WRITER_PREFIX}*"))
     _assert_equal(cp.load_pytree(root), tree)
     _assert_equal(ocp_v1.load(root), tree)

@@ -1,7 +1,7 @@
 """Merging the pytree directories of a partial-save session into one pytree, without copying data.
 
 ``cp.partial.finalize`` moves the pytree directory of every partial save under
-the final pytree directory (``pytree/ocdbt.partial_<seq>/``) and calls
+the final pytree directory (core names them ``pytree/partial-<seq>/``) and calls
 ``PyTreeHandler.merge_partial``, which lands here. Each source is a complete
 pytree directory as ``PyTreeHandler.save`` wrote it; later sources win:
 
@@ -36,10 +36,8 @@ from etils import epath
 from checkpointables_pytree import _ocdbt, _sharding, _tree_metadata
 from checkpointables_pytree._session import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
 
-__all__ = ["PARTIAL_PREFIX", "merge_partial_saves", "plan_merge", "Winner"]
+__all__ = ["merge_partial_saves", "plan_merge", "Winner"]
 
-# Name prefix of the moved partial-save directories inside the final pytree directory.
-PARTIAL_PREFIX = "ocdbt.partial_"
 _MANIFEST = "manifest.ocdbt"
 _DATA_DIR = "d"
 # Files this module rebuilds, and databases it leaves alone: never custom leaf files.
