@@ -23,6 +23,7 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import contextvars
 import ctypes
 import functools
 import itertools
@@ -98,7 +99,10 @@ class DatabaseIndex:
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
         if self._start is None:
-            self._start = _index_pool().submit(self._read_root)
+            # The caller's context (cp.Context's storage options: endpoint, credentials)
+            # must reach the worker thread, as asyncio.to_thread carries it.
+            context = contextvars.copy_context()
+            self._start = _index_pool().submit(context.run, self._read_root)
 
     async def base(self) -> Any:
         """The kvstore of the database's directory (opened once)."""

@@ -29,11 +29,14 @@ __all__ = ["read_values"]
 
 # A request costs what tens of milliseconds of transfer would: read through gaps this small.
 GAP_BYTES = 1 << 20
-# Ranges in flight, and their size. A 256 MiB load from a local S3 server with 2 local
-# threads (6 requests in flight) took 1.96x as long as 256 parallel GETs; more requests
-# in flight close the gap, and smaller ones bound the memory they hold.
-REQUESTS = 32
-RANGE_BYTES = 2 << 20
+# Ranges in flight, and their size: a load holds about REQUESTS * RANGE_BYTES beyond its
+# arrays. Loading 256 MiB of jax.Arrays from a local S3 server (peak RSS growth, time):
+# 32 x 2 MiB 1.05-1.07x, 1.1-1.5 s; 16 x 4 MiB 1.15-1.19x, 0.9-1.2 s; 4 x 8 MiB 1.12-1.16x,
+# 0.7-0.9 s. Few large ranges also keep a load of thousands of small arrays at a few
+# requests (47 MiB in 3,000 arrays: 6 ranges, not 24). A server far away (tens of ms per
+# request) would fill its bandwidth with more in flight: a note for remote benchmarks.
+REQUESTS = 4
+RANGE_BYTES = 8 << 20
 
 
 @attrs.define
