@@ -29,7 +29,7 @@ from etils import epath
 
 from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree_metadata, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree._leaf_common import ARRAY_VALUE_TYPES, SCALAR, STRING
 from checkpointables_pytree._session import LoadSession
 
 __all__ = ["verify_pytree"]

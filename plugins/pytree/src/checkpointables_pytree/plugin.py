@@ -17,6 +17,7 @@ import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
 from checkpointables_pytree import _object_store
+from checkpointables_pytree._array_handlers import ArrayLeafHandler, NumpyLeafHandler
 from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
 from checkpointables_pytree._keys import (
     PRNG_KEY,
@@ -24,18 +25,9 @@ from checkpointables_pytree._keys import (
     PRNGKeyLeafHandler,
     key_array_type,
 )
-from checkpointables_pytree._leaf_handlers import (
-    BYTES,
-    JAX_ARRAY,
-    NUMPY_ARRAY,
-    SCALAR,
-    STRING,
-    ArrayLeafHandler,
-    BytesLeafHandler,
-    NumpyLeafHandler,
-    ScalarLeafHandler,
-    StringLeafHandler,
-)
+from checkpointables_pytree._leaf_common import BYTES, JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING
+from checkpointables_pytree._scalar_handler import ScalarLeafHandler
+from checkpointables_pytree._text_handlers import BytesLeafHandler, StringLeafHandler
 
 PRIORITY = 90
 
