@@ -259,7 +259,7 @@ class NumpyLeafHandler(ZarrLeafHandler):
                 array_dtype = array_dtype.newbyteorder("=")
             dtype = storage_dtype(param.keypath, array, array_dtype, storage)
             shape = array.shape  # A tuple of Python ints.
-            chunks = []
+            chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:
                 data = array if session.caller_waits else np.array(array, copy=True)
                 chunks = [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
