@@ -142,6 +142,22 @@ async def _write_all(
         await asyncio.to_thread(_multiprocess.flush_database, _ocdbt.database_directory(path))
 
 
+def _read_tree_metadata(directory: epath.Path) -> _tree_metadata.TreeMetadata:
+    """``_METADATA``, with the PRNG keys of a tree Orbax wrote marked as ours are."""
+    tree = _tree_metadata.read_tree_metadata(directory)
+    _keys.mark_orbax_keys(tree, directory)
+    return tree
+
+
+def _deserialization_context(session: LoadSession) -> PyTreeDeserializationContext:
+    return PyTreeDeserializationContext(
+        parent_dir=session.directory,
+        ocdbt_checkpoint=session.tree.use_ocdbt,
+        zarr3_checkpoint=session.tree.use_zarr3,
+        session=session,
+    )
+
+
 class PyTreeHandler:
     """Saves and loads pytrees of ``jax.Array``, ``np.ndarray``, scalars, strings and bytes.
 
@@ -284,8 +300,7 @@ class PyTreeHandler:
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
         opened = _read.OpenedDatabase.start(directory)
-        tree = _tree_metadata.read_tree_metadata(directory)
-        _keys.mark_orbax_keys(tree, directory)
+        tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)
@@ -297,12 +312,7 @@ class PyTreeHandler:
                 partial=context.pytree_options.partial_load,
                 where=directory,
             )
-        deserialization_context = PyTreeDeserializationContext(
-            parent_dir=directory,
-            ocdbt_checkpoint=tree.use_ocdbt,
-            zarr3_checkpoint=tree.use_zarr3,
-            session=session,
-        )
+        deserialization_context = _deserialization_context(session)
         pending: list[tuple[list[int], Any]] = []
         for handler_cls, items in plan.groups.items():
             handler = _make_leaf_handler(handler_cls, context)
@@ -338,16 +348,10 @@ class PyTreeHandler:
     async def _metadata(self, directory: epath.Path) -> Any:
         context = cp.context.get_context()
         registry = leaf_registry(context)
-        tree = _tree_metadata.read_tree_metadata(directory)
-        _keys.mark_orbax_keys(tree, directory)
+        tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context)
         plan = LoadPlan.without_abstract(tree, registry)
-        deserialization_context = PyTreeDeserializationContext(
-            parent_dir=directory,
-            ocdbt_checkpoint=tree.use_ocdbt,
-            zarr3_checkpoint=tree.use_zarr3,
-            session=session,
-        )
+        deserialization_context = _deserialization_context(session)
         for handler_cls, items in plan.groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             values = await handler.metadata([p for _, p in items], deserialization_context)

@@ -7,7 +7,9 @@ files, listing, deleting, the commit marker); the plugin registers it for
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import checkpointables as cp
@@ -30,6 +32,15 @@ def _failure(action: str, url: str, error: BaseException) -> cp.errors.StorageEr
         f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
         f"failed transiently were already retried."
     )
+
+
+@contextlib.contextmanager
+def _failing(action: str, url: str) -> Iterator[None]:
+    """Raises what fails inside as a ``StorageError`` saying what to check."""
+    try:
+        yield
+    except Exception as e:
+        raise _failure(action, url, e) from e
 
 
 def _prefix_range(key: str) -> tuple[str, ts.KvStore.KeyRange]:
@@ -61,29 +72,23 @@ class KvStoreStorage:
             store = self._stores.get((scheme, bucket))
             if store is None:
                 spec = kvstore_spec(f"{scheme}://{bucket}", self._settings)
-                try:
+                with _failing("Opening", f"{scheme}://{bucket}"):
                     store = ts.KvStore.open(spec, context=self._context).result()
-                except Exception as e:
-                    raise _failure("Opening", f"{scheme}://{bucket}", e) from e
                 self._stores[(scheme, bucket)] = store
         return store, key
 
     def _list(self, url: str) -> list[str]:
         store, key = self._store(url)
         prefix, keys_under = _prefix_range(key)
-        try:
+        with _failing("Listing", url):
             keys = store.list(keys_under, strip_prefix_length=len(prefix))
             return [k.decode() for k in keys.result() if k]
-        except Exception as e:
-            raise _failure("Listing", url, e) from e
 
     def read_bytes(self, path: str) -> bytes:
         """The contents of an object (one GET)."""
         store, key = self._store(path)
-        try:
+        with _failing("Reading", path):
             result = store.read(key).result()
-        except Exception as e:
-            raise _failure("Reading", path, e) from e
         if result.state != "value":
             raise FileNotFoundError(f"No object at {path}.")
         return bytes(result.value)
@@ -91,20 +96,16 @@ class KvStoreStorage:
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
         """Creates or replaces an object (one PUT; durable once it returns)."""
         store, key = self._store(path)
-        try:
+        with _failing("Writing", path):
             store.write(key, data).result()
-        except Exception as e:
-            raise _failure("Writing", path, e) from e
 
     def is_file(self, path: str) -> bool:
         """Whether an object is at ``path`` (one HEAD)."""
         store, key = self._store(path)
         if not key:
             return False
-        try:
+        with _failing("Checking", path):
             return bool(store.read(key, byte_range=slice(0, 0)).result().state == "value")
-        except Exception as e:
-            raise _failure("Checking", path, e) from e
 
     def exists(self, path: str) -> bool:
         """Whether an object, or any object under the prefix ``path/``, exists."""
@@ -125,21 +126,14 @@ class KvStoreStorage:
     def remove_file(self, path: str) -> None:
         """Deletes an object (one DELETE); a missing one is fine."""
         store, key = self._store(path)
-        try:
+        with _failing("Deleting", path):
             store.write(key, None).result()
-        except Exception as e:
-            raise _failure("Deleting", path, e) from e
 
     def remove_tree(self, path: str) -> None:
         """Deletes every object under ``path/`` (a LIST, then a DELETE each)."""
         store, key = self._store(path)
-        prefix = f"{key}/" if key else ""
-        try:
-            store.delete_range(
-                ts.KvStore.KeyRange(prefix, prefix[:-1] + "0" if key else "")
-            ).result()
-        except Exception as e:
-            raise _failure("Deleting", path, e) from e
+        with _failing("Deleting", path):
+            store.delete_range(_prefix_range(key)[1]).result()
         if key:
             self.remove_file(path)
 
