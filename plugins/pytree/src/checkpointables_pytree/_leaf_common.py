@@ -261,7 +261,7 @@ def schedule_array(
 # -- The handlers' common part ----------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.define  # Not frozen: one is made per leaf of a load, and frozen ones cost twice as much.
 class ReadTarget:
     """What a load wants of a stored array: the conversion of its read regions into the leaf.
 
