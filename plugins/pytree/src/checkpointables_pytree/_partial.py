@@ -52,6 +52,14 @@ _MANAGED = frozenset(
     }
 )
 _NAME_BOUNDARIES = frozenset(".-_/")
+# _METADATA fields the merged tree computes afresh (the others are the latest source's).
+_RECOMPUTED_FIELDS = (
+    "format_version",
+    "escaped_names",
+    "tuples",
+    "strings_crc32c",
+    "own_value_types",
+)
 
 
 @attrs.frozen
@@ -224,18 +232,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     merged = _tree_metadata.TreeMetadata(
         entries=sorted((w.entry for w in winners.values()), key=lambda e: e.names),
         tuple_paths=tuples,
-        extra={
-            k: v
-            for k, v in trees[-1].extra.items()
-            if k
-            not in (
-                "format_version",
-                "escaped_names",
-                "tuples",
-                "strings_crc32c",
-                "own_value_types",
-            )
-        },
+        extra={k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS},
         own_value_types=any(t.own_value_types for t in trees),
     )
     # Storage names each source wins (a name's keys in a database all start with "<name>/").
@@ -243,6 +240,21 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     for winner in winners.values():
         if not winner.entry.is_empty_node:
             won[winner.source].add(merged.storage_name(winner.entry.names))
+    _merge_databases(sources, trees, won, target)
+    _merge_strings_and_shardings(sources, won, target, merged)
+    _array_metadatas(sources, won, target)
+    _custom_files(sources, trees, won, target)
+    # Last: a pytree directory counts as one once it has _METADATA.
+    _tree_metadata.write_tree_metadata(target, merged)
+
+
+def _merge_databases(
+    sources: Sequence[epath.Path],
+    trees: Sequence[_tree_metadata.TreeMetadata],
+    won: Sequence[set[str]],
+    target: epath.Path,
+) -> None:
+    """Builds the root database from the arrays each source won (referencing their files)."""
     merge_sources = []
     for index, directory in enumerate(sources):
         if not won[index] or not cp.storage.exists(directory / _MANIFEST):
@@ -254,6 +266,14 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     if merge_sources:
         _ocdbt.merge_into(target, merge_sources)
 
+
+def _merge_strings_and_shardings(
+    sources: Sequence[epath.Path],
+    won: Sequence[set[str]],
+    target: epath.Path,
+    merged: _tree_metadata.TreeMetadata,
+) -> None:
+    """Writes ``_strings.json`` (its checksum into ``merged``) and ``_sharding`` of the winners."""
     strings: dict[str, Any] = {}
     shardings: dict[str, dict[str, Any]] = {}
     for index, directory in enumerate(sources):
@@ -272,7 +292,3 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
         merged.strings_crc32c = crc32c.crc32c(text.encode())
     if shardings:
         _sharding.write_sharding_file(target, shardings)
-    _array_metadatas(sources, won, target)
-    _custom_files(sources, trees, won, target)
-    # Last: a pytree directory counts as one once it has _METADATA.
-    _tree_metadata.write_tree_metadata(target, merged)

@@ -29,7 +29,8 @@ from etils import epath
 
 from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree_metadata, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree._leaf_common import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree._load_plan import LoadPlan
 from checkpointables_pytree._session import LoadSession
 
 __all__ = ["verify_pytree"]
@@ -75,11 +76,8 @@ def _check_loadable(
     directory: epath.Path, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
 ) -> list[str]:
     """What a load without an abstract tree refuses before reading any array."""
-    # The handler builds on this module; its plan is what a load does first.
-    from checkpointables_pytree._handler import _Plan
-
     try:
-        plan = _Plan.without_abstract(tree, registry)
+        plan = LoadPlan.without_abstract(tree, registry)
         plan.build(tree, directory)
         _sharding.read_sharding_file(directory)
     except cp.errors.CheckpointError as e:
