@@ -160,9 +160,6 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
             timeout_secs=timeout,
             operation=save.operation,
         )
-        if save.primary:
-            with _os_errors.translated(f"saving {save.path}"):
-                storage.make_dirs(save.path.parent)
         root = multihost.broadcast_from_primary(
             f"{save.operation}/tmp",
             str(_commit.write_root_for(save.path)) if save.primary else None,
@@ -172,14 +169,16 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
 
 
 def _directory(save: _Checked, target: _commit.SaveTarget) -> PathAwaitingCreation:
-    """The save's root, created (with a directory per checkpointable) when a handler first
-    awaits it, or before the background phases at the latest."""
+    """The save's root, created (with its parents and a directory per checkpointable) when a
+    handler first awaits it, or before the background phases at the latest: an async save
+    whose handlers do not await it returns without touching the file system."""
 
     def create() -> None:
         error = None
         if save.primary:
             try:
                 timeout = save.context.async_options.timeout_secs
+                storage.make_dirs(save.path.parent)
                 _leftovers.remove(
                     _leftovers.abandoned_entries([save.path.parent], timeout_secs=timeout)
                 )
