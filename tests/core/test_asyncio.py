@@ -106,6 +106,25 @@ def test_async_save_still_writes_in_the_background(tmp_path) -> None:
     assert cp.is_checkpoint(tmp_path / "c")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # The child never touches JAX.
+def test_a_forked_child_saves_in_the_background_like_its_parent(tmp_path) -> None:
+    # The parent's background threads are idle in its pool; the child has none of them.
+    cp.save_checkpointables_async(tmp_path / "parent", {"point": StatefulPoint(1, 2)}).result()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            child = {"point": StatefulPoint(5, 6)}
+            cp.save_checkpointables_async(tmp_path / "child", child).result(timeout=60)
+        finally:
+            os._exit(0 if cp.is_checkpoint(tmp_path / "child") else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    point = StatefulPoint(0, 0)
+    cp.load_checkpointables(tmp_path / "child", {"point": point})
+    assert (point.x, point.y) == (5, 6)
+
+
 def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch) -> None:
     (tmp_path / "a" / "b").mkdir(parents=True)
     for name in ("a/x", "a/b/y", "z"):

@@ -51,12 +51,6 @@ def release(key: str) -> None:
         _condition.notify_all()
 
 
-def is_read(path: epath.Path) -> bool:
-    """Whether a load of ``path`` is in progress in this process."""
-    with _condition:
-        return storage.key(path) in _readers
-
-
 def run_if_unread(path: epath.Path, action: Callable[[], T]) -> tuple[bool, T | None]:
     """Runs ``action`` (e.g. a rename) unless ``path`` is being read; atomic with ``acquire``.
 
