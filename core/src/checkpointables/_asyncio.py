@@ -48,7 +48,11 @@ class _ThreadLoop:
         _open_loops.add(self.loop)
 
     def __del__(self) -> None:
-        _close_quietly(self.loop)
+        # A forked child drops the loops of its parent's other threads: closing one there
+        # would unregister the parent's self-pipe from their shared epoll instance, and the
+        # parent's loop would never wake again.
+        if self.pid == os.getpid():
+            _close_quietly(self.loop)
 
 
 _thread_loops = threading.local()

@@ -276,9 +276,16 @@ def _discard(save: _Checked, target: _commit.SaveTarget) -> None:
 def start(request: SaveRequest) -> AsyncResponse[None]:
     """Starts the save ``request`` describes; returns after the blocking phase.
 
+    The GC is paused from the start; the pause ends on the background thread.
+    Ending it here would make the caller pay, right before returning, the
+    collection that the first allocation after the pause triggers (15 ms for
+    5,000 leaves with JAX imported).
+
     Raises what ``save_checkpointables_async`` raises.
     """
-    with execution.paused_gc():
+    pause = contextlib.ExitStack()
+    pause.enter_context(execution.paused_gc())
+    try:
         save = _validate(request)
         target = _stage(save, request)
         directory = _directory(save, target)
@@ -287,11 +294,16 @@ def start(request: SaveRequest) -> AsyncResponse[None]:
         except BaseException:
             _discard(save, target)
             raise
+
+        def write_and_commit() -> None:
+            pause.close()
+            _write_and_commit(save, target, directory, background)
+
         with save.context:
-            response = start_background(
-                lambda: _write_and_commit(save, target, directory, background),
-                f"save of {save.path}",
-            )
+            response = start_background(write_and_commit, f"save of {save.path}")
+    except BaseException:
+        pause.close()
+        raise
     _inflight.track(save.path, response)
     return response
 
