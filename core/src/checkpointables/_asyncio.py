@@ -48,7 +48,11 @@ class _ThreadLoop:
         _open_loops.add(self.loop)
 
     def __del__(self) -> None:
-        _close_quietly(self.loop)
+        # A forked child drops the loops of its parent's other threads: closing one there
+        # would unregister the parent's self-pipe from their shared epoll instance, and the
+        # parent's loop would never wake again.
+        if self.pid == os.getpid():
+            _close_quietly(self.loop)
 
 
 _thread_loops = threading.local()
@@ -78,6 +82,9 @@ def _after_fork_in_child() -> None:
     _inherited.extend(_open_loops)
     _open_loops.clear()
     _thread_loops = threading.local()
+    # The parent's pool threads do not exist here: the child starts its own.
+    _pool.cache_clear()
+    _background_pool.cache_clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -202,10 +209,11 @@ def completed(value: T, description: str = "operation") -> AsyncResponse[T]:
 def start_background(
     work: Callable[[], T], description: str, *, daemon: bool = False, inline: bool = False
 ) -> AsyncResponse[T]:
-    """Runs ``work()`` on a new thread, in a copy of the caller's contextvars.
+    """Runs ``work()`` on a background thread, in a copy of the caller's contextvars.
 
     The thread is not a daemon by default, so the interpreter waits for a
-    running save before it exits instead of cutting it off. With ``inline``,
+    running save before it exits instead of cutting it off; a ``daemon`` one (a
+    load nobody may still want) is a new thread. With ``inline``,
     and for a caller that waits for the result right away (``caller_waits()``:
     ``save_pytree``, ``load_pytree``), ``work()`` runs now, on the caller's
     thread: no thread start and no hand-over, which is most of a tiny
@@ -224,13 +232,25 @@ def start_background(
 
     if inline or caller_waits():
         run()
-        return response
-
-    thread = threading.Thread(
-        target=run, name=f"checkpointables: {description}"[:60], daemon=daemon
-    )
-    thread.start()
+    elif daemon:
+        name = f"checkpointables: {description}"[:60]
+        threading.Thread(target=run, name=name, daemon=True).start()
+    else:
+        _background_pool().submit(run)
     return response
+
+
+@functools.cache
+def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for saves' background phases, kept between saves.
+
+    Starting a thread costs the caller more than its start: the new thread takes
+    the GIL at once and the caller waits up to a switch interval (5 ms) to get it
+    back, while an idle worker woken by a queue lets the caller return first. A
+    worker is added whenever none is idle, so background work never waits for
+    other background work; the interpreter waits for running work before it exits.
+    """
+    return concurrent.futures.ThreadPoolExecutor(1024, thread_name_prefix="checkpointables-bg")
 
 
 async def gather_awaitables(awaitables: list[Any]) -> list[Any]:

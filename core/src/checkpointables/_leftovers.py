@@ -75,11 +75,13 @@ def _is_over(started_ns: int, pid: int, host: str, timeout_secs: float, now_ns: 
     """The rule of the module's docstring: too old, or its single-process job's process is gone."""
     if now_ns - started_ns > timeout_secs * 1e9:
         return True
+    # The job's size last: in a jax.distributed job that has not started JAX's backend yet,
+    # asking starts it, which waits for every process (a sibling's save may be over by then).
     return (
         host == this_host()
-        and multihost.process_count() == 1
         and pid != os.getpid()
         and not process_exists(pid)
+        and multihost.process_count() == 1
     )
 
 

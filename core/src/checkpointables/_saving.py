@@ -160,9 +160,6 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
             timeout_secs=timeout,
             operation=save.operation,
         )
-        if save.primary:
-            with _os_errors.translated(f"saving {save.path}"):
-                storage.make_dirs(save.path.parent)
         root = multihost.broadcast_from_primary(
             f"{save.operation}/tmp",
             str(_commit.write_root_for(save.path)) if save.primary else None,
@@ -172,14 +169,16 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
 
 
 def _directory(save: _Checked, target: _commit.SaveTarget) -> PathAwaitingCreation:
-    """The save's root, created (with a directory per checkpointable) when a handler first
-    awaits it, or before the background phases at the latest."""
+    """The save's root, created (with its parents and a directory per checkpointable) when a
+    handler first awaits it, or before the background phases at the latest: an async save
+    whose handlers do not await it returns without touching the file system."""
 
     def create() -> None:
         error = None
         if save.primary:
             try:
                 timeout = save.context.async_options.timeout_secs
+                storage.make_dirs(save.path.parent)
                 _leftovers.remove(
                     _leftovers.abandoned_entries([save.path.parent], timeout_secs=timeout)
                 )
@@ -277,9 +276,16 @@ def _discard(save: _Checked, target: _commit.SaveTarget) -> None:
 def start(request: SaveRequest) -> AsyncResponse[None]:
     """Starts the save ``request`` describes; returns after the blocking phase.
 
+    The GC is paused from the start; the pause ends on the background thread.
+    Ending it here would make the caller pay, right before returning, the
+    collection that the first allocation after the pause triggers (15 ms for
+    5,000 leaves with JAX imported).
+
     Raises what ``save_checkpointables_async`` raises.
     """
-    with execution.paused_gc():
+    pause = contextlib.ExitStack()
+    pause.enter_context(execution.paused_gc())
+    try:
         save = _validate(request)
         target = _stage(save, request)
         directory = _directory(save, target)
@@ -288,11 +294,16 @@ def start(request: SaveRequest) -> AsyncResponse[None]:
         except BaseException:
             _discard(save, target)
             raise
+
+        def write_and_commit() -> None:
+            pause.close()
+            _write_and_commit(save, target, directory, background)
+
         with save.context:
-            response = start_background(
-                lambda: _write_and_commit(save, target, directory, background),
-                f"save of {save.path}",
-            )
+            response = start_background(write_and_commit, f"save of {save.path}")
+    except BaseException:
+        pause.close()
+        raise
     _inflight.track(save.path, response)
     return response
 

@@ -22,9 +22,11 @@ from typing import Any, TypeVar
 import attrs
 from etils import epath
 
-from checkpointables import errors, layout, safe_json, storage
+from checkpointables import _saving, errors, layout, safe_json, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
+from checkpointables.context import Context
+from checkpointables.training import _root_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
 
@@ -115,6 +117,35 @@ def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
         if info is not None:
             found[step] = info
     return Listing(found)
+
+
+def open_root(
+    root: epath.Path,
+    name_format: StepNameFormat,
+    custom_metadata: Any,
+    *,
+    context: Context,
+    primary: bool,
+) -> Listing:
+    """Checks ``root`` can hold steps, writes its metadata if it has none, and lists it."""
+    custom = None
+    if custom_metadata is not None:
+        custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
+    with context:  # An object store is reached as the context says.
+        if storage.is_file(root):
+            raise NotADirectoryError(
+                f"The root directory {root} is a file; a Checkpointer needs a directory "
+                f"to hold one checkpoint per step."
+            )
+        if layout.is_checkpoint(root):
+            raise errors.InvalidArgumentError(
+                f"{root} is itself a checkpoint, not a root of step checkpoints. Pass the "
+                f"directory that holds the steps (probably {root.parent}), or load this "
+                f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
+            )
+        if custom is not None and primary:
+            _root_metadata.write_if_absent(root, custom)
+        return list_root(root, name_format)
 
 
 def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing:

@@ -1,5 +1,5 @@
-"""Read leases: steps being read in this process, so garbage collection never deletes one
-mid-load.
+"""Reading steps: which committed step a load means, and read leases (steps being read in
+this process, so garbage collection never deletes one mid-load).
 
 Shared by every Checkpointer of the process (a trainer and an evaluator may
 watch the same root). A load registers its step directory before it checks
@@ -17,13 +17,16 @@ from typing import TypeVar
 
 from etils import epath
 
-from checkpointables import storage
+from checkpointables import layout, storage
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
+from checkpointables.training import _arguments, _listing
 from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
+
+StepLike = int | StepInfo | None
 
 _condition = threading.Condition()
 _readers: dict[str, int] = {}
@@ -46,12 +49,6 @@ def release(key: str) -> None:
         else:
             _readers.pop(key, None)
         _condition.notify_all()
-
-
-def is_read(path: epath.Path) -> bool:
-    """Whether a load of ``path`` is in progress in this process."""
-    with _condition:
-        return storage.key(path) in _readers
 
 
 def run_if_unread(path: epath.Path, action: Callable[[], T]) -> tuple[bool, T | None]:
@@ -81,15 +78,60 @@ def wait_until_unread(path: epath.Path, timeout: float | None) -> None:
             )
 
 
-class Leases:
-    """The leases of one Checkpointer's reads; ``on_release`` runs when one ends (deletions
-    deferred for the read may then run)."""
+def _summary(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
 
-    def __init__(self, root: epath.Path, on_release: Callable[[], None]) -> None:
+
+class Leases:
+    """The reads of one Checkpointer: each finds its committed step, then holds a lease on it
+    until it ends (deletions deferred for the read may then run: ``on_release``)."""
+
+    def __init__(
+        self,
+        root: epath.Path,
+        steps: _listing.StepIndex,
+        path_of: Callable[[int], epath.Path],
+        wait_for_save: Callable[[int], None],
+        on_release: Callable[[], None],
+    ) -> None:
         self._root = root
+        self._steps = steps
+        self._path_of = path_of
+        self._wait_for_save = wait_for_save
         self._on_release = on_release
 
-    def _acquire(self, info: StepInfo, context: Context) -> str:
+    def resolve(self, step: StepLike, context: Context) -> StepInfo:
+        """The committed step ``step`` names (``None``: the latest), waiting for its save if
+        it is in flight."""
+        if step is None:
+            latest = self._steps.latest()
+            if latest is None:
+                raise StepNotFoundError(
+                    f"{self._root} has no committed checkpoint yet, so there is no latest step "
+                    f"to load. Check the path, or call reload() if another process is writing it."
+                )
+            return latest
+        number = _arguments.as_step(step.step if isinstance(step, StepInfo) else step)
+        if self._steps.get(number) is None:
+            self._wait_for_save(number)
+        info = self._steps.get(number)
+        if info is not None:
+            return info
+        path = self._path_of(number)
+        with context:
+            if layout.is_checkpoint(path):  # Committed by another process since we listed.
+                return _listing.read_step(number, path)
+        raise StepNotFoundError(
+            f"No committed checkpoint for step {number} in {self._root} (looked for {path}). "
+            f"Committed steps: {_summary([s.step for s in self._steps.sorted()])}."
+        )
+
+    def _acquire(self, step: StepLike, context: Context) -> tuple[StepInfo, str]:
+        info = self.resolve(step, context)
         key = acquire(info.path)
         with context:
             gone = not storage.exists(info.path)
@@ -99,16 +141,16 @@ class Leases:
                 f"Step {info.step} was deleted from {self._root} (by this run's preservation "
                 f"policy or another process). Call steps() for what remains."
             )
-        return key
+        return info, key
 
     def _release(self, key: str) -> None:
         release(key)
         self._on_release()
 
     @contextlib.contextmanager
-    def holding(self, info: StepInfo, context: Context) -> Iterator[StepInfo]:
-        """``info``, leased during the block, which runs under ``context``."""
-        key = self._acquire(info, context)
+    def holding(self, step: StepLike, context: Context) -> Iterator[StepInfo]:
+        """The step ``step`` names, leased during the block, which runs under ``context``."""
+        info, key = self._acquire(step, context)
         try:
             with context:
                 yield info
@@ -116,10 +158,10 @@ class Leases:
             self._release(key)
 
     def load_async(
-        self, info: StepInfo, context: Context, start: Callable[[epath.Path], AsyncResponse[T]]
+        self, step: StepLike, context: Context, start: Callable[[epath.Path], AsyncResponse[T]]
     ) -> AsyncResponse[T]:
-        """``start(path)`` for the step; the step stays leased until the load finishes."""
-        key = self._acquire(info, context)
+        """``start(path)`` for the step ``step`` names; it stays leased until the load ends."""
+        info, key = self._acquire(step, context)
         try:
             with context:
                 inner = start(info.path)

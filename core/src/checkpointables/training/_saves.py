@@ -175,7 +175,7 @@ class Saves:
     ) -> AsyncResponse[bool]:
         """The response of the save, finished once the step is recorded (or the save failed)."""
         blocked = time.perf_counter() - started
-        nbytes = _save_stats.array_bytes(request.checkpointables)
+        leaves = _save_stats.leaves(request.checkpointables)  # Counted in the background.
         step = request.step
         response = SaveResponse(f"save of step {step} to {path}", self._errors)
         with self._lock:
@@ -187,6 +187,7 @@ class Saves:
                 try:
                     self._record(step, path, metrics)
                     commit = time.perf_counter() - started
+                    nbytes = _save_stats.array_bytes(leaves)
                     self.last_stats = _save_stats.SaveStats(step, nbytes, blocked, commit)
                     _save_stats.log(self.last_stats)
                 except BaseException as e:

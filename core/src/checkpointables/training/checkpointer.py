@@ -22,21 +22,21 @@ How it stays correct when things go wrong:
   gone (see ``checkpointables._leftovers``), never another live process's save.
 
 The concerns live in their own modules: saving (``_saves``), retention and
-deletion (``_retention``), read leases (``_readers``), the committed steps
-(``_listing``), background work and its errors (``_worker``). This class
-holds the front doors; every synchronous form waits for its async form.
+deletion (``_retention``), finding the step a load means and leasing it
+(``_readers``), the root and its committed steps (``_listing``), background
+work and its errors (``_worker``), checks of arguments (``_arguments``). This
+class holds the front doors; every synchronous form waits for its async form.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, _saving, errors, layout, multihost, storage
+from checkpointables import _loading, _pytree_api, multihost
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
@@ -44,56 +44,17 @@ from checkpointables.path._parse import as_path
 from checkpointables.training import _context, _listing, _readers, _root_metadata, _save_stats
 from checkpointables.training import preservation_policies as preservation_lib
 from checkpointables.training import save_decision_policies as decision_lib
+from checkpointables.training._arguments import as_step, checked
+from checkpointables.training._readers import StepLike
 from checkpointables.training._retention import Retention
 from checkpointables.training._saves import Saves, StepSave
 from checkpointables.training._worker import BackgroundErrors, Worker
-from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
 __all__ = ["Checkpointer"]
 
 T = TypeVar("T")
-
-StepLike = int | StepInfo | None
-
-
-def as_step(step: Any) -> int:
-    """``step`` as an int >= 0 (NumPy and JAX integer scalars are accepted)."""
-    if isinstance(step, bool):
-        raise errors.InvalidArgumentTypeError(f"Steps are integers >= 0, got the bool {step!r}.")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise errors.InvalidArgumentTypeError(
-            f"Steps are integers >= 0, got {type(step).__name__} {step!r}."
-        ) from None
-    if value < 0:
-        raise errors.InvalidArgumentError(f"Steps are integers >= 0, got {value}.")
-    return value
-
-
-def _summary(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    if len(steps) <= 8:
-        return ", ".join(map(str, steps))
-    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
-
-
-def _checked(argument: str, value: Any, default: Callable[[], Any], protocol: type) -> Any:
-    """``value`` (``default()`` if ``None``), checked to meet the documented ``protocol``."""
-    chosen = default() if value is None else value
-    if not isinstance(chosen, protocol):
-        public = (
-            "cp.Context"
-            if protocol is Context
-            else f"cp.{protocol.__module__.removeprefix('checkpointables.')}"
-        )
-        raise errors.InvalidArgumentTypeError(
-            f"{argument} must be a {protocol.__name__} (see {public}), got {chosen!r}."
-        )
-    return chosen
 
 
 class Checkpointer:
@@ -142,30 +103,36 @@ class Checkpointer:
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self._root = as_path(root_directory)
-        self._name_format = _checked(
+        self._name_format = checked(
             "step_name_format", step_name_format, standard_name_format, StepNameFormat
         )
-        keep = _checked(
+        keep = checked(
             "preservation_policy",
             preservation_policy,
             preservation_lib.PreserveAll,
             preservation_lib.PreservationPolicy,
         )
-        decide = _checked(
+        decide = checked(
             "save_decision_policy",
             save_decision_policy,
             decision_lib.default_policy,
             decision_lib.SaveDecisionPolicy,
         )
         if context is not None:
-            _checked("context", context, Context, Context)
+            checked("context", context, Context, Context)
         self._ambient = _context.active()
         self._context = _context.base_context(context)
         self._primary = multihost.is_primary_host(self._context)
         self._closed = False
         self._errors = BackgroundErrors()
         self._worker = Worker(f"checkpointables GC {self._root}", self._errors.record)
-        listing = self._open_root(custom_metadata)
+        listing = _listing.open_root(
+            self._root,
+            self._name_format,
+            custom_metadata,
+            context=self._context,
+            primary=self._primary,
+        )
         self._steps = _listing.StepIndex(listing.steps)
         self._retention = Retention(
             self._root,
@@ -176,33 +143,12 @@ class Checkpointer:
             primary=self._primary,
         )
         self._saves = Saves(self._step_path, decide, self._steps, self._retention, self._errors)
-        self._leases = _readers.Leases(self._root, self._retention.after_read)
+        after_read = self._retention.after_read
+        self._leases = _readers.Leases(
+            self._root, self._steps, self._step_path, self._wait_for_save, after_read
+        )
         if self._primary:
             self._retention.clean_leftovers(listing.unfinished)
-
-    def _open_root(self, custom_metadata: Mapping[str, Any] | None) -> _listing.Listing:
-        """Checks the root, writes its metadata if it has none, and lists its steps."""
-        custom = None
-        if custom_metadata is not None:
-            custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
-        with self._context:  # An object store is reached as the context says.
-            self._check_root()
-            if custom is not None and self._primary:
-                _root_metadata.write_if_absent(self._root, custom)
-            return _listing.list_root(self._root, self._name_format)
-
-    def _check_root(self) -> None:
-        if storage.is_file(self._root):
-            raise NotADirectoryError(
-                f"The root directory {self._root} is a file; a Checkpointer needs a directory "
-                f"to hold one checkpoint per step."
-            )
-        if layout.is_checkpoint(self._root):
-            raise errors.InvalidArgumentError(
-                f"{self._root} is itself a checkpoint, not a root of step checkpoints. Pass the "
-                f"directory that holds the steps (probably {self._root.parent}), or load this "
-                f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
-            )
 
     # Properties and listing.
 
@@ -337,36 +283,13 @@ class Checkpointer:
     def _call_context(self) -> Context:
         return _context.for_call(self._context, self._ambient)
 
-    def _resolve(self, step: StepLike) -> StepInfo:
-        """The committed step ``step`` names (``None``: the latest), waiting for its save if it
-        is in flight."""
-        if step is None:
-            latest = self.latest_step()
-            if latest is None:
-                raise StepNotFoundError(
-                    f"{self._root} has no committed checkpoint yet, so there is no latest step to "
-                    f"load. Check the path, or call reload() if another process is writing it."
-                )
-            return latest
-        number = as_step(step.step if isinstance(step, StepInfo) else step)
-        if self._steps.get(number) is None:
-            self._saves.wait(self._context.async_options.timeout_secs, step=number)
-        info = self._steps.get(number)
-        if info is not None:
-            return info
-        path = self._step_path(number)
-        with self._call_context():
-            if layout.is_checkpoint(path):  # Committed by another process since we listed.
-                return _listing.read_step(number, path)
-        raise StepNotFoundError(
-            f"No committed checkpoint for step {number} in {self._root} (looked for {path}). "
-            f"Committed steps: {_summary([s.step for s in self._steps.sorted()])}."
-        )
+    def _wait_for_save(self, step: int) -> None:
+        self._saves.wait(self._context.async_options.timeout_secs, step=step)
 
     def _load_async(
         self, step: StepLike, start: Callable[[epath.Path], AsyncResponse[T]]
     ) -> AsyncResponse[T]:
-        return self._leases.load_async(self._resolve(step), self._call_context(), start)
+        return self._leases.load_async(step, self._call_context(), start)
 
     def load_pytree_async(
         self,
@@ -449,12 +372,12 @@ class Checkpointer:
         self, step: StepLike = None, *, checkpointable_name: str | None = None
     ) -> CheckpointMetadata[Any]:
         """``cp.pytree_metadata`` of ``step`` (default: the latest step)."""
-        with self._leases.holding(self._resolve(step), self._call_context()) as info:
+        with self._leases.holding(step, self._call_context()) as info:
             return _pytree_api.pytree_metadata(info.path, checkpointable_name=checkpointable_name)
 
     def checkpointables_metadata(self, step: StepLike = None) -> CheckpointMetadata[dict[str, Any]]:
         """``cp.checkpointables_metadata`` of ``step`` (default: the latest step)."""
-        with self._leases.holding(self._resolve(step), self._call_context()) as info:
+        with self._leases.holding(step, self._call_context()) as info:
             return _loading.checkpointables_metadata(info.path)
 
     # Waiting and closing.
