@@ -151,12 +151,59 @@ def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
     return children
 
 
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """What ``flatten`` finds that depends only on a tree's structure (its treedef)."""
+
+    leaves: tuple[tuple[tuple[Any, ...], tuple[str, ...], tuple[int, ...]], ...]
+    empty: tuple[tuple[tuple[Any, ...], str], ...]
+    tuples: tuple[tuple[Any, ...], ...]
+
+
+# Structures of recently flattened trees, by treedef: a training loop saves trees of one
+# structure again and again. A few, for loops that save several trees (params, optimizer).
+_STRUCTURES: dict[Any, _Structure] = {}
+_STRUCTURES_KEPT = 8
+
+
 def flatten(tree: Any) -> Flat:
     """Flattens ``tree`` into leaves (with ``jax.tree_util`` key paths) and empty nodes.
 
     Dicts, lists, tuples, named tuples and ``None`` are walked here; any other
     registered pytree node is expanded one level at a time by ``jax.tree_util``.
+    The key paths, key names and empty nodes of a treedef seen recently are
+    reused: then only ``jax.tree_util.tree_flatten`` (C++) walks the tree.
     """
+    try:
+        values, treedef = jax.tree_util.tree_flatten(tree)
+        structure = _STRUCTURES.get(treedef)
+    except (TypeError, ValueError):
+        # Dict keys jax cannot sort (it raises; the walk keeps their order), or a
+        # node whose auxiliary data cannot be hashed: no cache for such trees.
+        return _walk(tree)
+    if structure is not None and len(structure.leaves) == len(values):
+        return Flat(
+            [Leaf(k, v, n, t) for (k, n, t), v in zip(structure.leaves, values, strict=True)],
+            list(structure.empty),
+            list(structure.tuples),
+        )
+    flat = _walk(tree)
+    # Kept only where jax.tree_util finds the same leaves in the same order.
+    if len(flat.leaves) == len(values) and all(
+        leaf.value is v for leaf, v in zip(flat.leaves, values, strict=True)
+    ):
+        if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+            del _STRUCTURES[next(iter(_STRUCTURES))]
+        _STRUCTURES[treedef] = _Structure(
+            tuple((leaf.keypath, leaf.names, leaf.key_types) for leaf in flat.leaves),
+            tuple(flat.empty),
+            tuple(flat.tuples),
+        )
+    return flat
+
+
+def _walk(tree: Any) -> Flat:
+    """``flatten``, walking the tree in Python."""
     flat = Flat()
     leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
 

@@ -151,7 +151,37 @@ def _compact_encoder() -> Callable[[Any], str]:
 
 
 def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
-    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each)."""
+    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each).
+
+    Everything but the leaf's own metadata (``entry.extra``) depends only on the
+    tree's structure, and is reused from the last saves of the same structure.
+    """
+    shape = entry.write_shape
+    key = (
+        entry.names,
+        entry.key_types,
+        entry.value_type,
+        entry.skip_deserialize,
+        None if shape is None else tuple(shape),
+    )
+    head = _HEADS.get(key)
+    if head is None:
+        head = _entry_head(entry, encode)
+        if len(_HEADS) >= _HEADS_KEPT:
+            _HEADS.clear()
+        _HEADS[key] = head
+    if entry.extra:
+        return f'{head},"{EXTRA}":{encode(entry.extra)}}}}}'
+    return head + "}}"
+
+
+# Entry texts without their end, by (names, key types, value type, skip, write shape):
+# the metadata template of the structures saved recently.
+_HEADS: dict[tuple[Any, ...], str] = {}
+_HEADS_KEPT = 200_000
+
+
+def _entry_head(entry: Entry, encode: Callable[[Any], str]) -> str:
     names, key_types = entry.names, entry.key_types
     if len(names) != len(key_types):
         raise ValueError(f"{entry.keystr}: {len(names)} key names but {len(key_types)} key types")
@@ -164,11 +194,10 @@ def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
     skip = "true" if entry.skip_deserialize else "false"
     shape = entry.write_shape
     shape_text = "" if shape is None else f',"write_shape":{encode(list(shape))}'
-    extra_text = f',"{EXTRA}":{encode(entry.extra)}' if entry.extra else ""
     return (
         f'{_string(str(names))}:{{"key_metadata":[{keys}],"value_metadata":'
         f'{{"value_type":{_string(entry.value_type)},"skip_deserialize":{skip}'
-        f"{shape_text}{extra_text}}}}}"
+        f"{shape_text}"
     )
 
 
