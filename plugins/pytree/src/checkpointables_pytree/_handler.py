@@ -347,7 +347,6 @@ class PyTreeHandler:
             except BaseException:
                 _discard(awaitables)
                 raise
-        tree = _saved_tree_metadata(groups, flat, session, registry)
 
         async def background() -> None:
             try:
@@ -359,6 +358,8 @@ class PyTreeHandler:
                 raise translated from e
 
         async def write() -> None:
+            session.plan()  # What the leaf handlers left for after the caller got control back.
+            tree = _saved_tree_metadata(groups, flat, session, registry)
             # The tree's own files are written while the arrays are committed.
             arrays = asyncio.ensure_future(session.writer.run())
             others = asyncio.gather(*[a for a in awaitables if a is not None])

@@ -349,6 +349,18 @@ class _StandardHandler:
         self._context = context
 
 
+@attrs.frozen
+class _Snapshot:
+    """One array of a save as the blocking phase leaves it: checked, its shards on host."""
+
+    storage: cp.options.ArrayStorageOptions
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    sharding: jax.sharding.Sharding
+
+
 class ArrayLeafHandler(_StandardHandler):
     """Saves ``jax.Array`` leaves shard by shard; loads them onto any mesh.
 
@@ -369,8 +381,10 @@ class ArrayLeafHandler(_StandardHandler):
         lacking = _multiprocess.arrays_the_primary_lacks(
             {p.name: p.value for p in params}, session.directory, session.context
         )
-        for param in params:
-            self._plan(session, param, primary_lacks=param.name in lacking)
+        # The caller waits for the checks and host copies only; the layouts and
+        # metadata are recorded in the background phase.
+        snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
+        session.defer(functools.partial(self._record_all, session, params, snapshots))
         return _finish_save(session, private)
 
     def _plan(
@@ -387,6 +401,18 @@ class ArrayLeafHandler(_StandardHandler):
         ``ext_metadata`` goes where Orbax keeps it (``array_metadatas/``) and
         into the leaf's own ``_METADATA`` fields.
         """
+        snapshot = self._snapshot(session, param, primary_lacks=primary_lacks, storage=storage)
+        self._record(session, param, snapshot, ext_metadata)
+
+    def _snapshot(
+        self,
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        *,
+        primary_lacks: bool,
+        storage: cp.options.ArrayStorageOptions | None = None,
+    ) -> _Snapshot:
+        """Checks one array and copies the shards this process writes to host."""
         array = param.value
         if array.is_deleted():
             raise _unsupported(
@@ -400,20 +426,40 @@ class ArrayLeafHandler(_StandardHandler):
             chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
         else:
             chunk_shape, chunks = self._host_shards(array, dtype, session.context, primary_lacks)
+        return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
+
+    def _record_all(
+        self,
+        session: SaveSession,
+        params: Sequence[SerializationParam[jax.Array]],
+        snapshots: Sequence[_Snapshot],
+    ) -> None:
+        for param, snapshot in zip(params, snapshots, strict=True):
+            self._record(session, param, snapshot, None)
+
+    @staticmethod
+    def _record(
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        snapshot: _Snapshot,
+        ext_metadata: dict[str, Any] | None,
+    ) -> None:
+        """Schedules the write of one snapshotted array and records its metadata."""
+        chunk_shape = snapshot.chunk_shape
         _plan_array(
             session,
             param,
-            shape=shape,
-            dtype=dtype,
+            shape=snapshot.shape,
+            dtype=snapshot.dtype,
             chunk_shape=chunk_shape,
-            chunks=chunks,
-            storage=storage,
+            chunks=snapshot.chunks,
+            storage=snapshot.storage,
             extra=ext_metadata,
             held_by_every_process=False,  # Each process writes the shards it owns.
         )
         name = param.name
         session.write_shapes[name] = chunk_shape
-        record = _sharding.describe(array.sharding)
+        record = _sharding.describe(snapshot.sharding)
         if record is not None:
             session.shardings[name] = record
         session.array_metadatas.append(
