@@ -383,7 +383,12 @@ class ArrayLeafHandler(_StandardHandler):
         )
         # The caller waits for the checks and host copies only; the layouts and
         # metadata are recorded in the background phase.
-        snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
+        if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
+            snapshots = self._snapshot_local(session, params)
+        else:
+            snapshots = [
+                self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params
+            ]
         session.defer(functools.partial(self._record_all, session, params, snapshots))
         return _finish_save(session, private)
 
@@ -427,6 +432,35 @@ class ArrayLeafHandler(_StandardHandler):
         else:
             chunk_shape, chunks = self._host_shards(array, dtype, session.context, primary_lacks)
         return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
+
+    def _snapshot_local(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
+    ) -> list[_Snapshot]:
+        """``_snapshot`` of each array of a one-process save with one storage option for all.
+
+        Single-device arrays (most leaves of most trees) take a short path:
+        their dtype is checked once per dtype, their one shard is the array.
+        """
+        storage = session.array_options.storage_options
+        single = jax.sharding.SingleDeviceSharding
+        dtypes: dict[Any, np.dtype] = {}
+        snapshots = []
+        for param in params:
+            array = param.value
+            shape, sharding = array.shape, array.sharding
+            if type(sharding) is not single or 0 in shape or array.is_deleted():
+                snapshots.append(self._snapshot(session, param, primary_lacks=False))
+                continue
+            dtype = dtypes.get(array.dtype)
+            if dtype is None:
+                dtype = _storage_dtype(param.keypath, array, array.dtype, storage)
+                dtypes[array.dtype] = dtype
+            data = np.asarray(array)
+            if data.dtype != dtype:
+                data = data.astype(dtype)
+            chunks = [((0,) * len(shape), data)]
+            snapshots.append(_Snapshot(storage, dtype, shape, shape, chunks, sharding))
+        return snapshots
 
     def _record_all(
         self,
