@@ -18,7 +18,6 @@ from checkpointables.serialization import (
     LeafHandlerRegistry,
     SerializationParam,
     StandardLeafHandlerRegistry,
-    param_name_from_keypath,
 )
 from etils import epath
 
@@ -324,7 +323,7 @@ class PyTreeHandler:
                 )
                 continue
             param = NamedSerializationParam(
-                keypath=leaf.keypath, value=leaf.value, storage_name=param_name_from_keypath(names)
+                keypath=leaf.keypath, value=leaf.value, storage_name=_tree.storage_name(names)
             )
             groups.setdefault(entry.handler_cls, []).append((param, entry, leaf))
         if unsupported:

@@ -210,13 +210,8 @@ def _plan_array(
         if inner == chunk_shape:
             inner = None
     name = param.name
-    recorded: dict[str, Any] = {
-        "shape": list(shape),
-        "dtype": _zarr3.zarr_dtype_name(dtype),
-        "chunk_shape": list(chunk_shape),
-        "one_chunk_shards": inner is None and not compression,
-    }
-    layout = _zarr3.ZarrLayout(name, shape, dtype, chunk_shape)
+    layout, recorded = _zarr3.planned_layout(name, shape, dtype, chunk_shape)
+    recorded["one_chunk_shards"] = inner is None and not compression
     session.writer.add(
         ArrayWrite(
             _LeafLabel(param.keypath),

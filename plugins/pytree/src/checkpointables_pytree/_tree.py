@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import checkpointables as cp
 import jax
 import numpy as np
 
@@ -75,6 +76,12 @@ def key_name(key: Any) -> str:
         if hasattr(key, attribute):
             return str(getattr(key, attribute))
     return str(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # The names of the leaves of recent structures.
+def storage_name(names: tuple[str, ...]) -> str:
+    """The name a leaf with key names ``names`` is stored under (escapes '.', '/' and '%')."""
+    return cp.serialization.param_name_from_keypath(names)
 
 
 def key_type(key: Any) -> int:
