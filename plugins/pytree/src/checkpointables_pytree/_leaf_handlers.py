@@ -344,6 +344,19 @@ class _StandardHandler:
         self._context = context
 
 
+def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
+    """Starts the device-to-host copy of every array, before waiting for any.
+
+    Nothing to start where JAX runs on the CPU: ``np.asarray`` of an array is
+    then a view of its buffer.
+    """
+    if jax.default_backend() == "cpu":
+        return
+    for array in arrays:
+        if not array.is_deleted():
+            array.copy_to_host_async()
+
+
 @attrs.frozen
 class _Snapshot:
     """One array of a save as the blocking phase leaves it: checked, its shards on host."""
@@ -438,6 +451,7 @@ class ArrayLeafHandler(_StandardHandler):
         """
         storage = session.array_options.storage_options
         single = jax.sharding.SingleDeviceSharding
+        _start_host_copies([p.value for p in params])
         dtypes: dict[Any, np.dtype] = {}
         snapshots = []
         for param in params:
