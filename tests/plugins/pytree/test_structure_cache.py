@@ -12,7 +12,7 @@ import checkpointables as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
-from checkpointables_pytree import _tree
+from checkpointables_pytree import _tree, _tree_metadata
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -100,3 +100,19 @@ def test_flatten_reuses_a_structure_and_returns_this_trees_leaves() -> None:
 def test_flatten_of_keys_jax_cannot_sort() -> None:
     flat = _tree.flatten({1: np.ones(2), "a": np.zeros(2)})
     assert [leaf.names for leaf in flat.leaves] == [("1",), ("a",)]
+
+
+def test_a_metadata_text_parsed_again_is_a_copy_the_caller_may_change(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "a", _tree_of(1))
+    cp.save_pytree(tmp_path / "b", _tree_of(2))  # Same structure: the same _METADATA text.
+    path = tmp_path / "a" / "pytree" / _tree_metadata.METADATA_FILE
+    text = path.read_bytes()
+    assert (tmp_path / "b" / "pytree" / _tree_metadata.METADATA_FILE).read_bytes() == text
+    first = _tree_metadata.parse_tree_metadata(path, text)
+    first.entries[0].extra["changed"] = True
+    first.entries.pop()
+    again = _tree_metadata.parse_tree_metadata(path, text)
+    assert "changed" not in again.entries[0].extra
+    assert len(again.entries) == len(first.entries) + 1
+    assert again == _tree_metadata._parse_tree_metadata(path, text)
+    _save_and_check(tmp_path / "c", _tree_of(3))

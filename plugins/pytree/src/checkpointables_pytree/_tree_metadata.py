@@ -266,12 +266,48 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
     )
 
 
+# The parsed _METADATA of this library's recent texts: checkpoints of one tree structure
+# (a training run's, one checkpoint loaded again and again) have the same text.
+_PARSED: dict[str | bytes, TreeMetadata] = {}
+_PARSED_KEPT = 4
+
+
 def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     """Parses the text (or UTF-8 bytes) of a ``_METADATA`` file at ``path``.
+
+    A text parsed recently is not parsed again: the result is a copy of the
+    earlier one, which the caller may change.
 
     Raises:
       cp.errors.MetadataError: the text is not the expected JSON.
     """
+    parsed = _PARSED.get(text)
+    if parsed is None:
+        parsed = _parse_tree_metadata(path, text)
+        if not parsed.escaped_names:
+            # Not ours: its use_ocdbt may come from the directory rather than the text.
+            return parsed
+        if len(_PARSED) >= _PARSED_KEPT:
+            del _PARSED[next(iter(_PARSED))]
+        _PARSED[text] = parsed
+    return dataclasses.replace(
+        parsed,
+        entries=[
+            Entry(
+                names=e.names,
+                key_types=e.key_types,
+                value_type=e.value_type,
+                skip_deserialize=e.skip_deserialize,
+                write_shape=e.write_shape,
+                extra=dict(e.extra),
+            )
+            for e in parsed.entries
+        ],
+        extra=dict(parsed.extra),
+    )
+
+
+def _parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     document = cp.safe_json.loads(text, source=path)
     if not isinstance(document, Mapping) or not isinstance(document.get("tree_metadata"), Mapping):
         raise _bad(path, "expected a JSON object with a 'tree_metadata' object")
