@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -171,6 +172,7 @@ class _Structure:
 # structure again and again. A few, for loops that save several trees (params, optimizer).
 _STRUCTURES: dict[Any, _Structure] = {}
 _STRUCTURES_KEPT = 8
+_STRUCTURES_LOCK = threading.Lock()
 
 
 def flatten(tree: Any) -> Flat:
@@ -199,13 +201,15 @@ def flatten(tree: Any) -> Flat:
     if len(flat.leaves) == len(values) and all(
         leaf.value is v for leaf, v in zip(flat.leaves, values, strict=True)
     ):
-        if len(_STRUCTURES) >= _STRUCTURES_KEPT:
-            del _STRUCTURES[next(iter(_STRUCTURES))]
-        _STRUCTURES[treedef] = _Structure(
+        structure = _Structure(
             tuple((leaf.keypath, leaf.names, leaf.key_types) for leaf in flat.leaves),
             tuple(flat.empty),
             tuple(flat.tuples),
         )
+        with _STRUCTURES_LOCK:  # Saves may run in several threads.
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                del _STRUCTURES[next(iter(_STRUCTURES))]
+            _STRUCTURES[treedef] = structure
     return flat
 
 

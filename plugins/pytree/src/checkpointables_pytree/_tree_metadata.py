@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -270,6 +271,7 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
 # (a training run's, one checkpoint loaded again and again) have the same text.
 _PARSED: dict[str | bytes, TreeMetadata] = {}
 _PARSED_KEPT = 4
+_PARSED_LOCK = threading.Lock()
 
 
 def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
@@ -287,9 +289,10 @@ def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
         if not parsed.escaped_names:
             # Not ours: its use_ocdbt may come from the directory rather than the text.
             return parsed
-        if len(_PARSED) >= _PARSED_KEPT:
-            del _PARSED[next(iter(_PARSED))]
-        _PARSED[text] = parsed
+        with _PARSED_LOCK:  # Loads may run in several threads.
+            if len(_PARSED) >= _PARSED_KEPT:
+                del _PARSED[next(iter(_PARSED))]
+            _PARSED[text] = parsed
     return dataclasses.replace(
         parsed,
         entries=[
