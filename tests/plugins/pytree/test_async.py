@@ -135,6 +135,7 @@ def _planned_chunk(handler, array, tmp_path) -> np.ndarray:
     param = cp.serialization.SerializationParam(keypath=(jax.tree_util.DictKey("a"),), value=array)
     awaitable = asyncio.run(handler.serialize([param], context))
     awaitable.close()
+    session.plan()  # The layouts recorded after the caller got control back (no copy there).
     (item,) = session.writer._items
     ((_, data),) = item.chunks
     return data

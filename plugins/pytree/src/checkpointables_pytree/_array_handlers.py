@@ -141,6 +141,31 @@ def _host_shards(
     return chunk_shape, chunks
 
 
+def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
+    """Starts the device-to-host copy of every array, before waiting for any.
+
+    Nothing to start where JAX runs on the CPU: ``np.asarray`` of an array is
+    then a view of its buffer.
+    """
+    if jax.default_backend() == "cpu":
+        return
+    for array in arrays:
+        if not array.is_deleted():
+            array.copy_to_host_async()
+
+
+@attrs.frozen
+class _Snapshot:
+    """One array of a save as the blocking phase leaves it: checked, its shards on host."""
+
+    storage: cp.options.ArrayStorageOptions
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    sharding: jax.sharding.Sharding
+
+
 class ArrayLeafHandler(ZarrLeafHandler):
     """Saves ``jax.Array`` leaves shard by shard; loads them onto any mesh.
 
@@ -159,8 +184,15 @@ class ArrayLeafHandler(ZarrLeafHandler):
         lacking = _multiprocess.arrays_the_primary_lacks(
             {p.name: p.value for p in params}, session.directory, session.context
         )
-        for param in params:
-            self._schedule_array(session, param, primary_lacks=param.name in lacking)
+        # The caller waits for the checks and host copies only; the layouts and
+        # metadata are recorded in the background phase (session.plan()).
+        if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
+            snapshots = self._snapshot_local(session, params)
+        else:
+            snapshots = [
+                self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params
+            ]
+        session.defer(functools.partial(self._record_all, session, params, snapshots))
 
     def _schedule_array(
         self,
@@ -176,6 +208,18 @@ class ArrayLeafHandler(ZarrLeafHandler):
         ``ext_metadata`` goes where Orbax keeps it (``array_metadatas/``) and
         into the leaf's own ``_METADATA`` fields.
         """
+        snapshot = self._snapshot(session, param, primary_lacks=primary_lacks, storage=storage)
+        self._record(session, param, snapshot, ext_metadata)
+
+    @staticmethod
+    def _snapshot(
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        *,
+        primary_lacks: bool,
+        storage: cp.options.ArrayStorageOptions | None = None,
+    ) -> _Snapshot:
+        """Checks one array and copies the shards this process writes to host."""
         array = param.value
         if array.is_deleted():
             raise unsupported(
@@ -189,20 +233,71 @@ class ArrayLeafHandler(ZarrLeafHandler):
             chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
         else:
             chunk_shape, chunks = _host_shards(array, dtype, session.context, primary_lacks)
+        return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
+
+    def _snapshot_local(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
+    ) -> list[_Snapshot]:
+        """``_snapshot`` of each array of a one-process save with one storage option for all.
+
+        Single-device arrays (most leaves of most trees) take a short path:
+        their dtype is checked once per dtype, their one shard is the array.
+        """
+        storage = session.array_options.storage_options
+        single = jax.sharding.SingleDeviceSharding
+        _start_host_copies([p.value for p in params])
+        dtypes: dict[Any, np.dtype] = {}
+        snapshots = []
+        for param in params:
+            array = param.value
+            shape, sharding = array.shape, array.sharding
+            if type(sharding) is not single or 0 in shape or array.is_deleted():
+                snapshots.append(self._snapshot(session, param, primary_lacks=False))
+                continue
+            dtype = dtypes.get(array.dtype)
+            if dtype is None:
+                dtype = dtypes[array.dtype] = storage_dtype(
+                    param.keypath, array, array.dtype, storage
+                )
+            data = np.asarray(array)
+            if data.dtype != dtype:
+                data = data.astype(dtype)
+            chunks = [((0,) * len(shape), data)]
+            snapshots.append(_Snapshot(storage, dtype, shape, shape, chunks, sharding))
+        return snapshots
+
+    def _record_all(
+        self,
+        session: SaveSession,
+        params: Sequence[SerializationParam[jax.Array]],
+        snapshots: Sequence[_Snapshot],
+    ) -> None:
+        for param, snapshot in zip(params, snapshots, strict=True):
+            self._record(session, param, snapshot, None)
+
+    @staticmethod
+    def _record(
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        snapshot: _Snapshot,
+        ext_metadata: dict[str, Any] | None,
+    ) -> None:
+        """Schedules the write of one snapshotted array and records its metadata."""
+        chunk_shape = snapshot.chunk_shape
         schedule_array(
             session,
             param,
-            shape=shape,
-            dtype=dtype,
+            shape=snapshot.shape,
+            dtype=snapshot.dtype,
             chunk_shape=chunk_shape,
-            chunks=chunks,
-            storage=storage,
+            chunks=snapshot.chunks,
+            storage=snapshot.storage,
             extra=ext_metadata,
             held_by_every_process=False,  # Each process writes the shards it owns.
         )
         name = param.name
         session.write_shapes[name] = chunk_shape
-        record = _sharding.describe(array.sharding)
+        record = _sharding.describe(snapshot.sharding)
         if record is not None:
             session.shardings[name] = record
         session.array_metadatas.append(

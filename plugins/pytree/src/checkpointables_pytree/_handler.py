@@ -10,9 +10,10 @@ reads on a shared ``LoadSession``, and the awaitable reads them all at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -105,12 +106,18 @@ def _discard_unstarted(awaitables: Sequence[Any]) -> None:
 async def _write(
     directory: cp.path.PathAwaitingCreation,
     session: SaveSession,
-    tree: _tree_metadata.TreeMetadata,
+    metadata: Callable[[], _tree_metadata.TreeMetadata],
     awaitables: Sequence[Any],
 ) -> None:
-    """The background of a save: the arrays, the leaf handlers' awaitables and the tree's files."""
+    """The background of a save: the arrays, the leaf handlers' awaitables and the tree's files.
+
+    ``metadata`` makes the tree's ``_METADATA`` once the leaf handlers' deferred
+    work (``session.plan()``) is done: neither is needed before the caller gets
+    control back.
+    """
     try:
-        await _write_all(directory, session, tree, awaitables)
+        session.plan()
+        await _write_all(directory, session, metadata(), awaitables)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = _errors.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
@@ -263,8 +270,9 @@ class PyTreeHandler:
             except BaseException:
                 _discard(awaitables)
                 raise
-        tree = saved_tree_metadata(groups, flat, session, registry)
-        return _owning(_write(directory, session, tree, awaitables), awaitables)
+        # The _METADATA is made in the background, after what the leaf handlers deferred.
+        metadata = functools.partial(saved_tree_metadata, groups, flat, session, registry)
+        return _owning(_write(directory, session, metadata, awaitables), awaitables)
 
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).

@@ -238,7 +238,10 @@ def schedule_array(
         )
         if inner == chunk_shape:
             inner = None
-    layout = _zarr3.ZarrLayout(param.name, shape, dtype, chunk_shape)
+    layout, recorded = _zarr3.planned_layout(param.name, shape, dtype, chunk_shape)
+    recorded["one_chunk_shards"] = inner is None and not compression
+    if extra:
+        recorded.update(extra)
     session.writer.add(
         ArrayWrite(
             LeafLabel(param.keypath),
@@ -249,13 +252,7 @@ def schedule_array(
             write_metadata=primary,
         )
     )
-    session.extras[param.name] = {
-        "shape": list(shape),
-        "dtype": _zarr3.zarr_dtype_name(dtype),
-        "chunk_shape": list(chunk_shape),
-        "one_chunk_shards": inner is None and not compression,
-        **(extra or {}),
-    }
+    session.extras[param.name] = recorded
 
 
 # -- The handlers' common part ----------------------------------------------------------------

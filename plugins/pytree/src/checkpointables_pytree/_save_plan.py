@@ -10,7 +10,6 @@ from checkpointables.serialization import (
     LeafEntry,
     LeafHandlerRegistry,
     SerializationParam,
-    param_name_from_keypath,
 )
 
 from checkpointables_pytree import _tree, _tree_metadata
@@ -66,7 +65,7 @@ def group_leaves(flat: _tree.Flat, lookup: EntryCache, where: Any) -> Groups:
             )
             continue
         param = NamedSerializationParam(
-            keypath=leaf.keypath, value=leaf.value, storage_name=param_name_from_keypath(names)
+            keypath=leaf.keypath, value=leaf.value, storage_name=_tree.storage_name(names)
         )
         groups.setdefault(entry.handler_cls, []).append((param, entry, leaf))
     if unsupported:

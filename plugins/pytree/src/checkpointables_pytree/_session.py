@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -64,6 +64,8 @@ class SaveSession:
     array_options: cp.options.ArrayOptions = dataclasses.field(
         default_factory=cp.options.ArrayOptions
     )
+    # Work the leaf handlers left for the background phase (``defer``), done by ``plan``.
+    deferred: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
@@ -80,6 +82,21 @@ class SaveSession:
             array_options=context.array_options,
         )
 
+    def defer(self, work: Callable[[], None]) -> None:
+        """Leaves ``work`` (recording layouts and metadata of snapshotted leaves) for ``plan``.
+
+        The caller of an asynchronous save waits only for the snapshot of the
+        values; what depends only on the tree's structure is done after it
+        got control back.
+        """
+        self.deferred.append(work)
+
+    def plan(self) -> None:
+        """Does the deferred work; before the writer runs and the metadata is written."""
+        deferred, self.deferred = self.deferred, []
+        for work in deferred:
+            work()
+
     def strings_text(self) -> str:
         """The text of ``_strings.json``."""
         return json.dumps(self.strings, ensure_ascii=False)
@@ -89,6 +106,7 @@ class SaveSession:
 
         The files are written while TensorStore commits the arrays.
         """
+        self.plan()
         arrays = asyncio.ensure_future(self.writer.run())
         try:
             if write_files and (self.strings or self.shardings or self.array_metadatas):

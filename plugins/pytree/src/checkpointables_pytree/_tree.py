@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import checkpointables as cp
 import jax
 import numpy as np
 
@@ -75,6 +77,12 @@ def key_name(key: Any) -> str:
         if hasattr(key, attribute):
             return str(getattr(key, attribute))
     return str(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # The names of the leaves of recent structures.
+def storage_name(names: tuple[str, ...]) -> str:
+    """The name a leaf with key names ``names`` is stored under (escapes '.', '/' and '%')."""
+    return cp.serialization.param_name_from_keypath(names)
 
 
 def key_type(key: Any) -> int:
@@ -151,12 +159,62 @@ def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
     return children
 
 
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """What ``flatten`` finds that depends only on a tree's structure (its treedef)."""
+
+    leaves: tuple[tuple[tuple[Any, ...], tuple[str, ...], tuple[int, ...]], ...]
+    empty: tuple[tuple[tuple[Any, ...], str], ...]
+    tuples: tuple[tuple[Any, ...], ...]
+
+
+# Structures of recently flattened trees, by treedef: a training loop saves trees of one
+# structure again and again. A few, for loops that save several trees (params, optimizer).
+_STRUCTURES: dict[Any, _Structure] = {}
+_STRUCTURES_KEPT = 8
+_STRUCTURES_LOCK = threading.Lock()
+
+
 def flatten(tree: Any) -> Flat:
     """Flattens ``tree`` into leaves (with ``jax.tree_util`` key paths) and empty nodes.
 
     Dicts, lists, tuples, named tuples and ``None`` are walked here; any other
     registered pytree node is expanded one level at a time by ``jax.tree_util``.
+    The key paths, key names and empty nodes of a treedef seen recently are
+    reused: then only ``jax.tree_util.tree_flatten`` (C++) walks the tree.
     """
+    try:
+        values, treedef = jax.tree_util.tree_flatten(tree)
+        structure = _STRUCTURES.get(treedef)
+    except (TypeError, ValueError):
+        # Dict keys jax cannot sort (it raises; the walk keeps their order), or a
+        # node whose auxiliary data cannot be hashed: no cache for such trees.
+        return _walk(tree)
+    if structure is not None and len(structure.leaves) == len(values):
+        return Flat(
+            [Leaf(k, v, n, t) for (k, n, t), v in zip(structure.leaves, values, strict=True)],
+            list(structure.empty),
+            list(structure.tuples),
+        )
+    flat = _walk(tree)
+    # Kept only where jax.tree_util finds the same leaves in the same order.
+    if len(flat.leaves) == len(values) and all(
+        leaf.value is v for leaf, v in zip(flat.leaves, values, strict=True)
+    ):
+        structure = _Structure(
+            tuple((leaf.keypath, leaf.names, leaf.key_types) for leaf in flat.leaves),
+            tuple(flat.empty),
+            tuple(flat.tuples),
+        )
+        with _STRUCTURES_LOCK:  # Saves may run in several threads.
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                del _STRUCTURES[next(iter(_STRUCTURES))]
+            _STRUCTURES[treedef] = structure
+    return flat
+
+
+def _walk(tree: Any) -> Flat:
+    """``flatten``, walking the tree in Python."""
     flat = Flat()
     leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
 

@@ -96,7 +96,7 @@ class ArrayWrite:
         )
         self.direct = bool(
             self.one_chunk_shards
-            and _zarr3.is_direct_dtype(layout.dtype)
+            and layout.direct_dtype
             and self.nbytes <= DIRECT_WRITE_BYTES
             and layout.chunk_nbytes <= DIRECT_WRITE_BYTES
         )

@@ -211,9 +211,9 @@ def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
 
 
 class ZarrLayout:
-    """Where one array lives and how it is chunked."""
+    """Where one array lives and how it is chunked (never changed once made: often shared)."""
 
-    __slots__ = ("chunk_shape", "dtype", "name", "shape")
+    __slots__ = ("chunk_nbytes", "chunk_shape", "direct_dtype", "dtype", "name", "shape")
 
     def __init__(
         self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]
@@ -222,11 +222,18 @@ class ZarrLayout:
         self.shape = tuple(map(int, shape))
         self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         self.chunk_shape = self.shape if chunk_shape is shape else tuple(map(int, chunk_shape))
+        # Bytes of one full chunk.
+        self.chunk_nbytes = math.prod(self.chunk_shape) * self.dtype.itemsize
+        # Whether chunks of this dtype can be encoded here (not only by the driver).
+        self.direct_dtype = is_direct_dtype(self.dtype)
 
-    @property
-    def chunk_nbytes(self) -> int:
-        """Bytes of one full chunk."""
-        return math.prod(self.chunk_shape) * self.dtype.itemsize
+    def summary(self) -> dict[str, Any]:
+        """Shape, zarr3 data type and chunk shape, as a leaf's metadata records them."""
+        return {
+            "shape": list(self.shape),
+            "dtype": zarr_dtype_name(self.dtype),
+            "chunk_shape": list(self.chunk_shape),
+        }
 
     def region(self, index: Sequence[int]) -> tuple[slice, ...]:
         """The part of the array that chunk ``index`` covers (clipped at the edges)."""
@@ -234,3 +241,23 @@ class ZarrLayout:
             slice(i * c, min((i + 1) * c, s))
             for i, c, s in zip(index, self.chunk_shape, self.shape, strict=True)
         )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout_and_summary(
+    name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+) -> tuple[ZarrLayout, dict[str, Any]]:
+    layout = ZarrLayout(name, shape, dtype, chunk_shape)
+    return layout, layout.summary()
+
+
+def planned_layout(
+    name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+) -> tuple[ZarrLayout, dict[str, Any]]:
+    """The layout of an array to save and a fresh copy of its ``summary()``.
+
+    Both depend only on the tree's structure: a training loop saving trees of
+    one structure makes each once (the layout is shared: never change it).
+    """
+    layout, summary = _layout_and_summary(name, shape, dtype, chunk_shape)
+    return layout, summary.copy()
