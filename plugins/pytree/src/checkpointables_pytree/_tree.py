@@ -336,20 +336,7 @@ def unflatten(
             raise ValueError(f"{len(names)} key names but {len(types)} key types")
         head = names[:-1]
         if head != parent_names:
-            node = root
-            for depth in range(len(head)):
-                name, kind = names[depth], types[depth]
-                prefix = names[:depth]
-                recorded = kinds.setdefault(prefix, kind)
-                if recorded != kind:
-                    raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
-                child = node.setdefault(name, {})
-                if isinstance(child, _Value):
-                    raise on_conflict(
-                        f"{keystr(names[: depth + 1])} is both a leaf and a container"
-                    )
-                node = child
-            parent_names, parent = head, node
+            parent_names, parent = head, _parent_of(root, kinds, names, types, on_conflict)
         name, kind = names[-1], types[-1]
         recorded = kinds.setdefault(head, kind)
         if recorded != kind:
@@ -357,29 +344,59 @@ def unflatten(
         if name in parent:
             raise on_conflict(f"{keystr(names, types)} is recorded twice")
         parent[name] = _Value(value)
+    return _build(root, (), kinds, tuple_paths, on_conflict)
 
-    def build(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
-        kind = kinds.get(prefix, DICT)
-        if kind == SEQUENCE:
-            try:
-                ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
-            except ValueError:
-                raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
-            values = [
-                v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in ordered
-            ]
-            if ordered and int(ordered[-1][0]) != len(ordered) - 1:
-                # Indices with gaps (only possible in hand-edited metadata): keep positions.
-                padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
-                for (k, _), v in zip(ordered, values, strict=True):
-                    padded[int(k)] = v
-                values = padded
-            return tuple(values) if prefix in tuple_paths else values
-        return {
-            k: v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in node.items()
-        }
 
-    return build(root, ())
+def _parent_of(
+    root: dict[str, Any],
+    kinds: dict[tuple[str, ...], int],
+    names: tuple[str, ...],
+    types: tuple[int, ...],
+    on_conflict: Callable[[str], Exception],
+) -> dict[str, Any]:
+    """The dict that holds the item at ``names`` (made on the way), checking each level's kind."""
+    node = root
+    for depth in range(len(names) - 1):
+        name, kind = names[depth], types[depth]
+        prefix = names[:depth]
+        recorded = kinds.setdefault(prefix, kind)
+        if recorded != kind:
+            raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
+        child = node.setdefault(name, {})
+        if isinstance(child, _Value):
+            raise on_conflict(f"{keystr(names[: depth + 1])} is both a leaf and a container")
+        node = child
+    return node
+
+
+def _build(
+    node: dict[str, Any],
+    prefix: tuple[str, ...],
+    kinds: dict[tuple[str, ...], int],
+    tuple_paths: frozenset[tuple[str, ...]],
+    on_conflict: Callable[[str], Exception],
+) -> Any:
+    """The container at ``prefix``: a dict, or a list or tuple for SEQUENCE levels."""
+
+    def value(key: str, child: Any) -> Any:
+        if isinstance(child, _Value):
+            return child.value
+        return _build(child, (*prefix, key), kinds, tuple_paths, on_conflict)
+
+    if kinds.get(prefix, DICT) != SEQUENCE:
+        return {k: value(k, v) for k, v in node.items()}
+    try:
+        ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
+    except ValueError:
+        raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
+    values = [value(k, v) for k, v in ordered]
+    if ordered and int(ordered[-1][0]) != len(ordered) - 1:
+        # Indices with gaps (only possible in hand-edited metadata): keep positions.
+        padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
+        for (k, _), v in zip(ordered, values, strict=True):
+            padded[int(k)] = v
+        values = padded
+    return tuple(values) if prefix in tuple_paths else values
 
 
 class _Value:
