@@ -29,7 +29,7 @@ class Case:
       title: a one-line description for the report.
       leaves: whether arrays are NumPy arrays or ``jax.Array``s (on the default device).
       build: returns the NumPy form of the tree for a size ``scale`` (1.0 = the issue's size).
-      measure_async: also time ``save_async`` (blocking part and total).
+      measure_async: also time ``save_async``: the stall (until it returns) and the total.
       measure_memory: also measure peak RSS growth in fresh subprocesses.
     """
 
@@ -37,7 +37,7 @@ class Case:
     title: str
     leaves: LeafKind
     build: Callable[[float], Any]
-    measure_async: bool = False
+    measure_async: bool = True
     measure_memory: bool = False
 
     def tree(self, scale: float) -> Any:
@@ -134,6 +134,22 @@ def small_arrays(scale: float, count: int = 5000) -> dict[str, Any]:
     return _nest(flat)
 
 
+def medium_arrays(scale: float, total_bytes: int = 128 * MIB, nbytes: int = 128 << 10) -> Any:
+    """float32 arrays of ``nbytes`` each (128 KiB) adding up to ``total_bytes * scale``.
+
+    Between the small arrays (batched into shared chunks) and the large ones
+    (one chunk each, read and written in place): issue 19's middle size.
+    """
+    rng = _rng()
+    count = max(4, int(total_bytes * scale) // nbytes)
+    floats = nbytes // 4
+    flat = {
+        f"block_{i // 64:02d}/w_{i % 64:02d}": _random(rng, (floats // 256, 256))
+        for i in range(count)
+    }
+    return _nest(flat)
+
+
 def tiny(scale: float) -> dict[str, Any]:
     """10 Python scalars (5 int, 5 float) and 3 float32 arrays of 100 elements; no scaling."""
     del scale
@@ -182,7 +198,19 @@ CASES: tuple[Case, ...] = (
         measure_memory=True,
     ),
     Case("256mib", "256 MiB in 256 transformer-like arrays (jax.Array)", "jax", transformer),
-    Case("small-numpy", "5,000 arrays of 256 B-16 KiB, nested dict, NumPy", "numpy", small_arrays),
+    Case(
+        "128mib-128kib",
+        "128 MiB in 1,024 arrays of 128 KiB (jax.Array)",
+        "jax",
+        medium_arrays,
+    ),
+    Case(
+        "small-numpy",
+        "5,000 arrays of 256 B-16 KiB, nested dict, NumPy",
+        "numpy",
+        small_arrays,
+        measure_memory=True,
+    ),
     Case("small-jax", "5,000 arrays of 256 B-16 KiB, nested dict, jax.Array", "jax", small_arrays),
     Case("tiny-numpy", "10 scalars + 3 arrays of 100 floats, NumPy", "numpy", tiny),
     Case("tiny-jax", "10 scalars + 3 arrays of 100 floats, jax.Array", "jax", tiny),

@@ -14,6 +14,7 @@ from bench.timing import LibraryTimes
 SUBJECT = "checkpointables"
 PEER = "orbax"
 BASELINE = "raw"
+FORMAT_PEER = "safetensors"
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
@@ -46,6 +47,13 @@ TARGETS: tuple[Target, ...] = (
     Target("small-numpy", "load_speedup_vs_orbax", ">=", 10, "load >= 10x faster than Orbax"),
     Target("small-jax", "save_speedup_vs_orbax", ">=", 10, "save >= 10x faster than Orbax"),
     Target("small-jax", "load_speedup_vs_orbax", ">=", 10, "load >= 10x faster than Orbax"),
+    # Issue 19: the middle size, and memory on many small arrays.
+    Target("128mib-128kib", "save_vs_raw", "<=", 1.5, "save <= 1.5x raw"),
+    Target("small-numpy", "mem_save", "<=", 1.5, "peak RSS growth, sync save <= 1.5x size"),
+    # Issue 21: many small arrays at safetensors' speed, and the training loop's stall.
+    Target("small-numpy", "save_vs_safetensors", "<=", 1.5, "save <= 1.5x safetensors + fsync"),
+    Target("small-numpy", "load_vs_safetensors", "<=", 2.0, "load <= 2x safetensors load_file"),
+    Target("small-jax", "async_block_s", "<=", 0.020, "async save returns in <= 20 ms"),
     Target("tiny-numpy", "save_speedup_vs_orbax", ">=", 5, "save >= 5x faster than Orbax"),
     Target("tiny-numpy", "load_speedup_vs_orbax", ">=", 5, "load >= 5x faster than Orbax"),
     Target("tiny-jax", "save_speedup_vs_orbax", ">=", 5, "save >= 5x faster than Orbax"),
@@ -64,7 +72,7 @@ def metrics_for(
 ) -> dict[str, float | None]:
     """Every metric a target can name, for ``library`` on one case (``None`` = not measured)."""
     mine = times.get(library)
-    raw, peer = times.get(BASELINE), times.get(PEER)
+    raw, peer, fmt = times.get(BASELINE), times.get(PEER), times.get(FORMAT_PEER)
 
     def med(t: LibraryTimes | None, field: str) -> float | None:
         return None if t is None else t.median(field)
@@ -74,7 +82,10 @@ def metrics_for(
         "load_vs_raw": _ratio(med(mine, "load_s"), med(raw, "load_s")),
         "save_speedup_vs_orbax": _ratio(med(peer, "save_s"), med(mine, "save_s")),
         "load_speedup_vs_orbax": _ratio(med(peer, "load_s"), med(mine, "load_s")),
+        "save_vs_safetensors": _ratio(med(mine, "save_s"), med(fmt, "save_s")),
+        "load_vs_safetensors": _ratio(med(mine, "load_s"), med(fmt, "load_s")),
         "async_block_fraction": _ratio(med(mine, "async_block_s"), med(mine, "save_s")),
+        "async_block_s": med(mine, "async_block_s"),
     }
     for op in ("save", "save_async", "load"):
         entry = (memory or {}).get(library, {}).get(op)
@@ -185,6 +196,8 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
     """The targets with checkpointables' value, Orbax's value and the verdict."""
 
     def show(metric: str, v: float | None) -> str:
+        if metric == "async_block_s":
+            return _fmt(v, "s")
         return _fmt(v, "%") if metric == "async_block_fraction" else _fmt(v)
 
     body = [

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CASES = {"1gib", "256mib", "small-numpy", "small-jax", "tiny-numpy", "tiny-jax"}
+CASES = {"1gib", "256mib", "128mib-128kib", "small-numpy", "small-jax", "tiny-numpy", "tiny-jax"}
 INTEROP_CASES = {"safetensors-1gib", "safetensors-2gib-mesh"}
 LIBRARIES = {"raw", "checkpointables", "orbax", "safetensors"}
 
@@ -62,19 +62,21 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
             assert result["verified"], (name, lib)
             assert len(result["save_s"]) == len(result["load_s"]) == 1, (name, lib)
             assert result["median"]["save_s"] > 0 and result["median"]["load_s"] > 0
-    big = doc["cases"]["1gib"]
-    for lib in ("checkpointables", "orbax"):
-        assert len(big["libraries"][lib]["async_block_s"]) == 1, lib
-        for op in ("save", "save_async", "load"):
-            measured = big["memory"][lib][op]
-            assert measured["peak_rss"] >= measured["baseline_rss"] > 0, (lib, op, measured)
+    for name in CASES:  # The stall of an async save, in every case.
+        for lib in ("checkpointables", "orbax"):
+            assert len(doc["cases"][name]["libraries"][lib]["async_block_s"]) == 1, (name, lib)
+    for name in ("1gib", "small-numpy"):
+        for lib in ("checkpointables", "orbax"):
+            for op in ("save", "save_async", "load"):
+                measured = doc["cases"][name]["memory"][lib][op]
+                assert measured["peak_rss"] >= measured["baseline_rss"] > 0, (lib, op, measured)
 
     for repeated in doc["repeated_loads"]:  # RSS over repeated loads, in a subprocess each.
         assert "error" not in repeated, repeated
         assert len(repeated["rss"]) == 8 and min(repeated["rss"]) > 0, repeated
 
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
-    assert len(verdicts) == 16 + 3
+    assert len(verdicts) == 16 + 3 + 5
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
     assert "== targets" in proc.stdout
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import checkpointables as cp
 import pytest
@@ -104,6 +105,38 @@ def test_async_save_still_writes_in_the_background(tmp_path) -> None:
     gate.set()
     response.result()
     assert cp.is_checkpoint(tmp_path / "c")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # The child never touches JAX.
+def test_a_forked_child_saves_in_the_background_like_its_parent(tmp_path) -> None:
+    # The parent's background threads are idle in its pool; the child has none of them.
+    cp.save_checkpointables_async(tmp_path / "parent", {"point": StatefulPoint(1, 2)}).result()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            child = {"point": StatefulPoint(5, 6)}
+            cp.save_checkpointables_async(tmp_path / "child", child).result(timeout=60)
+        finally:
+            os._exit(0 if cp.is_checkpoint(tmp_path / "child") else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    # What the child dropped of the parent's threads left the parent's background work whole
+    # (its event loops still wake up when a thread finishes).
+    class ViaThread(StatefulPoint):
+        async def save(self, directory: cp.path.PathAwaitingCreation):
+            async def write() -> None:
+                await asyncio.to_thread(time.sleep, 0.2)  # The loop waits meanwhile.
+                (await directory.await_creation() / "point.json").write_text('{"x": 3, "y": 4}')
+
+            return write()
+
+    again = cp.save_checkpointables_async(tmp_path / "again", {"point": ViaThread(3, 4)})
+    again.result(timeout=30)
+    point = StatefulPoint(0, 0)
+    cp.load_checkpointables(tmp_path / "child", {"point": point})
+    assert (point.x, point.y) == (5, 6)
 
 
 def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch) -> None:

@@ -148,7 +148,7 @@ def test_killed_between_saves(tmp_path) -> None:
         # Save 1's data is written, its checkpoint not yet renamed into place.
         ("checkpointables.layout", "commit", 2, False),
         # Save 1 is a complete checkpoint, not yet promoted into the session.
-        ("checkpointables.partial", "_rename_durably", 2, False),
+        ("checkpointables.partial", "_promote", 2, False),
     ],
     ids=["before-commit", "before-promotion"],
 )
@@ -157,7 +157,7 @@ def test_killed_during_a_save(tmp_path, hang) -> None:
     _kill_child(tmp_path, [0, 1], hang=list(hang))
     _assert_unpublished(path)
     names = os.listdir(cp.partial.session_path(path))
-    assert "pending-000001" in names
+    assert "partial-000001" in os.listdir(cp.partial.session_path(path) / "pytree")
     # The interrupted save left its (temporary, then staged) directory behind.
     assert any(n.startswith("staged-000002") for n in names)
     cp.partial.save(path, part(2))
@@ -165,26 +165,18 @@ def test_killed_during_a_save(tmp_path, hang) -> None:
     _assert_holds(path, [0, 2])  # The interrupted save did not happen; the others did.
 
 
-# In the child, `_rename_durably` is called once per save (calls 1-3), then by
-# finalize twice per pending save (its metadata, then its pytree: calls 4-9)
-# and once for the final metadata (call 10). `layout.commit` is called once per
-# save, and a 4th time to publish the checkpoint. Each point names what the
-# session holds when the child is killed (checked, so the points stay real).
+# In the child, `_promote` is called once per save (calls 1-3); finalize then
+# merges the saves' metadata (`_merged_metadata`, once) and pytrees (`merge_into`).
+# `layout.commit` and `metadata_checksums.record` are called once per save, and a
+# 4th time to publish the checkpoint. Each point names what the session holds
+# when the child is killed (checked, so the points stay real).
 _FINALIZE_POINTS = {
-    "metadata-folded": (
-        ("checkpointables.partial", "_rename_durably", 5, False),
-        {"pending-000001/pytree", "_CHECKPOINT_METADATA"},
-    ),
-    "first-pytree-moved": (
-        ("checkpointables.partial", "_rename_durably", 6, False),
-        {"pytree/ocdbt.partial_000001", "pending-000002/pytree", "pending-000003/pytree"},
-    ),
-    "all-moved": (
-        ("checkpointables.partial", "_rename_durably", 9, True),
-        {"pytree/ocdbt.partial_000003", "pending-000003"},
+    "sources-listed": (
+        ("checkpointables.partial", "_merged_metadata", 1, False),
+        {"pytree/partial-000001", "pytree/partial-000002", "pytree/partial-000003/pytree"},
     ),
     "database-merged": (
-        ("checkpointables_pytree._ocdbt_merge", "merge_into", 1, True),
+        ("checkpointables_pytree._ocdbt", "merge_into", 1, True),
         {"pytree/manifest.ocdbt"},
     ),
     # The 4th: each of the three saves recorded its own first.
@@ -201,8 +193,7 @@ _FINALIZE_POINTS = {
 
 @pytest.mark.parametrize(
     ("point", "more"),
-    [(p, False) for p in _FINALIZE_POINTS]
-    + [("first-pytree-moved", True), ("database-merged", True)],
+    [(p, False) for p in _FINALIZE_POINTS] + [("sources-listed", True), ("database-merged", True)],
 )
 def test_killed_during_finalize(tmp_path, point, more) -> None:
     path = tmp_path / "ckpt"
@@ -215,4 +206,21 @@ def test_killed_during_finalize(tmp_path, point, more) -> None:
         cp.partial.save(path, part(3))
     cp.partial.finalize(path)
     _assert_holds(path, [0, 1, 2, 3] if more else [0, 1, 2])
+    assert cli_main(["verify", str(path)]) == 0
+
+
+def test_sessions_of_earlier_versions_still_finalize(tmp_path) -> None:
+    """An earlier version committed saves as ``pending-<seq>/`` and moved their pytrees to
+    ``pytree/ocdbt.partial_<seq>/`` (their metadata folded into the session's)."""
+    path = tmp_path / "ckpt"
+    session = cp.partial.session_path(path)
+    cp.save_pytree(tmp_path / "folded", part(0), custom_metadata={"by": 0, "keep": 0})
+    (session / "pytree").mkdir(parents=True)
+    os.rename(tmp_path / "folded" / "pytree", session / "pytree" / "ocdbt.partial_000001")
+    os.rename(tmp_path / "folded" / "_CHECKPOINT_METADATA", session / "_CHECKPOINT_METADATA")
+    cp.save_pytree(session / "pending-000002", part(1), custom_metadata={"by": 1})
+    cp.partial.save(path, part(2))
+    cp.partial.finalize(path)
+    _assert_holds(path, [0, 1, 2])
+    assert cp.pytree_metadata(path).custom_metadata == {"by": 1, "keep": 0}
     assert cli_main(["verify", str(path)]) == 0

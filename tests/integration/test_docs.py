@@ -55,8 +55,32 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
                 method(target)
             else:
                 method()
+        _check_capabilities(namespace, tmp_path)
     finally:
         cp.handlers.unregister_handler(namespace["PointHandler"])
+
+
+def _check_capabilities(namespace: dict, tmp_path) -> None:
+    """The page's handlers with optional capabilities work through the library."""
+    import asyncio
+
+    from checkpointables import cli
+
+    point = namespace["Point"](1.0, 2.0)
+    for handler in (namespace["CheckedPointHandler"], namespace["CarefulPointHandler"]):
+        cp.handlers.register_handler(handler, priority=10)  # Ahead of the page's PointHandler.
+        try:
+            path = tmp_path / handler.__name__
+            cp.save_checkpointables(path, {"p": point})
+            assert cp.load_checkpointables(path) == {"p": point}
+            assert cp.checkpointables_metadata(path).metadata["p"] == namespace["AbstractPoint"]()
+            assert cli.main(["verify", str(path)]) == 0
+        finally:
+            cp.handlers.unregister_handler(handler)
+    damaged = tmp_path / "CheckedPointHandler" / "p"
+    (damaged / "point.json").write_text('{"x": "one", "y": 2.0}')
+    problems = asyncio.run(namespace["CheckedPointHandler"]().verify(damaged))
+    assert problems == [f"{damaged / 'point.json'}: x is not a number"]
 
 
 def _check_command_and_reader(namespace: dict, tmp_path) -> None:

@@ -1,4 +1,5 @@
-"""Running coroutines from synchronous code, and background work with a result."""
+"""Running coroutines from synchronous code, background work with a result, and the
+synchronous forms of the library's async functions."""
 
 from __future__ import annotations
 
@@ -6,40 +7,30 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextvars
+import functools
 import inspect
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Coroutine
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from checkpointables.execution import caller_waits, paused_gc, waiting_caller
 
 T = TypeVar("T")
+U = TypeVar("U")
+P = ParamSpec("P")
 
-__all__ = ["AsyncResponse", "run_sync", "start_background", "completed", "caller_waits"]
-
-_caller_waits: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "checkpointables_caller_waits", default=False
-)
-
-
-def caller_waits() -> bool:
-    """True during the blocking phase of a synchronous save (``save_pytree``, ...).
-
-    The caller cannot touch its objects until the save returns, so a handler
-    may skip the defensive host copies an async save needs, and save memory.
-    """
-    return _caller_waits.get()
-
-
-class waiting_caller:
-    """Marks the enclosed blocking phase as belonging to a synchronous save."""
-
-    def __enter__(self) -> None:
-        self._token = _caller_waits.set(True)
-
-    def __exit__(self, *exc: object) -> None:
-        _caller_waits.reset(self._token)
+__all__ = [
+    "AsyncResponse",
+    "run_sync",
+    "start_background",
+    "completed",
+    "synchronous",
+    "concurrently",
+    "caller_waits",
+    "waiting_caller",
+]
 
 
 class _ThreadLoop:
@@ -57,7 +48,11 @@ class _ThreadLoop:
         _open_loops.add(self.loop)
 
     def __del__(self) -> None:
-        _close_quietly(self.loop)
+        # A forked child drops the loops of its parent's other threads: closing one there
+        # would unregister the parent's self-pipe from their shared epoll instance, and the
+        # parent's loop would never wake again.
+        if self.pid == os.getpid():
+            _close_quietly(self.loop)
 
 
 _thread_loops = threading.local()
@@ -87,6 +82,9 @@ def _after_fork_in_child() -> None:
     _inherited.extend(_open_loops)
     _open_loops.clear()
     _thread_loops = threading.local()
+    # The parent's pool threads do not exist here: the child starts its own.
+    _pool.cache_clear()
+    _background_pool.cache_clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -211,13 +209,15 @@ def completed(value: T, description: str = "operation") -> AsyncResponse[T]:
 def start_background(
     work: Callable[[], T], description: str, *, daemon: bool = False, inline: bool = False
 ) -> AsyncResponse[T]:
-    """Runs ``work()`` on a new thread, in a copy of the caller's contextvars.
+    """Runs ``work()`` on a background thread, in a copy of the caller's contextvars.
 
     The thread is not a daemon by default, so the interpreter waits for a
-    running save before it exits instead of cutting it off. With ``inline``
-    (for a caller that waits for the result right away: ``save_pytree``,
-    ``load_pytree``) ``work()`` runs now, on the caller's thread: no thread
-    start and no hand-over, which is most of a tiny checkpoint's time.
+    running save before it exits instead of cutting it off; a ``daemon`` one (a
+    load nobody may still want) is a new thread. With ``inline``,
+    and for a caller that waits for the result right away (``caller_waits()``:
+    ``save_pytree``, ``load_pytree``), ``work()`` runs now, on the caller's
+    thread: no thread start and no hand-over, which is most of a tiny
+    checkpoint's time.
     """
     response: AsyncResponse[T] = AsyncResponse(description)
     ctx = contextvars.copy_context()
@@ -230,15 +230,27 @@ def start_background(
         else:
             response._finish(value)
 
-    if inline:
+    if inline or caller_waits():
         run()
-        return response
-
-    thread = threading.Thread(
-        target=run, name=f"checkpointables: {description}"[:60], daemon=daemon
-    )
-    thread.start()
+    elif daemon:
+        name = f"checkpointables: {description}"[:60]
+        threading.Thread(target=run, name=name, daemon=True).start()
+    else:
+        _background_pool().submit(run)
     return response
+
+
+@functools.cache
+def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for saves' background phases, kept between saves.
+
+    Starting a thread costs the caller more than its start: the new thread takes
+    the GIL at once and the caller waits up to a switch interval (5 ms) to get it
+    back, while an idle worker woken by a queue lets the caller return first. A
+    worker is added whenever none is idle, so background work never waits for
+    other background work; the interpreter waits for running work before it exits.
+    """
+    return concurrent.futures.ThreadPoolExecutor(1024, thread_name_prefix="checkpointables-bg")
 
 
 async def gather_awaitables(awaitables: list[Any]) -> list[Any]:
@@ -258,6 +270,49 @@ async def gather_awaitables(awaitables: list[Any]) -> list[Any]:
     return list(results)
 
 
-def monotonic_deadline(timeout_secs: float) -> float:
-    """A ``time.monotonic()`` deadline ``timeout_secs`` from now."""
-    return time.monotonic() + timeout_secs
+def synchronous(
+    start: Callable[P, AsyncResponse[T]],
+) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Makes a stub (its signature and docstring) the synchronous form of ``start``.
+
+    The synchronous form calls ``start`` as a waiting caller (see
+    ``cp.execution.caller_waits``: the background phase then runs on the
+    caller's thread, with no thread start and no hand-over), with the cyclic GC
+    paused for the whole call, and returns the result or raises the error.
+
+    Example::
+
+        @synchronous(save_pytree_async)
+        def save_pytree(path, pytree, *, overwrite=False) -> None:
+            '''Saves a pytree and waits until it is committed.'''
+    """
+
+    def make(stub: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(stub)
+        def wait(*args: P.args, **kwargs: P.kwargs) -> T:
+            with waiting_caller(), paused_gc():
+                response = start(*args, **kwargs)
+            return response.result()
+
+        return wait
+
+    return make
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="checkpointables-io")
+
+
+def concurrently(function: Callable[[U], T], items: Iterable[U]) -> list[T]:
+    """``[function(item) for item in items]``, up to 16 at once, each in a copy of the
+    caller's contextvars (its ``cp.Context``); raises the first error.
+
+    For many small blocking requests (flushing the files of a checkpoint, deleting
+    the objects of one): issued together they overlap their waits.
+    """
+    items = list(items)
+    if len(items) <= 1:
+        return [function(item) for item in items]
+    futures = [_pool().submit(contextvars.copy_context().run, function, item) for item in items]
+    return [future.result() for future in futures]

@@ -34,20 +34,22 @@ blaming damage.
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import functools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from etils import epath
 
 from checkpointables import _leftovers, errors, layout, metadata_checksums, multihost, storage
+from checkpointables._asyncio import concurrently
+from checkpointables._leftovers import SAVE_RECORD_FILE, read_record
 
 __all__ = [
     "SAVE_RECORD_FILE",
     "SaveTarget",
     "uses_rename",
+    "marker",
     "resolve_final",
     "check_can_save",
     "write_root_for",
@@ -59,11 +61,7 @@ __all__ = [
     "occupied",
     "Retired",
     "retire",
-    "remove_unfinished",
-    "remove_abandoned",
 ]
-
-SAVE_RECORD_FILE = ".checkpointables-save"
 
 
 def uses_rename(path: epath.PathLike) -> bool:
@@ -75,15 +73,9 @@ def _join(path: epath.PathLike, name: str) -> str:
     return f"{os.fspath(path).rstrip('/')}/{name}"
 
 
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for the many small requests of deleting a checkpoint on an object store."""
-    return concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="checkpointables-delete")
-
-
-def _remove_all(store: storage.Storage, paths: Sequence[str]) -> None:
-    for future in [_pool().submit(store.remove_file, p) for p in paths]:
-        future.result()
+def marker(path: epath.PathLike) -> str:
+    """The text of the commit marker of a save to ``path`` (Orbax's, and the commit time)."""
+    return f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n"
 
 
 # -- Before a save ----------------------------------------------------------------------------
@@ -99,17 +91,6 @@ def resolve_final(path: epath.Path) -> epath.Path:
     if storage.is_local(text) and os.path.islink(text):
         return epath.Path(os.path.realpath(text))
     return path
-
-
-def read_record(
-    path: epath.PathLike, store: storage.Storage | None = None
-) -> _leftovers.SaveRecord | None:
-    """The ``SaveRecord`` of an object-store checkpoint's prefix, or ``None``."""
-    store = storage.for_path(path) if store is None else store
-    try:
-        return _leftovers.SaveRecord.from_json(store.read_bytes(_join(path, SAVE_RECORD_FILE)))
-    except FileNotFoundError:
-        return None
 
 
 def check_can_save(
@@ -133,11 +114,8 @@ def check_can_save(
       operation: the save's name among the processes' collective operations.
     """
     problem = ""
-    if multihost.is_primary_host():
-        try:
-            _check_can_save(path, overwrite, replace_unfinished, timeout_secs)
-        except FileExistsError as e:
-            problem = str(e)
+    if multihost.is_primary_host() and not overwrite:
+        problem = _why_not(path, replace_unfinished, timeout_secs)
     problem = multihost.broadcast_from_primary(
         f"{operation}/check", problem if multihost.is_primary_host() else None
     )
@@ -145,35 +123,36 @@ def check_can_save(
         raise errors.CheckpointExistsError(problem)
 
 
-def _check_can_save(
-    path: epath.Path, overwrite: bool, replace_unfinished: bool, timeout_secs: float
-) -> None:
+def _why_not(path: epath.Path, replace_unfinished: bool, timeout_secs: float) -> str:
+    """What is at ``path`` that a save without ``overwrite`` must not replace, or ``""``."""
     if uses_rename(path):
-        if os.path.lexists(os.fspath(path)) and not overwrite:
-            raise errors.CheckpointExistsError(
-                f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
-                f"removed only after the new one is complete), or choose another path."
-            )
-        return
-    names = {e.name for e in storage.for_path(path).list_dir(os.fspath(path))}
-    if not names or overwrite:
-        return
+        if not os.path.lexists(os.fspath(path)):
+            return ""
+        return (
+            f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
+            f"removed only after the new one is complete), or choose another path."
+        )
+    names = {e.name for e in storage.list_dir(path)}
     if layout.COMMIT_SUCCESS_FILE in names:
-        raise errors.CheckpointExistsError(
+        return (
             f"{path} already holds a checkpoint. Pass overwrite=True to replace it (on an object "
             f"store the old one stops being a checkpoint as soon as the new save starts writing; "
             f"see docs/object-stores.md), or choose another path."
         )
     record = read_record(path) if SAVE_RECORD_FILE in names else None
-    if replace_unfinished or _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs):
-        return
+    if (
+        not names
+        or replace_unfinished
+        or _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs)
+    ):
+        return ""
     what = (
         f"an unfinished save ({record.describe()}) that may still be running"
         if record is not None
         else f"objects but no finished checkpoint (no {layout.COMMIT_SUCCESS_FILE}; not written "
         f"by this library, or by an older version)"
     )
-    raise errors.CheckpointExistsError(
+    return (
         f"{path} holds {what}. Pass overwrite=True to replace it, choose another path, or wait: "
         f"an unfinished save is cleaned by the next save once its process is gone or after "
         f"AsyncOptions.timeout_secs ({timeout_secs:g} s)."
@@ -185,13 +164,11 @@ def write_root_for(path: epath.Path) -> epath.Path:
     return layout.temporary_path_for(path) if uses_rename(path) else path
 
 
-def target_for(
-    final: epath.Path, root: epath.Path, *, overwrite: bool, timeout_secs: float
-) -> SaveTarget:
+def target_for(final: epath.Path, root: epath.Path, *, overwrite: bool) -> SaveTarget:
     """The protocol that publishes a save written at ``root`` as ``final``."""
     if uses_rename(final):
-        return RenameTarget(final, root, overwrite=overwrite, timeout_secs=timeout_secs)
-    return MarkerTarget(final, root, overwrite=overwrite, timeout_secs=timeout_secs)
+        return RenameTarget(final, root, overwrite=overwrite)
+    return MarkerTarget(final, root, overwrite=overwrite)
 
 
 # -- Saving -----------------------------------------------------------------------------------
@@ -205,21 +182,23 @@ class SaveTarget(abc.ABC):
       root: where the handlers write (a temporary directory, or ``final``).
     """
 
-    def __init__(
-        self, final: epath.Path, root: epath.Path, *, overwrite: bool, timeout_secs: float
-    ) -> None:
+    def __init__(self, final: epath.Path, root: epath.Path, *, overwrite: bool) -> None:
         self.final = final
         self.root = root
         self.overwrite = overwrite
-        self.timeout_secs = timeout_secs
 
     @abc.abstractmethod
     def create(self, names: Iterable[str], mode: int | None) -> None:
         """Makes ``root`` and a subdirectory per checkpointable ready for writing."""
 
     @abc.abstractmethod
+    def claim(self) -> None:
+        """Marks ``root`` as being written by this save (``create`` does it too)."""
+
+    @abc.abstractmethod
     def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes ``files`` (name -> text) into ``root``, then commits with ``marker`` last."""
+        """Writes ``files`` (name -> text) into ``root`` and the checksums of its metadata
+        files, then commits with ``marker`` last."""
 
     @abc.abstractmethod
     def discard(self) -> None:
@@ -230,41 +209,35 @@ class RenameTarget(SaveTarget):
     """Local disks: a temporary directory, flushed and renamed into place."""
 
     def create(self, names: Iterable[str], mode: int | None) -> None:
-        """Cleans abandoned temporary siblings, then creates the temporary directory."""
-        _remove_abandoned_siblings(self.final, self.timeout_secs)
+        """Creates the temporary directory and its subdirectories."""
         mode = 0o777 if mode is None else mode
         self.root.mkdir(mode=mode)
         for name in names:
             (self.root / name).mkdir(mode=mode)
 
+    def claim(self) -> None:
+        """Nothing to do: the temporary directory's name says whose it is."""
+
     def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes the files and the checksums of the metadata, flushes everything, renames (or
-        swaps) into place."""
-        for name, text in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items():
-            layout.write_file(self.root / name, text)
-        metadata_checksums.record(self.root)
+        """Writes the files and the checksums, flushes everything, renames (or swaps) into
+        place."""
+        written = {n: t.encode() for n, t in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items()}
+        for name, data in written.items():
+            storage.write_bytes(self.root / name, data)
+        metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)
         layout.commit(self.root, self.final, overwrite=self.overwrite)
 
     def discard(self) -> None:
         """Deletes the temporary directory."""
-        layout.remove_tree(self.root)
-
-
-def _remove_abandoned_siblings(final: epath.Path, timeout_secs: float) -> None:
-    """Deletes temporary directories of dead saves next to ``final`` (never a live one's)."""
-    for entry in _leftovers.abandoned_entries([final.parent], timeout_secs=timeout_secs):
-        _leftovers.remove(entry)
+        storage.remove_tree(self.root)
 
 
 class MarkerTarget(SaveTarget):
     """Object stores: written in place, committed by ``commit_success.txt`` written last."""
 
-    def __init__(
-        self, final: epath.Path, root: epath.Path, *, overwrite: bool, timeout_secs: float
-    ) -> None:
-        super().__init__(final, root, overwrite=overwrite, timeout_secs=timeout_secs)
-        self._store = storage.for_path(final)
+    def __init__(self, final: epath.Path, root: epath.Path, *, overwrite: bool) -> None:
+        super().__init__(final, root, overwrite=overwrite)
         self._record = _leftovers.SaveRecord.new()
 
     def create(self, names: Iterable[str], mode: int | None) -> None:
@@ -272,34 +245,37 @@ class MarkerTarget(SaveTarget):
 
         The old checkpoint's marker goes first: from then on nobody reads it.
         """
-        self._store.write_bytes(
-            _join(self.final, SAVE_RECORD_FILE), self._record.to_json().encode()
-        )
-        old = [f for f in self._store.list_files(os.fspath(self.final)) if f != SAVE_RECORD_FILE]
+        self.claim()
+        old = [f for f in storage.list_files(self.final) if f != SAVE_RECORD_FILE]
         if layout.COMMIT_SUCCESS_FILE in old:
-            self._store.remove_file(_join(self.final, layout.COMMIT_SUCCESS_FILE))
+            storage.remove_file(_join(self.final, layout.COMMIT_SUCCESS_FILE))
             old.remove(layout.COMMIT_SUCCESS_FILE)
-        _remove_all(self._store, [_join(self.final, f) for f in old])
+        concurrently(storage.remove_file, [_join(self.final, f) for f in old])
+
+    def claim(self) -> None:
+        """Writes this save's record into the prefix."""
+        storage.write_bytes(_join(self.final, SAVE_RECORD_FILE), self._record.to_json().encode())
 
     def publish(self, files: Mapping[str, str], marker: str) -> None:
         """Writes the files and the checksums of the metadata, checks the prefix is still this
         save's, writes the marker."""
-        for name, text in files.items():
-            self._store.write_bytes(_join(self.final, name), text.encode())
-        metadata_checksums.record(self.final)
-        if read_record(self.final, self._store) != self._record:
+        written = {name: text.encode() for name, text in files.items()}
+        for name, data in written.items():
+            storage.write_bytes(_join(self.final, name), data)
+        metadata_checksums.record(self.final, known=written)
+        if read_record(self.final) != self._record:
             raise errors.CheckpointExistsError(
                 f"Another save to {self.final} started while this one was writing, so this one "
                 f"was not committed (two saves must not write one path at once). The other "
                 f"save's result, if it finishes, is what the path will hold."
             )
-        self._store.write_bytes(_join(self.final, layout.COMMIT_SUCCESS_FILE), marker.encode())
-        self._store.remove_file(_join(self.final, SAVE_RECORD_FILE))
+        storage.write_bytes(_join(self.final, layout.COMMIT_SUCCESS_FILE), marker.encode())
+        storage.remove_file(_join(self.final, SAVE_RECORD_FILE))
 
     def discard(self) -> None:
         """Deletes what this save wrote, unless another save has taken the prefix over."""
-        if read_record(self.final, self._store) == self._record:
-            remove_unfinished(self.final, self._store)
+        if read_record(self.final) == self._record:
+            _leftovers.remove_unfinished(self.final)
 
 
 # -- Deleting ---------------------------------------------------------------------------------
@@ -325,9 +301,9 @@ class Retired:
     def remove(self) -> None:
         """Removes the files (an interrupted removal is finished by the next cleanup)."""
         if uses_rename(self.path):
-            layout.remove_tree(self.path)
+            storage.remove_tree(self.path)
         else:
-            remove_unfinished(self.path)
+            _leftovers.remove_unfinished(self.path)
 
 
 def retire(path: epath.Path) -> Retired | None:
@@ -344,32 +320,10 @@ def retire(path: epath.Path) -> Retired | None:
         except FileNotFoundError:
             return None
         return Retired(aside)
-    store = storage.for_path(path)
     record = _leftovers.SaveRecord.new(deleting=True)
-    store.write_bytes(_join(path, SAVE_RECORD_FILE), record.to_json().encode())
-    store.remove_file(_join(path, layout.COMMIT_SUCCESS_FILE))
+    storage.write_bytes(_join(path, SAVE_RECORD_FILE), record.to_json().encode())
+    storage.remove_file(_join(path, layout.COMMIT_SUCCESS_FILE))
     return Retired(path)
-
-
-def remove_unfinished(path: epath.Path, store: storage.Storage | None = None) -> None:
-    """Deletes an object-store prefix that holds no committed checkpoint, record last."""
-    store = storage.for_path(path) if store is None else store
-    files = store.list_files(os.fspath(path))
-    _remove_all(store, [_join(path, f) for f in files if f != SAVE_RECORD_FILE])
-    store.remove_file(_join(path, SAVE_RECORD_FILE))
-
-
-def remove_abandoned(prefixes: Iterable[epath.Path], *, timeout_secs: float) -> None:
-    """Removes the object-store prefixes among ``prefixes`` whose record proves them abandoned.
-
-    Prefixes without a record (not written by this library) are left alone.
-    """
-    for prefix in prefixes:
-        record = read_record(prefix)
-        if _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs) and not (
-            storage.is_file(_join(prefix, layout.COMMIT_SUCCESS_FILE))
-        ):
-            remove_unfinished(prefix)
 
 
 # -- Reading ----------------------------------------------------------------------------------

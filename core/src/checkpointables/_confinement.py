@@ -15,7 +15,7 @@ import os
 
 from etils import epath
 
-from checkpointables import errors
+from checkpointables import errors, storage
 
 __all__ = ["check_contained"]
 
@@ -33,7 +33,7 @@ def check_contained(checkpoint: epath.PathLike) -> None:
       cp.errors.OutsideCheckpointError: a link leads outside the checkpoint.
     """
     root = os.fspath(checkpoint)
-    if "://" in root:
+    if not storage.is_local(root):
         return
     real_root: str | None = None
     pending = [root]

@@ -6,35 +6,29 @@ A later save or load of a path waits for an earlier save to it, so that
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 from etils import epath
 
+from checkpointables import storage
 from checkpointables._asyncio import AsyncResponse
 
 _lock = threading.Lock()
 _running: dict[str, AsyncResponse[Any]] = {}
 
 
-def key(path: epath.Path) -> str:
-    """A stable key for a local or remote path."""
-    text = os.fspath(path)
-    return os.path.abspath(text) if "://" not in text else text
-
-
 def wait_for(path: epath.Path, timeout: float | None) -> None:
     """Waits for a save of ``path`` still in flight; its errors stay with its response."""
     with _lock:
-        response = _running.get(key(path))
+        response = _running.get(storage.key(path))
     if response is not None:
         response.exception(timeout)
 
 
 def track(path: epath.Path, response: AsyncResponse[Any]) -> None:
     """Records ``response`` as the operation on ``path`` until it finishes."""
-    k = key(path)
+    k = storage.key(path)
     with _lock:
         _running[k] = response
 

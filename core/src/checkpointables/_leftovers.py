@@ -1,4 +1,4 @@
-"""Finding what saves and deletions that never finished left behind.
+"""Finding, and removing, what saves and deletions that never finished left behind.
 
 On local disks a save writes under a temporary name that records the
 creating process id and the creation time
@@ -35,7 +35,20 @@ from collections.abc import Iterable
 import attrs
 from etils import epath
 
-from checkpointables import layout, multihost
+from checkpointables import layout, multihost, storage
+from checkpointables._asyncio import concurrently
+
+__all__ = [
+    "SAVE_RECORD_FILE",
+    "SaveRecord",
+    "read_record",
+    "abandoned_entries",
+    "abandoned_prefixes",
+    "remove",
+    "remove_unfinished",
+]
+
+SAVE_RECORD_FILE = ".checkpointables-save"
 
 
 def process_exists(pid: int) -> bool:
@@ -53,53 +66,23 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def is_abandoned(name: str, *, timeout_secs: float, pid_proves: bool, now_ns: int) -> bool:
-    """Whether the temporary entry ``name`` can be deleted without harming anyone."""
-    parsed = layout.parse_temporary_name(name)
-    if parsed is None:
-        return False
-    _, created_ns, pid = parsed
-    if now_ns - created_ns > timeout_secs * 1e9:
-        return True
-    return pid_proves and pid != os.getpid() and not process_exists(pid)
-
-
-def pid_proves_abandonment(root: epath.Path) -> bool:
-    """Whether a dead pid in a temporary name under ``root`` proves the save is dead."""
-    return "://" not in os.fspath(root) and multihost.process_count() == 1
-
-
-def abandoned_entries(
-    directories: Iterable[epath.Path], *, timeout_secs: float, now_ns: int | None = None
-) -> list[epath.Path]:
-    """The abandoned temporary entries directly inside ``directories``."""
-    now_ns = time.time_ns() if now_ns is None else now_ns
-    found = []
-    for directory in directories:
-        proves = pid_proves_abandonment(directory)
-        try:
-            children = list(directory.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for child in children:
-            if is_abandoned(
-                child.name, timeout_secs=timeout_secs, pid_proves=proves, now_ns=now_ns
-            ):
-                found.append(child)
-    return found
-
-
-def remove(entry: epath.Path) -> None:
-    """Deletes an abandoned file or directory tree (already gone is fine)."""
-    if entry.is_dir():
-        layout.remove_tree(entry)
-    else:
-        entry.unlink(missing_ok=True)
-
-
 def this_host() -> str:
     """The name of this machine, as recorded in ``SaveRecord``."""
     return socket.gethostname()
+
+
+def _is_over(started_ns: int, pid: int, host: str, timeout_secs: float, now_ns: int) -> bool:
+    """The rule of the module's docstring: too old, or its single-process job's process is gone."""
+    if now_ns - started_ns > timeout_secs * 1e9:
+        return True
+    # The job's size last: in a jax.distributed job that has not started JAX's backend yet,
+    # asking starts it, which waits for every process (a sibling's save may be over by then).
+    return (
+        host == this_host()
+        and pid != os.getpid()
+        and not process_exists(pid)
+        and multihost.process_count() == 1
+    )
 
 
 @attrs.frozen
@@ -147,25 +130,84 @@ class SaveRecord:
         what = "a deletion" if self.deleting else "a save"
         return f"{what} started at {started} by process {self.pid} on host {self.host}"
 
+    def is_abandoned(self, *, timeout_secs: float, now_ns: int | None = None) -> bool:
+        """Whether the save or deletion it describes is provably over (a deletion is always
+        resumable: deleting twice is harmless)."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        return self.deleting or _is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
 
-def record_is_abandoned(
-    record: SaveRecord | None, *, timeout_secs: float, now_ns: int | None = None
-) -> bool:
-    """Whether the save or deletion ``record`` describes is provably over.
 
-    A deletion is always resumable (deleting twice is harmless); a missing or
-    unreadable record proves nothing, except by age, which the caller checks.
-    """
-    if record is None:
+def _join(path: epath.PathLike, name: str) -> str:
+    return f"{os.fspath(path).rstrip('/')}/{name}"
+
+
+def read_record(path: epath.PathLike) -> SaveRecord | None:
+    """The ``SaveRecord`` of an object-store checkpoint's prefix, or ``None``."""
+    try:
+        return SaveRecord.from_json(storage.read_bytes(_join(path, SAVE_RECORD_FILE)))
+    except FileNotFoundError:
+        return None
+
+
+def record_is_abandoned(record: SaveRecord | None, *, timeout_secs: float) -> bool:
+    """Whether ``record`` proves its save over; a missing or unreadable one proves nothing."""
+    return record is not None and record.is_abandoned(timeout_secs=timeout_secs)
+
+
+def is_abandoned(name: str, *, timeout_secs: float, now_ns: int | None = None) -> bool:
+    """Whether the local temporary entry ``name`` can be deleted without harming anyone."""
+    parsed = layout.parse_temporary_name(name)
+    if parsed is None:
         return False
-    if record.deleting:
-        return True
+    _, created_ns, pid = parsed
     now_ns = time.time_ns() if now_ns is None else now_ns
-    if now_ns - record.started_ns > timeout_secs * 1e9:
-        return True
-    return (
-        record.host == this_host()
-        and multihost.process_count() == 1
-        and record.pid != os.getpid()
-        and not process_exists(record.pid)
-    )
+    return _is_over(created_ns, pid, this_host(), timeout_secs, now_ns)
+
+
+def remove_unfinished(path: epath.PathLike) -> None:
+    """Deletes an object-store prefix that holds no committed checkpoint, record last."""
+    files = storage.list_files(path)
+    concurrently(storage.remove_file, [_join(path, f) for f in files if f != SAVE_RECORD_FILE])
+    storage.remove_file(_join(path, SAVE_RECORD_FILE))
+
+
+def abandoned_entries(
+    directories: Iterable[epath.Path], *, timeout_secs: float
+) -> list[epath.Path]:
+    """The abandoned temporary entries directly inside the local ``directories``."""
+    return [
+        directory / name
+        for directory in directories
+        if storage.is_local(directory)
+        for name in _names(directory)
+        if is_abandoned(name, timeout_secs=timeout_secs)
+    ]
+
+
+def abandoned_prefixes(prefixes: Iterable[epath.Path], *, timeout_secs: float) -> list[epath.Path]:
+    """The object-store ``prefixes`` (unfinished saves) whose record proves them abandoned.
+
+    Prefixes without a record (not written by this library) are left alone.
+    """
+    return [
+        prefix
+        for prefix in prefixes
+        if record_is_abandoned(read_record(prefix), timeout_secs=timeout_secs)
+        and not storage.is_file(_join(prefix, layout.COMMIT_SUCCESS_FILE))
+    ]
+
+
+def remove(entries: Iterable[epath.Path]) -> None:
+    """Deletes abandoned entries: local files and directory trees, object-store prefixes."""
+    for entry in entries:
+        if storage.is_local(entry):
+            storage.remove_tree(entry)
+        else:
+            remove_unfinished(entry)
+
+
+def _names(directory: epath.Path) -> list[str]:
+    try:
+        return os.listdir(os.fspath(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []

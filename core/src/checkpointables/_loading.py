@@ -1,9 +1,20 @@
-"""``load_checkpointables``, ``checkpointables_metadata`` and their async forms."""
+"""``load_checkpointables``, ``checkpointables_metadata`` and their async forms.
+
+Every load (these, the pytree functions, the training Checkpointer) runs the
+same phases through ``start_load``:
+
+1. **open**: the path is a finished checkpoint that stays inside its
+   directory; note which one (to notice a replacement later) and read its metadata;
+2. **choose** what to load (the caller's part), with a handler for each;
+3. **blocking**: each handler's blocking phase (plans the reads);
+4. **read**, in the background: each handler's background phase; the load
+   fails with ``CheckpointChangedError`` if the checkpoint was replaced meanwhile.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 from etils import epath
@@ -18,7 +29,13 @@ from checkpointables import (
     layout,
     metadata_checksums,
 )
-from checkpointables._asyncio import AsyncResponse, gather_awaitables, run_sync, start_background
+from checkpointables._asyncio import (
+    AsyncResponse,
+    gather_awaitables,
+    run_sync,
+    start_background,
+    synchronous,
+)
 from checkpointables.checkpoint_metadata import (
     CHECKPOINT_METADATA_FILE,
     CheckpointMetadata,
@@ -28,19 +45,16 @@ from checkpointables.context import Context, get_context
 from checkpointables.path._parse import as_path
 from checkpointables.protocols import Recognizing
 
+T = TypeVar("T")
+# What to load: name -> (directory, abstract checkpointable or None).
+Items = Mapping[str, tuple[epath.Path, Any]]
+
 
 class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
     """A requested checkpointable is not in the checkpoint."""
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-def open_checkpoint(path: epath.PathLike, context: Context) -> tuple[epath.Path, dict[str, Any]]:
-    """Validates ``path`` as a finished checkpoint that stays inside its directory, and reads
-    its metadata."""
-    opened = open_for_load(path, context)
-    return opened.path, opened.meta
 
 
 @attrs.frozen
@@ -55,6 +69,25 @@ class Opened:
         """Raises ``CheckpointChangedError`` if the checkpoint was replaced since it was opened."""
         _commit.check_unchanged(self.path, self.identity, error)
 
+    def typestr(self, name: str, directory: epath.Path) -> str | None:
+        """The handler recorded for checkpointable ``name`` (an Orbax V0 checkpoint records
+        one for the whole, flat, directory)."""
+        item_handlers = self.meta.get("item_handlers")
+        if isinstance(item_handlers, str):
+            return item_handlers if directory == self.path else None
+        return recorded_typestrs(self.meta).get(name)
+
+    def metadata_of(self, value: Any) -> CheckpointMetadata[Any]:
+        """``value`` with the timestamps and custom metadata of the checkpoint."""
+        return CheckpointMetadata(
+            self.path,
+            metadata=value,
+            custom_metadata=self.meta.get("custom_metadata"),
+            init_timestamp_nsecs=self.meta.get("init_timestamp_nsecs"),
+            commit_timestamp_nsecs=self.meta.get("commit_timestamp_nsecs"),
+            metrics=self.meta.get("metrics"),
+        )
+
 
 def open_for_load(path: epath.PathLike, context: Context) -> Opened:
     """Validates ``path`` as a finished checkpoint that stays inside its directory, notes
@@ -64,11 +97,7 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
     with context:  # An object store is reached as the context says.
         # The identity first: a replacement after this is noticed when the load ends.
         identity = _commit.identity(path)
-        if (
-            identity is None
-            or layout.local_path(path) is not None
-            or layout.is_temporary_path(path)
-        ):
+        if identity is None or _commit.uses_rename(path) or layout.is_temporary_path(path):
             layout.validate_checkpoint_directory(path)
             if identity is None:  # Committed just now.
                 identity = _commit.identity(path)
@@ -103,11 +132,7 @@ def _recognizers(directory: epath.Path) -> dict[str, bool]:
 
 
 def resolve_load_handler(
-    directory: epath.Path,
-    name: str,
-    recorded: str | None,
-    abstract: Any,
-    context: Context,
+    directory: epath.Path, name: str, recorded: str | None, abstract: Any, context: Context
 ) -> Any:
     """The handler instance that loads checkpointable ``name`` from ``directory``."""
     forced = context.checkpointables_options.handlers.get(name)
@@ -141,12 +166,12 @@ def available_checkpointables(path: epath.Path, meta: Mapping[str, Any]) -> list
     return available
 
 
-def _requested(
-    path: epath.Path, meta: Mapping[str, Any], abstract_checkpointables: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    available = available_checkpointables(path, meta)
-    if abstract_checkpointables is None or not abstract_checkpointables:
-        return dict.fromkeys(available)
+def _requested(opened: Opened, abstract_checkpointables: Mapping[str, Any] | None) -> Items:
+    """What ``load_checkpointables`` loads: the names asked for (all if none), checked."""
+    path = opened.path
+    available = available_checkpointables(path, opened.meta)
+    if not abstract_checkpointables:
+        return {n: (path / n, None) for n in available}
     if isinstance(abstract_checkpointables, CheckpointMetadata):
         abstract_checkpointables = abstract_checkpointables.metadata
     if not isinstance(abstract_checkpointables, Mapping):
@@ -159,100 +184,104 @@ def _requested(
         raise CheckpointableNotFoundError(
             f"Checkpoint {path} has no checkpointable named {missing}; it holds {available}."
         )
-    return dict(abstract_checkpointables)
+    return {n: (path / n, a) for n, a in abstract_checkpointables.items()}
 
 
-def load_items_async(
-    opened: Opened,
-    items: Mapping[str, tuple[epath.Path, Any]],
-    context: Context,
-    *,
-    wait: bool = False,
-) -> AsyncResponse[dict[str, Any]]:
-    """Loads ``{name: (directory, abstract)}`` with the recorded handlers.
+async def _named(name: str, directory: epath.Path, awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except Exception as e:
+        e.add_note(f"while loading checkpointable {name!r} from {directory}")
+        raise
 
-    With ``wait`` (a synchronous load) the reading runs on the caller's thread
-    and the returned response is already done. A load that fails, or ends
-    after the checkpoint was replaced, raises ``CheckpointChangedError`` if
-    the checkpoint changed meanwhile.
-    """
-    path, meta = opened.path, opened.meta
-    typestrs = recorded_typestrs(meta)
-    flat_typestr = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
-    instances = {}
-    for name, (directory, abstract) in items.items():
-        recorded = typestrs.get(name, flat_typestr if directory == path else None)
-        instances[name] = resolve_load_handler(directory, name, recorded, abstract, context)
 
-    async def named(name: str, directory: epath.Path, awaitable: Any) -> Any:
-        try:
-            return await awaitable
-        except Exception as e:
-            e.add_note(f"while loading checkpointable {name!r} from {directory}")
-            raise
+def _chosen(opened: Opened, context: Context, choose: Callable[[Opened], Items]) -> Items:
+    """``choose(opened)``, which fails with ``CheckpointChangedError`` if the checkpoint was
+    replaced meanwhile."""
+    try:
+        with context:
+            return choose(opened)
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
 
-    async def blocking_phase() -> list[Any]:
-        return await gather_awaitables(
-            [
-                named(n, directory, instances[n].load(directory, abstract))
-                for n, (directory, abstract) in items.items()
-            ]
-        )
 
-    def background() -> dict[str, Any]:
-        try:
-            values = run_sync(
-                gather_awaitables(
-                    [
-                        named(n, d, a)
-                        for (n, (d, _)), a in zip(items.items(), awaitables, strict=True)
-                    ]
-                )
-            )
-        except Exception as e:
-            opened.check_unchanged(e)
-            raise
-        opened.check_unchanged(None)
-        return dict(zip(items, values, strict=True))
+def _blocking_phase(opened: Opened, items: Items, context: Context) -> list[Any]:
+    """Runs each handler's blocking phase; returns the awaitables that read."""
 
-    with context:  # Handlers read options through get_context().
-        try:
-            awaitables = run_sync(blocking_phase())
-        except Exception as e:
-            opened.check_unchanged(e)
-            raise
-        return start_background(background, f"load of {path}", daemon=True, inline=wait)
+    async def blocking() -> list[Any]:
+        awaitables = []
+        for name, (directory, abstract) in items.items():
+            recorded = opened.typestr(name, directory)
+            handler = resolve_load_handler(directory, name, recorded, abstract, context)
+            awaitables.append(_named(name, directory, handler.load(directory, abstract)))
+        return await gather_awaitables(awaitables)
+
+    try:
+        with context:  # Handlers read options through get_context().
+            return run_sync(blocking())
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
+
+
+def _read(opened: Opened, items: Items, reads: list[Any]) -> dict[str, Any]:
+    """The background of a load: every read, then the check that nothing replaced the
+    checkpoint meanwhile."""
+    try:
+        named = [_named(n, d, a) for (n, (d, _)), a in zip(items.items(), reads, strict=True)]
+        values = run_sync(gather_awaitables(named))
+    except Exception as e:
+        opened.check_unchanged(e)
+        raise
+    opened.check_unchanged(None)
+    return dict(zip(items, values, strict=True))
 
 
 @metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
+def start_load(
+    path: epath.PathLike,
+    context: Context,
+    choose: Callable[[Opened], Items],
+    pick: Callable[[dict[str, Any]], T],
+) -> AsyncResponse[T]:
+    """Loads what ``choose`` picks of the checkpoint at ``path``; returns after the blocking
+    phase. The response's value is ``pick`` of ``{name: loaded value}``."""
+    with execution.paused_gc():
+        opened = open_for_load(path, context)
+        items = _chosen(opened, context, choose)
+        reads = _blocking_phase(opened, items, context)
+        with context:
+            return start_background(
+                lambda: pick(_read(opened, items, reads)), f"load of {opened.path}", daemon=True
+            )
+
+
 def load_checkpointables_async(
     path: epath.PathLike,
     abstract_checkpointables: Mapping[str, Any] | None = None,
     *,
     context: Context | None = None,
-    _wait: bool = False,
 ) -> AsyncResponse[dict[str, Any]]:
     """Starts loading checkpointables; reading happens in the background.
 
     ``abstract_checkpointables`` selects names (a value of ``None`` loads that
     name as saved) and guides each load; ``None`` loads everything.
     """
-    context = get_context(context)
-    opened = open_for_load(path, context)
-    path = opened.path
-    try:
-        with context:
-            requested = _requested(path, opened.meta, abstract_checkpointables)
-    except Exception as e:
-        opened.check_unchanged(e)
-        raise
-    return load_items_async(
-        opened, {n: (path / n, a) for n, a in requested.items()}, context, wait=_wait
+    return start_load(
+        path,
+        get_context(context),
+        lambda opened: _requested(opened, abstract_checkpointables),
+        lambda values: values,
     )
 
 
+@synchronous(load_checkpointables_async)
 def load_checkpointables(
-    path: epath.PathLike, abstract_checkpointables: Mapping[str, Any] | None = None
+    path: epath.PathLike,
+    abstract_checkpointables: Mapping[str, Any] | None = None,
+    *,
+    context: Context | None = None,
 ) -> dict[str, Any]:
     """Loads checkpointables from a checkpoint.
 
@@ -267,15 +296,13 @@ def load_checkpointables(
       KeyError: a requested name is not in the checkpoint.
       cp.errors.MissingHandlerError: a needed handler is not installed.
     """
-    with execution.paused_gc():
-        response = load_checkpointables_async(path, abstract_checkpointables, _wait=True)
-    return response.result()
 
 
 def item_metadata(directory: epath.Path, name: str, recorded: str | None, context: Context) -> Any:
     """The abstract form of one checkpointable, from its handler."""
     instance = resolve_load_handler(directory, name, recorded, None, context)
-    return run_sync(instance.metadata(directory))
+    with context:
+        return run_sync(instance.metadata(directory))
 
 
 @metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
@@ -288,23 +315,8 @@ def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[st
         meta.metadata["pytree"], meta.custom_metadata
     """
     context = get_context()
-    path, meta = open_checkpoint(path, context)
-    typestrs = recorded_typestrs(meta)
-    with context:
-        names = available_checkpointables(path, meta)
-    result = {n: item_metadata(path / n, n, typestrs.get(n), context) for n in names}
-    return checkpoint_metadata_for(path, meta, result)
-
-
-def checkpoint_metadata_for(
-    path: epath.Path, meta: Mapping[str, Any], value: Any
-) -> CheckpointMetadata[Any]:
-    """Wraps ``value`` with the timestamps and custom metadata of a checkpoint."""
-    return CheckpointMetadata(
-        path,
-        metadata=value,
-        custom_metadata=meta.get("custom_metadata"),
-        init_timestamp_nsecs=meta.get("init_timestamp_nsecs"),
-        commit_timestamp_nsecs=meta.get("commit_timestamp_nsecs"),
-        metrics=meta.get("metrics"),
+    opened = open_for_load(path, context)
+    items = _chosen(opened, context, lambda opened: _requested(opened, None))
+    return opened.metadata_of(
+        {n: item_metadata(d, n, opened.typestr(n, d), context) for n, (d, _) in items.items()}
     )

@@ -12,14 +12,13 @@ from checkpointables import (
     _loading,
     _saving,
     errors,
-    execution,
     handlers,
     layout,
     metadata_checksums,
     readers,
     storage,
 )
-from checkpointables._asyncio import AsyncResponse, waiting_caller
+from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
 from checkpointables.handlers._resolution import install_hint
@@ -63,16 +62,18 @@ def save_pytree_async(
 
     The caller may change or delete its arrays as soon as this returns.
     """
-    with execution.paused_gc():  # The blocking phase (and, for save_pytree, the writing).
-        return _saving.save_checkpointables_async(
+    return _saving.start(
+        _saving.SaveRequest(
             path,
             pytree_item(checkpointable_name, pytree),
-            overwrite=overwrite,
-            custom_metadata=custom_metadata,
+            custom_metadata,
+            overwrite,
             forced_handlers={checkpointable_name: pytree_registration().handler_cls},
         )
+    )
 
 
+@synchronous(save_pytree_async)
 def save_pytree(
     path: epath.PathLike,
     pytree: Any,
@@ -87,15 +88,6 @@ def save_pytree(
 
         cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
     """
-    with waiting_caller(), execution.paused_gc():
-        response = save_pytree_async(
-            path,
-            pytree,
-            checkpointable_name=checkpointable_name,
-            overwrite=overwrite,
-            custom_metadata=custom_metadata,
-        )
-    response.result()
 
 
 def find_pytree(
@@ -182,59 +174,22 @@ def load_pytree_async(
     partial_load: bool = False,
 ) -> AsyncResponse[Any]:
     """Starts loading a pytree; reading happens in the background."""
-    with execution.paused_gc():  # The blocking phase only.
-        return _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=False)
-
-
-@metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
-def _start_load(
-    path: epath.PathLike,
-    abstract_pytree: Any,
-    checkpointable_name: str | None,
-    partial_load: bool,
-    *,
-    wait: bool,
-) -> AsyncResponse[Any]:
     context = _with_partial_load(get_context(), partial_load)
     if isinstance(abstract_pytree, CheckpointMetadata):
         abstract_pytree = abstract_pytree.metadata
     reader = readers.reader_for(path)
     if reader is not None:  # Another format (e.g. safetensors), read by a plugin.
         _no_name_for_readers(path, checkpointable_name)
-        return readers.load_async(reader, as_path(path), abstract_pytree, context, wait=wait)
-    opened = _loading.open_for_load(path, context)
-    try:
-        with context:
-            name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
-    except Exception as e:
-        opened.check_unchanged(e)
-        raise
-    response = _loading.load_items_async(
-        opened, {name: (directory, abstract_pytree)}, context, wait=wait
-    )
-    return _Unwrapped(response, name)
+        return readers.load_async(reader, as_path(path), abstract_pytree, context)
+
+    def choose(opened: _loading.Opened) -> _loading.Items:
+        name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
+        return {name: (directory, abstract_pytree)}
+
+    return _loading.start_load(path, context, choose, lambda values: next(iter(values.values())))
 
 
-class _Unwrapped(AsyncResponse[Any]):
-    """An ``AsyncResponse`` for one entry of a dict-valued response."""
-
-    def __init__(self, inner: AsyncResponse[dict[str, Any]], name: str) -> None:
-        super().__init__(repr(inner))
-        self._inner, self._name = inner, name
-
-    def done(self) -> bool:
-        return self._inner.done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self._inner.result(timeout)[self._name]
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._inner.exception(timeout)
-
-    def add_done_callback(self, callback: Any) -> None:
-        self._inner.add_done_callback(lambda _: callback(self))
-
-
+@synchronous(load_pytree_async)
 def load_pytree(
     path: epath.PathLike,
     abstract_pytree: Any = None,
@@ -254,10 +209,6 @@ def load_pytree(
 
         state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
     """
-    # The caller waits: read on its thread rather than in the background.
-    with execution.paused_gc():
-        response = _start_load(path, abstract_pytree, checkpointable_name, partial_load, wait=True)
-    return response.result()
 
 
 @metadata_checksums.scope()  # One lookup of _CHECKSUMS per operation.
@@ -270,14 +221,8 @@ def pytree_metadata(
     if reader is not None:
         _no_name_for_readers(path, checkpointable_name)
         return readers.metadata(reader, as_path(path), context)
-    path, meta = _loading.open_checkpoint(path, context)
+    opened = _loading.open_for_load(path, context)
     with context:
-        name, directory = find_pytree(path, meta, checkpointable_name)
-    recorded = _loading.recorded_typestrs(meta).get(name)
-    if recorded is None and isinstance(meta.get("item_handlers"), str):
-        recorded = meta["item_handlers"]
-    if recorded is None:
-        recorded = pytree_registration().typestr
-    with context:
-        value = _loading.item_metadata(directory, name, recorded, context)
-    return _loading.checkpoint_metadata_for(path, meta, value)
+        name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
+    recorded = opened.typestr(name, directory) or pytree_registration().typestr
+    return opened.metadata_of(_loading.item_metadata(directory, name, recorded, context))

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from etils import epath
 
-from checkpointables import errors
+from checkpointables import errors, storage
 
 __all__ = ["check_name_lengths"]
 
@@ -49,7 +49,7 @@ def check_name_lengths(path: epath.Path, names: Iterable[str]) -> None:
       cp.errors.NameTooLongError: a name is too long.
     """
     text = os.fspath(path)
-    if "://" in text:
+    if not storage.is_local(text):
         return
     limit = _name_max(os.path.dirname(os.path.abspath(text)))
     final = os.path.basename(text.rstrip(os.sep))

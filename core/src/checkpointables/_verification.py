@@ -30,6 +30,7 @@ from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import get_context
 from checkpointables.path._parse import as_path
 from checkpointables.protocols import Verifiable
+from checkpointables.serialization import AbstractArray
 
 __all__ = ["Finding", "verify_checkpoint", "leaf_nbytes"]
 
@@ -63,12 +64,11 @@ def _checksum_findings(path: epath.Path) -> list[Finding]:
 
 def leaf_nbytes(leaf: Any) -> int:
     """Bytes of an (abstract) array leaf: its shape's size times its dtype's; 0 for others."""
-    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
+    if not isinstance(leaf, AbstractArray) or leaf.shape is None or leaf.dtype is None:
         return 0
     import numpy as np
 
-    return int(np.prod(shape, dtype=np.int64)) * int(getattr(dtype, "itemsize", 0))
+    return int(np.prod(leaf.shape, dtype=np.int64)) * int(getattr(leaf.dtype, "itemsize", 0))
 
 
 def _array_bytes(directory: epath.Path, name: str, recorded: str | None) -> int | None:

@@ -54,20 +54,21 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _describe_leaf(leaf: Any) -> tuple[str, int]:
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if shape is not None and dtype is not None:
+    from checkpointables.serialization import AbstractArray, AbstractShardedArray
+
+    if isinstance(leaf, AbstractArray) and leaf.shape is not None and leaf.dtype is not None:
         import numpy as np
 
+        dtype = leaf.dtype
         # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
         with contextlib.suppress(TypeError):
             dtype = np.dtype(dtype)
         from checkpointables._verification import leaf_nbytes
 
-        size = leaf_nbytes(leaf)
-        sharding = getattr(leaf, "sharding", None)
+        sharding = leaf.sharding if isinstance(leaf, AbstractShardedArray) else None
         extra = f" sharding={sharding}" if sharding is not None else ""
-        return f"{type(leaf).__name__} shape={tuple(shape)} dtype={dtype}{extra}", size
+        text = f"{type(leaf).__name__} shape={tuple(leaf.shape)} dtype={dtype}{extra}"
+        return text, leaf_nbytes(leaf)
     if isinstance(leaf, type):
         return f"{leaf.__name__}", 0
     # Metadata of scalars and strings is a placeholder of the stored type, not the value.
@@ -99,8 +100,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if readers.reader_for(args.path) is not None:
         return _inspect_other_format(args.path)
     context = get_context()
-    path, meta = _loading.open_checkpoint(args.path, context)
-    typestrs = _loading.recorded_typestrs(meta)
+    opened = _loading.open_for_load(args.path, context)
+    path, meta = opened.path, opened.meta
     print(f"checkpoint {path}")
     for key in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
         value = meta.get(key)
@@ -115,9 +116,7 @@ def _inspect(args: argparse.Namespace) -> int:
     total = 0
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
-            recorded = typestrs.get(name) or (
-                meta.get("item_handlers") if directory == path else None
-            )
+            recorded = opened.typestr(name, directory)
             print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
             try:
                 value = _loading.item_metadata(directory, name, recorded, context)

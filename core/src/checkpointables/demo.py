@@ -96,14 +96,98 @@ def _same_leaf(x: Any, y: Any) -> bool:
     return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
+class _Demo:
+    """The demo's run: its directory, policies and model, and what the runs measured."""
+
+    def __init__(self, root: str, steps: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        import checkpointables as cp
+
+        self.cp, self.jax, self.root, self.steps = cp, jax, root, steps
+        self.init_state, self.train_step, self.batch = _model(jax, jnp)
+        self.every = max(1, steps // 10)
+        self.policy = cp.training.save_decision_policies.EveryNStepsPolicy(self.every)
+        preservation = cp.training.preservation_policies
+        self.keep = preservation.AnyPreservationPolicy(
+            [
+                preservation.LatestN(2),
+                preservation.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=1),
+            ]
+        )
+        self.abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            self.init_state(0),
+        )
+        self.blocked_ms: list[float] = []
+
+    def run(self, name: str, stop: int) -> Any:
+        """Trains until ``stop``, from the latest checkpoint if there is one; returns the state."""
+        with self.cp.training.Checkpointer(
+            self.root, save_decision_policy=self.policy, preservation_policy=self.keep
+        ) as ckptr:
+            latest = ckptr.latest_step()
+            if latest is None:
+                state, first = self.init_state(0), 0
+                print(f"{name}: no checkpoint in the directory, starting from scratch")
+            else:
+                wanted = {"state": self.abstract, "progress": None}
+                loaded = ckptr.load_checkpointables(latest, wanted)
+                state, first = loaded["state"], latest.step + 1
+                seen = loaded["progress"]["examples_seen"]
+                print(f"{name}: resuming after step {latest.step} ({seen:,} examples seen)")
+            for step in range(first, stop):
+                state = self._step(ckptr, step, state)
+            print(f"{name}: stopped after step {stop - 1}\n")
+            return state
+
+    def _step(self, ckptr: Any, step: int, state: Any) -> Any:
+        state, loss = self.train_step(state, self.batch(step))
+        t0 = time.perf_counter()
+        response = ckptr.save_checkpointables_async(
+            step,
+            {"state": state, "progress": {"examples_seen": (step + 1) * _BATCH}},
+            metrics={"loss": loss},
+            force=step == self.steps - 1,  # Always keep the final state.
+        )
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        if not (response.done() and response.result() is False):  # Else the policy skipped it.
+            self.blocked_ms.append(elapsed_ms)
+            print(f"  step {step:4d}  loss {float(loss):.5f}  blocked {elapsed_ms:6.1f} ms")
+        return state
+
+    def check(self, final: Any) -> bool:
+        """Prints what was kept and whether restoring and resuming were exact; returns that."""
+        with self.cp.training.Checkpointer(self.root) as ckptr:
+            kept = ckptr.steps()
+            latest = ckptr.latest_step()
+            assert latest is not None
+            restored = ckptr.load_checkpointables(latest, {"state": self.abstract})["state"]
+        uninterrupted = self.init_state(0)
+        for step in range(self.steps):
+            uninterrupted, _ = self.train_step(uninterrupted, self.batch(step))
+        blocked = self.blocked_ms
+        print(
+            f"saves: {len(blocked)}; the training loop was blocked per save: "
+            f"median {statistics.median(blocked):.1f} ms, max {max(blocked):.1f} ms "
+            f"(the first includes loading the plugins); writing happened in the background"
+        )
+        print("steps kept: " + ", ".join(f"{s.step} (loss {s.metrics['loss']:.5f})" for s in kept))
+        ok_restore = _identical(restored, final)
+        ok_resume = _identical(final, uninterrupted)
+        print(
+            f"restored step {latest.step} equals the trained state bit for bit: {_yes(ok_restore)}"
+        )
+        print(f"the resumed run equals an uninterrupted run bit for bit: {_yes(ok_resume)}")
+        return ok_restore and ok_resume
+
+
 def main(directory: str | None = None, *, steps: int = 300) -> int:
     """Trains a small model with checkpoints, resumes it, verifies; returns the exit status."""
     if steps < 4:
         print("error: --steps must be at least 4 (the demo stops halfway and resumes).")
         return 2
-    import jax
-    import jax.numpy as jnp
-
     import checkpointables as cp
 
     started = time.perf_counter()
@@ -111,81 +195,15 @@ def main(directory: str | None = None, *, steps: int = 300) -> int:
     if cp.training.Checkpointer(root).steps():
         print(f"error: {root} already holds checkpoints; give the demo a new or empty directory.")
         return 2
-    init_state, train_step, batch = _model(jax, jnp)
-    every = max(1, steps // 10)
-    policy = cp.training.save_decision_policies.EveryNStepsPolicy(every)
-    keep = cp.training.preservation_policies.AnyPreservationPolicy(
-        [
-            cp.training.preservation_policies.LatestN(2),
-            cp.training.preservation_policies.BestN(
-                get_metric_fn=lambda m: m["loss"], reverse=True, n=1
-            ),
-        ]
-    )
+    demo = _Demo(root, steps)
     print("checkpointables demo: an MLP regression trained with a hand-written Adam in JAX")
     print(f"  directory: {root}")
-    print(f"  {steps} steps, saved asynchronously every {every} steps (and at the end);")
+    print(f"  {steps} steps, saved asynchronously every {demo.every} steps (and at the end);")
     print("  kept: the latest 2 steps and the one with the lowest loss\n")
-
-    blocked_ms: list[float] = []
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), init_state(0)
-    )
-
-    def run(name: str, stop: int) -> Any:
-        with cp.training.Checkpointer(
-            root, save_decision_policy=policy, preservation_policy=keep
-        ) as ckptr:
-            latest = ckptr.latest_step()
-            if latest is None:
-                state, first = init_state(0), 0
-                print(f"{name}: no checkpoint in the directory, starting from scratch")
-            else:
-                loaded = ckptr.load_checkpointables(latest, {"state": abstract, "progress": None})
-                state, first = loaded["state"], latest.step + 1
-                seen = loaded["progress"]["examples_seen"]
-                print(f"{name}: resuming after step {latest.step} ({seen:,} examples seen)")
-            for step in range(first, stop):
-                state, loss = train_step(state, batch(step))
-                t0 = time.perf_counter()
-                response = ckptr.save_checkpointables_async(
-                    step,
-                    {"state": state, "progress": {"examples_seen": (step + 1) * _BATCH}},
-                    metrics={"loss": loss},
-                    force=step == steps - 1,  # Always keep the final state.
-                )
-                elapsed_ms = (time.perf_counter() - t0) * 1e3
-                if response.done() and response.result() is False:
-                    continue  # The policy skipped this step.
-                blocked_ms.append(elapsed_ms)
-                print(f"  step {step:4d}  loss {float(loss):.5f}  blocked {elapsed_ms:6.1f} ms")
-            print(f"{name}: stopped after step {stop - 1}\n")
-            return state
-
-    run("run 1", steps // 2)
-    final = run("run 2", steps)
-
-    with cp.training.Checkpointer(root) as ckptr:
-        kept = ckptr.steps()
-        latest = ckptr.latest_step()
-        assert latest is not None
-        restored = ckptr.load_checkpointables(latest, {"state": abstract})["state"]
-    uninterrupted = init_state(0)
-    for step in range(steps):
-        uninterrupted, _ = train_step(uninterrupted, batch(step))
-
-    print(
-        f"saves: {len(blocked_ms)}; the training loop was blocked per save: "
-        f"median {statistics.median(blocked_ms):.1f} ms, max {max(blocked_ms):.1f} ms "
-        f"(the first includes loading the plugins); writing happened in the background"
-    )
-    print("steps kept: " + ", ".join(f"{s.step} (loss {s.metrics['loss']:.5f})" for s in kept))
-    ok_restore = _identical(restored, final)
-    ok_resume = _identical(final, uninterrupted)
-    print(f"restored step {latest.step} equals the trained state bit for bit: {_yes(ok_restore)}")
-    print(f"the resumed run equals an uninterrupted run bit for bit: {_yes(ok_resume)}")
+    demo.run("run 1", steps // 2)
+    ok = demo.check(demo.run("run 2", steps))
     print(f"done in {time.perf_counter() - started:.1f} s")
-    return 0 if ok_restore and ok_resume else 1
+    return 0 if ok else 1
 
 
 def _yes(ok: bool) -> str:

@@ -3,6 +3,10 @@
 Public for plugins: a third-party handler uses these exactly as the built-in
 ones do.
 
+``caller_waits()`` tells a handler that its caller waits for the result (``save_pytree``
+rather than ``save_pytree_async``): the caller cannot touch its objects before the
+call returns, so the handler may skip defensive copies.
+
 ``paused_gc()`` pauses Python's cyclic garbage collector around allocation-heavy sections.
 
 Flattening a tree, parsing ``_METADATA`` and decoding thousands of small
@@ -19,13 +23,43 @@ the last one out, and only if it was enabled before.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import threading
 from collections.abc import Iterator
 
-from checkpointables._asyncio import caller_waits
+__all__ = ["paused_gc", "caller_waits", "waiting_caller"]
 
-__all__ = ["paused_gc", "caller_waits"]
+_caller_waits: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "checkpointables_caller_waits", default=False
+)
+
+
+def caller_waits() -> bool:
+    """True while a synchronous save or load runs (``save_pytree``, ``load_pytree``, ...).
+
+    The caller cannot touch its objects until the call returns, so a handler's
+    blocking phase may skip the defensive host copies an async save needs, and
+    save memory. The library then also runs the background phase on the
+    caller's thread.
+
+    Example::
+
+        data = array if cp.execution.caller_waits() else np.array(array, copy=True)
+    """
+    return _caller_waits.get()
+
+
+@contextlib.contextmanager
+def waiting_caller() -> Iterator[None]:
+    """Marks the calls in the ``with`` body as made by a caller that waits for their result
+    (``caller_waits()`` is true there): what the synchronous forms do."""
+    token = _caller_waits.set(True)
+    try:
+        yield
+    finally:
+        _caller_waits.reset(token)
+
 
 _lock = threading.Lock()
 _depth = 0

@@ -11,14 +11,11 @@ stores a checkpoint counts once its ``commit_success.txt`` exists (see
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import errno
 import os
 import re
-import shutil
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -26,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from etils import epath
 
 from checkpointables import errors, storage
+from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
 from checkpointables.metadata_checksums import CHECKSUMS_FILE
 from checkpointables.path._parse import as_path
@@ -40,6 +38,7 @@ __all__ = [
     "validate_checkpoint_directory",
     "is_checkpoint",
     "fsync_tree",
+    "rename_durably",
     "commit",
 ]
 
@@ -99,8 +98,7 @@ def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, objec
 
 def is_temporary_path(path: epath.PathLike) -> bool:
     """Whether ``path`` is an unfinished save's directory (ours or Orbax's)."""
-    local = local_path(path)
-    name = os.path.basename(local.rstrip("/")) if local is not None else epath.Path(path).name
+    name = os.path.basename(os.fspath(path).rstrip("/"))
     return TMP_INFIX in name or OLD_INFIX in name or any(m in name for m in _FOREIGN_TMP_MARKERS)
 
 
@@ -123,23 +121,15 @@ def parse_temporary_name(name: str) -> tuple[str, int, int] | None:
     return name[: match.start()], int(match.group(2)), int(match.group(3))
 
 
-def local_path(path: epath.PathLike) -> str | None:
-    """``path`` as a string when it is on the local filesystem, else ``None`` (``gs://``...).
+def _commit_file(path: str) -> str:
+    """The file whose presence makes ``path`` a committed checkpoint.
 
-    Local paths are checked and read with ``os`` calls, which cost a few microseconds
-    where ``epath``'s cost tens: that is most of a tiny checkpoint's load.
+    Locally a checkpoint appears whole by a rename, so its metadata file says it
+    is one (Orbax's local checkpoints have no other marker); on an object store
+    only the marker written last does.
     """
-    text = os.fspath(path)
-    return None if "://" in text else text
-
-
-def read_text(path: epath.PathLike) -> str:
-    """The text of a file, local or remote."""
-    local = local_path(path)
-    if local is None:
-        return storage.read_text(path)
-    with open(local, encoding="utf-8") as f:
-        return f.read()
+    name = CHECKPOINT_METADATA_FILE if storage.is_local(path) else COMMIT_SUCCESS_FILE
+    return f"{path.rstrip('/')}/{name}"
 
 
 def validate_checkpoint_directory(path: epath.Path) -> None:
@@ -148,65 +138,31 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
     Raises:
       FileNotFoundError: nothing exists at ``path``.
       errors.NotACheckpointError: ``path`` is a file, a temporary directory, or
-        has no ``_CHECKPOINT_METADATA``.
+        has no ``_CHECKPOINT_METADATA`` (on an object store: no commit marker).
     """
-    local = local_path(path)
-    if (
-        local is not None
-        and os.path.isdir(local)
-        and not is_temporary_path(path)
-        and os.path.isfile(os.path.join(local, CHECKPOINT_METADATA_FILE))
-    ):
-        return  # The usual case, checked cheaply; anything else gets the full story below.
-    if local is None:
-        _validate_remote_checkpoint(path)
-        return
-    if not path.exists():
-        raise errors.CheckpointNotFoundError(f"No checkpoint at {path}: the path does not exist.")
-    if not path.is_dir():
-        raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
-    if is_temporary_path(path):
-        raise errors.NotACheckpointError(
-            f"{path} is the temporary directory of a save that did not finish; it is not a "
-            f"checkpoint. Load the final path instead, or delete this directory."
-        )
-    if not (path / CHECKPOINT_METADATA_FILE).exists():
-        contents = sorted(p.name for p in path.iterdir())[:8]
-        what = "empty" if not contents else f"holds {contents}"
-        hint = ""
-        if any((path / n / CHECKPOINT_METADATA_FILE).exists() for n in contents):
-            hint = " It looks like a root of several checkpoints: load one of its steps."
-        raise errors.NotACheckpointError(
-            f"{path} is not a finished checkpoint: it has no {CHECKPOINT_METADATA_FILE} "
-            f"(the directory is {what}).{hint}"
-        )
-
-
-def _validate_remote_checkpoint(path: epath.Path) -> None:
-    """``validate_checkpoint_directory`` on an object store: committed iff it has the marker."""
-    store = storage.for_path(path)
-    text = os.fspath(path).rstrip("/")
-    if is_temporary_path(path):
+    text = os.fspath(path)
+    if is_temporary_path(text):
         raise errors.NotACheckpointError(
             f"{path} is the temporary directory of a save that did not finish; it is not a "
             f"checkpoint. Load the final path instead, or delete it."
         )
-    if store.is_file(f"{text}/{COMMIT_SUCCESS_FILE}"):
-        return
+    store = storage.for_path(text)
+    if store.is_file(_commit_file(text)):
+        return  # The usual case, checked with one stat (or request); else the full story.
     names = sorted(e.name for e in store.list_dir(text))
-    if not names:
-        if store.is_file(text):
-            raise errors.NotACheckpointError(f"{path} is an object, not a checkpoint directory.")
+    if not names and store.is_file(text):
+        raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
+    if not names and not (storage.is_local(text) and os.path.isdir(text)):
         raise errors.CheckpointNotFoundError(
-            f"No checkpoint at {path}: nothing is stored under that prefix."
+            f"No checkpoint at {path}: the path does not exist (nothing is stored there)."
         )
     hint = ""
-    if any(store.is_file(f"{text}/{n}/{COMMIT_SUCCESS_FILE}") for n in names[:8]):
+    if any(store.is_file(_commit_file(f"{text.rstrip('/')}/{n}")) for n in names[:8]):
         hint = " It looks like a root of several checkpoints: load one of its steps."
     raise errors.NotACheckpointError(
-        f"{path} is not a finished checkpoint: it has no {COMMIT_SUCCESS_FILE}, so a save to it "
-        f"is still running or was interrupted (it holds {names[:8]}).{hint} Wait for the save, "
-        f"or save again."
+        f"{path} is not a finished checkpoint: it has no {os.path.basename(_commit_file(text))} "
+        f"({f'it holds {names[:8]}' if names else 'the directory is empty'}), so a save to it "
+        f"did not finish (or is still running), or it is not a checkpoint.{hint}"
     )
 
 
@@ -215,19 +171,23 @@ def is_checkpoint(path: epath.PathLike) -> bool:
 
     On an object store: whether it has its commit marker (one request).
     """
-    if local_path(path) is None:
-        path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
-        if is_temporary_path(path):
-            return False
-        try:
-            return storage.is_file(f"{os.fspath(path).rstrip('/')}/{COMMIT_SUCCESS_FILE}")
-        except OSError:
-            return False
+    path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
+    text = os.fspath(path)
     try:
-        validate_checkpoint_directory(as_path(path))
-    except (FileNotFoundError, errors.NotACheckpointError, OSError):
+        return not is_temporary_path(text) and storage.is_file(_commit_file(text))
+    except OSError:
         return False
-    return True
+
+
+def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> list[str]:
+    """Names of the checkpointables stored in checkpoint ``path``, sorted."""
+    directories = {e.name for e in storage.list_dir(path) if e.is_dir}
+    names = {n for n in recorded if n in directories}
+    names.update(n for n in directories if n not in RESERVED_NAMES and not n.startswith("."))
+    return sorted(names)
+
+
+# -- Durable local operations -------------------------------------------------------------
 
 
 def _fsync(path: str, directory: bool) -> None:
@@ -236,20 +196,6 @@ def _fsync(path: str, directory: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_fsync_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_fsync_pool_lock = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _fsync_pool
-    with _fsync_pool_lock:
-        if _fsync_pool is None:
-            _fsync_pool = concurrent.futures.ThreadPoolExecutor(
-                16, thread_name_prefix="checkpointables-fsync"
-            )
-        return _fsync_pool
 
 
 def fsync_tree(root: epath.Path) -> None:
@@ -264,33 +210,15 @@ def fsync_tree(root: epath.Path) -> None:
     for dirpath, _, filenames in os.walk(os.fspath(root)):
         targets.extend((os.path.join(dirpath, f), False) for f in filenames)
         targets.append((dirpath, True))
-    if len(targets) == 1:
-        _fsync(*targets[0])
-        return
-    pool = _pool()
     # Files and directories at once: each must be on disk before the commit's rename, in
     # no particular order, and flushes issued together share journal commits.
-    for future in [pool.submit(_fsync, p, is_directory) for p, is_directory in targets]:
-        future.result()
+    concurrently(lambda target: _fsync(*target), targets)
 
 
-def write_file_durably(path: epath.Path, text: str) -> None:
-    """Writes ``text`` and flushes it to disk before returning."""
-    with open(os.fspath(path), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_file(path: epath.Path, text: str) -> None:
-    """Writes ``text`` without flushing it (for files ``fsync_tree`` flushes before a commit)."""
-    with open(os.fspath(path), "w") as f:
-        f.write(text)
-
-
-def remove_tree(path: epath.Path) -> None:
-    """Deletes a directory tree, ignoring a path that is already gone."""
-    shutil.rmtree(os.fspath(path), ignore_errors=True)
+def rename_durably(source: epath.PathLike, target: epath.PathLike) -> None:
+    """Renames ``source`` to ``target`` and flushes the rename to disk."""
+    os.rename(os.fspath(source), os.fspath(target))
+    _fsync(os.path.dirname(os.fspath(target)) or ".", directory=True)
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -324,7 +252,7 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
     two renames leaves it whole and recognizable.
     """
     aside: epath.Path | None = None
-    if final.exists():
+    if os.path.lexists(os.fspath(final)):
         if not overwrite:
             raise errors.CheckpointExistsError(
                 f"{final} appeared while the save was running (another save committed it first), "
@@ -333,30 +261,10 @@ def commit(tmp: epath.Path, final: epath.Path, *, overwrite: bool) -> None:
             )
         if _exchange(os.fspath(tmp), os.fspath(final)):
             _fsync(os.fspath(final.parent), directory=True)
-            remove_tree(tmp)
+            storage.remove_tree(tmp)
             return
         aside = temporary_path_for(final, OLD_INFIX)
         os.rename(os.fspath(final), os.fspath(aside))
-    os.rename(os.fspath(tmp), os.fspath(final))
-    _fsync(os.fspath(final.parent), directory=True)
+    rename_durably(tmp, final)
     if aside is not None:
-        remove_tree(aside)
-
-
-def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> list[str]:
-    """Names of the checkpointables stored in checkpoint ``path``, sorted."""
-    local = local_path(path)
-    if local is not None:
-        with os.scandir(local) as entries:
-            children = {e.name for e in entries if e.is_dir()}
-        names = {
-            n
-            for n in recorded
-            if (n in children if "/" not in n else os.path.isdir(os.path.join(local, n)))
-        }
-        names.update(c for c in children if c not in RESERVED_NAMES and not c.startswith("."))
-        return sorted(names)
-    directories = {e.name for e in storage.list_dir(path) if e.is_dir}
-    names = {n for n in recorded if n in directories}
-    names.update(n for n in directories if n not in RESERVED_NAMES and not n.startswith("."))
-    return sorted(names)
+        storage.remove_tree(aside)

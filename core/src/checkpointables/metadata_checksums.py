@@ -67,14 +67,10 @@ _READ_BYTES = 16 << 20
 # -- Recording ----------------------------------------------------------------------
 
 
-def _is_local(path: epath.PathLike) -> bool:
-    return "://" not in os.fspath(path)
-
-
 def _crc32_of_file(path: str, size: int) -> int:
     if size == 0:
         return 0  # The marker file; nothing to read.
-    if not _is_local(path):
+    if not storage.is_local(path):
         return zlib.crc32(storage.read_bytes(path))
     crc = 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # Cheaper than open() for small files.
@@ -106,7 +102,7 @@ def _entries(directory: str) -> list[tuple[str, str, int]]:
     On an object store sizes are not listed: they are -1 (unknown), so every
     file at the covered levels is covered (they are small metadata files there too).
     """
-    if not _is_local(directory):
+    if not storage.is_local(directory):
         listed = storage.list_dir(directory)
         return sorted((e.name, "dir" if e.is_dir else "file", -1) for e in listed)
     result = []
@@ -133,20 +129,20 @@ def _sealed(files: Mapping[str, int]) -> bytes:
     return body + b',"checksum":"%08x"}\n' % zlib.crc32(body)
 
 
-def record(checkpoint: epath.PathLike) -> None:
+def record(checkpoint: epath.PathLike, known: Mapping[str, bytes] | None = None) -> None:
     """Writes ``_CHECKSUMS`` for the files of ``checkpoint`` (a save's directory, before
-    its commit flushes and renames it). Every file must be written by then."""
+    its commit flushes and renames it). Every file must be written by then.
+
+    ``known``: the contents of files the caller just wrote, by name in the table
+    (e.g. ``_CHECKPOINT_METADATA``), checksummed without reading them back.
+    """
     root = os.fspath(checkpoint)
-    files = {name: _crc32_of_file(path, size) for name, path, size in _covered_files(root)}
-    target = os.path.join(root, CHECKSUMS_FILE)
-    if _is_local(target):
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-        try:
-            os.write(fd, _sealed(files))
-        finally:
-            os.close(fd)
-    else:
-        storage.write_bytes(target, _sealed(files))
+    known = known or {}
+    files = {
+        name: zlib.crc32(known[name]) if name in known else _crc32_of_file(path, size)
+        for name, path, size in _covered_files(root)
+    }
+    storage.write_bytes(os.path.join(root, CHECKSUMS_FILE), _sealed(files))
 
 
 # -- Reading ------------------------------------------------------------------------
@@ -220,7 +216,7 @@ def _table_in(directory: str) -> _Table | None:
 
 def _look_for_table(directory: str) -> _Table | None:
     path = os.path.join(directory, CHECKSUMS_FILE)
-    if not _is_local(path):
+    if not storage.is_local(path):
         try:
             return _Table(path, storage.read_bytes(path))
         except FileNotFoundError:
@@ -288,11 +284,7 @@ def read_checked(path: epath.PathLike) -> CheckedFile:
     text_path = os.fspath(path)
     covering = _covering_table(text_path)
     try:
-        if _is_local(text_path):
-            with open(text_path, "rb") as f:
-                data = f.read()
-        else:
-            data = storage.read_bytes(text_path)
+        data = storage.read_bytes(text_path)
     except FileNotFoundError:
         if covering is not None and covering[1] in covering[0].files:
             raise _mismatch(text_path, covering, "is missing") from None

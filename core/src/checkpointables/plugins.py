@@ -21,6 +21,7 @@ import importlib_metadata
 import pluggy
 
 from checkpointables import hookspecs
+from checkpointables.protocols import CheckpointableHandler, PyTreeReader, missing_methods
 from checkpointables.protocols import typestr as typestr_of
 
 __all__ = [
@@ -155,12 +156,8 @@ def make_handler_registration(
             f"register() takes a handler class, got {handler_cls!r} "
             f"({type(handler_cls).__name__}); pass the class, not an instance."
         )
-    missing = [
-        m
-        for m in ("save", "load", "metadata", "is_handleable", "is_abstract_handleable")
-        if not callable(getattr(handler_cls, m, None))
-    ]
-    if missing:
+    if not issubclass(handler_cls, CheckpointableHandler):
+        missing = missing_methods(handler_cls, CheckpointableHandler)
         raise TypeError(
             f"{typestr_of(handler_cls)} is not a CheckpointableHandler: it lacks {missing}."
         )
@@ -179,21 +176,15 @@ def make_handler_registration(
     )
 
 
-# The methods of cp.protocols.PyTreeReader.
-_READER_METHODS = ("recognizes", "load", "metadata")
-
-
 def make_reader_registration(
     reader_cls: type, *, plugin: str, priority: int | None = None, name: str | None = None
 ) -> ReaderRegistration:
     """Validates a ``register(...)`` call of ``register_pytree_readers``."""
     if not isinstance(reader_cls, type):
         raise TypeError(f"register() takes a reader class, got {reader_cls!r}.")
-    missing = [m for m in _READER_METHODS if not callable(getattr(reader_cls, m, None))]
-    if missing:
-        raise TypeError(
-            f"{typestr_of(reader_cls)} is not a PyTreeReader: it lacks {sorted(missing)}."
-        )
+    if not issubclass(reader_cls, PyTreeReader):
+        missing = missing_methods(reader_cls, PyTreeReader)
+        raise TypeError(f"{typestr_of(reader_cls)} is not a PyTreeReader: it lacks {missing}.")
     if priority is not None and not isinstance(priority, int):
         raise TypeError(f"priority must be an int, got {priority!r}.")
     default_name = reader_cls.__name__.removesuffix("Reader").lower() or reader_cls.__name__

@@ -26,6 +26,7 @@ __all__ = [
     "Mergeable",
     "ExplainsUnhandleable",
     "typestr",
+    "missing_methods",
 ]
 
 T = TypeVar("T")
@@ -176,12 +177,21 @@ class Verifiable(Protocol):
 
 @runtime_checkable
 class Mergeable(Protocol):
-    """A handler that builds one checkpointable from several partial saves (``cp.partial``)."""
+    """A handler that builds one checkpointable from several partial saves (``cp.partial``).
+
+    ``cp.partial.finalize`` calls it on the handler named ``pytree``.
+    """
 
     async def merge_partial(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
         """Builds the checkpointable in ``target`` from the partial saves' directories ``sources``
-        (oldest first; later ones replace earlier ones' keys). The sources sit inside ``target``
-        and stay there, so the merged result may refer to their files instead of copying them.
+        (oldest first; later ones replace earlier ones' keys).
+
+        Each source is a directory this handler's ``save`` wrote, somewhere inside
+        ``target`` (core names the subdirectories, e.g. ``target/partial-000001/pytree``:
+        the merge must not depend on those names). The sources stay where they are, so
+        the merged result may refer to their files instead of copying them. ``target``
+        holds nothing but the sources' subdirectories when this is called (core removes
+        what an interrupted earlier merge built); an interrupted merge is called again.
         """
         ...
 
@@ -199,3 +209,10 @@ class ExplainsUnhandleable(Protocol):
 def typestr(handler_cls: type) -> str:
     """The string recorded in ``_CHECKPOINT_METADATA`` for a handler class."""
     return f"{handler_cls.__module__}.{handler_cls.__qualname__}"
+
+
+def missing_methods(cls: type, protocol: type) -> list[str]:
+    """The methods of ``protocol`` that ``cls`` lacks (for the message when
+    ``issubclass(cls, protocol)`` is false)."""
+    wanted = [n for n in vars(protocol) if not n.startswith("_")]
+    return sorted(n for n in wanted if not callable(getattr(cls, n, None)))

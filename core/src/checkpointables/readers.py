@@ -19,7 +19,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import layout, plugins
+from checkpointables import layout, plugins, storage
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
@@ -46,7 +46,7 @@ def reader_for(path: epath.PathLike) -> PyTreeReader | None:
     registrations = registered_readers()
     if not registrations:
         return None
-    if layout.local_path(path) is not None and layout.is_checkpoint(path):
+    if storage.is_local(path) and layout.is_checkpoint(path):
         return None
     for registration in registrations:
         reader = registration.reader_cls()
@@ -56,12 +56,10 @@ def reader_for(path: epath.PathLike) -> PyTreeReader | None:
 
 
 def load_async(
-    reader: PyTreeReader, path: epath.Path, abstract_pytree: Any, context: Context, *, wait: bool
+    reader: PyTreeReader, path: epath.Path, abstract_pytree: Any, context: Context
 ) -> AsyncResponse[Any]:
-    """Runs the reader's blocking phase now and its reading in the background.
-
-    With ``wait`` (``cp.load_pytree``) the reading runs on the caller's thread.
-    """
+    """Runs the reader's blocking phase now and its reading in the background (on the
+    caller's thread for ``cp.load_pytree``, whose caller waits)."""
     with context:  # Readers read options through get_context(), like handlers.
         reading = run_sync(reader.load(path, abstract_pytree))
 
@@ -75,7 +73,7 @@ def load_async(
                 e.add_note(f"while loading {path} with {type(reader).__name__}")
                 raise
 
-        return start_background(background, f"load of {path}", daemon=True, inline=wait)
+        return start_background(background, f"load of {path}", daemon=True)
 
 
 def metadata(reader: PyTreeReader, path: epath.Path, context: Context) -> CheckpointMetadata[Any]:

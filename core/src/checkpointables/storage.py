@@ -57,6 +57,7 @@ __all__ = [
     "for_path",
     "scheme_of",
     "is_local",
+    "key",
     "read_bytes",
     "read_text",
     "write_bytes",
@@ -219,6 +220,12 @@ def scheme_of(path: os.PathLike[str] | str) -> str | None:
 def is_local(path: os.PathLike[str] | str) -> bool:
     """Whether ``path`` is on the local file system."""
     return scheme_of(path) is None
+
+
+def key(path: os.PathLike[str] | str) -> str:
+    """``path`` as a stable text (absolute if local), to recognize it in this process."""
+    text = os.fspath(path)
+    return os.path.abspath(text) if is_local(text) else text
 
 
 def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> Storage:

@@ -85,7 +85,7 @@ def temporaries(root: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "kills", "budget_secs"),
-    [("json", 30, 28.0), ("pytree", 10, 20.0)],
+    [("json", 30, 16.0), ("pytree", 10, 20.0)],
 )
 def test_sigkill_at_random_moments(tmp_path, mode, kills, budget_secs) -> None:
     if mode == "pytree" and not pytree_plugin_installed():

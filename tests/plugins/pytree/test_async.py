@@ -101,6 +101,31 @@ def test_caller_may_delete_and_mutate_right_after_save_async_returns(
     np.testing.assert_array_equal(np.asarray(loaded["big_jax"]), big)
 
 
+def test_a_donating_step_right_after_save_async_does_not_change_what_is_saved(
+    tmp_path, gated_context
+) -> None:
+    """The training-loop pattern: save asynchronously, then a jitted step donates the state."""
+    step = jax.jit(lambda x: x * 0 - 1, donate_argnums=0)
+    params = {f"w{i}": jnp.arange(256, dtype=jnp.float32) + i for i in range(20)}
+    expected = {k: np.array(v) for k, v in params.items()}
+    gate = Gate(threading.Event())
+    response = cp.save_pytree_async(tmp_path / "c", {"params": params, "gate": gate})
+    params = {k: step(v) for k, v in params.items()}  # Held by the gate: nothing written yet.
+    garbage = [jnp.full((256,), 7.0) for _ in range(100)]  # Would reuse freed buffers.
+    gate.event.set()
+    response.result(timeout=GATE_TIMEOUT)
+    loaded = cp.load_pytree(tmp_path / "c", {"params": expected, "gate": _open_gate()})
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded["params"][name], value, err_msg=name)
+    assert all(float(v[0]) == -1 for v in params.values()) and garbage
+
+
+def _open_gate() -> Gate:
+    gate = Gate(threading.Event())
+    gate.event.set()
+    return gate
+
+
 def test_load_async_returns_before_reading(tmp_path, gated_context) -> None:
     saved_gate = Gate(threading.Event())
     saved_gate.event.set()
@@ -135,6 +160,7 @@ def _planned_chunk(handler, array, tmp_path) -> np.ndarray:
     param = cp.serialization.SerializationParam(keypath=(jax.tree_util.DictKey("a"),), value=array)
     awaitable = asyncio.run(handler.serialize([param], context))
     awaitable.close()
+    session.plan()  # The layouts recorded after the caller got control back (no copy there).
     (item,) = session.writer._items
     ((_, data),) = item.chunks
     return data

@@ -1,4 +1,4 @@
-"""Large arrays read in groups by the reading threads (``_large_reads``)."""
+"""Arrays read in groups by the reading threads (``_read``, ``_local_reads``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import checkpointables as cp
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _large_reads
+from checkpointables_pytree import _read as _reader
 from checkpointables_pytree._array_reads import ArrayRead, StoredArray
 
 from .opens import load_recording_opens
@@ -15,7 +15,7 @@ _RNG = np.random.default_rng(11)
 
 
 def _tree(count: int = 24) -> dict[str, np.ndarray]:
-    # Over SMALL_ARRAY_BYTES each: every one goes through _large_reads.
+    # Over 256 KiB each: groups of a few arrays.
     return {f"w{i:02d}": _RNG.standard_normal(40_000 + 1000 * i) for i in range(count)}
 
 
@@ -72,7 +72,7 @@ def test_a_damaged_array_in_one_group_is_named_alone(tmp_path) -> None:
 
 def _read(name: str, nbytes: int) -> ArrayRead:
     shape = (nbytes // 4,)
-    stored = StoredArray(shape, np.dtype(np.float32), shape, direct=True, checksums=(0,))
+    stored = StoredArray(shape, np.dtype(np.float32), shape, direct=True)
     return ArrayRead(label=name, name=name, stored=stored, convert=lambda pieces: pieces[0])
 
 
@@ -86,6 +86,6 @@ def _read(name: str, nbytes: int) -> ArrayRead:
 )
 def test_groups_cover_every_read_once_in_similar_sizes(sizes, expected_groups) -> None:
     reads = [_read(f"a{i}", n) for i, n in enumerate(sizes)]
-    groups = _large_reads._groups(reads, {}, threads=2)
+    groups = _reader._groups(reads, {}, threads=2)
     assert [r for g in groups for r in g] == reads
     assert len(groups) == expected_groups

@@ -1,10 +1,9 @@
 """Trees of many small leaves: the batched paths (shards read straight from the data files).
 
 Loads of more than a few dozen small arrays read their shards through
-``_local_values`` (the b-tree from ``ts.ocdbt.dump``, the bytes with
-``pread``) instead of one TensorStore read each; saves checksum them in
-worker threads, ahead of the encoding. Both must be exactly as safe as the
-one-by-one paths.
+``_local_reads`` (the b-tree from ``ts.ocdbt.dump``, the bytes with
+``preadv``) instead of one TensorStore read each; saves encode them here,
+many to a transaction. Both must be exactly as safe as the one-by-one paths.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables_pytree import _database, _local_values
+from checkpointables_pytree import _local_reads, _ocdbt, _ocdbt_index, _read
 
 from .damage import copies_with_a_flipped_bit, flip
 
@@ -57,10 +56,10 @@ def saved(tmp_path_factory):
 
 
 def test_the_tree_is_big_enough_for_the_batched_read(saved) -> None:
-    assert LEAVES > _database.INLINE_READ_KEYS
+    assert LEAVES > _read.INLINE_READ_KEYS
     # ...and for the early read of the b-tree, so the damage tests below cover it too.
     metadata = (saved / "pytree" / "_METADATA").stat().st_size
-    assert metadata > _database.PREFETCH_METADATA_BYTES
+    assert metadata > _read.PREFETCH_METADATA_BYTES
 
 
 def test_round_trip_numpy(saved) -> None:
@@ -98,6 +97,19 @@ def test_partial_load_reads_only_what_is_asked(saved) -> None:
     _assert_equal(cp.load_pytree(saved, abstract, partial_load=True), wanted)
 
 
+def _read_local(directory, keys) -> list:
+    """The values of ``keys``: inline ones from the b-tree, the others read by ``_local_reads``."""
+    found = asyncio.run(_ocdbt_index.DatabaseIndex(directory).find(keys))
+    values = [found.get(k.encode()) for k in keys]
+    located = [v if isinstance(v, _ocdbt_index.ValueLocation) else None for v in values]
+    files = _local_reads.OpenFiles()
+    try:
+        read = _local_reads.read_values(files, located)
+    finally:
+        files.close()
+    return [r if loc is not None else v for v, loc, r in zip(values, located, read, strict=True)]
+
+
 def test_local_reads_match_tensorstore_reads(saved) -> None:
     directory = saved / "pytree"
     keys = [
@@ -105,15 +117,15 @@ def test_local_reads_match_tensorstore_reads(saved) -> None:
         for i in range(30)
     ]
     keys += ["step/c", "counts/c/0", "no_such_array/c/0", keys[0]]  # A missing key, a repeat.
-    found = asyncio.run(_local_values.read_local_values(directory, keys))
+    found = _read_local(directory, keys)
 
     async def through_tensorstore():
         import tensorstore as ts
 
         kvstore = await ts.KvStore.open(
-            _database.kvstore_spec(directory), context=_database.make_context()
+            _ocdbt.kvstore_spec(directory), context=_ocdbt.make_context()
         )
-        return await _database.read_values(kvstore, keys)
+        return await _read.read_values(kvstore, keys)
 
     expected = asyncio.run(through_tensorstore())
     assert found[-2] is None  # Missing: left to TensorStore, which reports it.
@@ -129,7 +141,7 @@ def test_local_reads_share_aligned_buffers_of_bounded_size(saved) -> None:
         for g in range(4)
         for i in range(30)
     ]
-    found = asyncio.run(_local_values.read_local_values(directory, keys))
+    found = _read_local(directory, keys)
     views = [v for v in found if isinstance(v, memoryview)]
     assert len(views) > 30  # Values too large to be inline in the b-tree.
     owners = {}
@@ -139,7 +151,7 @@ def test_local_reads_share_aligned_buffers_of_bounded_size(saved) -> None:
         owner = view.obj.base  # The buffer the slab allocated.
         owners[id(owner)] = owner
     assert len(owners) < len(views)  # Shared buffers, not one per value...
-    assert all(o.nbytes <= _local_values.SLAB_BYTES + 64 for o in owners.values())  # ...bounded.
+    assert all(o.nbytes <= _local_reads.SLAB_BYTES + 64 for o in owners.values())  # ...bounded.
 
 
 def _copy(saved, tmp_path, name):

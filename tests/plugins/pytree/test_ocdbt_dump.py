@@ -1,11 +1,11 @@
-"""``_ocdbt_dump``: TensorStore's node dumps without the references they leak."""
+"""``_ocdbt_index.dump``: TensorStore's node dumps without the references they leak."""
 
 from __future__ import annotations
 
 import sys
 
 import tensorstore as ts
-from checkpointables_pytree import _ocdbt_dump
+from checkpointables_pytree import _ocdbt_index as _ocdbt_dump
 
 
 def _database() -> ts.KvStore:

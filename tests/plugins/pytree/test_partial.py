@@ -179,7 +179,7 @@ def test_finalize_copies_no_array_data(tmp_path) -> None:
     files = _files(path)
     array_bytes = sum(v.nbytes for v in big.values())
     # Outside the moved partial saves: only metadata and the merged b-tree.
-    root_bytes = sum(size for name, size in files.items() if "ocdbt.partial_" not in name)
+    root_bytes = sum(size for name, size in files.items() if cp.partial.SOURCE_PREFIX not in name)
     assert root_bytes < 64 * 1024 < array_bytes // 100
     # The data files are the very files the partial saves wrote.
     final_inodes = {os.stat(path / name).st_ino for name, size in files.items() if size > 1 << 20}

@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _crc32c, choose_inner_chunk_shape
-from checkpointables_pytree._crc32c import crc32c, crc32c_many
+from checkpointables_pytree import choose_inner_chunk_shape
 from checkpointables_pytree._zarr3 import encode_shard, metadata_dict, zarr_json
+from crc32c import crc32c
 
 
 def test_crc32c_known_values() -> None:
@@ -22,38 +22,6 @@ def test_crc32c_known_values() -> None:
     assert crc32c(bytes(32)) == 0x8A9136AA
     assert crc32c(b"\xff" * 32) == 0x62A8AB43
     assert crc32c(bytes(range(32))) == 0x46DD794E
-
-
-def test_crc32c_many_matches_the_reference() -> None:
-    rng = np.random.default_rng(0)
-    sizes = [0, 1, 3, 63, 64, 65, 1000, 4096, 70_000, *rng.integers(1, 20_000, 40).tolist()]
-    messages = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-    messages += [bytes(5000), b"\xff" * 3000]
-    assert sum(map(len, messages)) > 100_000  # Exercises TensorStore's native path.
-    assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
-    arrays = [np.arange(10, dtype=np.float32), np.ones((3, 4), ml_dtypes.bfloat16)]
-    assert crc32c_many(arrays).tolist() == [crc32c(a.tobytes()) for a in arrays]
-
-
-def test_crc32c_many_with_few_buckets_in_flight(monkeypatch) -> None:
-    # Each bucket is read back as soon as the next one is being encoded, as when a
-    # batch's padded messages outgrow _SCRATCH_BYTES.
-    monkeypatch.setattr(_crc32c, "_SCRATCH_BYTES", 0)
-    rng = np.random.default_rng(2)
-    messages = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in range(1, 9000, 97)]
-    assert len({max(64, 1 << (len(m) - 1).bit_length()) for m in messages}) > 3  # Buckets.
-    assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
-
-
-def test_crc32c_many_reads_every_shard_of_a_bucket() -> None:
-    # One bucket (257 to 512 bytes) with more messages than a scratch shard holds:
-    # several shards, the last one partly filled.
-    rng = np.random.default_rng(1)
-    count = 2 * _crc32c._SHARD_ROWS + 5
-    lengths = rng.integers(257, 513, count)
-    messages = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in lengths]
-    assert sum(map(len, messages)) > _crc32c._NATIVE_THRESHOLD
-    assert crc32c_many(messages).tolist() == [crc32c(m) for m in messages]
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import zlib
 
 import checkpointables as cp
 import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _ocdbt_merge, _value_files
+from checkpointables_pytree import _ocdbt
+from checkpointables_pytree import _ocdbt_index as _value_files
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -54,8 +54,8 @@ def test_locations_follow_merged_databases(tmp_path) -> None:
     config = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
     _kvstore(tmp_path, config)["a/c/0"] = b"a" * 5000
     _kvstore(tmp_path / "ocdbt.process_1", config)["b/c/0"] = b"b" * 6000
-    _ocdbt_merge.merge_into(
-        epath.Path(tmp_path), [_ocdbt_merge.Source(epath.Path(tmp_path / "ocdbt.process_1"))]
+    _ocdbt.merge_into(
+        epath.Path(tmp_path), [_ocdbt.Source(epath.Path(tmp_path / "ocdbt.process_1"))]
     )
     found = asyncio.run(_value_files.locate(tmp_path, ["a/c/0", "b/c/0"]))
     assert "ocdbt.process_1" in found["b/c/0"].file
@@ -163,25 +163,3 @@ def test_copied_checkpoints_read_their_own_files(tmp_path) -> None:
     loaded, opened = load_recording_opens(tmp_path / "copy")
     assert opened
     np.testing.assert_array_equal(loaded["big"], data)
-
-
-def test_read_checked_fills_several_buffers_and_returns_the_rest(tmp_path) -> None:
-    payload = bytes(range(256)) * 64
-    path = tmp_path / "values"
-    path.write_bytes(b"head" + payload)
-    location = _value_files.ValueLocation(os.fspath(path), 4, len(payload))
-    first, second = bytearray(1000), bytearray(15_000)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        crc, rest = _value_files.read_checked(
-            fd, location, [memoryview(first), memoryview(second)], "crc32"
-        )
-        with pytest.raises(EOFError):  # The value is shorter than the buffers.
-            _value_files.read_checked(fd, location, [memoryview(bytearray(20_000))], None)
-        os.truncate(path, 100)
-        with pytest.raises(EOFError, match="early"):
-            _value_files.read_checked(fd, location, [memoryview(bytearray(1000))], None)
-    finally:
-        os.close(fd)
-    assert bytes(first) + bytes(second) + rest == payload
-    assert crc == zlib.crc32(payload[:16_000])

@@ -9,21 +9,20 @@ reads through TensorStore's zarr3 driver), Orbax, partial saves, and damage.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import checkpointables as cp
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _checksums, _database, _value_files
+from checkpointables_pytree import _ocdbt_index, _write
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 
 from .damage import flip
 
 # Three groups' worth of large arrays (each just over a group), and small ones.
-BIG_ELEMENTS = _database.LARGE_GROUP_BYTES // 4 + 1024
+BIG_ELEMENTS = _write.LARGE_GROUP_BYTES // 4 + 1024
 
 
 def _tree() -> dict:
@@ -54,7 +53,7 @@ def saved(tmp_path_factory):
 
 def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     path, tree = saved
-    writers = sorted(p.name for p in (path / "pytree").glob(_database.WRITER_PREFIX + "*"))
+    writers = sorted(p.name for p in (path / "pytree").glob(_write.WRITER_PREFIX + "*"))
     assert len(writers) == 3, writers
     # The pytree's own database holds every key; the writers' data files hold the big chunks.
     found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
@@ -62,20 +61,8 @@ def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     _assert_equal(cp.load_pytree(path), tree)
 
 
-def test_metadata_holds_every_groups_checksums(saved) -> None:
-    # _METADATA is written as soon as every group's checksums are recorded, while the
-    # last groups may still be flushed: none may be missing.
-    path, tree = saved
-    metadata = json.loads((path / "pytree" / "_METADATA").read_text())
-    for i in range(3):
-        (entry,) = [v for k, v in metadata["tree_metadata"].items() if k.endswith(f"'w{i}')")]
-        recorded = entry["value_metadata"]["checkpointables"]
-        data = memoryview(tree["params"][f"w{i}"]).cast("B")
-        assert recorded["sums_crc32"] == [_checksums.checksum(_checksums.SUMS_CRC32, data)]
-
-
-def _locate(directory, keys) -> dict[str, _value_files.ValueLocation]:
-    return cp._asyncio.run_sync(_value_files.locate(directory, keys))
+def _locate(directory, keys) -> dict[str, _ocdbt_index.ValueLocation]:
+    return cp._asyncio.run_sync(_ocdbt_index.locate(directory, keys))
 
 
 # Orbax warns when it restores a jax.Array from the `_sharding` file.
@@ -107,6 +94,6 @@ def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) ->
     cp.partial.save(root, {"params": tree["params"]})
     cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
     cp.partial.finalize(root)
-    assert list((root / "pytree").glob(f"ocdbt.partial_*/{_database.WRITER_PREFIX}*"))
+    assert list((root / "pytree").glob(f"{cp.partial.SOURCE_PREFIX}*/**/{_write.WRITER_PREFIX}*"))
     _assert_equal(cp.load_pytree(root), tree)
     _assert_equal(ocp_v1.load(root), tree)

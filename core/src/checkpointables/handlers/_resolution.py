@@ -107,6 +107,34 @@ def resolve_for_save(
     )
 
 
+def _redirect(
+    registrations: Sequence[HandlerRegistration], name: str, abstract: Any
+) -> tuple[HandlerRegistration, Any] | None:
+    """The first handler, in resolution order, whose ``is_abstract_handleable(abstract)`` is
+    true (for ``name``), with an instance of it; ``None`` if none is."""
+    for r in registrations:
+        if r.checkpointable_name not in (None, name):
+            continue
+        instance = r.handler_cls()
+        if instance.is_abstract_handleable(abstract) is True:
+            return r, instance
+    return None
+
+
+def _missing(registrations: Sequence[HandlerRegistration], name: str, recorded: str | None) -> str:
+    """Why no handler loads checkpointable ``name``, and what to do."""
+    if recorded is None:
+        return (
+            f"The checkpoint records no handler for checkpointable {name!r} and no registered "
+            f"handler recognizes its directory ({_describe(registrations)}). Force one with "
+            f"cp.options.CheckpointablesOptions.create_with_handlers({name}=...)."
+        )
+    return (
+        f"Checkpointable {name!r} was saved by handler {recorded!r}, which is not "
+        f"registered here (registered: {_describe(registrations)}).{install_hint(recorded)}"
+    )
+
+
 def resolve_for_load(
     registrations: Sequence[HandlerRegistration],
     *,
@@ -133,47 +161,26 @@ def resolve_for_load(
     if forced is not None:
         match = next((r for r in registrations if r.handler_cls is forced), None)
         return match, forced()
-
-    def redirect() -> tuple[HandlerRegistration, Any] | None:
-        for r in registrations:
-            if r.checkpointable_name not in (None, name):
-                continue
-            instance = r.handler_cls()
-            if instance.is_abstract_handleable(abstract) is True:
-                return r, instance
-        return None
-
+    recorded = recorded_typestr
     by_typestr = None
-    if recorded_typestr is not None:
-        by_typestr = next((r for r in registrations if r.matches_typestr(recorded_typestr)), None)
+    if recorded is not None:
+        by_typestr = next((r for r in registrations if r.matches_typestr(recorded)), None)
     if by_typestr is not None:
         instance = by_typestr.handler_cls()
         if abstract is None or instance.is_abstract_handleable(abstract) is not False:
             return by_typestr, instance
-        other = redirect()
-        if other is not None:
-            return other
+    redirected = None if abstract is None else _redirect(registrations, name, abstract)
+    if redirected is not None:
+        return redirected
+    if by_typestr is not None:
         raise errors.MissingHandlerError(
-            f"Checkpointable {name!r} was saved by {recorded_typestr}, whose handler cannot load "
+            f"Checkpointable {name!r} was saved by {recorded}, whose handler cannot load "
             f"into the given abstract object of type {type(abstract).__qualname__}, and no other "
             f"registered handler accepts that abstract object ({_describe(registrations)}). "
             f"Pass an abstract object the handler accepts, or None."
         )
-    if abstract is not None:
-        other = redirect()
-        if other is not None:
-            return other
-    if recorded_typestr is None and recognizers:
+    if recorded is None and recognizers:
         for r in registrations:
             if recognizers.get(r.name):
                 return r, r.handler_cls()
-    if recorded_typestr is None:
-        raise errors.MissingHandlerError(
-            f"The checkpoint records no handler for checkpointable {name!r} and no registered "
-            f"handler recognizes its directory ({_describe(registrations)}). Force one with "
-            f"cp.options.CheckpointablesOptions.create_with_handlers({name}=...)."
-        )
-    raise errors.MissingHandlerError(
-        f"Checkpointable {name!r} was saved by handler {recorded_typestr!r}, which is not "
-        f"registered here (registered: {_describe(registrations)}).{install_hint(recorded_typestr)}"
-    )
+    raise errors.MissingHandlerError(_missing(registrations, name, recorded))

@@ -14,20 +14,24 @@ in parallel (one request each).
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
 import logging
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 from etils import epath
 
-from checkpointables import errors, layout, safe_json, storage
+from checkpointables import _saving, errors, layout, safe_json, storage
+from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
+from checkpointables.context import Context
+from checkpointables.training import _root_metadata
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Where Orbax's CheckpointManager keeps a step's metrics (its MetricsHandler).
 _ORBAX_METRICS_DIR = "metrics"
@@ -82,7 +86,7 @@ class Listing:
     unfinished: tuple[epath.Path, ...] = ()
 
 
-def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
+def _read(step: int, path: epath.Path, *, validated: bool) -> StepInfo | None:
     try:
         return read_step(step, path, validated=validated)
     except (FileNotFoundError, errors.NotACheckpointError):
@@ -92,17 +96,12 @@ def _read(step: int, path: epath.Path, validated: bool) -> StepInfo | None:
         return None
 
 
-def scan(root: epath.Path, name_format: StepNameFormat) -> dict[int, StepInfo]:
-    """Every committed step under ``root``, by step number.
+def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
+    """The committed steps under ``root`` and, on object stores, the unfinished ones.
 
     Steps whose metadata cannot be read are left out with a logged warning:
     one damaged step must not stop a run from resuming from the others.
     """
-    return list_root(root, name_format).steps
-
-
-def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
-    """The committed steps under ``root`` and, on object stores, the unfinished ones."""
     if not storage.is_local(root):
         return _list_object_store(root, name_format)
     found: dict[int, StepInfo] = {}
@@ -120,6 +119,35 @@ def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
     return Listing(found)
 
 
+def open_root(
+    root: epath.Path,
+    name_format: StepNameFormat,
+    custom_metadata: Any,
+    *,
+    context: Context,
+    primary: bool,
+) -> Listing:
+    """Checks ``root`` can hold steps, writes its metadata if it has none, and lists it."""
+    custom = None
+    if custom_metadata is not None:
+        custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
+    with context:  # An object store is reached as the context says.
+        if storage.is_file(root):
+            raise NotADirectoryError(
+                f"The root directory {root} is a file; a Checkpointer needs a directory "
+                f"to hold one checkpoint per step."
+            )
+        if layout.is_checkpoint(root):
+            raise errors.InvalidArgumentError(
+                f"{root} is itself a checkpoint, not a root of step checkpoints. Pass the "
+                f"directory that holds the steps (probably {root.parent}), or load this "
+                f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
+            )
+        if custom is not None and primary:
+            _root_metadata.write_if_absent(root, custom)
+        return list_root(root, name_format)
+
+
 def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing:
     committed: dict[int, epath.Path] = {}
     unfinished: dict[str, epath.Path] = {}
@@ -133,11 +161,50 @@ def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing
             unfinished.pop(name, None)
         elif step not in committed:
             unfinished.setdefault(name, root / name)
-    # One request per step: many at once (each thread in a copy of this thread's context).
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        futures = {
-            step: pool.submit(contextvars.copy_context().run, _read, step, path, True)
-            for step, path in committed.items()
-        }
-        steps = {step: info for step, f in futures.items() if (info := f.result()) is not None}
+    # One request per step: many at once.
+    infos = concurrently(lambda item: _read(*item, validated=True), committed.items())
+    steps = {info.step: info for info in infos if info is not None}
     return Listing(steps, tuple(unfinished.values()))
+
+
+class StepIndex:
+    """The committed steps of a root, by step number, shared by a Checkpointer's threads."""
+
+    def __init__(self, steps: dict[int, StepInfo]) -> None:
+        self._lock = threading.Lock()
+        self._steps = dict(steps)
+
+    def sorted(self) -> list[StepInfo]:
+        """Every step, sorted by step number."""
+        with self._lock:
+            return [self._steps[s] for s in sorted(self._steps)]
+
+    def latest(self) -> StepInfo | None:
+        """The step with the highest number, or ``None``."""
+        with self._lock:
+            return self._steps[max(self._steps)] if self._steps else None
+
+    def get(self, step: int) -> StepInfo | None:
+        """The step ``step``, or ``None``."""
+        with self._lock:
+            return self._steps.get(step)
+
+    def add(self, info: StepInfo) -> None:
+        """Records a step (replacing one of the same number)."""
+        with self._lock:
+            self._steps[info.step] = info
+
+    def replace_all(self, steps: dict[int, StepInfo]) -> None:
+        """Forgets every step, and records ``steps``."""
+        with self._lock:
+            self._steps = dict(steps)
+
+    def take(self, info: StepInfo, action: Callable[[], T]) -> T | None:
+        """Runs ``action`` and forgets ``info``, unless another save replaced it (or it is
+        gone): then ``None``. Atomic with the other methods."""
+        with self._lock:
+            if self._steps.get(info.step) is not info:
+                return None
+            result = action()
+            del self._steps[info.step]
+            return result

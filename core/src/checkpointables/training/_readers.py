@@ -1,4 +1,5 @@
-"""Steps being read in this process, so garbage collection never deletes one mid-load.
+"""Reading steps: which committed step a load means, and read leases (steps being read in
+this process, so garbage collection never deletes one mid-load).
 
 Shared by every Checkpointer of the process (a trainer and an evaluator may
 watch the same root). A load registers its step directory before it checks
@@ -9,15 +10,23 @@ directory away under the same lock. So either the load sees the step gone
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from etils import epath
 
-from checkpointables import _inflight
+from checkpointables import layout, storage
+from checkpointables._asyncio import AsyncResponse, start_background
+from checkpointables.context import Context
+from checkpointables.training import _arguments, _listing
+from checkpointables.training.errors import StepNotFoundError
+from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
+
+StepLike = int | StepInfo | None
 
 _condition = threading.Condition()
 _readers: dict[str, int] = {}
@@ -25,7 +34,7 @@ _readers: dict[str, int] = {}
 
 def acquire(path: epath.Path) -> str:
     """Registers a reader of ``path``; returns the key to ``release``."""
-    key = _inflight.key(path)
+    key = storage.key(path)
     with _condition:
         _readers[key] = _readers.get(key, 0) + 1
     return key
@@ -42,19 +51,13 @@ def release(key: str) -> None:
         _condition.notify_all()
 
 
-def is_read(path: epath.Path) -> bool:
-    """Whether a load of ``path`` is in progress in this process."""
-    with _condition:
-        return _inflight.key(path) in _readers
-
-
 def run_if_unread(path: epath.Path, action: Callable[[], T]) -> tuple[bool, T | None]:
     """Runs ``action`` (e.g. a rename) unless ``path`` is being read; atomic with ``acquire``.
 
     Returns ``(True, result)`` if it ran, ``(False, None)`` if a reader exists.
     """
     with _condition:
-        if _inflight.key(path) in _readers:
+        if storage.key(path) in _readers:
             return False, None
         return True, action()
 
@@ -65,7 +68,7 @@ def wait_until_unread(path: epath.Path, timeout: float | None) -> None:
     Raises:
       TimeoutError: loads are still running after ``timeout`` seconds.
     """
-    key = _inflight.key(path)
+    key = storage.key(path)
     with _condition:
         if not _condition.wait_for(lambda: key not in _readers, timeout):
             raise TimeoutError(
@@ -73,3 +76,104 @@ def wait_until_unread(path: epath.Path, timeout: float | None) -> None:
                 f"overwritten while it is being read. Wait for them, or raise the timeout "
                 f"(cp.options.AsyncOptions(timeout_secs=...))."
             )
+
+
+def _summary(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+class Leases:
+    """The reads of one Checkpointer: each finds its committed step, then holds a lease on it
+    until it ends (deletions deferred for the read may then run: ``on_release``)."""
+
+    def __init__(
+        self,
+        root: epath.Path,
+        steps: _listing.StepIndex,
+        path_of: Callable[[int], epath.Path],
+        wait_for_save: Callable[[int], None],
+        on_release: Callable[[], None],
+    ) -> None:
+        self._root = root
+        self._steps = steps
+        self._path_of = path_of
+        self._wait_for_save = wait_for_save
+        self._on_release = on_release
+
+    def resolve(self, step: StepLike, context: Context) -> StepInfo:
+        """The committed step ``step`` names (``None``: the latest), waiting for its save if
+        it is in flight."""
+        if step is None:
+            latest = self._steps.latest()
+            if latest is None:
+                raise StepNotFoundError(
+                    f"{self._root} has no committed checkpoint yet, so there is no latest step "
+                    f"to load. Check the path, or call reload() if another process is writing it."
+                )
+            return latest
+        number = _arguments.as_step(step.step if isinstance(step, StepInfo) else step)
+        if self._steps.get(number) is None:
+            self._wait_for_save(number)
+        info = self._steps.get(number)
+        if info is not None:
+            return info
+        path = self._path_of(number)
+        with context:
+            if layout.is_checkpoint(path):  # Committed by another process since we listed.
+                return _listing.read_step(number, path)
+        raise StepNotFoundError(
+            f"No committed checkpoint for step {number} in {self._root} (looked for {path}). "
+            f"Committed steps: {_summary([s.step for s in self._steps.sorted()])}."
+        )
+
+    def _acquire(self, step: StepLike, context: Context) -> tuple[StepInfo, str]:
+        info = self.resolve(step, context)
+        key = acquire(info.path)
+        with context:
+            gone = not storage.exists(info.path)
+        if gone:
+            self._release(key)
+            raise StepNotFoundError(
+                f"Step {info.step} was deleted from {self._root} (by this run's preservation "
+                f"policy or another process). Call steps() for what remains."
+            )
+        return info, key
+
+    def _release(self, key: str) -> None:
+        release(key)
+        self._on_release()
+
+    @contextlib.contextmanager
+    def holding(self, step: StepLike, context: Context) -> Iterator[StepInfo]:
+        """The step ``step`` names, leased during the block, which runs under ``context``."""
+        info, key = self._acquire(step, context)
+        try:
+            with context:
+                yield info
+        finally:
+            self._release(key)
+
+    def load_async(
+        self, step: StepLike, context: Context, start: Callable[[epath.Path], AsyncResponse[T]]
+    ) -> AsyncResponse[T]:
+        """``start(path)`` for the step ``step`` names; it stays leased until the load ends."""
+        info, key = self._acquire(step, context)
+        try:
+            with context:
+                inner = start(info.path)
+        except BaseException:
+            self._release(key)
+            raise
+
+        def finish() -> T:
+            try:
+                return inner.result()
+            finally:
+                self._release(key)
+
+        description = f"load of step {info.step} from {self._root}"
+        return start_background(finish, description, daemon=True)

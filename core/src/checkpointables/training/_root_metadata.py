@@ -69,7 +69,7 @@ def write_if_absent(root: epath.Path, custom_metadata: Mapping[str, Any]) -> boo
     directory.mkdir(parents=True, exist_ok=True)
     tmp = layout.temporary_path_for(file)
     try:
-        layout.write_file_durably(tmp, text)
+        storage.write_text(tmp, text, durable=True)
         os.replace(os.fspath(tmp), os.fspath(file))
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["SaveStats", "array_bytes", "log"]
+__all__ = ["SaveStats", "leaves", "array_bytes", "log"]
 
 logger = logging.getLogger("checkpointables.training")
 
@@ -49,11 +49,16 @@ class SaveStats:
         }
 
 
-def array_bytes(checkpointables: Mapping[str, Any]) -> int:
-    """Bytes of the arrays in ``checkpointables`` (objects that are not pytrees count 0)."""
+def leaves(checkpointables: Mapping[str, Any]) -> list[Any]:
+    """The leaves of ``checkpointables`` as the save saw them (objects that are not pytrees
+    are leaves), for ``array_bytes`` to count once the save is in the background."""
     import jax
 
-    leaves = jax.tree_util.tree_leaves(checkpointables)
+    return jax.tree_util.tree_leaves(checkpointables)
+
+
+def array_bytes(leaves: list[Any]) -> int:
+    """Bytes of the arrays among ``leaves`` (other objects count 0)."""
     return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
 
 

@@ -1,6 +1,7 @@
-"""One background thread per Checkpointer for garbage collection and cleanup.
+"""One background thread per Checkpointer for garbage collection and cleanup, and the
+background failures the Checkpointer has still to raise.
 
-Saves never wait for it. Tasks run one at a time, in order; a task's
+Saves never wait for the thread. Tasks run one at a time, in order; a task's
 exception is handed to ``on_error`` (the Checkpointer raises it on the next
 ``save*``, ``wait()`` or ``close()``).
 """
@@ -72,3 +73,35 @@ class Worker:
         if thread is not None:
             self._queue.put(None)
             thread.join()
+
+
+class BackgroundErrors:
+    """Failures of background work nobody has seen yet, raised by the next front door.
+
+    A save's failure seen through its response (``result()``) is marked
+    reported and not raised again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[BaseException] = []
+
+    def record(self, error: BaseException) -> None:
+        """Keeps ``error`` until it is raised or reported."""
+        with self._lock:
+            self._pending.append(error)
+
+    def mark_reported(self, error: BaseException) -> None:
+        """Forgets ``error``: its caller has seen it."""
+        with self._lock:
+            self._pending = [e for e in self._pending if e is not error]
+
+    def raise_pending(self) -> None:
+        """Raises the first pending error (the others as notes on it), if any."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            first = pending[0]
+            for other in pending[1:]:
+                first.add_note(f"Another background failure: {type(other).__name__}: {other}")
+            raise first

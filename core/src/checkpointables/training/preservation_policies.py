@@ -238,7 +238,7 @@ class AnyPreservationPolicy:
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
-            if not callable(getattr(policy, "should_preserve", None)):
+            if not isinstance(policy, PreservationPolicy):
                 raise errors.InvalidArgumentTypeError(
                     f"AnyPreservationPolicy takes preservation policies (objects with a "
                     f"should_preserve method), got {policy!r}."

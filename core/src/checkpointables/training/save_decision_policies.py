@@ -189,7 +189,7 @@ class AnySavePolicy:
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
-            if not callable(getattr(policy, "should_save", None)):
+            if not isinstance(policy, SaveDecisionPolicy):
                 raise errors.InvalidArgumentTypeError(
                     f"AnySavePolicy takes save decision policies (objects with a should_save "
                     f"method), got {policy!r}."

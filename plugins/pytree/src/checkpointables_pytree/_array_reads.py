@@ -19,10 +19,9 @@ from typing import Any, Protocol
 import checkpointables as cp
 import numpy as np
 
-from checkpointables_pytree import _checksums, _zarr3
+from checkpointables_pytree import _zarr3
 
 __all__ = [
-    "SMALL_ARRAY_BYTES",
     "ArrayRead",
     "BatchConvert",
     "Region",
@@ -36,19 +35,14 @@ __all__ = [
     "regions_of",
 ]
 
-# Arrays up to this size are read as keys of one batch and checked here; larger ones
-# through ``_large_reads`` (or the zarr3 driver).
-SMALL_ARRAY_BYTES = 256 << 10
-
 
 @dataclasses.dataclass(slots=True)  # Not frozen: a frozen class is made twice as slowly.
 class StoredArray:
     """What ``_METADATA`` recorded about an array this library wrote.
 
-    ``direct`` means: uncompressed, one inner chunk per shard, so its keys can
-    be read and checked without the zarr3 driver. ``checksums`` holds each
-    chunk's checksum of kind ``checksum_kind`` (see ``_checksums``), when the
-    writer recorded them. ``nbytes`` (bytes of the whole array) and
+    ``direct`` means: uncompressed, one inner chunk per shard, so its shards
+    can be read as values and checked (zarr3's CRC-32C) without the zarr3
+    driver. ``nbytes`` (bytes of the whole array), ``chunk_nbytes`` and
     ``single_chunk`` are derived when it is made: loads of many small arrays
     consult them several times per array. Treat it as immutable.
     """
@@ -57,9 +51,8 @@ class StoredArray:
     dtype: np.dtype
     chunk_shape: tuple[int, ...]
     direct: bool
-    checksums: tuple[int, ...] | None = None
-    checksum_kind: str = _checksums.CRC32
     nbytes: int = dataclasses.field(init=False, compare=False)
+    chunk_nbytes: int = dataclasses.field(init=False, compare=False)
     single_chunk: bool = dataclasses.field(init=False, compare=False)
     _chunk_indices: list[tuple[int, ...]] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
@@ -68,6 +61,9 @@ class StoredArray:
     def __post_init__(self) -> None:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.single_chunk = self.chunk_shape == self.shape
+        self.chunk_nbytes = (
+            self.nbytes if self.single_chunk else math.prod(self.chunk_shape) * self.dtype.itemsize
+        )
 
     @property
     def chunk_indices(self) -> list[tuple[int, ...]]:
@@ -105,7 +101,7 @@ class ArrayRead:
     regions: list[Region] | None = None
     allow_resize: bool = False
     result: Any = None
-    _direct: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _whole: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def what(self) -> str:
@@ -131,33 +127,17 @@ class ArrayRead:
         return covered < math.prod(stored.shape)
 
     @property
-    def direct(self) -> bool:
-        """Whether its keys are read and checked here, in a batch (decided once, when added)."""
-        if self._direct is None:
-            stored = self.stored
-            self._direct = bool(
-                stored is not None
-                and stored.direct
-                and stored.nbytes <= SMALL_ARRAY_BYTES
-                and (self.regions is None or not self.reads_part)
-            )
-        return self._direct
+    def whole(self) -> bool:
+        """Whether its shards are read as values and checked here (else by the zarr3 driver).
 
-    @property
-    def raw(self) -> bool:
-        """Whether a large array's shards are read as raw values and checked here.
-
-        TensorStore's CRC-32C check runs at about 1 GB/s; the checksums recorded
-        at save time (``_checksums``) several times faster, in worker threads.
+        Decided once, when added: arrays whose layout this library recorded,
+        stored uncompressed with one inner chunk per shard, of which more than
+        a small part is wanted.
         """
-        stored = self.stored
-        return (
-            stored is not None
-            and stored.direct
-            and stored.checksums is not None
-            and not self.direct
-            and not self.reads_part
-        )
+        if self._whole is None:
+            stored = self.stored
+            self._whole = bool(stored is not None and stored.direct and not self.reads_part)
+        return self._whole
 
 
 def check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:

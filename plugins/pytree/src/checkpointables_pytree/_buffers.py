@@ -48,6 +48,20 @@ class Slab:
         self._buffer: np.ndarray | None = None  # Allocated by the first take.
         self._used = 0
 
+    @classmethod
+    def runs(cls, sizes: Sequence[int], limit: int) -> list[Slab]:
+        """The slab of each size: one per run of consecutive sizes of about ``limit`` bytes."""
+        slabs: list[Slab] = []
+        start, used = 0, 0
+        for n, size in enumerate(sizes):
+            if used and used + aligned_size(size) > limit:
+                slabs += [cls(sizes[start:n])] * (n - start)
+                start, used = n, 0
+            used += aligned_size(size)
+        if start < len(sizes):
+            slabs += [cls(sizes[start:])] * (len(sizes) - start)
+        return slabs
+
     def take(self, nbytes: int) -> np.ndarray:
         """The next ``nbytes`` of the buffer (a buffer of its own once it is used up)."""
         if self._buffer is None:

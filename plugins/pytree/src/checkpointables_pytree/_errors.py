@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import checkpointables as cp
 
@@ -15,6 +16,8 @@ __all__ = [
     "storage_error",
     "write_error",
     "object_store_failures",
+    "listing",
+    "describe_type",
 ]
 
 _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", "Error decoding")
@@ -97,3 +100,20 @@ def object_store_failures(where: object, action: str) -> Iterator[None]:
             f"TensorStore's retries (cp.options.StorageOptions(request_retries=...) allows "
             f"more); nothing was committed."
         ) from e
+
+
+_MAX_LISTED = 20
+
+
+def listing(items: Sequence[str]) -> str:
+    """``items`` joined for an error message: the first 20, and how many more there are."""
+    shown = ", ".join(items[:_MAX_LISTED])
+    if len(items) > _MAX_LISTED:
+        shown += f", ... ({len(items) - _MAX_LISTED} more)"
+    return shown
+
+
+def describe_type(value: Any) -> str:
+    """The type of ``value`` as errors name it (``int``, ``optax.ScaleByAdamState``)."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"

@@ -30,26 +30,23 @@ import numpy as np
 from checkpointables.serialization import (
     DeserializationContext,
     DeserializationParam,
-    SerializationContext,
     SerializationParam,
 )
 from etils import epath
 
 from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata
-from checkpointables_pytree._database import StoredArray
-from checkpointables_pytree._leaf_handlers import (
+from checkpointables_pytree._array_handlers import ArrayLeafHandler
+from checkpointables_pytree._array_reads import StoredArray
+from checkpointables_pytree._leaf_common import (
     JAX_ARRAY,
-    ArrayLeafHandler,
-    _finish_load,
-    _finish_save,
-    _layouts,
-    _load_session,
-    _save_session,
-    _storage_options,
-    _unsupported,
+    StoredLayout,
+    finish_load,
+    load_session,
+    storage_options,
+    unsupported,
 )
 from checkpointables_pytree._leaf_metadata import ArrayMetadata, StorageMetadata
-from checkpointables_pytree._session import ARRAY_METADATAS_DIR
+from checkpointables_pytree._session import ARRAY_METADATAS_DIR, LoadSession, SaveSession
 
 __all__ = [
     "PRNG_KEY",
@@ -221,11 +218,9 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
     works, sharded or not; keys load onto any mesh, like arrays.
     """
 
-    async def serialize(
-        self, params: Sequence[SerializationParam[Any]], serialization_context: SerializationContext
-    ) -> Awaitable[None]:
-        """Copies the key data to host; returns the awaitable that writes it."""
-        session, private = _save_session(self, serialization_context)
+    def _schedule_writes(
+        self, session: SaveSession, params: Sequence[SerializationParam[Any]]
+    ) -> None:
         impls = [self._impl_name(p) for p in params]  # Every leaf checked before any is planned.
         data = [dataclasses.replace(p, value=jax.random.key_data(p.value)) for p in params]
         lacking = _multiprocess.arrays_the_primary_lacks(
@@ -233,27 +228,24 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         )
         for param, physical, impl in zip(params, data, impls, strict=True):
             # The saved dtype is the key data's, whatever the save's storage options say.
-            storage = attrs.evolve(
-                _storage_options(session.array_options, param.keypath, param.value), dtype=None
-            )
-            self._plan(
+            storage = attrs.evolve(storage_options(session, param.keypath, param.value), dtype=None)
+            self._schedule_array(
                 session,
                 physical,
                 primary_lacks=physical.name in lacking,
                 storage=storage,
                 ext_metadata={RANDOM_KEY_IMPL: impl},
             )
-        return _finish_save(session, private)
 
     @staticmethod
     def _impl_name(param: SerializationParam[Any]) -> str:
         if param.value.is_deleted():
-            raise _unsupported(
+            raise unsupported(
                 param.keypath, param.value, "the keys were deleted (or donated) before the save"
             )
         impl = jax.random.key_impl(param.value)
         if not isinstance(impl, str) or _impl_of_dtype(param.value.dtype) != impl:
-            raise _unsupported(
+            raise unsupported(
                 param.keypath,
                 param.value,
                 f"its PRNG implementation ({param.value.dtype}) is not one JAX ships "
@@ -268,16 +260,16 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         deserialization_context: DeserializationContext,
     ) -> Awaitable[Sequence[jax.Array]]:
         """Schedules the reads of the key data; returns the awaitable that yields the keys."""
-        session, private = _load_session(self, deserialization_context)
+        session, private = load_session(self, deserialization_context)
         reads, keys = [], []
         for param in params:
             entry, _ = session.info(param.keypath, getattr(param, "names", None))
             key, physical = self._plan_key(entry, param.value, session.stored_array(entry))
-            reads.append(self._plan_read(session, dataclasses.replace(param, value=physical)))
+            reads.append(self._schedule_read(session, dataclasses.replace(param, value=physical)))
             keys.append(key)
 
         async def wrap() -> list[jax.Array]:
-            data = await _finish_load(session, private, reads)
+            data = await finish_load(session, private, reads)
             result = []
             for key, array in zip(keys, data, strict=True):
                 wrapped = jax.random.wrap_key_data(array, impl=key.impl)
@@ -317,28 +309,18 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         physical = jax.ShapeDtypeStruct((*shape, *trailing), data_dtype, sharding=physical_sharding)
         return _KeyRead(impl, sharding if physical_sharding is None else None), physical
 
-    async def metadata(
-        self,
-        params: Sequence[DeserializationParam[None]],
-        deserialization_context: DeserializationContext,
-    ) -> Sequence[PRNGKeyMetadata]:
-        """Shape, implementation and recorded sharding of each stored key array."""
-        session, _ = _load_session(self, deserialization_context)
-        layouts = await _layouts(session, params)
-        result = []
-        for param, (shape, _, chunk_shape) in zip(params, layouts, strict=True):
-            entry = session.entry(param.keypath)
-            impl = entry.extra.get(RANDOM_KEY_IMPL)
-            _, trailing, _ = _layout_or_raise(impl, entry.keystr)
-            result.append(
-                PRNGKeyMetadata(
-                    shape[: len(shape) - len(trailing)],
-                    impl,
-                    sharding_metadata=session.sharding_record(session.storage_name(param.keypath)),
-                    storage=StorageMetadata(chunk_shape, entry.write_shape),
-                )
-            )
-        return result
+    def _describe(
+        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+    ) -> PRNGKeyMetadata:
+        """Shape, implementation and recorded sharding of a stored key array."""
+        impl = entry.extra.get(RANDOM_KEY_IMPL)
+        _, trailing, _ = _layout_or_raise(impl, entry.keystr)
+        return PRNGKeyMetadata(
+            layout.shape[: len(layout.shape) - len(trailing)],
+            impl,
+            sharding_metadata=session.sharding_record(session.tree.storage_name(entry.names)),
+            storage=StorageMetadata(layout.chunk_shape, entry.write_shape),
+        )
 
 
 def _impl_of_key_data(

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import jax
 import numpy as np
 
@@ -21,6 +22,7 @@ from checkpointables_pytree import _sharding
 __all__ = ["StorageMetadata", "ArrayMetadata", "NumpyMetadata"]
 
 
+@attrs.frozen
 class StorageMetadata:
     """How an array is chunked on disk.
 
@@ -29,26 +31,8 @@ class StorageMetadata:
       write_shape: the shard shape the saving process wrote (``jax.Array`` only).
     """
 
-    __slots__ = ("chunk_shape", "write_shape")
-
-    def __init__(
-        self, chunk_shape: tuple[int, ...] | None, write_shape: tuple[int, ...] | None = None
-    ) -> None:
-        self.chunk_shape = chunk_shape
-        self.write_shape = write_shape
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, StorageMetadata)
-            and self.chunk_shape == other.chunk_shape
-            and self.write_shape == other.write_shape
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.chunk_shape, self.write_shape))
-
-    def __repr__(self) -> str:
-        return f"StorageMetadata(chunk_shape={self.chunk_shape}, write_shape={self.write_shape})"
+    chunk_shape: tuple[int, ...] | None
+    write_shape: tuple[int, ...] | None = None
 
 
 class _ArrayLike:

@@ -1,12 +1,9 @@
 """Object stores (``s3://``, ``gs://``) through TensorStore's key-value stores.
 
-Two jobs, one configuration:
-
-* ``kvstore_spec(url)`` is the TensorStore spec of a location, used for the
-  arrays (the OCDBT database) of a pytree saved there;
-* ``KvStoreStorage`` is the ``cp.storage.Storage`` of these schemes, used by
-  the core and the plugins for everything else (small files, listing,
-  deleting, the commit marker). The plugin registers it for ``s3`` and ``gs``.
+Their configuration, for two users: ``kvstore_spec(url)`` is the TensorStore
+spec of a location, used for the arrays (the OCDBT database) of a pytree
+saved there, and ``_kvstore_storage.KvStoreStorage`` (the ``cp.storage.Storage``
+of these schemes, for every other file) opens its stores with it.
 
 S3 is configured as boto3 and the AWS CLI are: ``cp.options.StorageOptions``
 fields first, then ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
@@ -30,7 +27,6 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
-import tensorstore as ts
 
 __all__ = [
     "SCHEMES",
@@ -38,8 +34,7 @@ __all__ = [
     "s3_settings",
     "kvstore_spec",
     "context_resources",
-    "KvStoreStorage",
-    "storage_for",
+    "bucket_and_key",
 ]
 
 SCHEMES = ("s3", "gs")
@@ -208,7 +203,7 @@ def s3_settings(options: cp.options.StorageOptions | None = None) -> S3Settings:
     return S3Settings(_endpoint(options, profile), _region(options, profile), credentials, key)
 
 
-def _bucket_and_key(url: str) -> tuple[str, str, str]:
+def bucket_and_key(url: str) -> tuple[str, str, str]:
     """``(scheme, bucket, key)`` of ``s3://bucket/key`` (the key without a trailing ``/``)."""
     scheme, _, rest = url.partition("://")
     bucket, _, key = rest.partition("/")
@@ -224,7 +219,7 @@ def kvstore_spec(url: str, settings: S3Settings | None = None) -> dict[str, Any]
 
     The spec's path ends with ``/``, so keys are relative to the location.
     """
-    scheme, bucket, key = _bucket_and_key(url)
+    scheme, bucket, key = bucket_and_key(url)
     path = f"{key}/" if key else ""
     if scheme == "gs":
         return {"driver": "gcs", "bucket": bucket, "path": path}
@@ -255,151 +250,3 @@ def context_resources(options: cp.options.StorageOptions | None = None) -> dict[
         if options.request_retries is not None:
             resources[f"{prefix}_request_retries"] = {"max_retries": options.request_retries}
     return resources
-
-
-# -- cp.storage backend -------------------------------------------------------------------------
-
-
-def _failure(action: str, url: str, error: BaseException) -> cp.errors.StorageError:
-    return cp.errors.StorageError(
-        f"{action} {url} failed: {error}. Check the path, the credentials and the endpoint "
-        f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
-        f"failed transiently were already retried."
-    )
-
-
-def _prefix_range(key: str) -> tuple[str, ts.KvStore.KeyRange]:
-    """The prefix ``key/`` (``""`` for a bucket) and the range of the keys under it."""
-    if not key:
-        return "", ts.KvStore.KeyRange("", "")
-    prefix = f"{key}/"
-    return prefix, ts.KvStore.KeyRange(prefix, f"{key}0")  # "0" follows "/".
-
-
-class KvStoreStorage:
-    """``cp.storage.Storage`` for ``s3://`` and ``gs://``: one TensorStore kvstore per bucket.
-
-    Writes are whole objects (one PUT each); there are no directories, so
-    ``make_dirs`` does nothing and a "directory" is every key under a prefix.
-    """
-
-    atomic_rename = False
-
-    def __init__(self, options: cp.options.StorageOptions, settings: S3Settings) -> None:
-        self._settings = settings
-        self._context = ts.Context(context_resources(options))
-        self._stores: dict[tuple[str, str], ts.KvStore] = {}
-        self._lock = threading.Lock()
-
-    def _store(self, url: str) -> tuple[ts.KvStore, str]:
-        scheme, bucket, key = _bucket_and_key(url)
-        with self._lock:
-            store = self._stores.get((scheme, bucket))
-            if store is None:
-                spec = kvstore_spec(f"{scheme}://{bucket}", self._settings)
-                try:
-                    store = ts.KvStore.open(spec, context=self._context).result()
-                except Exception as e:
-                    raise _failure("Opening", f"{scheme}://{bucket}", e) from e
-                self._stores[(scheme, bucket)] = store
-        return store, key
-
-    def _list(self, url: str) -> list[str]:
-        store, key = self._store(url)
-        prefix, keys_under = _prefix_range(key)
-        try:
-            keys = store.list(keys_under, strip_prefix_length=len(prefix))
-            return [k.decode() for k in keys.result() if k]
-        except Exception as e:
-            raise _failure("Listing", url, e) from e
-
-    def read_bytes(self, path: str) -> bytes:
-        """The contents of an object (one GET)."""
-        store, key = self._store(path)
-        try:
-            result = store.read(key).result()
-        except Exception as e:
-            raise _failure("Reading", path, e) from e
-        if result.state != "value":
-            raise FileNotFoundError(f"No object at {path}.")
-        return bytes(result.value)
-
-    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
-        """Creates or replaces an object (one PUT; durable once it returns)."""
-        store, key = self._store(path)
-        try:
-            store.write(key, data).result()
-        except Exception as e:
-            raise _failure("Writing", path, e) from e
-
-    def is_file(self, path: str) -> bool:
-        """Whether an object is at ``path`` (one HEAD)."""
-        store, key = self._store(path)
-        if not key:
-            return False
-        try:
-            return bool(store.read(key, byte_range=slice(0, 0)).result().state == "value")
-        except Exception as e:
-            raise _failure("Checking", path, e) from e
-
-    def exists(self, path: str) -> bool:
-        """Whether an object, or any object under the prefix ``path/``, exists."""
-        return self.is_file(path) or bool(self._list(path))
-
-    def list_dir(self, path: str) -> list[cp.storage.Entry]:
-        """The first components of the keys under ``path/`` (one LIST, paged by 1,000)."""
-        children: dict[str, bool] = {}
-        for relative in self._list(path):
-            name, sep, _ = relative.partition("/")
-            children[name] = children.get(name, False) or bool(sep)
-        return [cp.storage.Entry(name, is_dir) for name, is_dir in children.items()]
-
-    def list_files(self, path: str) -> list[str]:
-        """Every key under ``path/``, relative to it."""
-        return self._list(path)
-
-    def remove_file(self, path: str) -> None:
-        """Deletes an object (one DELETE); a missing one is fine."""
-        store, key = self._store(path)
-        try:
-            store.write(key, None).result()
-        except Exception as e:
-            raise _failure("Deleting", path, e) from e
-
-    def remove_tree(self, path: str) -> None:
-        """Deletes every object under ``path/`` (a LIST, then a DELETE each)."""
-        store, key = self._store(path)
-        prefix = f"{key}/" if key else ""
-        try:
-            store.delete_range(
-                ts.KvStore.KeyRange(prefix, prefix[:-1] + "0" if key else "")
-            ).result()
-        except Exception as e:
-            raise _failure("Deleting", path, e) from e
-        if key:
-            self.remove_file(path)
-
-    def make_dirs(self, path: str, mode: int | None = None) -> None:
-        """Nothing to do: object stores have no directories."""
-
-
-_storages: dict[tuple[Any, ...], KvStoreStorage] = {}
-_storages_lock = threading.Lock()
-
-
-def storage_for(context: cp.Context) -> cp.storage.Storage:
-    """The storage of ``s3://`` and ``gs://`` paths under ``context`` (cached per configuration).
-
-    The environment is part of the configuration: a change of the AWS_*
-    variables is seen by the next call.
-    """
-    options = context.storage_options
-    settings = s3_settings(options)
-    key = (options, settings.endpoint, settings.region, settings.credentials_key)
-    with _storages_lock:
-        storage = _storages.get(key)
-        if storage is None:
-            if len(_storages) >= 16:  # Bounded: configurations come and go in tests.
-                _storages.pop(next(iter(_storages)))
-            storage = _storages[key] = KvStoreStorage(options, settings)
-        return storage

@@ -1,7 +1,7 @@
 """Merging the pytree directories of a partial-save session into one pytree, without copying data.
 
 ``cp.partial.finalize`` moves the pytree directory of every partial save under
-the final pytree directory (``pytree/ocdbt.partial_<seq>/``) and calls
+the final pytree directory (core names them ``pytree/partial-<seq>/``) and calls
 ``PyTreeHandler.merge_partial``, which lands here. Each source is a complete
 pytree directory as ``PyTreeHandler.save`` wrote it; later sources win:
 
@@ -13,7 +13,7 @@ pytree directory as ``PyTreeHandler.save`` wrote it; later sources win:
 * everything else is kept, so ``{"params": {"layer0": ...}}`` followed by
   ``{"params": {"layer1": ...}}`` holds both layers.
 
-The root OCDBT database is built by ``_ocdbt_merge.merge_into``: it only
+The root OCDBT database is built by ``_ocdbt.merge_into``: it only
 references the sources' data files. ``_METADATA``, ``_sharding``,
 ``_strings.json`` and ``array_metadatas/`` are rebuilt from the winning
 leaves; other files (written by custom leaf handlers) are hard-linked
@@ -30,15 +30,14 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
+import crc32c
 from etils import epath
 
-from checkpointables_pytree import _crc32c, _ocdbt_merge, _sharding, _tree_metadata
+from checkpointables_pytree import _ocdbt, _sharding, _tree_metadata
 from checkpointables_pytree._session import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
 
-__all__ = ["PARTIAL_PREFIX", "merge_partial_saves", "plan_merge", "Winner"]
+__all__ = ["merge_partial_saves", "plan_merge", "Winner"]
 
-# Name prefix of the moved partial-save directories inside the final pytree directory.
-PARTIAL_PREFIX = "ocdbt.partial_"
 _MANIFEST = "manifest.ocdbt"
 _DATA_DIR = "d"
 # Files this module rebuilds, and databases it leaves alone: never custom leaf files.
@@ -53,6 +52,14 @@ _MANAGED = frozenset(
     }
 )
 _NAME_BOUNDARIES = frozenset(".-_/")
+# _METADATA fields the merged tree computes afresh (the others are the latest source's).
+_RECOMPUTED_FIELDS = (
+    "format_version",
+    "escaped_names",
+    "tuples",
+    "strings_crc32c",
+    "own_value_types",
+)
 
 
 @attrs.frozen
@@ -225,18 +232,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     merged = _tree_metadata.TreeMetadata(
         entries=sorted((w.entry for w in winners.values()), key=lambda e: e.names),
         tuple_paths=tuples,
-        extra={
-            k: v
-            for k, v in trees[-1].extra.items()
-            if k
-            not in (
-                "format_version",
-                "escaped_names",
-                "tuples",
-                "strings_crc32c",
-                "own_value_types",
-            )
-        },
+        extra={k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS},
         own_value_types=any(t.own_value_types for t in trees),
     )
     # Storage names each source wins (a name's keys in a database all start with "<name>/").
@@ -244,6 +240,21 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     for winner in winners.values():
         if not winner.entry.is_empty_node:
             won[winner.source].add(merged.storage_name(winner.entry.names))
+    _merge_databases(sources, trees, won, target)
+    _merge_strings_and_shardings(sources, won, target, merged)
+    _array_metadatas(sources, won, target)
+    _custom_files(sources, trees, won, target)
+    # Last: a pytree directory counts as one once it has _METADATA.
+    _tree_metadata.write_tree_metadata(target, merged)
+
+
+def _merge_databases(
+    sources: Sequence[epath.Path],
+    trees: Sequence[_tree_metadata.TreeMetadata],
+    won: Sequence[set[str]],
+    target: epath.Path,
+) -> None:
+    """Builds the root database from the arrays each source won (referencing their files)."""
     merge_sources = []
     for index, directory in enumerate(sources):
         if not won[index] or not cp.storage.exists(directory / _MANIFEST):
@@ -251,10 +262,18 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
         stored = {trees[index].storage_name(e.names) for e in trees[index].entries}
         # A source that wins all its leaves is merged whole: one range, not one per leaf.
         prefixes = None if won[index] >= stored else tuple(sorted(f"{n}/" for n in won[index]))
-        merge_sources.append(_ocdbt_merge.Source(directory, prefixes))
+        merge_sources.append(_ocdbt.Source(directory, prefixes))
     if merge_sources:
-        _ocdbt_merge.merge_into(target, merge_sources)
+        _ocdbt.merge_into(target, merge_sources)
 
+
+def _merge_strings_and_shardings(
+    sources: Sequence[epath.Path],
+    won: Sequence[set[str]],
+    target: epath.Path,
+    merged: _tree_metadata.TreeMetadata,
+) -> None:
+    """Writes ``_strings.json`` (its checksum into ``merged``) and ``_sharding`` of the winners."""
     strings: dict[str, Any] = {}
     shardings: dict[str, dict[str, Any]] = {}
     for index, directory in enumerate(sources):
@@ -270,10 +289,6 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     if strings:
         text = json.dumps(strings, ensure_ascii=False)
         write_text(target / STRINGS_FILE, text)
-        merged.strings_crc32c = int(_crc32c.crc32c(text.encode()))
+        merged.strings_crc32c = crc32c.crc32c(text.encode())
     if shardings:
         _sharding.write_sharding_file(target, shardings)
-    _array_metadatas(sources, won, target)
-    _custom_files(sources, trees, won, target)
-    # Last: a pytree directory counts as one once it has _METADATA.
-    _tree_metadata.write_tree_metadata(target, merged)

@@ -17,25 +17,17 @@ import asyncio
 import dataclasses
 import functools
 import json
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
+import crc32c
 import numpy as np
-import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import (
-    _checksums,
-    _crc32c,
-    _database,
-    _errors,
-    _sharding,
-    _tree,
-    _tree_metadata,
-    _zarr3,
-)
+from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree, _tree_metadata, _zarr3
+from checkpointables_pytree._array_reads import StoredArray
+from checkpointables_pytree._write import Writer
 
 __all__ = [
     "NamedSerializationParam",
@@ -59,7 +51,7 @@ class SaveSession:
     directory: cp.path.PathAwaitingCreation
     context: cp.Context
     caller_waits: bool
-    writer: _database.ArrayWriter
+    writer: Writer
     strings: dict[str, str] = dataclasses.field(default_factory=dict)
     shardings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     array_metadatas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -72,6 +64,8 @@ class SaveSession:
     array_options: cp.options.ArrayOptions = dataclasses.field(
         default_factory=cp.options.ArrayOptions
     )
+    # Work the leaf handlers left for the background phase (``defer``), done by ``plan``.
+    deferred: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
@@ -82,11 +76,26 @@ class SaveSession:
             directory=directory,
             context=context,
             caller_waits=caller_waits(),
-            writer=_database.ArrayWriter(directory),
+            writer=Writer(directory),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
             array_options=context.array_options,
         )
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Leaves ``work`` (recording layouts and metadata of snapshotted leaves) for ``plan``.
+
+        The caller of an asynchronous save waits only for the snapshot of the
+        values; what depends only on the tree's structure is done after it
+        got control back.
+        """
+        self.deferred.append(work)
+
+    def plan(self) -> None:
+        """Does the deferred work; before the writer runs and the metadata is written."""
+        deferred, self.deferred = self.deferred, []
+        for work in deferred:
+            work()
 
     def strings_text(self) -> str:
         """The text of ``_strings.json``."""
@@ -97,6 +106,7 @@ class SaveSession:
 
         The files are written while TensorStore commits the arrays.
         """
+        self.plan()
         arrays = asyncio.ensure_future(self.writer.run())
         try:
             if write_files and (self.strings or self.shardings or self.array_metadatas):
@@ -170,13 +180,13 @@ class LoadSession:
         directory: epath.Path,
         tree: _tree_metadata.TreeMetadata,
         context: cp.Context,
-        opened: _database.OpenedDatabase | None = None,
+        opened: _read.OpenedDatabase | None = None,
     ) -> None:
         self.directory = directory
         self.tree = tree
         self.context = context
         self.allow_resize = bool(context.array_options.enable_padding_and_truncation)
-        self.reader = _database.ArrayReader(
+        self.reader = _read.Reader(
             directory,
             ocdbt=tree.use_ocdbt,
             zarr3=tree.use_zarr3,
@@ -188,7 +198,7 @@ class LoadSession:
         )
         self.entries = {e.names: e for e in tree.entries}
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
-        self._stored: dict[tuple[str, ...], _database.StoredArray | None] = {}
+        self._stored: dict[tuple[str, ...], StoredArray | None] = {}
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
         self._zarr_metadata: dict[str, dict[str, Any]] = {}
@@ -209,14 +219,14 @@ class LoadSession:
         """The name a leaf's array is stored under."""
         return self.tree.storage_name(_tree.key_names(keypath))
 
-    def stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
+    def stored_array(self, entry: _tree_metadata.Entry) -> StoredArray | None:
         """The layout this library recorded for an array leaf, or ``None``."""
         stored = self._stored.get(entry.names, _UNKNOWN)
         if stored is _UNKNOWN:
             stored = self._stored[entry.names] = self._stored_array(entry)
         return stored  # type: ignore[return-value]
 
-    def _stored_array(self, entry: _tree_metadata.Entry) -> _database.StoredArray | None:
+    def _stored_array(self, entry: _tree_metadata.Entry) -> StoredArray | None:
         extra = entry.extra
         try:
             dtype_name = extra["dtype"]
@@ -236,19 +246,10 @@ class LoadSession:
             chunk_shape = self._dimensions(entry, "chunk_shape", chunks, 1)
             if len(chunk_shape) != len(shape):
                 raise self._malformed(entry, "its chunk shape and shape differ in rank")
-        kind = checksums = None
-        for known in _checksums.KINDS:
-            recorded = extra.get(known)
-            if type(recorded) is list:
-                kind, checksums = known, self._checksums(entry, recorded, shape, chunk_shape)
-                break
-        return _database.StoredArray(
-            shape,
-            dtype,
-            chunk_shape,
-            self._direct_layout and bool(extra.get("one_chunk_shards")),
-            checksums,
-            kind or _checksums.CRC32,
+        # Checkpoints written before this library checked zarr3's CRC-32C record checksums
+        # of their own ("crc32", "sums_crc32"): not needed, every shard carries its CRC-32C.
+        return StoredArray(
+            shape, dtype, chunk_shape, self._direct_layout and bool(extra.get("one_chunk_shards"))
         )
 
     def _malformed(self, entry: _tree_metadata.Entry, problem: str) -> cp.errors.MetadataError:
@@ -270,30 +271,6 @@ class LoadSession:
             return tuple(recorded)
         raise self._malformed(entry, f"its {field} is not a list of integers >= {least}")
 
-    def _checksums(
-        self,
-        entry: _tree_metadata.Entry,
-        recorded: list[Any],
-        shape: tuple[int, ...],
-        chunk_shape: tuple[int, ...],
-    ) -> tuple[int, ...]:
-        """Recorded chunk checksums: one 32-bit value per chunk, else an error."""
-        if chunk_shape == shape and len(recorded) == 1:  # The usual array: one chunk.
-            (checksum,) = recorded
-            if type(checksum) is int and 0 <= checksum <= _CHECKSUM_MAX:
-                return (checksum,)
-        chunks = 1 if chunk_shape == shape else math.prod(_zarr3.chunk_grid(shape, chunk_shape))
-        if len(recorded) != chunks:
-            raise self._malformed(
-                entry, f"it records {len(recorded)} checksums for {chunks} chunks"
-            )
-        checksums = tuple(recorded)
-        if checksums and (
-            not all(map(_IS_INT, checksums)) or min(checksums) < 0 or max(checksums) > _CHECKSUM_MAX
-        ):
-            raise self._malformed(entry, "its chunk checksums are not 32-bit integers")
-        return checksums
-
     # -- Files read lazily -------------------------------------------------------
 
     def strings(self) -> dict[str, Any]:
@@ -307,7 +284,7 @@ class LoadSession:
                     f"{path}", "the file holding the tree's string leaves is missing"
                 ) from None
             expected = self.tree.strings_crc32c
-            if expected is not None and _crc32c.crc32c(raw) != expected:
+            if expected is not None and crc32c.crc32c(raw) != expected:
                 raise _errors.integrity_error(f"{path}", "its CRC-32C checksum does not match")
             self._strings = cp.safe_json.loads_object(raw, source=path)
         return self._strings
@@ -324,9 +301,7 @@ class LoadSession:
         if wanted:
             file = "zarr.json" if self.tree.use_zarr3 else ".zarray"
             if self.tree.use_ocdbt:
-                kvstore = await ts.KvStore.open(
-                    _database.kvstore_spec(self.directory), context=_database.make_context()
-                )
+                kvstore = await _ocdbt.open_kvstore(self.directory, _ocdbt.make_context())
                 futures = [kvstore.read(f"{n}/{file}") for n in wanted]
                 values = [(await f).value for f in futures]
             else:
@@ -345,7 +320,6 @@ class LoadSession:
         return {n: self._zarr_metadata[n] for n in names}
 
 
-_CHECKSUM_MAX = (1 << 32) - 1
 _IS_INT = int.__instancecheck__
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import checkpointables as cp
 import jax
 import numpy as np
 
@@ -75,6 +77,12 @@ def key_name(key: Any) -> str:
         if hasattr(key, attribute):
             return str(getattr(key, attribute))
     return str(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # The names of the leaves of recent structures.
+def storage_name(names: tuple[str, ...]) -> str:
+    """The name a leaf with key names ``names`` is stored under (escapes '.', '/' and '%')."""
+    return cp.serialization.param_name_from_keypath(names)
 
 
 def key_type(key: Any) -> int:
@@ -151,12 +159,62 @@ def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
     return children
 
 
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """What ``flatten`` finds that depends only on a tree's structure (its treedef)."""
+
+    leaves: tuple[tuple[tuple[Any, ...], tuple[str, ...], tuple[int, ...]], ...]
+    empty: tuple[tuple[tuple[Any, ...], str], ...]
+    tuples: tuple[tuple[Any, ...], ...]
+
+
+# Structures of recently flattened trees, by treedef: a training loop saves trees of one
+# structure again and again. A few, for loops that save several trees (params, optimizer).
+_STRUCTURES: dict[Any, _Structure] = {}
+_STRUCTURES_KEPT = 8
+_STRUCTURES_LOCK = threading.Lock()
+
+
 def flatten(tree: Any) -> Flat:
     """Flattens ``tree`` into leaves (with ``jax.tree_util`` key paths) and empty nodes.
 
     Dicts, lists, tuples, named tuples and ``None`` are walked here; any other
     registered pytree node is expanded one level at a time by ``jax.tree_util``.
+    The key paths, key names and empty nodes of a treedef seen recently are
+    reused: then only ``jax.tree_util.tree_flatten`` (C++) walks the tree.
     """
+    try:
+        values, treedef = jax.tree_util.tree_flatten(tree)
+        structure = _STRUCTURES.get(treedef)
+    except (TypeError, ValueError):
+        # Dict keys jax cannot sort (it raises; the walk keeps their order), or a
+        # node whose auxiliary data cannot be hashed: no cache for such trees.
+        return _walk(tree)
+    if structure is not None and len(structure.leaves) == len(values):
+        return Flat(
+            [Leaf(k, v, n, t) for (k, n, t), v in zip(structure.leaves, values, strict=True)],
+            list(structure.empty),
+            list(structure.tuples),
+        )
+    flat = _walk(tree)
+    # Kept only where jax.tree_util finds the same leaves in the same order.
+    if len(flat.leaves) == len(values) and all(
+        leaf.value is v for leaf, v in zip(flat.leaves, values, strict=True)
+    ):
+        structure = _Structure(
+            tuple((leaf.keypath, leaf.names, leaf.key_types) for leaf in flat.leaves),
+            tuple(flat.empty),
+            tuple(flat.tuples),
+        )
+        with _STRUCTURES_LOCK:  # Saves may run in several threads.
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                del _STRUCTURES[next(iter(_STRUCTURES))]
+            _STRUCTURES[treedef] = structure
+    return flat
+
+
+def _walk(tree: Any) -> Flat:
+    """``flatten``, walking the tree in Python."""
     flat = Flat()
     leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
 
@@ -278,20 +336,7 @@ def unflatten(
             raise ValueError(f"{len(names)} key names but {len(types)} key types")
         head = names[:-1]
         if head != parent_names:
-            node = root
-            for depth in range(len(head)):
-                name, kind = names[depth], types[depth]
-                prefix = names[:depth]
-                recorded = kinds.setdefault(prefix, kind)
-                if recorded != kind:
-                    raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
-                child = node.setdefault(name, {})
-                if isinstance(child, _Value):
-                    raise on_conflict(
-                        f"{keystr(names[: depth + 1])} is both a leaf and a container"
-                    )
-                node = child
-            parent_names, parent = head, node
+            parent_names, parent = head, _parent_of(root, kinds, names, types, on_conflict)
         name, kind = names[-1], types[-1]
         recorded = kinds.setdefault(head, kind)
         if recorded != kind:
@@ -299,29 +344,59 @@ def unflatten(
         if name in parent:
             raise on_conflict(f"{keystr(names, types)} is recorded twice")
         parent[name] = _Value(value)
+    return _build(root, (), kinds, tuple_paths, on_conflict)
 
-    def build(node: dict[str, Any], prefix: tuple[str, ...]) -> Any:
-        kind = kinds.get(prefix, DICT)
-        if kind == SEQUENCE:
-            try:
-                ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
-            except ValueError:
-                raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
-            values = [
-                v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in ordered
-            ]
-            if ordered and int(ordered[-1][0]) != len(ordered) - 1:
-                # Indices with gaps (only possible in hand-edited metadata): keep positions.
-                padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
-                for (k, _), v in zip(ordered, values, strict=True):
-                    padded[int(k)] = v
-                values = padded
-            return tuple(values) if prefix in tuple_paths else values
-        return {
-            k: v.value if isinstance(v, _Value) else build(v, (*prefix, k)) for k, v in node.items()
-        }
 
-    return build(root, ())
+def _parent_of(
+    root: dict[str, Any],
+    kinds: dict[tuple[str, ...], int],
+    names: tuple[str, ...],
+    types: tuple[int, ...],
+    on_conflict: Callable[[str], Exception],
+) -> dict[str, Any]:
+    """The dict that holds the item at ``names`` (made on the way), checking each level's kind."""
+    node = root
+    for depth in range(len(names) - 1):
+        name, kind = names[depth], types[depth]
+        prefix = names[:depth]
+        recorded = kinds.setdefault(prefix, kind)
+        if recorded != kind:
+            raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
+        child = node.setdefault(name, {})
+        if isinstance(child, _Value):
+            raise on_conflict(f"{keystr(names[: depth + 1])} is both a leaf and a container")
+        node = child
+    return node
+
+
+def _build(
+    node: dict[str, Any],
+    prefix: tuple[str, ...],
+    kinds: dict[tuple[str, ...], int],
+    tuple_paths: frozenset[tuple[str, ...]],
+    on_conflict: Callable[[str], Exception],
+) -> Any:
+    """The container at ``prefix``: a dict, or a list or tuple for SEQUENCE levels."""
+
+    def value(key: str, child: Any) -> Any:
+        if isinstance(child, _Value):
+            return child.value
+        return _build(child, (*prefix, key), kinds, tuple_paths, on_conflict)
+
+    if kinds.get(prefix, DICT) != SEQUENCE:
+        return {k: value(k, v) for k, v in node.items()}
+    try:
+        ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
+    except ValueError:
+        raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
+    values = [value(k, v) for k, v in ordered]
+    if ordered and int(ordered[-1][0]) != len(ordered) - 1:
+        # Indices with gaps (only possible in hand-edited metadata): keep positions.
+        padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
+        for (k, _), v in zip(ordered, values, strict=True):
+            padded[int(k)] = v
+        values = padded
+    return tuple(values) if prefix in tuple_paths else values
 
 
 class _Value:

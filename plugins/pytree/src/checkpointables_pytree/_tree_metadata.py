@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -151,7 +152,37 @@ def _compact_encoder() -> Callable[[Any], str]:
 
 
 def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
-    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each)."""
+    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each).
+
+    Everything but the leaf's own metadata (``entry.extra``) depends only on the
+    tree's structure, and is reused from the last saves of the same structure.
+    """
+    shape = entry.write_shape
+    key = (
+        entry.names,
+        entry.key_types,
+        entry.value_type,
+        entry.skip_deserialize,
+        None if shape is None else tuple(shape),
+    )
+    head = _HEADS.get(key)
+    if head is None:
+        head = _entry_head(entry, encode)
+        if len(_HEADS) >= _HEADS_KEPT:
+            _HEADS.clear()
+        _HEADS[key] = head
+    if entry.extra:
+        return f'{head},"{EXTRA}":{encode(entry.extra)}}}}}'
+    return head + "}}"
+
+
+# Entry texts without their end, by (names, key types, value type, skip, write shape):
+# the metadata template of the structures saved recently.
+_HEADS: dict[tuple[Any, ...], str] = {}
+_HEADS_KEPT = 200_000
+
+
+def _entry_head(entry: Entry, encode: Callable[[Any], str]) -> str:
     names, key_types = entry.names, entry.key_types
     if len(names) != len(key_types):
         raise ValueError(f"{entry.keystr}: {len(names)} key names but {len(key_types)} key types")
@@ -164,11 +195,10 @@ def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
     skip = "true" if entry.skip_deserialize else "false"
     shape = entry.write_shape
     shape_text = "" if shape is None else f',"write_shape":{encode(list(shape))}'
-    extra_text = f',"{EXTRA}":{encode(entry.extra)}' if entry.extra else ""
     return (
         f'{_string(str(names))}:{{"key_metadata":[{keys}],"value_metadata":'
         f'{{"value_type":{_string(entry.value_type)},"skip_deserialize":{skip}'
-        f"{shape_text}{extra_text}}}}}"
+        f"{shape_text}"
     )
 
 
@@ -237,12 +267,50 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
     )
 
 
+# The parsed _METADATA of this library's recent texts: checkpoints of one tree structure
+# (a training run's, one checkpoint loaded again and again) have the same text.
+_PARSED: dict[str | bytes, TreeMetadata] = {}
+_PARSED_KEPT = 4
+_PARSED_LOCK = threading.Lock()
+
+
 def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     """Parses the text (or UTF-8 bytes) of a ``_METADATA`` file at ``path``.
+
+    A text parsed recently is not parsed again: the result is a copy of the
+    earlier one, which the caller may change.
 
     Raises:
       cp.errors.MetadataError: the text is not the expected JSON.
     """
+    parsed = _PARSED.get(text)
+    if parsed is None:
+        parsed = _parse_tree_metadata(path, text)
+        if not parsed.escaped_names:
+            # Not ours: its use_ocdbt may come from the directory rather than the text.
+            return parsed
+        with _PARSED_LOCK:  # Loads may run in several threads.
+            if len(_PARSED) >= _PARSED_KEPT:
+                del _PARSED[next(iter(_PARSED))]
+            _PARSED[text] = parsed
+    return dataclasses.replace(
+        parsed,
+        entries=[
+            Entry(
+                names=e.names,
+                key_types=e.key_types,
+                value_type=e.value_type,
+                skip_deserialize=e.skip_deserialize,
+                write_shape=e.write_shape,
+                extra=dict(e.extra),
+            )
+            for e in parsed.entries
+        ],
+        extra=dict(parsed.extra),
+    )
+
+
+def _parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     document = cp.safe_json.loads(text, source=path)
     if not isinstance(document, Mapping) or not isinstance(document.get("tree_metadata"), Mapping):
         raise _bad(path, "expected a JSON object with a 'tree_metadata' object")

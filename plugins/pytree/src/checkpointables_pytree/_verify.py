@@ -9,12 +9,11 @@ with the recorded shape and dtype, and the database must hold no array that
 ``_METADATA`` does not list (an entry lost from an unchecksummed ``_METADATA``
 would silently drop a leaf).
 
-Then every chunk is read. Small arrays are checked in batches of keys
-(checksums computed here). A large array is checked twice: whole, against the
-checksums ``_METADATA`` recorded for its chunks (what a load checks), then
-shard by shard through the zarr3 driver, which checks each chunk's CRC-32C
-(what every zarr3 reader checks). At most one batch or one large array is in
-memory at a time.
+Then every chunk is read and checked against zarr3's CRC-32C (what every
+zarr3 reader checks): arrays stored as plain shards by the reader of loads,
+in batches of about ``BATCH_BYTES``, and any other array shard by shard
+through the zarr3 driver. At most one batch or one shard of a large array
+is in memory at a time.
 """
 
 from __future__ import annotations
@@ -28,11 +27,16 @@ import tensorstore as ts
 from checkpointables.serialization import LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _database, _errors, _sharding, _tree_metadata, _zarr3
-from checkpointables_pytree._leaf_handlers import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree._array_reads import ArrayRead
+from checkpointables_pytree._leaf_common import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree._load_plan import LoadPlan
 from checkpointables_pytree._session import LoadSession
 
 __all__ = ["verify_pytree"]
+
+# Arrays read and checked at once.
+BATCH_BYTES = 32 << 20
 
 
 def _problem(entry: _tree_metadata.Entry, error: BaseException) -> str:
@@ -43,9 +47,7 @@ async def _check_zarr_metadata(
     session: LoadSession, entries: Sequence[_tree_metadata.Entry]
 ) -> list[str]:
     """Compares each batched array's ``zarr.json`` with the one this library writes for it."""
-    kvstore = await ts.KvStore.open(
-        _database.kvstore_spec(session.directory), context=_database.make_context()
-    )
+    kvstore = await _ocdbt.open_kvstore(session.directory, _ocdbt.make_context())
     names = [session.tree.storage_name(e.names) for e in entries]
     futures = [kvstore.read(f"{n}/zarr.json") for n in names]
     problems = []
@@ -74,11 +76,8 @@ def _check_loadable(
     directory: epath.Path, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
 ) -> list[str]:
     """What a load without an abstract tree refuses before reading any array."""
-    # The handler builds on this module; its plan is what a load does first.
-    from checkpointables_pytree._handler import _Plan
-
     try:
-        plan = _Plan.without_abstract(tree, registry)
+        plan = LoadPlan.without_abstract(tree, registry)
         plan.build(tree, directory)
         _sharding.read_sharding_file(directory)
     except cp.errors.CheckpointError as e:
@@ -107,9 +106,7 @@ async def _check_array_set(session: LoadSession) -> list[str]:
     if not session.tree.use_ocdbt:
         return []
     try:
-        kvstore = await ts.KvStore.open(
-            _database.kvstore_spec(session.directory), context=_database.make_context()
-        )
+        kvstore = await _ocdbt.open_kvstore(session.directory, _ocdbt.make_context())
         keys = await kvstore.list()
     except Exception as e:
         return [str(_errors.storage_error(f"the database of {session.directory}", e))]
@@ -128,10 +125,10 @@ async def _check_array_set(session: LoadSession) -> list[str]:
 
 
 async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
-    reader = _database.ArrayReader(session.directory)
+    reader = _read.Reader(session.directory)
     for entry in entries:
         reader.add(
-            _database.ArrayRead(
+            ArrayRead(
                 label=entry,
                 name=session.tree.storage_name(entry.names),
                 stored=session.stored_array(entry),
@@ -153,12 +150,12 @@ async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.E
 
 async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) -> list[str]:
     name = session.tree.storage_name(entry.names)
-    spec = _database.ArrayReader(
+    spec = _read.Reader(
         session.directory, ocdbt=session.tree.use_ocdbt, zarr3=session.tree.use_zarr3
     ).array_spec(name)
     spec["fill_missing_data_reads"] = False
     try:
-        store = await ts.open(spec, context=_database.make_context(), open=True)
+        store = await ts.open(spec, context=_ocdbt.make_context(), open=True)
         shape = tuple(int(s) for s in store.shape)
         stored = session.stored_array(entry)
         if stored is not None and (shape, store.dtype.numpy_dtype) != (stored.shape, stored.dtype):
@@ -168,7 +165,8 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
         )
         chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
-        if _database.physical_memory_bytes() and chunk_bytes > _database.physical_memory_bytes():
+        memory = _read.physical_memory_bytes()
+        if memory and chunk_bytes > memory:
             return [
                 f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
                 "than this machine's memory"
@@ -207,17 +205,15 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
         if entry.value_type not in ARRAY_VALUE_TYPES:
             continue
         stored = session.stored_array(entry)
-        if stored is not None and stored.direct and stored.nbytes <= _database.SMALL_ARRAY_BYTES:
+        if stored is not None and stored.direct and tree.use_ocdbt:
             batch.append(entry)
             batch_bytes += stored.nbytes
-            if batch_bytes >= _database.SMALL_BATCH_BYTES:
+            if batch_bytes >= BATCH_BYTES:
                 problems += await _check_batch(session, batch)
                 cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
-            recorded = stored is not None and stored.checksums is not None
-            found = await _check_chunks(session, [entry]) if recorded else []
-            problems += found or await _check_with_driver(session, entry)
+            problems += await _check_with_driver(session, entry)
             cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
         problems += await _check_batch(session, batch)

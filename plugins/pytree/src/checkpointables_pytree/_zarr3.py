@@ -23,9 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import crc32c
 import numpy as np
-
-from checkpointables_pytree import _crc32c
 
 __all__ = [
     "zarr_dtype_name",
@@ -203,7 +202,7 @@ def all_chunk_indices(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[
 def shard_trailer(nbytes: int) -> bytes:
     """The index of a shard with one inner chunk of ``nbytes`` data bytes, and its checksum."""
     index = (0).to_bytes(8, "little") + (nbytes + 4).to_bytes(8, "little")
-    return index + _crc32c.crc32c_bytes(index)
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
 def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
@@ -212,9 +211,9 @@ def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
 
 
 class ZarrLayout:
-    """Where one array lives and how it is chunked."""
+    """Where one array lives and how it is chunked (never changed once made: often shared)."""
 
-    __slots__ = ("chunk_shape", "dtype", "name", "shape")
+    __slots__ = ("chunk_nbytes", "chunk_shape", "direct_dtype", "dtype", "name", "shape")
 
     def __init__(
         self, name: str, shape: Sequence[int], dtype: Any, chunk_shape: Sequence[int]
@@ -223,11 +222,18 @@ class ZarrLayout:
         self.shape = tuple(map(int, shape))
         self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         self.chunk_shape = self.shape if chunk_shape is shape else tuple(map(int, chunk_shape))
+        # Bytes of one full chunk.
+        self.chunk_nbytes = math.prod(self.chunk_shape) * self.dtype.itemsize
+        # Whether chunks of this dtype can be encoded here (not only by the driver).
+        self.direct_dtype = is_direct_dtype(self.dtype)
 
-    @property
-    def chunk_nbytes(self) -> int:
-        """Bytes of one full chunk."""
-        return math.prod(self.chunk_shape) * self.dtype.itemsize
+    def summary(self) -> dict[str, Any]:
+        """Shape, zarr3 data type and chunk shape, as a leaf's metadata records them."""
+        return {
+            "shape": list(self.shape),
+            "dtype": zarr_dtype_name(self.dtype),
+            "chunk_shape": list(self.chunk_shape),
+        }
 
     def region(self, index: Sequence[int]) -> tuple[slice, ...]:
         """The part of the array that chunk ``index`` covers (clipped at the edges)."""
@@ -235,3 +241,23 @@ class ZarrLayout:
             slice(i * c, min((i + 1) * c, s))
             for i, c, s in zip(index, self.chunk_shape, self.shape, strict=True)
         )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout_and_summary(
+    name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+) -> tuple[ZarrLayout, dict[str, Any]]:
+    layout = ZarrLayout(name, shape, dtype, chunk_shape)
+    return layout, layout.summary()
+
+
+def planned_layout(
+    name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+) -> tuple[ZarrLayout, dict[str, Any]]:
+    """The layout of an array to save and a fresh copy of its ``summary()``.
+
+    Both depend only on the tree's structure: a training loop saving trees of
+    one structure makes each once (the layout is shared: never change it).
+    """
+    layout, summary = _layout_and_summary(name, shape, dtype, chunk_shape)
+    return layout, summary.copy()

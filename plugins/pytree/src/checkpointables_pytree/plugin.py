@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
-from checkpointables_pytree import _object_store
+from checkpointables_pytree import _kvstore_storage, _object_store
+from checkpointables_pytree._array_handlers import ArrayLeafHandler, NumpyLeafHandler
 from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
 from checkpointables_pytree._keys import (
     PRNG_KEY,
@@ -24,18 +25,9 @@ from checkpointables_pytree._keys import (
     PRNGKeyLeafHandler,
     key_array_type,
 )
-from checkpointables_pytree._leaf_handlers import (
-    BYTES,
-    JAX_ARRAY,
-    NUMPY_ARRAY,
-    SCALAR,
-    STRING,
-    ArrayLeafHandler,
-    BytesLeafHandler,
-    NumpyLeafHandler,
-    ScalarLeafHandler,
-    StringLeafHandler,
-)
+from checkpointables_pytree._leaf_common import BYTES, JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING
+from checkpointables_pytree._scalar_handler import ScalarLeafHandler
+from checkpointables_pytree._text_handlers import BytesLeafHandler, StringLeafHandler
 
 PRIORITY = 90
 
@@ -78,4 +70,4 @@ def register_leaf_handlers(register: Any) -> None:
 def register_storage(register: Any) -> None:
     """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
     for scheme in _object_store.SCHEMES:
-        register(scheme, _object_store.storage_for)
+        register(scheme, _kvstore_storage.storage_for)

@@ -1,0 +1,146 @@
+"""Where the wall time of one save or load goes, phase by phase, next to safetensors.
+
+    uv run python -m bench.phases --case small-numpy --op save [--repeats 10]
+
+Wraps the main phases of core's save (or load) and of the pytree plugin's
+writer (or reader) with timers, runs the operation ``--repeats`` times after
+two untimed rounds, alternating with safetensors (``save_file`` + fsync, or
+``load_file``) on the same tree, and prints the median of each phase. Nested
+phases are indented; phases that overlap (the ``_METADATA`` file is written
+while TensorStore commits the arrays) do not add up. Unlike ``bench.profile``
+(cProfile), this costs next to nothing, so the times are those of a real call.
+It also prints the CPU time of the process (every thread), which other work
+on the machine changes less than the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import inspect
+import os
+import resource
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import cases, libraries
+
+_spent: dict[str, float] = collections.defaultdict(float)
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    """Replaces ``owner.name`` by a version adding its wall time to ``_spent[label]``."""
+    original = getattr(owner, name)
+    if inspect.iscoroutinefunction(original):
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                _spent[label] += time.perf_counter() - start
+
+    else:
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _spent[label] += time.perf_counter() - start
+
+    setattr(owner, name, functools.wraps(original)(timed))
+
+
+def _instrument(op: str) -> None:
+    from checkpointables import _loading, _saving
+    from checkpointables_pytree import _read, _tree, _tree_metadata, _write
+
+    if op == "save":
+        _timed(_saving, "_blocking_phase", "1 blocking phase: flatten, checks, snapshot")
+        _timed(_saving, "_write", "2 background phase: writes")
+        _timed(_write, "_stage_small", "2.1 staging small arrays (ts.write per key)")
+        _timed(_write.Writer, "run", "2.2 writer (staging + TensorStore commit)")
+        _timed(_tree_metadata, "write_tree_metadata", "2.3 _METADATA (overlaps 2.2)")
+        _timed(_saving, "_commit_save", "3 commit: metadata, fsyncs, rename")
+    else:
+        _timed(_loading, "_blocking_phase", "1 blocking phase: metadata, read plan")
+        _timed(_tree_metadata, "parse_tree_metadata", "1.1 parsing _METADATA")
+        _timed(_loading, "_read", "2 background phase: reads")
+        _timed(_read.Reader, "run", "2.1 reader (index, preads, CRC-32C)")
+        _timed(_tree, "unflatten", "2.2 unflatten")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _clock(fn: Callable[[], Any]) -> tuple[float, float]:
+    cpu, start = _cpu(), time.perf_counter()
+    fn()
+    return time.perf_counter() - start, _cpu() - cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Prints the medians of each phase of ``--op`` on ``--case``."""
+    p = argparse.ArgumentParser(prog="python -m bench.phases", description=__doc__)
+    p.add_argument("--case", required=True, choices=[c.name for c in cases.CASES])
+    p.add_argument("--op", required=True, choices=["save", "load"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tmp-dir", default=None)
+    args = p.parse_args(argv)
+
+    import checkpointables as cp
+    import jax
+
+    _instrument(args.op)
+    tree = cases.get_case(args.case).tree(1.0)
+    spec = libraries.tree_spec(tree)
+    (safetensors,) = libraries.all_libraries(["safetensors"])
+    root = libraries.scratch_dir(args.tmp_dir)
+    ours, theirs, phases = [], [], collections.defaultdict(list)
+    try:
+        if args.op == "load":
+            cp.save_pytree(os.path.join(root, "c"), tree)
+            safetensors.save(os.path.join(root, "s"), tree, spec)
+        for n in range(2 + args.repeats):
+            _spent.clear()
+            if args.op == "save":
+                mine = _clock(lambda n=n: cp.save_pytree(os.path.join(root, f"c{n}"), tree))
+                other = _clock(
+                    lambda n=n: safetensors.save(os.path.join(root, f"s{n}"), tree, spec)
+                )
+                shutil.rmtree(os.path.join(root, f"c{n}"))
+                shutil.rmtree(os.path.join(root, f"s{n}"))
+            else:
+                mine = _clock(
+                    lambda: jax.block_until_ready(cp.load_pytree(os.path.join(root, "c")))
+                )
+                other = _clock(lambda: safetensors.load(os.path.join(root, "s"), spec))
+            if n >= 2:
+                ours.append(mine)
+                theirs.append(other)
+                for label, seconds in _spent.items():
+                    phases[label].append(seconds)
+    finally:
+        libraries.remove(root)
+
+    def ms(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1e3:7.1f} ms"
+
+    load = os.getloadavg()[0]
+    print(f"{args.case} {args.op}, median of {args.repeats} (load average {load:.2f})")
+    print(f"  checkpointables  {ms([w for w, _ in ours])} (CPU {ms([c for _, c in ours])})")
+    print(f"  safetensors      {ms([w for w, _ in theirs])} (CPU {ms([c for _, c in theirs])})")
+    for label in sorted(phases):
+        indent = "      " if "." in label.split()[0] else "    "
+        print(f"{indent}{label:<50s} {ms(phases[label])}")
+
+
+if __name__ == "__main__":
+    main()

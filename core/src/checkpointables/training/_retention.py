@@ -1,0 +1,112 @@
+"""Which steps a Checkpointer keeps, and the deletion of the others, in the background.
+
+After each commit the preservation policy decides (the latest step is always
+kept: a restarted run resumes from it), and the worker thread deletes the
+other steps: each is first made invisible at once (renamed to a temporary
+name, or its object-store marker deleted, so a half-deleted step is never
+listed), then removed. A step being loaded by this process is deleted only
+after the load finished (see ``_readers``). Every process decides, so that all
+list the same steps; only the primary host touches the files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from etils import epath
+
+from checkpointables import _commit, _leftovers
+from checkpointables.context import Context
+from checkpointables.training import _readers, _root_metadata
+from checkpointables.training import preservation_policies as preservation_lib
+from checkpointables.training._listing import StepIndex
+from checkpointables.training._worker import Worker
+from checkpointables.training.step_info import StepInfo
+
+logger = logging.getLogger(__name__)
+
+
+class Retention:
+    """Keeps the steps the policy wants, deletes the others (see the module's docstring)."""
+
+    def __init__(
+        self,
+        root: epath.Path,
+        policy: preservation_lib.PreservationPolicy,
+        steps: StepIndex,
+        worker: Worker,
+        *,
+        context: Context,
+        primary: bool,
+    ) -> None:
+        self._root = root
+        self._policy = policy
+        self._steps = steps
+        self._worker = worker
+        self._context = context
+        self._primary = primary
+        self._deferred = False  # A step was kept for a load: try again when loads end.
+        self._stopped = False
+
+    def schedule(self) -> None:
+        """Queues a decision (and deletions) on the worker, after a commit."""
+        if not isinstance(self._policy, preservation_lib.PreserveAll):
+            self._worker.submit(self._collect, key="gc")
+
+    def after_read(self) -> None:
+        """A load ended: deletions it deferred may run now."""
+        if self._deferred and not self._stopped:
+            self.schedule()
+
+    def stop(self) -> None:
+        """Schedules nothing more (the Checkpointer is closed)."""
+        self._stopped = True
+
+    def _collect(self) -> None:
+        infos = self._steps.sorted()
+        if len(infos) < 2:
+            return
+        keep = preservation_lib.checked_decision(
+            self._policy, infos, preservation_lib.PreservationContext()
+        )
+        keep[-1] = True  # The latest step is what a restarted run resumes from.
+        deferred = [info for info, kept in zip(infos, keep, strict=True) if not kept]
+        self._deferred = not all([self._delete(info) for info in deferred])
+
+    def _delete(self, info: StepInfo) -> bool:
+        """Deletes a step unless it is being read; returns False if deferred."""
+        if not self._primary:
+            self._steps.take(info, lambda: None)
+            return True
+
+        def retire() -> _commit.Retired | None:
+            # From here on nobody sees the step (renamed away, or its marker deleted).
+            return self._steps.take(info, lambda: _commit.retire(info.path))
+
+        with self._context:
+            ran, retired = _readers.run_if_unread(info.path, retire)
+            if ran and retired is not None:
+                retired.remove()
+        return ran
+
+    def clean_leftovers(self, unfinished: Sequence[epath.Path]) -> None:
+        """Removes, in the background, what dead saves and deletions left under the root.
+
+        ``unfinished``: object-store step prefixes without a commit (each is
+        removed if its record proves it abandoned).
+        """
+        timeout = self._context.async_options.timeout_secs
+        directories = [self._root, self._root / _root_metadata.METADATA_DIR]
+        entries = _leftovers.abandoned_entries(directories, timeout_secs=timeout)
+        if not entries and not unfinished:
+            return
+
+        def clean() -> None:
+            with self._context:
+                found = entries + _leftovers.abandoned_prefixes(unfinished, timeout_secs=timeout)
+                _leftovers.remove(found)
+            if found:
+                logger.info("Removed %d abandoned leftovers under %s.", len(found), self._root)
+
+        self._worker.submit(clean)

@@ -1,0 +1,213 @@
+"""A Checkpointer's saves: one in flight at a time, each decided, checked, written, recorded.
+
+A save runs through named phases:
+
+1. **decide**: the save decision policy (every process makes the same saves:
+   in a multi-process job the primary decides);
+2. **validate**: the arguments, before waiting for anything;
+3. **stage**: wait for the previous save, then check the step may be written
+   (and, for an overwrite, let loads of the old step finish);
+4. **write**: an ordinary save of the step (``_saving``);
+5. **commit**: once committed, the step is recorded, its cost logged, and
+   the retention policy consulted; a failure is kept to be raised by the next
+   front door unless the caller saw it through the response.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from etils import epath
+
+from checkpointables import _commit, _pytree_api, _saving, errors, layout, multihost
+from checkpointables._asyncio import AsyncResponse, completed
+from checkpointables.context import Context
+from checkpointables.training import _listing, _metrics, _readers, _save_stats
+from checkpointables.training import save_decision_policies as decision_lib
+from checkpointables.training._listing import StepIndex
+from checkpointables.training._retention import Retention
+from checkpointables.training._worker import BackgroundErrors
+from checkpointables.training.errors import StepAlreadyExistsError
+from checkpointables.training.step_info import StepInfo
+
+
+class SaveResponse(AsyncResponse[bool]):
+    """A save's response; an error seen through it is not raised again by the Checkpointer."""
+
+    def __init__(self, description: str, errors: BackgroundErrors) -> None:
+        super().__init__(description)
+        self._errors = errors
+
+    def result(self, timeout: float | None = None) -> bool:
+        """Waits for the commit; True once committed. Re-raises a background failure."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return bool(self._value)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Waits like ``result`` and returns the background error, or ``None``."""
+        error = super().exception(timeout)
+        if error is not None:
+            self._errors.mark_reported(error)
+        return error
+
+
+@attrs.frozen
+class StepSave:
+    """What a front door asks: save ``checkpointables`` as ``step``."""
+
+    step: int
+    checkpointables: Mapping[str, Any]
+    force: bool = False
+    overwrite: bool = False
+    metrics: Mapping[str, Any] | None = None
+    custom_metadata: Mapping[str, Any] | None = None
+    pytree_name: str | None = None  # Saved by the pytree handler (``save_pytree``).
+
+
+class Saves:
+    """The saves of one Checkpointer (see the module's docstring)."""
+
+    def __init__(
+        self,
+        path_of: Any,
+        policy: decision_lib.SaveDecisionPolicy,
+        steps: StepIndex,
+        retention: Retention,
+        errors: BackgroundErrors,
+    ) -> None:
+        self._path_of = path_of  # step -> its directory
+        self._policy = policy
+        self._steps = steps
+        self._retention = retention
+        self._errors = errors
+        self._lock = threading.Lock()
+        self._in_flight: tuple[int, AsyncResponse[bool]] | None = None
+        self.last_stats: _save_stats.SaveStats | None = None
+
+    def in_progress(self) -> bool:
+        """Whether a save has started and not yet committed (or failed)."""
+        with self._lock:
+            return self._in_flight is not None and not self._in_flight[1].done()
+
+    def wait(self, timeout: float, step: int | None = None) -> None:
+        """Waits for the save in flight (of ``step``, if given); its error stays pending
+        (unless the caller saw it through the response)."""
+        with self._lock:
+            in_flight = self._in_flight
+        if in_flight is not None and step in (None, in_flight[0]):
+            AsyncResponse.exception(in_flight[1], timeout)
+
+    def decide(self, step: int, context: Context) -> bool:
+        """Whether the policy saves ``step`` now (the primary's answer, on every process)."""
+        candidate = StepInfo(step=step, path=self._path_of(step))
+        in_progress = decision_lib.DecisionContext(is_saving_in_progress=self.in_progress())
+        decision = bool(
+            self._policy.should_save(candidate, self._steps.sorted(), context=in_progress)
+        )
+        if multihost.is_coordinated(context):
+            # Time- and progress-based policies can disagree between processes;
+            # every process must make the same saves, so the primary decides.
+            key = f"training/should_save/{multihost.next_operation_id()}"
+            shared = multihost.broadcast_from_primary(key, str(int(decision)), context=context)
+            decision = shared == "1"
+        return decision
+
+    def start(self, request: StepSave, context: Context) -> AsyncResponse[bool]:
+        """Runs the phases of the module's docstring; returns after the blocking phase."""
+        started = time.perf_counter()
+        self._errors.raise_pending()
+        if not request.force and not self.decide(request.step, context):
+            return completed(False, f"skipped save of step {request.step}")
+        layout.validate_checkpointables_dict(request.checkpointables)
+        metrics = _metrics.to_json(request.metrics)
+        forced = None
+        if request.pytree_name is not None:
+            forced = {request.pytree_name: _pytree_api.pytree_registration().handler_cls}
+        self.wait(context.async_options.timeout_secs)
+        self._errors.raise_pending()
+        path = self._check_step(request, context)
+        inner = _saving.start(
+            _saving.SaveRequest(
+                path,
+                request.checkpointables,
+                request.custom_metadata,
+                request.overwrite,
+                metrics,
+                forced,
+                context,
+                # This root's only writer: an unfinished save at the step was interrupted.
+                replace_unfinished=True,
+            )
+        )
+        return self._track(request, path, metrics, inner, started)
+
+    def _check_step(self, request: StepSave, context: Context) -> epath.Path:
+        """The step's directory, once nothing in it may be lost by the save."""
+        path = self._path_of(request.step)
+        known = self._steps.get(request.step) is not None
+        with context:
+            occupied = _commit.occupied(path)
+        if not request.overwrite and (known or occupied):
+            what = "a checkpoint" if known else "a directory that is not a committed checkpoint"
+            raise StepAlreadyExistsError(
+                f"Step {request.step} already exists: {path} holds {what}. Pass overwrite=True "
+                f"to replace it (the old one stays until the new one commits), or save another "
+                f"step."
+            )
+        if request.overwrite:
+            # Replacing renames the old directory away; let loads of it finish.
+            _readers.wait_until_unread(path, context.async_options.timeout_secs)
+        return path
+
+    def _track(
+        self,
+        request: StepSave,
+        path: epath.Path,
+        metrics: dict[str, Any],
+        inner: AsyncResponse[None],
+        started: float,
+    ) -> AsyncResponse[bool]:
+        """The response of the save, finished once the step is recorded (or the save failed)."""
+        blocked = time.perf_counter() - started
+        leaves = _save_stats.leaves(request.checkpointables)  # Counted in the background.
+        step = request.step
+        response = SaveResponse(f"save of step {step} to {path}", self._errors)
+        with self._lock:
+            self._in_flight = (step, response)
+
+        def finish(done: AsyncResponse[None]) -> None:
+            error = done.exception(0)
+            if error is None:
+                try:
+                    self._record(step, path, metrics)
+                    commit = time.perf_counter() - started
+                    nbytes = _save_stats.array_bytes(leaves)
+                    self.last_stats = _save_stats.SaveStats(step, nbytes, blocked, commit)
+                    _save_stats.log(self.last_stats)
+                except BaseException as e:
+                    error = e
+            if error is not None:
+                self._errors.record(error)
+                response._finish(error=error)
+                return
+            # Queue the retention before the response is done, so that wait() and
+            # close(), which wait for the response, then wait for it too.
+            self._retention.schedule()
+            response._finish(True)
+
+        inner.add_done_callback(finish)
+        return response
+
+    def _record(self, step: int, path: epath.Path, metrics: dict[str, Any]) -> None:
+        try:
+            info = _listing.read_step(step, path)
+        except (FileNotFoundError, errors.NotACheckpointError):
+            # Not visible from here (process-local storage of another host).
+            info = StepInfo(step=step, path=path, metrics=metrics)
+        self._steps.add(info)

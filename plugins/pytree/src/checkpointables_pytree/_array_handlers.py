@@ -1,0 +1,381 @@
+"""The leaf handlers of arrays: ``jax.Array`` (shard by shard) and ``np.ndarray`` (one shard)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import jax
+import numpy as np
+from checkpointables.serialization import SerializationParam
+
+from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree._leaf_common import (
+    ReadTarget,
+    StoredLayout,
+    ZarrLeafHandler,
+    schedule_array,
+    storage_dtype,
+    storage_options,
+    unsupported,
+)
+from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree._session import LoadSession, SaveSession
+
+__all__ = ["ArrayLeafHandler", "NumpyLeafHandler"]
+
+
+def _cast(array: np.ndarray, dtype: Any) -> np.ndarray:
+    if dtype is None or array.dtype == dtype:
+        return array
+    return array.astype(dtype)
+
+
+def _numpy_result(pieces: list[np.ndarray], dtype: Any = None) -> np.ndarray:
+    """A writable NumPy array (reads may hand over read-only views of stored bytes)."""
+    array = _cast(pieces[0], dtype)
+    return array if array.flags.writeable else array.copy()
+
+
+def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
+    """``(shape, dtype, sharding)`` an abstract leaf asks for (``None``: as stored)."""
+    if abstract is None or isinstance(abstract, type):
+        return None, None, None
+    shape = tuple(int(s) for s in abstract.shape)
+    dtype = getattr(abstract, "dtype", None)
+    sharding = getattr(abstract, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = None
+    return shape, (np.dtype(dtype) if dtype is not None else None), sharding
+
+
+def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+@attrs.frozen
+class _OnDefaultDevice:
+    """Makes the whole array read a ``jax.Array`` on the default device (uncommitted).
+
+    A ``_array_reads.BatchConvert``: one ``jax.device_put`` of many arrays costs
+    a third of what as many calls cost.
+    """
+
+    dtype: Any
+
+    def __call__(self, pieces: list[np.ndarray]) -> jax.Array:
+        return jax.device_put(_cast(pieces[0], self.dtype))
+
+    @staticmethod
+    def convert_many(
+        converts: Sequence[_OnDefaultDevice], pieces: Sequence[list[np.ndarray]]
+    ) -> list[jax.Array]:
+        return jax.device_put([_cast(p[0], c.dtype) for c, p in zip(converts, pieces, strict=True)])
+
+
+def _sharded_read(
+    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding
+) -> ReadTarget:
+    """The regions a sharded target needs, and the conversion building the ``jax.Array``."""
+    indices = sharding.addressable_devices_indices_map(shape)
+    regions: list[tuple[slice, ...]] = []
+    position: dict[tuple[tuple[int, int], ...], int] = {}
+    for index in indices.values():
+        region = _normalize(tuple(index), shape)
+        key = tuple((s.start, s.stop) for s in region)
+        if key not in position:
+            position[key] = len(regions)
+            regions.append(region)
+
+    def convert(pieces: list[np.ndarray]) -> jax.Array:
+        pieces = [_cast(p, dtype) for p in pieces]
+
+        def callback(index: tuple[slice, ...]) -> np.ndarray:
+            region = _normalize(tuple(index), shape)
+            return pieces[position[tuple((s.start, s.stop) for s in region)]]
+
+        return jax.make_array_from_callback(shape, sharding, callback)
+
+    return ReadTarget(convert, shape, regions)
+
+
+def _host_shards(
+    array: jax.Array, dtype: np.dtype, context: cp.Context, primary_lacks: bool
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
+    """The chunk shape of ``array``'s shards, and those this process writes, on host."""
+    shape = tuple(int(s) for s in array.shape)
+    if cp.multihost.process_count() == 1 and isinstance(
+        array.sharding, jax.sharding.SingleDeviceSharding
+    ):
+        # One shard, the whole array: skip building Shard objects (a third of the
+        # blocking phase of a save of many single-device arrays).
+        data = np.asarray(array)
+        return shape, [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
+    shards = _multiprocess.shards_to_write(array, context, primary_lacks=primary_lacks)
+    try:
+        chunk_shape = tuple(int(s) for s in array.sharding.shard_shape(array.shape))
+    except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
+        chunk_shape = tuple(
+            max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(len(shape))
+        )
+    for shard in shards:  # Start every transfer before waiting for any.
+        shard.data.copy_to_host_async()
+    chunks = []
+    for shard in shards:
+        # On an accelerator this is a fresh host copy. On CPU it is a view that
+        # holds the device buffer: jax.Arrays are immutable and the buffer
+        # outlives delete() while the view exists, so even an asynchronous
+        # save needs no copy.
+        data = np.asarray(shard.data)
+        if data.dtype != dtype:
+            data = data.astype(dtype)
+        index = tuple(
+            (s.start or 0) // c if c else 0
+            for s, c in zip(_normalize(shard.index, shape), chunk_shape, strict=True)
+        )
+        chunks.append((index, data))
+    return chunk_shape, chunks
+
+
+def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
+    """Starts the device-to-host copy of every array, before waiting for any.
+
+    Nothing to start where JAX runs on the CPU: ``np.asarray`` of an array is
+    then a view of its buffer.
+    """
+    if jax.default_backend() == "cpu":
+        return
+    for array in arrays:
+        if not array.is_deleted():
+            array.copy_to_host_async()
+
+
+@attrs.frozen
+class _Snapshot:
+    """One array of a save as the blocking phase leaves it: checked, its shards on host."""
+
+    storage: cp.options.ArrayStorageOptions
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    sharding: jax.sharding.Sharding
+
+
+class ArrayLeafHandler(ZarrLeafHandler):
+    """Saves ``jax.Array`` leaves shard by shard; loads them onto any mesh.
+
+    Saving transfers each shard this process owns (``replica_id == 0``) to host
+    in the blocking phase, so the caller may delete its arrays as soon as
+    ``save_pytree_async`` returns. (On CPU the host view shares the
+    device buffer and keeps it alive: no copy at all.) Loading reads only the
+    regions the target sharding places on this process's devices.
+    """
+
+    loads_as = "a jax.Array"
+
+    def _schedule_writes(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
+    ) -> None:
+        lacking = _multiprocess.arrays_the_primary_lacks(
+            {p.name: p.value for p in params}, session.directory, session.context
+        )
+        # The caller waits for the checks and host copies only; the layouts and
+        # metadata are recorded in the background phase (session.plan()).
+        if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
+            snapshots = self._snapshot_local(session, params)
+        else:
+            snapshots = [
+                self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params
+            ]
+        session.defer(functools.partial(self._record_all, session, params, snapshots))
+
+    def _schedule_array(
+        self,
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        *,
+        primary_lacks: bool,
+        storage: cp.options.ArrayStorageOptions | None = None,
+        ext_metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Schedules one array's shards; ``storage`` overrides the save's storage options.
+
+        ``ext_metadata`` goes where Orbax keeps it (``array_metadatas/``) and
+        into the leaf's own ``_METADATA`` fields.
+        """
+        snapshot = self._snapshot(session, param, primary_lacks=primary_lacks, storage=storage)
+        self._record(session, param, snapshot, ext_metadata)
+
+    @staticmethod
+    def _snapshot(
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        *,
+        primary_lacks: bool,
+        storage: cp.options.ArrayStorageOptions | None = None,
+    ) -> _Snapshot:
+        """Checks one array and copies the shards this process writes to host."""
+        array = param.value
+        if array.is_deleted():
+            raise unsupported(
+                param.keypath, array, "the array was deleted (or donated) before the save"
+            )
+        if storage is None:
+            storage = storage_options(session, param.keypath, array)
+        dtype = storage_dtype(param.keypath, array, array.dtype, storage)
+        shape = tuple(int(s) for s in array.shape)
+        if math.prod(shape) == 0:
+            chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
+        else:
+            chunk_shape, chunks = _host_shards(array, dtype, session.context, primary_lacks)
+        return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
+
+    def _snapshot_local(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
+    ) -> list[_Snapshot]:
+        """``_snapshot`` of each array of a one-process save with one storage option for all.
+
+        Single-device arrays (most leaves of most trees) take a short path:
+        their dtype is checked once per dtype, their one shard is the array.
+        """
+        storage = session.array_options.storage_options
+        single = jax.sharding.SingleDeviceSharding
+        _start_host_copies([p.value for p in params])
+        dtypes: dict[Any, np.dtype] = {}
+        snapshots = []
+        for param in params:
+            array = param.value
+            shape, sharding = array.shape, array.sharding
+            if type(sharding) is not single or 0 in shape or array.is_deleted():
+                snapshots.append(self._snapshot(session, param, primary_lacks=False))
+                continue
+            dtype = dtypes.get(array.dtype)
+            if dtype is None:
+                dtype = dtypes[array.dtype] = storage_dtype(
+                    param.keypath, array, array.dtype, storage
+                )
+            data = np.asarray(array)
+            if data.dtype != dtype:
+                data = data.astype(dtype)
+            chunks = [((0,) * len(shape), data)]
+            snapshots.append(_Snapshot(storage, dtype, shape, shape, chunks, sharding))
+        return snapshots
+
+    def _record_all(
+        self,
+        session: SaveSession,
+        params: Sequence[SerializationParam[jax.Array]],
+        snapshots: Sequence[_Snapshot],
+    ) -> None:
+        for param, snapshot in zip(params, snapshots, strict=True):
+            self._record(session, param, snapshot, None)
+
+    @staticmethod
+    def _record(
+        session: SaveSession,
+        param: SerializationParam[jax.Array],
+        snapshot: _Snapshot,
+        ext_metadata: dict[str, Any] | None,
+    ) -> None:
+        """Schedules the write of one snapshotted array and records its metadata."""
+        chunk_shape = snapshot.chunk_shape
+        schedule_array(
+            session,
+            param,
+            shape=snapshot.shape,
+            dtype=snapshot.dtype,
+            chunk_shape=chunk_shape,
+            chunks=snapshot.chunks,
+            storage=snapshot.storage,
+            extra=ext_metadata,
+            held_by_every_process=False,  # Each process writes the shards it owns.
+        )
+        name = param.name
+        session.write_shapes[name] = chunk_shape
+        record = _sharding.describe(snapshot.sharding)
+        if record is not None:
+            session.shardings[name] = record
+        session.array_metadatas.append(
+            {
+                "param_name": name,
+                "write_shape": list(chunk_shape),
+                "chunk_shape": list(chunk_shape),
+                "ext_metadata": ext_metadata,
+            }
+        )
+
+    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+        shape, dtype, sharding = _target_of(abstract)
+        if sharding is not None and shape is not None:
+            return _sharded_read(shape, dtype, sharding)
+        return ReadTarget(_OnDefaultDevice(dtype), shape)
+
+    def _describe(
+        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+    ) -> ArrayMetadata:
+        """Shape, dtype and recorded sharding of a stored array."""
+        return ArrayMetadata(
+            layout.shape,
+            layout.dtype,
+            sharding_metadata=session.sharding_record(session.tree.storage_name(entry.names)),
+            storage=StorageMetadata(layout.chunk_shape, entry.write_shape),
+        )
+
+
+class NumpyLeafHandler(ZarrLeafHandler):
+    """Saves ``np.ndarray`` leaves as one-shard zarr3 arrays; loads NumPy arrays.
+
+    An asynchronous save snapshots the arrays in its blocking phase (a
+    synchronous one's caller cannot touch them until it returns: no copy).
+    """
+
+    loads_as = "an np.ndarray"
+
+    def _schedule_writes(
+        self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
+    ) -> None:
+        for param in params:
+            array = param.value
+            storage = storage_options(session, param.keypath, array)
+            array_dtype = array.dtype
+            if array_dtype.kind in "OUS":
+                raise unsupported(
+                    param.keypath,
+                    array,
+                    f"arrays of dtype {array_dtype} cannot be stored in zarr3; "
+                    f"convert them to numbers (or strings to str leaves)",
+                )
+            if array_dtype.byteorder not in "=|":
+                array_dtype = array_dtype.newbyteorder("=")
+            dtype = storage_dtype(param.keypath, array, array_dtype, storage)
+            shape = array.shape  # A tuple of Python ints.
+            chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
+            if array.size:
+                data = array if session.caller_waits else np.array(array, copy=True)
+                chunks = [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
+            schedule_array(
+                session,
+                param,
+                shape=shape,
+                dtype=dtype,
+                chunk_shape=shape if 0 not in shape else _zarr3.default_chunk_shape(shape),
+                chunks=chunks,
+                storage=storage,
+            )
+
+    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+        if abstract is None:
+            return ReadTarget(_numpy_result)
+        shape, dtype, _ = _target_of(abstract)
+        return ReadTarget(functools.partial(_numpy_result, dtype=dtype), shape)
+
+    def _describe(
+        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+    ) -> NumpyMetadata:
+        """Shape and dtype of a stored array."""
+        return NumpyMetadata(layout.shape, layout.dtype, StorageMetadata(layout.chunk_shape))

@@ -1,0 +1,163 @@
+"""``cp.storage.Storage`` for ``s3://`` and ``gs://``, through TensorStore's key-value stores.
+
+Used by the core and the plugins for every file but a pytree's arrays (small
+files, listing, deleting, the commit marker); the plugin registers it for
+``s3`` and ``gs``. Configured as ``_object_store`` describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import checkpointables as cp
+import tensorstore as ts
+
+from checkpointables_pytree._object_store import (
+    S3Settings,
+    bucket_and_key,
+    context_resources,
+    kvstore_spec,
+    s3_settings,
+)
+
+__all__ = ["KvStoreStorage", "storage_for"]
+
+
+def _failure(action: str, url: str, error: BaseException) -> cp.errors.StorageError:
+    return cp.errors.StorageError(
+        f"{action} {url} failed: {error}. Check the path, the credentials and the endpoint "
+        f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
+        f"failed transiently were already retried."
+    )
+
+
+@contextlib.contextmanager
+def _failing(action: str, url: str) -> Iterator[None]:
+    """Raises what fails inside as a ``StorageError`` saying what to check."""
+    try:
+        yield
+    except Exception as e:
+        raise _failure(action, url, e) from e
+
+
+def _prefix_range(key: str) -> tuple[str, ts.KvStore.KeyRange]:
+    """The prefix ``key/`` (``""`` for a bucket) and the range of the keys under it."""
+    if not key:
+        return "", ts.KvStore.KeyRange("", "")
+    prefix = f"{key}/"
+    return prefix, ts.KvStore.KeyRange(prefix, f"{key}0")  # "0" follows "/".
+
+
+class KvStoreStorage:
+    """``cp.storage.Storage`` for ``s3://`` and ``gs://``: one TensorStore kvstore per bucket.
+
+    Writes are whole objects (one PUT each); there are no directories, so
+    ``make_dirs`` does nothing and a "directory" is every key under a prefix.
+    """
+
+    atomic_rename = False
+
+    def __init__(self, options: cp.options.StorageOptions, settings: S3Settings) -> None:
+        self._settings = settings
+        self._context = ts.Context(context_resources(options))
+        self._stores: dict[tuple[str, str], ts.KvStore] = {}
+        self._lock = threading.Lock()
+
+    def _store(self, url: str) -> tuple[ts.KvStore, str]:
+        scheme, bucket, key = bucket_and_key(url)
+        with self._lock:
+            store = self._stores.get((scheme, bucket))
+            if store is None:
+                spec = kvstore_spec(f"{scheme}://{bucket}", self._settings)
+                with _failing("Opening", f"{scheme}://{bucket}"):
+                    store = ts.KvStore.open(spec, context=self._context).result()
+                self._stores[(scheme, bucket)] = store
+        return store, key
+
+    def _list(self, url: str) -> list[str]:
+        store, key = self._store(url)
+        prefix, keys_under = _prefix_range(key)
+        with _failing("Listing", url):
+            keys = store.list(keys_under, strip_prefix_length=len(prefix))
+            return [k.decode() for k in keys.result() if k]
+
+    def read_bytes(self, path: str) -> bytes:
+        """The contents of an object (one GET)."""
+        store, key = self._store(path)
+        with _failing("Reading", path):
+            result = store.read(key).result()
+        if result.state != "value":
+            raise FileNotFoundError(f"No object at {path}.")
+        return bytes(result.value)
+
+    def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
+        """Creates or replaces an object (one PUT; durable once it returns)."""
+        store, key = self._store(path)
+        with _failing("Writing", path):
+            store.write(key, data).result()
+
+    def is_file(self, path: str) -> bool:
+        """Whether an object is at ``path`` (one HEAD)."""
+        store, key = self._store(path)
+        if not key:
+            return False
+        with _failing("Checking", path):
+            return bool(store.read(key, byte_range=slice(0, 0)).result().state == "value")
+
+    def exists(self, path: str) -> bool:
+        """Whether an object, or any object under the prefix ``path/``, exists."""
+        return self.is_file(path) or bool(self._list(path))
+
+    def list_dir(self, path: str) -> list[cp.storage.Entry]:
+        """The first components of the keys under ``path/`` (one LIST, paged by 1,000)."""
+        children: dict[str, bool] = {}
+        for relative in self._list(path):
+            name, sep, _ = relative.partition("/")
+            children[name] = children.get(name, False) or bool(sep)
+        return [cp.storage.Entry(name, is_dir) for name, is_dir in children.items()]
+
+    def list_files(self, path: str) -> list[str]:
+        """Every key under ``path/``, relative to it."""
+        return self._list(path)
+
+    def remove_file(self, path: str) -> None:
+        """Deletes an object (one DELETE); a missing one is fine."""
+        store, key = self._store(path)
+        with _failing("Deleting", path):
+            store.write(key, None).result()
+
+    def remove_tree(self, path: str) -> None:
+        """Deletes every object under ``path/`` (a LIST, then a DELETE each)."""
+        store, key = self._store(path)
+        with _failing("Deleting", path):
+            store.delete_range(_prefix_range(key)[1]).result()
+        if key:
+            self.remove_file(path)
+
+    def make_dirs(self, path: str, mode: int | None = None) -> None:
+        """Nothing to do: object stores have no directories."""
+
+
+_storages: dict[tuple[Any, ...], KvStoreStorage] = {}
+_storages_lock = threading.Lock()
+
+
+def storage_for(context: cp.Context) -> cp.storage.Storage:
+    """The storage of ``s3://`` and ``gs://`` paths under ``context`` (cached per configuration).
+
+    The environment is part of the configuration: a change of the AWS_*
+    variables is seen by the next call.
+    """
+    options = context.storage_options
+    settings = s3_settings(options)
+    key = (options, settings.endpoint, settings.region, settings.credentials_key)
+    with _storages_lock:
+        storage = _storages.get(key)
+        if storage is None:
+            if len(_storages) >= 16:  # Bounded: configurations come and go in tests.
+                _storages.pop(next(iter(_storages)))
+            storage = _storages[key] = KvStoreStorage(options, settings)
+        return storage

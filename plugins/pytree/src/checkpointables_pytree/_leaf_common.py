@@ -1,0 +1,382 @@
+"""What the standard leaf handlers share: sessions, storage options, and the zarr3 leaf's life.
+
+Arrays, scalars and bytes are zarr3 arrays in the pytree's OCDBT database;
+``ZarrLeafHandler`` holds what their handlers do alike (schedule the writes,
+schedule the reads, describe what is stored), so each kind's handler says
+only what is its own: how a value becomes chunks, how read chunks become a
+value, and what ``cp.pytree_metadata`` shows for it.
+
+Any array-like stored leaf loads into any array-like abstract leaf: a stored
+``np.ndarray`` loads as a ``jax.Array`` given a ``jax.ShapeDtypeStruct``, a
+stored ``jax.Array`` as NumPy given ``np.empty(...)``, a stored int as a float
+given ``0.0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import numpy as np
+from checkpointables.serialization import (
+    DeserializationContext,
+    DeserializationParam,
+    SerializationContext,
+    SerializationParam,
+)
+
+from checkpointables_pytree import _tree, _tree_metadata, _zarr3
+from checkpointables_pytree._array_reads import ArrayRead
+from checkpointables_pytree._session import LoadSession, SaveSession, zarr_shape_dtype
+from checkpointables_pytree._write import ArrayWrite
+
+__all__ = [
+    "JAX_ARRAY",
+    "NUMPY_ARRAY",
+    "SCALAR",
+    "STRING",
+    "BYTES",
+    "ARRAY_VALUE_TYPES",
+    "StandardLeafHandler",
+    "ZarrLeafHandler",
+    "ReadTarget",
+    "StoredLayout",
+    "choose_inner_chunk_shape",
+]
+
+# value_type strings in _METADATA (the first four are Orbax's).
+JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING, BYTES = (
+    "jax.Array",
+    "np.ndarray",
+    "scalar",
+    "string",
+    "bytes",
+)
+# Stored as zarr arrays, so loadable into any array-like abstract leaf.
+ARRAY_VALUE_TYPES = frozenset({JAX_ARRAY, NUMPY_ARRAY, SCALAR, BYTES})
+
+
+def _what(keypath: Sequence[Any]) -> str:
+    return f"leaf {_tree.keystr(_tree.key_names(keypath), [_tree.key_type(k) for k in keypath])}"
+
+
+class LeafLabel:
+    """Names a leaf in errors; the key path is formatted only if an error needs it."""
+
+    __slots__ = ("keypath",)
+
+    def __init__(self, keypath: Sequence[Any]) -> None:
+        self.keypath = keypath
+
+    def __str__(self) -> str:
+        return _what(self.keypath)
+
+
+def unsupported(keypath: Sequence[Any], value: Any, why: str) -> cp.errors.NoHandlerForObjectError:
+    """The error for a leaf its handler cannot save, and ``why``."""
+    return cp.errors.NoHandlerForObjectError(
+        f"Cannot save {_what(keypath)} of type "
+        f"{type(value).__module__}.{type(value).__qualname__}: {why}"
+    )
+
+
+def check_stored_type(entry: _tree_metadata.Entry, allowed: frozenset[str], wanted: str) -> None:
+    """Raises unless the leaf was saved as one of ``allowed`` (so it can load as ``wanted``)."""
+    if entry.value_type not in allowed:
+        raise cp.errors.TreeMismatchError(
+            f"{entry.keystr} was saved as {entry.value_type!r}; it cannot be loaded as {wanted}. "
+            "Use an abstract leaf of the saved kind (see "
+            "cp.pytree_metadata), or cp.PLACEHOLDER to skip it."
+        )
+
+
+# -- Sessions ---------------------------------------------------------------------------
+# PyTreeHandler hands its session to the leaf handlers; one called directly makes its own
+# and runs it inside the awaitable it returns.
+
+
+def save_session(
+    handler: StandardLeafHandler, ctx: SerializationContext
+) -> tuple[SaveSession, bool]:
+    """The save's session, and whether it is this handler's own (``True``: it must run it)."""
+    session = getattr(ctx, "session", None)
+    if session is not None:
+        return session, False
+    return SaveSession.create(ctx.parent_dir, cp.context.get_context(handler._context)), True
+
+
+def load_session(
+    handler: StandardLeafHandler, ctx: DeserializationContext
+) -> tuple[LoadSession, bool]:
+    """The load's session, and whether it is this handler's own (``True``: it must run it)."""
+    session = getattr(ctx, "session", None)
+    if session is not None:
+        return session, False
+    tree = _tree_metadata.read_tree_metadata(ctx.parent_dir)
+    return LoadSession(ctx.parent_dir, tree, cp.context.get_context(handler._context)), True
+
+
+async def finish_save(session: SaveSession, private: bool) -> None:
+    """The awaitable a leaf handler's ``serialize`` returns: runs a private session."""
+    if private:
+        await session.run(write_files=True)
+
+
+async def finish_load(session: LoadSession, private: bool, reads: list[ArrayRead]) -> list[Any]:
+    """The awaitable a leaf handler's ``deserialize`` returns: the values its reads made."""
+    if private:
+        await session.reader.run()
+    return [r.result for r in reads]
+
+
+# -- Storage ------------------------------------------------------------------------------
+
+
+def storage_options(
+    session: SaveSession, keypath: Sequence[Any], value: Any
+) -> cp.options.ArrayStorageOptions:
+    """The storage options of one leaf, from the save's array options."""
+    options = session.array_options
+    creator = options.storage_options_creator
+    if creator is not None:
+        chosen = creator(tuple(keypath), value)
+        if chosen is not None:
+            if not isinstance(chosen, cp.options.ArrayStorageOptions):
+                raise cp.errors.InvalidArgumentTypeError(
+                    "storage_options_creator returned "
+                    f"{type(chosen).__name__} for {_what(keypath)}; "
+                    f"it must return cp.options.ArrayStorageOptions or None."
+                )
+            return chosen
+    return options.storage_options
+
+
+def storage_dtype(
+    keypath: Sequence[Any], value: Any, dtype: Any, storage: cp.options.ArrayStorageOptions
+) -> np.dtype:
+    """The dtype a leaf is stored in: the storage options', else its own (if zarr3 has it)."""
+    try:
+        target = np.dtype(storage.dtype) if storage.dtype is not None else np.dtype(dtype)
+    except TypeError:
+        raise unsupported(
+            keypath,
+            value,
+            f"its dtype {dtype} has no NumPy equivalent; register a leaf handler for it",
+        ) from None
+    if _zarr3.zarr_dtype_name(target) is None:
+        raise unsupported(
+            keypath,
+            value,
+            f"TensorStore's zarr3 driver has no {target} data type; convert the array to "
+            f"one it has (e.g. uint8, or int4 for 4-bit values), or register a leaf handler "
+            f"for it",
+        )
+    return target
+
+
+def choose_inner_chunk_shape(
+    write_shape: Sequence[int], itemsize: int, target_bytes: int, shard_axes: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Splits ``write_shape`` into chunks of at most ``target_bytes`` that divide it evenly.
+
+    Axes in ``shard_axes`` are split first, then the largest remaining ones;
+    each split takes the next smaller divisor of that dimension.
+    """
+    shape = [int(s) for s in write_shape]
+    chunk = list(shape)
+    ndim = len(shape)
+    preferred = [a % ndim for a in shard_axes] if ndim else []
+
+    def smaller_divisor(axis: int) -> int | None:
+        for d in range(chunk[axis] - 1, 0, -1):
+            if shape[axis] % d == 0:
+                return d
+        return None
+
+    while math.prod(chunk) * itemsize > target_bytes:
+        axes = [a for a in preferred if chunk[a] > 1] or sorted(
+            (a for a in range(ndim) if chunk[a] > 1), key=lambda a: -chunk[a]
+        )
+        for axis in axes:
+            divisor = smaller_divisor(axis)
+            if divisor is not None:
+                chunk[axis] = divisor
+                break
+        else:
+            break
+    return tuple(chunk)
+
+
+def schedule_array(
+    session: SaveSession,
+    param: SerializationParam[Any],
+    *,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    chunk_shape: tuple[int, ...],
+    chunks: list[tuple[tuple[int, ...], np.ndarray]],
+    storage: cp.options.ArrayStorageOptions,
+    extra: dict[str, Any] | None = None,
+    held_by_every_process: bool = True,
+) -> None:
+    """Schedules one array's chunks and records its metadata in the session.
+
+    In a multi-process save, a value every process holds (``held_by_every_process``)
+    and every array's ``zarr.json`` are written by the primary host alone.
+    """
+    primary = session.primary
+    if held_by_every_process and not primary:
+        chunks = []
+    compression = session.compression
+    inner: tuple[int, ...] | None = None
+    if storage.chunk_byte_size:
+        inner = choose_inner_chunk_shape(
+            chunk_shape, dtype.itemsize, int(storage.chunk_byte_size), storage.shard_axes
+        )
+        if inner == chunk_shape:
+            inner = None
+    layout, recorded = _zarr3.planned_layout(param.name, shape, dtype, chunk_shape)
+    recorded["one_chunk_shards"] = inner is None and not compression
+    if extra:
+        recorded.update(extra)
+    session.writer.add(
+        ArrayWrite(
+            LeafLabel(param.keypath),
+            layout,
+            chunks,
+            inner_chunk_shape=inner,
+            compression=compression,
+            write_metadata=primary,
+        )
+    )
+    session.extras[param.name] = recorded
+
+
+# -- The handlers' common part ----------------------------------------------------------------
+
+
+@attrs.define  # Not frozen: one is made per leaf of a load, and frozen ones cost twice as much.
+class ReadTarget:
+    """What a load wants of a stored array: the conversion of its read regions into the leaf.
+
+    ``shape`` is the shape asked for (``None``: as stored), ``regions`` the
+    parts of it to read (``None``: all of it).
+    """
+
+    convert: Callable[[list[np.ndarray]], Any]
+    shape: tuple[int, ...] | None = None
+    regions: list[tuple[slice, ...]] | None = None
+
+
+@attrs.frozen
+class StoredLayout:
+    """A stored array's shape, dtype and chunk shape (``None``: not recorded)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...] | None
+
+
+async def stored_layouts(
+    session: LoadSession, params: Sequence[DeserializationParam[Any]]
+) -> list[StoredLayout]:
+    """The layouts of stored arrays (recorded in ``_METADATA``, or read from zarr metadata)."""
+    found: list[StoredLayout | None] = []
+    unknown: list[str] = []
+    for param in params:
+        stored = session.stored_array(session.entry(param.keypath))
+        if stored is not None:
+            found.append(StoredLayout(stored.shape, stored.dtype, stored.chunk_shape))
+        else:
+            found.append(None)
+            unknown.append(session.storage_name(param.keypath))
+    if unknown:
+        documents = await session.zarr_metadata(unknown)
+        for i, param in enumerate(params):
+            if found[i] is None:
+                document = documents[session.storage_name(param.keypath)]
+                found[i] = StoredLayout(*zarr_shape_dtype(document))
+    return found  # type: ignore[return-value]
+
+
+class StandardLeafHandler:
+    """Shared constructor: leaf handlers are built with ``context=`` (a ``cp.Context``)."""
+
+    def __init__(self, context: cp.Context | None = None) -> None:
+        self._context = context
+
+
+class ZarrLeafHandler(StandardLeafHandler):
+    """A leaf handler storing each leaf as a zarr3 array of the pytree's database.
+
+    Subclasses say how values become chunks (``_schedule_writes``), how read
+    chunks become a value (``_read_target``) and what is stored (``_describe``).
+    """
+
+    # How errors name what the handler loads ("a jax.Array").
+    loads_as = "an array"
+
+    async def serialize(
+        self, params: Sequence[SerializationParam[Any]], serialization_context: SerializationContext
+    ) -> Awaitable[None]:
+        """Takes what the writes need from the leaves now; returns the awaitable that writes."""
+        session, private = save_session(self, serialization_context)
+        self._schedule_writes(session, params)
+        return finish_save(session, private)
+
+    def _schedule_writes(
+        self, session: SaveSession, params: Sequence[SerializationParam[Any]]
+    ) -> None:
+        raise NotImplementedError
+
+    async def deserialize(
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
+    ) -> Awaitable[Sequence[Any]]:
+        """Schedules the reads; returns the awaitable that yields the leaves."""
+        session, private = load_session(self, deserialization_context)
+        reads = [self._schedule_read(session, p) for p in params]
+        return finish_load(session, private, reads)
+
+    def _schedule_read(self, session: LoadSession, param: DeserializationParam[Any]) -> ArrayRead:
+        entry, name = session.info(param.keypath, getattr(param, "names", None))
+        if entry.value_type not in ARRAY_VALUE_TYPES:
+            check_stored_type(entry, ARRAY_VALUE_TYPES, self.loads_as)
+        stored = session.stored_array(entry)
+        target = self._read_target(entry, param.value, stored)
+        read = ArrayRead(
+            label=entry,
+            name=name,
+            stored=stored,
+            convert=target.convert,
+            target_shape=target.shape,
+            regions=target.regions,
+            allow_resize=session.allow_resize,
+        )
+        session.reader.add(read)
+        return read
+
+    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+        raise NotImplementedError
+
+    async def metadata(
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
+    ) -> Sequence[Any]:
+        """What each stored leaf is (its abstract leaf); reads no array data."""
+        session, _ = load_session(self, deserialization_context)
+        layouts = await stored_layouts(session, params)
+        return [
+            self._describe(session, session.entry(p.keypath), layout)
+            for p, layout in zip(params, layouts, strict=True)
+        ]
+
+    def _describe(
+        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+    ) -> Any:
+        raise NotImplementedError

@@ -1,0 +1,256 @@
+"""What a load decides before reading: which leaf handler reads which leaf, and the result's shape.
+
+Without an abstract tree every recorded leaf is read as saved; with one, the
+abstract tree is matched against ``_METADATA`` first and every mismatch is
+reported at once, by key path, before any array is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import jax
+from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
+from etils import epath
+
+from checkpointables_pytree import _tree, _tree_metadata
+from checkpointables_pytree._errors import describe_type, listing
+from checkpointables_pytree._session import NamedDeserializationParam
+
+__all__ = ["LoadPlan", "is_skip"]
+
+_PLACEHOLDER_TYPE = "placeholder"  # Orbax's value_type for skipped leaves of partial saves.
+
+
+def _empty_value(value_type: str) -> Any:
+    # An empty named tuple loads as {}, as non-empty ones load as dicts of their fields.
+    return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": {}}[value_type]
+
+
+def is_skip(abstract: Any) -> bool:
+    """Whether an abstract leaf asks to skip what is stored there (``None``, a placeholder)."""
+    return (
+        abstract is None
+        or abstract is cp.PLACEHOLDER
+        or (type(abstract) in (dict, list, tuple) and not abstract)
+    )
+
+
+def _missing_handlers(unknown: dict[str, list[str]]) -> cp.errors.MissingHandlerError:
+    described = "; ".join(f"{t!r} for {listing(paths)}" for t, paths in unknown.items())
+    return cp.errors.MissingHandlerError(
+        "No leaf handler registered here reads the "
+        f"value types {described}. They were saved by "
+        "custom leaf handlers: pass a registry "
+        "holding them, e.g. cp.Context(pytree_options="
+        "cp.options.PyTreeOptions(leaf_handler_registry=registry)), "
+        "or skip those leaves with "
+        f"cp.PLACEHOLDER in an abstract tree."
+    )
+
+
+@attrs.define
+class _Mismatch:
+    """How an abstract tree differs from the stored one (key paths, as errors show them)."""
+
+    extra: list[str] = attrs.Factory(list)  # Abstract leaves with nothing stored.
+    structure: list[str] = attrs.Factory(list)  # A leaf on one side, a subtree on the other.
+    unsupported: list[str] = attrs.Factory(list)  # Abstract leaves no leaf handler accepts.
+    missing: list[str] = attrs.Factory(list)  # Stored leaves the abstract tree leaves out.
+
+    def raise_if_any(self, *, partial: bool, where: epath.Path) -> None:
+        """Raises ``TreeMismatchError`` listing every difference (``partial``: allow missing)."""
+        if self.unsupported:
+            raise cp.errors.TreeMismatchError(
+                f"No leaf handler accepts these abstract leaves: {listing(self.unsupported)}. "
+                "Use jax.ShapeDtypeStruct, np.empty(...), a "
+                "scalar, a str, None or cp.PLACEHOLDER, or a "
+                f"registered custom abstract type."
+            )
+        missing = [] if partial else self.missing
+        if not (self.extra or self.structure or missing):
+            return
+        lines = [f"The abstract tree does not match the pytree stored in {where}:"]
+        for items, what in (
+            (self.extra, "in the abstract tree but not in the checkpoint"),
+            (self.structure, "different structure"),
+            (missing, "in the checkpoint but not in the abstract tree"),
+        ):
+            if items:
+                lines.append(f"  {what} ({len(items)}): {listing(items)}")
+        lines.append(
+            "Fix the abstract tree (cp.pytree_metadata(path).metadata "
+            "shows what is stored); to load "
+            "only part of the tree pass partial_load=True, "
+            "or put cp.PLACEHOLDER where a leaf should "
+            "be skipped."
+        )
+        raise cp.errors.TreeMismatchError("\n".join(lines))
+
+
+class LoadPlan:
+    """Which leaf handler reads which leaf, and how the result tree is built.
+
+    ``values`` holds one slot per leaf of the result, filled by the leaf
+    handlers named in ``groups`` (``handler class -> [(slot, param)]``).
+    """
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.groups: dict[type, list[tuple[int, DeserializationParam[Any]]]] = {}
+        self.slots: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
+        self.treedef: Any = None
+
+    @classmethod
+    def without_abstract(
+        cls, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
+    ) -> LoadPlan:
+        """Every recorded leaf, read as saved.
+
+        Raises:
+          cp.errors.MissingHandlerError: a leaf's value type has no leaf handler here.
+        """
+        plan = cls()
+        unknown: dict[str, list[str]] = {}
+        slots, values = plan.slots, plan.values
+        # Per value type: the list of its handler's group (looked up once per type).
+        group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
+        jax_keypath, own_value_types = _tree.jax_keypath, tree.own_value_types
+        for entry in tree.entries:
+            names, value_type = entry.names, entry.value_type
+            slots.append((names, entry.key_types))
+            if entry.skip_deserialize and value_type in _tree.EMPTY_TYPES:
+                values.append(_empty_value(value_type))
+                continue
+            if value_type == _PLACEHOLDER_TYPE:
+                values.append(cp.PLACEHOLDER)
+                continue
+            values.append(None)
+            if own_value_types:
+                value_type = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) or value_type
+            try:
+                group = group_of[value_type]
+            except KeyError:
+                group = group_of[value_type] = plan._group_for(registry, value_type, entry)
+            if group is None:
+                unknown.setdefault(value_type, []).append(entry.keystr)
+                continue
+            keypath = jax_keypath(names, entry.key_types)
+            param = NamedDeserializationParam(keypath=keypath, value=None, names=names)
+            group.append((len(values) - 1, param))
+        if unknown:
+            raise _missing_handlers(unknown)
+        return plan
+
+    def _group_for(
+        self, registry: LeafHandlerRegistry, value_type: str, entry: _tree_metadata.Entry
+    ) -> list[tuple[int, DeserializationParam[Any]]] | None:
+        # A leaf's own value type unknown here falls back to its Orbax value type.
+        leaf_entry = registry.entry_for_typestr(value_type) or registry.entry_for_typestr(
+            entry.value_type
+        )
+        return None if leaf_entry is None else self.groups.setdefault(leaf_entry.handler_cls, [])
+
+    @classmethod
+    def with_abstract(
+        cls,
+        tree: _tree_metadata.TreeMetadata,
+        abstract: Any,
+        registry: LeafHandlerRegistry,
+        *,
+        partial: bool,
+        where: epath.Path,
+    ) -> LoadPlan:
+        """The leaves of ``abstract``, matched against ``tree``.
+
+        Raises:
+          cp.errors.TreeMismatchError: the trees differ (``partial``: leaves the
+            abstract tree leaves out are fine).
+        """
+        plan = cls()
+        leaves, plan.treedef = _tree.flatten_abstract(abstract)
+        stored = {e.names: e for e in tree.entries}
+        inner: set[tuple[str, ...]] = set()
+        for names in stored:
+            inner.update(names[:i] for i in range(len(names)))
+        mismatch = _Mismatch()
+        used: set[tuple[str, ...]] = set()
+        skipped: set[tuple[str, ...]] = set()
+        for keypath, leaf in leaves:
+            names = _tree.key_names(keypath)
+            plan.values.append(leaf)
+            shown = jax.tree_util.keystr(keypath) or "<root>"
+            if is_skip(leaf):
+                if names in stored or names in inner:
+                    skipped.add(names)
+                else:
+                    mismatch.extra.append(shown)
+                continue
+            entry = stored.get(names)
+            if entry is None or entry.is_empty_node:
+                _no_leaf_stored(shown, entry, names in inner, mismatch)
+                continue
+            leaf_entry = registry.entry_for_abstract(leaf)
+            if leaf_entry is None:
+                mismatch.unsupported.append(f"{shown} ({describe_type(leaf)})")
+                continue
+            used.add(names)
+            param = NamedDeserializationParam(keypath=tuple(keypath), value=leaf, names=names)
+            plan.groups.setdefault(leaf_entry.handler_cls, []).append((len(plan.values) - 1, param))
+        mismatch.missing = _left_out(tree, abstract, used, skipped)
+        mismatch.raise_if_any(partial=partial, where=where)
+        return plan
+
+    def build(self, tree: _tree_metadata.TreeMetadata, where: epath.Path) -> Any:
+        """The result tree: the abstract tree's structure, or the recorded one."""
+        if self.treedef is not None:
+            return jax.tree_util.tree_unflatten(self.treedef, self.values)
+        if not self.slots:
+            return {}
+        items = [
+            (names, types, value)
+            for (names, types), value in zip(self.slots, self.values, strict=True)
+        ]
+        return _tree.unflatten(
+            items,
+            tree.tuple_paths,
+            on_conflict=lambda message: cp.errors.MetadataError(
+                f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
+            ),
+        )
+
+
+def _no_leaf_stored(
+    shown: str, entry: _tree_metadata.Entry | None, is_subtree: bool, mismatch: _Mismatch
+) -> None:
+    """Records why an abstract leaf has no stored leaf: a subtree, an empty node, or nothing."""
+    if is_subtree:
+        mismatch.structure.append(
+            f"{shown} (a leaf in the abstract tree, a subtree in the checkpoint)"
+        )
+    elif entry is not None:
+        mismatch.structure.append(f"{shown} (an empty {entry.value_type} in the checkpoint)")
+    else:
+        mismatch.extra.append(shown)
+
+
+def _left_out(
+    tree: _tree_metadata.TreeMetadata,
+    abstract: Any,
+    used: set[tuple[str, ...]],
+    skipped: set[tuple[str, ...]],
+) -> list[str]:
+    """The stored leaves the abstract tree neither asks for nor skips."""
+    missing = []
+    for entry in tree.entries:
+        names = entry.names
+        if names in used or any(names[:i] in skipped for i in range(len(names) + 1)):
+            continue
+        # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
+        # abstract tree's flattening: look for it there.
+        if entry.is_empty_node and _tree.has_empty_node(abstract, names):
+            continue
+        missing.append(entry.keystr)
+    return missing

@@ -1,0 +1,524 @@
+"""The reader: every array of one load, read in one ``Reader.run``.
+
+Leaf handlers ``add`` an ``ArrayRead`` per leaf; ``run`` then takes one of
+two paths per array:
+
+* ``_read_whole``: arrays whose layout ``_METADATA`` recorded, uncompressed
+  with one inner chunk per shard (what this library writes), wanted whole.
+  Their shards are read as plain values and checked here against zarr3's
+  own CRC-32C (hardware CRC-32C, ``crc32c``), in groups of about
+  ``GROUP_BYTES`` on worker threads. Values come from ``_local_reads``
+  (local files, ``preadv`` into the arrays' memory) or ``_remote_reads``
+  (object stores, few ranged GETs), located by the b-tree
+  (``_ocdbt_index``); TensorStore's kvstore reads the rest (small trees,
+  inline values, anything the fast paths cannot vouch for).
+* ``_read_with_driver``: everything else (Orbax's checkpoints, compressed
+  arrays, a part of a large array) through TensorStore's zarr3 driver,
+  which checks the CRC-32C itself; at most ``IN_FLIGHT_BYTES`` are decoded
+  at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import checkpointables as cp
+import crc32c
+import numpy as np
+import tensorstore as ts
+from checkpointables import execution
+from etils import epath
+
+from checkpointables_pytree import (
+    _errors,
+    _local_reads,
+    _ocdbt,
+    _ocdbt_index,
+    _remote_reads,
+    _zarr3,
+)
+from checkpointables_pytree._array_reads import (
+    ArrayRead,
+    Region,
+    check_shape,
+    convert_all,
+    intersect,
+    pieces_of,
+    region_shape,
+    regions_of,
+)
+from checkpointables_pytree._buffers import aligned_empty
+from checkpointables_pytree._tree_metadata import METADATA_FILE
+
+__all__ = ["OpenedDatabase", "Reader", "read_values", "physical_memory_bytes"]
+
+# Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
+IN_FLIGHT_BYTES = 128 << 20
+# Bytes of arrays per group of whole reads (a larger array is a group of its own): a
+# group is read, checked and converted by one worker thread, and several per thread
+# even out their ends.
+GROUP_BYTES = 16 << 20
+MIN_GROUP_BYTES = 1 << 20
+GROUPS_PER_THREAD = 4
+# Copying from the page cache and checksumming release the GIL but keep a core busy:
+# more threads than cores only contend.
+READ_THREADS = max(2, os.cpu_count() or 2)
+# Up to this many keys, a tree's values are read through TensorStore (walking the b-tree
+# costs more); its reads are waited for on the event loop's thread. Arrays larger than
+# LARGE_ARRAY_BYTES are read from the files all the same: TensorStore hands them over as
+# fresh bytes objects, one more copy.
+INLINE_READ_KEYS = 64
+LARGE_ARRAY_BYTES = 256 << 10
+# Groups up to this size are checked on the event loop's thread (a hand-over costs more).
+INLINE_CHECK_BYTES = 1 << 20
+# A _METADATA of more than this (about 100 leaves) starts a load's index early.
+PREFETCH_METADATA_BYTES = 32 << 10
+
+
+class OpenedDatabase:
+    """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
+
+    ``start`` also issues one read, which brings the manifest and the b-tree's
+    root into the context's cache while this thread parses the metadata and
+    plans the reads: for a tree of a few leaves that waiting was a fifth of
+    the load. For a tree of many leaves (a ``_METADATA`` of more than
+    ``PREFETCH_METADATA_BYTES``) it also starts reading where the values are
+    (``index``), which TensorStore decodes meanwhile in its own threads.
+    """
+
+    def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
+        self.context = context
+        self.kvstore = kvstore
+        self.index = _ocdbt_index.DatabaseIndex(directory)
+        self._warming = kvstore.read("")  # Held: TensorStore may cancel a dropped read.
+
+    @classmethod
+    def start(cls, directory: epath.Path) -> OpenedDatabase | None:
+        """Opens the local OCDBT database in ``directory``; ``None`` if there is none.
+
+        Anything unusual is left to the reads, which report it.
+        """
+        root = os.fspath(directory)
+        if not _ocdbt.is_local(root) or not os.path.exists(
+            os.path.join(root, _ocdbt.MANIFEST_FILE)
+        ):
+            return None
+        context = _ocdbt.make_context()
+        try:
+            kvstore = _ocdbt.open_kvstore(directory, context).result()
+        except ValueError:  # TensorStore's errors: the reads report them, naming the leaf.
+            return None
+        opened = cls(directory, context, kvstore)
+        try:
+            if os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES:
+                opened.index.prefetch()
+        except OSError:
+            pass  # No _METADATA: reading it reports that.
+        return opened
+
+
+class ByteLimiter:
+    """Lets tasks hold up to ``limit`` bytes at once (a task larger than that runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._condition: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        """Waits until ``nbytes`` fit, holds them for the ``async with`` body."""
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        condition = self._condition
+        nbytes = min(max(nbytes, 1), self._limit)
+        async with condition:
+            await condition.wait_for(lambda: self._used + nbytes <= self._limit)
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            async with condition:
+                self._used -= nbytes
+                condition.notify_all()
+
+
+async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Lets the other tasks finish after one failed.
+
+    Cancelling a task that awaits a TensorStore future leaves the future's
+    callback pointing at this event loop, which may be closed by the time
+    the I/O ends; waiting for them is safe, and bounded by their I/O.
+    """
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
+    """The values of many keys (``b""`` for a missing key), read in one TensorStore batch.
+
+    Awaiting each future from the event loop would cost a thread wake-up per
+    key; one worker thread collects them all instead.
+    """
+    with ts.Batch() as batch:
+        futures = [kvstore.read(key, batch=batch) for key in keys]
+    if len(keys) <= INLINE_READ_KEYS:
+        # A few reads of a tiny tree: waiting here is cheaper than a hand-over to a thread.
+        return [f.result().value for f in futures]
+    return await asyncio.to_thread(lambda: [f.result().value for f in futures])
+
+
+class Reader:
+    """Collects the arrays of one load, then reads them all (``run``)."""
+
+    def __init__(
+        self,
+        directory: epath.Path,
+        *,
+        ocdbt: bool = True,
+        zarr3: bool = True,
+        verify: bool = True,
+        opened: OpenedDatabase | None = None,
+        cross_check: bool = False,
+    ) -> None:
+        self._directory = directory
+        self._opened = opened if ocdbt else None
+        self._cross_check = cross_check
+        self._ocdbt = ocdbt
+        self._zarr3 = zarr3
+        self._local = _ocdbt.is_local(directory)
+        # False skips the CRC-32Cs checked here (the zarr3 driver always checks its own).
+        self._verify = verify
+        self._reads: list[ArrayRead] = []
+        self._index = self._opened.index if self._opened is not None else None
+        if self._index is None and ocdbt:
+            self._index = _ocdbt_index.DatabaseIndex(directory)
+
+    def array_spec(self, name: str) -> dict[str, Any]:
+        """The zarr spec of array ``name`` (for the driver)."""
+        if self._ocdbt:
+            kvstore: Any = _ocdbt.kvstore_spec(self._directory, path=name + "/")
+        else:  # Orbax's use_ocdbt=False layout: one directory per array.
+            kvstore = _ocdbt.location_spec(self._directory / name)
+        return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
+
+    def add(self, read: ArrayRead) -> None:
+        """Schedules ``read``; ``read.result`` is set by ``run``.
+
+        Raises:
+          cp.errors.TreeMismatchError: the recorded shape differs from the target's.
+        """
+        stored, target = read.stored, read.target_shape
+        if stored is not None and target is not None and tuple(target) != stored.shape:
+            check_shape(read, stored.shape)  # Fail before any read, when possible.
+        self._reads.append(read)
+
+    async def run(self) -> None:
+        """Reads every scheduled array and converts it."""
+        if not self._reads:
+            return
+        context = self._opened.context if self._opened is not None else _ocdbt.make_context()
+        whole = [r for r in self._reads if r.whole and self._ocdbt]
+        driver = [r for r in self._reads if not (r.whole and self._ocdbt)]
+        limiter = ByteLimiter(IN_FLIGHT_BYTES)
+        tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in driver]
+        try:
+            if whole:
+                await self._read_whole(whole, context)
+            await asyncio.gather(*tasks)
+        except BaseException:
+            await settle(tasks)
+            raise
+
+    async def _kvstore(self, context: ts.Context) -> ts.KvStore:
+        if self._opened is not None:
+            return self._opened.kvstore
+        try:
+            return await _ocdbt.open_kvstore(self._directory, context)
+        except ValueError as e:
+            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+
+    async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
+        """Reads, checks and converts arrays stored as plain shards, group by group."""
+        for read in reads:
+            _check_fits_in_memory(read, read.stored.nbytes)  # type: ignore[union-attr]
+        kvstore = await self._kvstore(context)
+        if self._cross_check:
+            await self._check_zarr_json(kvstore, reads)
+        keys = [_zarr3.chunk_key(r.name, i) for r in reads for i in r.stored.chunk_indices]  # type: ignore[union-attr]
+        found = await self._locate(keys, reads)
+        groups = _groups(reads, found, READ_THREADS)
+        threads = asyncio.Semaphore(READ_THREADS)
+        requests = asyncio.Semaphore(_remote_reads.REQUESTS)
+        files = _local_reads.OpenFiles()
+
+        async def one(group: list[ArrayRead]) -> None:
+            async with threads if self._local else contextlib.nullcontext():
+                values = await self._fetch(kvstore, group, found, requests, files)
+                if sum(r.stored.nbytes for r in group) <= INLINE_CHECK_BYTES:  # type: ignore[union-attr]
+                    self._finish(group, values)
+                else:
+                    await asyncio.to_thread(self._finish, group, values)
+
+        tasks = [asyncio.ensure_future(one(g)) for g in groups]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            await settle(tasks)
+            raise
+        finally:
+            files.close()
+
+    async def _locate(
+        self, keys: Sequence[str], reads: Sequence[ArrayRead]
+    ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
+        """Inline values and value locations from the b-tree: ``{}`` where not worth it."""
+        large = any(r.stored.nbytes > LARGE_ARRAY_BYTES for r in reads)  # type: ignore[union-attr]
+        if self._index is None or (self._local and len(keys) <= INLINE_READ_KEYS and not large):
+            return {}
+        try:
+            return await self._index.find([k.encode() for k in keys])
+        except ValueError:  # An index TensorStore cannot decode: its reads report the damage.
+            return {}
+
+    async def _fetch(
+        self,
+        kvstore: ts.KvStore,
+        group: Sequence[ArrayRead],
+        found: dict[bytes, Any],
+        requests: asyncio.Semaphore,
+        files: _local_reads.OpenFiles,
+    ) -> list[Any]:
+        """The shard values of ``group``, in order: the fast paths', then TensorStore's."""
+        keys, sizes, owners = [], [], []
+        for read in group:
+            stored = read.stored
+            assert stored is not None
+            count = len(stored.chunk_indices)
+            keys += [_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices]
+            sizes += [stored.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES] * count
+            owners += [read] * count
+        values: list[Any] = [found.get(k.encode()) for k in keys]
+        # Only values of the size recorded are read here: a damaged b-tree may claim terabytes.
+        located = [
+            v if type(v) is _ocdbt_index.ValueLocation and v.length == size else None
+            for v, size in zip(values, sizes, strict=True)
+        ]
+        values = [None if type(v) is _ocdbt_index.ValueLocation else v for v in values]
+        if any(located):
+            assert self._index is not None
+            if self._local:
+                read = await asyncio.to_thread(_local_reads.read_values, files, located)
+            else:
+                read = await _remote_reads.read_values(self._index, located, requests)
+            values = [v if r is None else r for v, r in zip(values, read, strict=True)]
+        rest = [i for i, v in enumerate(values) if v is None]
+        if rest:
+            try:
+                found_rest = await read_values(kvstore, [keys[i] for i in rest])
+            except ValueError:  # A node that fails to decode, a file cut short: name the leaf.
+                found_rest = [await _read_one(kvstore, keys[i], owners[i]) for i in rest]
+            for i, value in zip(rest, found_rest, strict=True):
+                values[i] = value
+        return values
+
+    def _finish(self, group: Sequence[ArrayRead], values: Sequence[Any]) -> None:
+        """Checks every shard of ``group`` against its CRC-32C, assembles and converts."""
+        with execution.paused_gc():
+            done = []
+            position = 0
+            for read in group:
+                stored = read.stored
+                assert stored is not None
+                count = 1 if stored.single_chunk else len(stored.chunk_indices)
+                chunks = [self._data(read, values[position + n], n) for n in range(count)]
+                position += count
+                done.append((read, pieces_of(read, _assemble(read, chunks))))
+            convert_all(done)
+
+    def _data(self, read: ArrayRead, value: Any, n: int) -> memoryview:
+        """The data of the ``n``-th shard value of ``read``, once its layout and CRC-32C check."""
+        nbytes = read.stored.chunk_nbytes  # type: ignore[union-attr]
+        view = memoryview(value)
+        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != (
+            _zarr3.shard_trailer(nbytes)
+        ):
+            index = read.stored.chunk_indices[n]  # type: ignore[union-attr]
+            problem = "is missing" if not len(view) else "does not have the layout that was written"
+            raise _errors.integrity_error(
+                read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}"
+            )
+        data = view[:nbytes]
+        if self._verify and crc32c.crc32c(data) != int.from_bytes(
+            view[nbytes : nbytes + 4], "little"
+        ):
+            raise _errors.integrity_error(read.what, "a chunk's CRC-32C does not match its data")
+        return data
+
+    async def _check_zarr_json(self, kvstore: Any, reads: Sequence[ArrayRead]) -> None:
+        """Each array's ``zarr.json`` must be the one written for its recorded layout."""
+        try:
+            values = await read_values(kvstore, [f"{r.name}/zarr.json" for r in reads])
+        except ValueError as e:
+            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+        for read, value in zip(reads, values, strict=True):
+            stored = read.stored
+            assert stored is not None
+            if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+                raise _errors.integrity_error(
+                    f"{read.what} (array {read.name!r})",
+                    "its zarr.json does not describe the shape and dtype _METADATA records",
+                )
+
+    async def _read_with_driver(
+        self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter
+    ) -> None:
+        spec = self.array_spec(read.name)
+        spec["fill_missing_data_reads"] = False  # A missing chunk is damage, not zeros.
+        try:
+            store = await ts.open(spec, context=context, open=True)
+        except ValueError as e:
+            raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+        stored_shape = tuple(int(s) for s in store.shape)
+        dtype = store.dtype.numpy_dtype
+        _check_against_metadata(read, stored_shape, dtype)
+        regions = regions_of(read, check_shape(read, stored_shape))
+        nbytes = sum(math.prod(region_shape(r)) for r in regions) * dtype.itemsize
+        _check_fits_in_memory(read, nbytes)
+        # The regions of one process's devices usually tile one block: read it once
+        # rather than every chunk once per region that touches it.
+        box = _tiling_box(regions)
+        async with limiter.hold(nbytes):
+            pieces = [
+                await _read_region(read, store, region, stored_shape)
+                for region in (regions if box is None else [box])
+            ]
+            if box is not None:
+                pieces = [pieces[0][_within(region, box)] for region in regions]
+            read.result = read.convert(pieces)
+
+
+async def _read_one(kvstore: ts.KvStore, key: str, read: ArrayRead) -> bytes:
+    try:
+        return (await kvstore.read(key)).value
+    except ValueError as e:
+        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+
+
+async def _read_region(
+    read: ArrayRead, store: Any, region: Region, stored_shape: tuple[int, ...]
+) -> np.ndarray:
+    """``region`` of the stored array (zeros beyond its bounds)."""
+    dtype = store.dtype.numpy_dtype
+    parts = intersect(region, stored_shape) if region else ((), ())
+    if parts is None:
+        return np.zeros(region_shape(region), dtype=dtype)
+    source, destination = parts
+    try:
+        data = await store[source].read() if source else await store.read()
+    except ValueError as e:
+        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+    if data.shape != region_shape(region):
+        padded = np.zeros(region_shape(region), dtype=data.dtype)
+        padded[destination] = data
+        data = padded
+    return data
+
+
+def _within(region: Region, box: Region) -> tuple[slice, ...]:
+    return tuple(
+        slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
+    )
+
+
+def _groups(
+    reads: Sequence[ArrayRead], found: dict[bytes, Any], threads: int
+) -> list[list[ArrayRead]]:
+    """``reads`` in the order of their first shard in the files, cut into groups of similar size."""
+
+    def where(read: ArrayRead) -> tuple[int, str, int]:
+        key = _zarr3.chunk_key(read.name, read.stored.chunk_indices[0]).encode()  # type: ignore[union-attr]
+        location = found.get(key)
+        if type(location) is _ocdbt_index.ValueLocation:
+            return (0, location.file, location.offset)
+        return (1, "", 0)
+
+    ordered = sorted(reads, key=where) if found else list(reads)
+    total = sum(r.stored.nbytes for r in ordered)  # type: ignore[union-attr]
+    budget = max(MIN_GROUP_BYTES, min(GROUP_BYTES, total // (GROUPS_PER_THREAD * threads)))
+    groups: list[list[ArrayRead]] = [[]]
+    used = 0
+    for read in ordered:
+        if groups[-1] and used >= budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(read)
+        used += read.stored.nbytes  # type: ignore[union-attr]
+    return [g for g in groups if g]
+
+
+def _assemble(read: ArrayRead, chunks: list[memoryview]) -> np.ndarray:
+    """The whole array from its shards' data (a view of the only one, or a fresh array)."""
+    stored = read.stored
+    assert stored is not None
+    if stored.single_chunk:
+        # A read-only view when TensorStore read the value: conversions copy or make it writable.
+        return np.frombuffer(chunks[0], dtype=stored.dtype).reshape(stored.shape)
+    layout = _zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
+    full = aligned_empty(stored.nbytes).view(stored.dtype).reshape(stored.shape)
+    for index, data in zip(stored.chunk_indices, chunks, strict=True):
+        chunk = np.frombuffer(data, dtype=stored.dtype).reshape(stored.chunk_shape)
+        region = layout.region(index)
+        full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+    return full
+
+
+def _check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
+    stored = read.stored
+    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
+        raise _errors.integrity_error(
+            f"{read.what} (array {read.name!r})",
+            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
+            f"shape {stored.shape} and dtype {stored.dtype}",
+        )
+
+
+@functools.cache
+def physical_memory_bytes() -> int:
+    """The machine's memory (``0`` where unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def _check_fits_in_memory(read: ArrayRead, nbytes: int) -> None:
+    """Refuses, before anything is allocated, a read larger than the machine's memory."""
+    memory = physical_memory_bytes()
+    if memory and nbytes > memory:
+        raise cp.errors.MetadataError(
+            f"{read.what} (array {read.name!r}): loading it here needs {nbytes:,} bytes, more "
+            f"than this machine's memory ({memory:,} bytes). If the checkpoint is damaged, restore "
+            f"it from a copy; otherwise load it across more processes, or skip the leaf "
+            f"(cp.PLACEHOLDER in the abstract tree)."
+        )
+
+
+def _tiling_box(regions: Sequence[Region]) -> Region | None:
+    """The block several regions tile exactly, or ``None`` (one region, or gaps between them)."""
+    if len(regions) < 2 or not regions[0]:
+        return None
+    box = tuple(
+        slice(min(r[d].start for r in regions), max(r[d].stop for r in regions))
+        for d in range(len(regions[0]))
+    )
+    # Distinct regions of a sharding never overlap: equal volumes mean no gaps.
+    if sum(math.prod(region_shape(r)) for r in regions) != math.prod(region_shape(box)):
+        return None
+    return box

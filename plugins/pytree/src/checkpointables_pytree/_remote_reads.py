@@ -1,0 +1,121 @@
+"""Reading many values of a database on an object store in few ranged GETs.
+
+TensorStore's OCDBT reads each value with its own GET: a load of 5,000 small
+arrays made about 3,300 requests to S3, at tens of milliseconds each. But the
+values of one save sit next to each other in a few data files, and the
+b-tree says where (``_ocdbt_index``). So neighbouring values of one file
+(gaps of up to ``GAP_BYTES`` are read and dropped) are read as runs, each cut
+into ranges of at most ``RANGE_BYTES``; ``REQUESTS`` ranges are in flight at
+once, so a load holds at most ``REQUESTS * RANGE_BYTES`` besides its arrays.
+
+A value a range did not fully deliver is ``None``: the caller reads it
+through TensorStore, which reports what is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from checkpointables_pytree._buffers import Slab
+from checkpointables_pytree._ocdbt_index import DatabaseIndex, ValueLocation
+
+__all__ = ["read_values"]
+
+# A request costs what tens of milliseconds of transfer would: read through gaps this small.
+GAP_BYTES = 1 << 20
+# Ranges in flight, and their size: a load holds about REQUESTS * RANGE_BYTES beyond its
+# arrays. Loading 256 MiB of jax.Arrays from a local S3 server (peak RSS growth, time):
+# 32 x 2 MiB 1.05-1.07x, 1.1-1.5 s; 16 x 4 MiB 1.15-1.19x, 0.9-1.2 s; 4 x 8 MiB 1.12-1.16x,
+# 0.7-0.9 s. Few large ranges also keep a load of thousands of small arrays at a few
+# requests (47 MiB in 3,000 arrays: 6 ranges, not 24). A server far away (tens of ms per
+# request) would fill its bandwidth with more in flight: a note for remote benchmarks.
+REQUESTS = 4
+RANGE_BYTES = 8 << 20
+
+
+@attrs.define
+class _Run:
+    """Neighbouring values of one file, read as consecutive ranges."""
+
+    file: str
+    start: int
+    end: int
+    members: list[int]  # Indices into the locations, by offset.
+
+
+async def read_values(
+    index: DatabaseIndex, locations: Sequence[ValueLocation | None], limit: asyncio.Semaphore
+) -> list[np.ndarray | None]:
+    """The bytes at each location (``None`` in, ``None`` out), each in a 64-byte aligned buffer.
+
+    ``limit`` (of ``REQUESTS``, shared by a load's calls) bounds the requests in flight.
+    """
+    base = await index.base()
+    order = sorted(
+        (i for i, loc in enumerate(locations) if loc is not None),
+        key=lambda i: locations[i][:2],  # type: ignore[index]
+    )
+    slab = Slab([locations[i].length for i in order])  # type: ignore[union-attr]
+    buffers: list[np.ndarray | None] = [None] * len(locations)
+    for i in order:
+        buffers[i] = slab.take(locations[i].length)  # type: ignore[union-attr]
+    missing = [False] * len(locations)
+    tasks = []
+    for run in _runs(order, locations):
+        run.file = os.path.relpath(run.file, index.root)  # Keys of the directory's kvstore.
+        for start in range(run.start, run.end, RANGE_BYTES):
+            end = min(run.end, start + RANGE_BYTES)
+            read = _read_range(base, run, start, end, locations, buffers, missing, limit)
+            tasks.append(asyncio.ensure_future(read))
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        await asyncio.gather(
+            *tasks, return_exceptions=True
+        )  # TensorStore futures end on their own.
+        raise
+    return [None if gone else value for value, gone in zip(buffers, missing, strict=True)]
+
+
+def _runs(order: Sequence[int], locations: Sequence[ValueLocation | None]) -> list[_Run]:
+    runs: list[_Run] = []
+    for i in order:
+        file, offset, length = locations[i]  # type: ignore[misc]
+        if runs and runs[-1].file == file and 0 <= offset - runs[-1].end <= GAP_BYTES:
+            runs[-1].end = max(runs[-1].end, offset + length)
+            runs[-1].members.append(i)
+        else:
+            runs.append(_Run(file, offset, offset + length, [i]))
+    return runs
+
+
+async def _read_range(
+    base: Any,
+    run: _Run,
+    start: int,
+    end: int,
+    locations: Sequence[ValueLocation | None],
+    buffers: list[np.ndarray | None],
+    missing: list[bool],
+    limit: asyncio.Semaphore,
+) -> None:
+    """Reads ``[start, end)`` of the run's file into the values it overlaps."""
+    async with limit:
+        result = await base.read(run.file, byte_range=slice(start, end))
+        data = np.frombuffer(result.value, np.uint8) if result.state == "value" else None
+        for i in run.members:
+            _, offset, length = locations[i]  # type: ignore[misc]
+            low, high = max(start, offset), min(end, offset + length)
+            if low >= high:
+                continue
+            if data is None or len(data) < high - start:
+                missing[i] = True  # Cut short: TensorStore's read reports it.
+                continue
+            buffers[i][low - offset : high - offset] = data[low - start : high - start]  # type: ignore[index]
+        del data, result

@@ -1,0 +1,117 @@
+"""The leaf handlers of ``str`` (in ``_strings.json``, as Orbax) and ``bytes`` (uint8 arrays)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import checkpointables as cp
+import numpy as np
+from checkpointables.serialization import (
+    DeserializationContext,
+    DeserializationParam,
+    SerializationContext,
+    SerializationParam,
+)
+
+from checkpointables_pytree import _errors, _tree_metadata, _zarr3
+from checkpointables_pytree._leaf_common import (
+    STRING,
+    ReadTarget,
+    StandardLeafHandler,
+    ZarrLeafHandler,
+    check_stored_type,
+    finish_save,
+    load_session,
+    save_session,
+    schedule_array,
+)
+from checkpointables_pytree._session import SaveSession
+
+__all__ = ["StringLeafHandler", "BytesLeafHandler"]
+
+
+class StringLeafHandler(StandardLeafHandler):
+    """Saves ``str`` leaves in the pytree's ``_strings.json`` (as Orbax does)."""
+
+    async def serialize(
+        self, params: Sequence[SerializationParam[str]], serialization_context: SerializationContext
+    ) -> Awaitable[None]:
+        """Records the strings; they are written with the tree's other files."""
+        session, private = save_session(self, serialization_context)
+        for param in params:
+            session.strings[param.name] = str(param.value)
+        return finish_save(session, private)
+
+    async def deserialize(
+        self,
+        params: Sequence[DeserializationParam[Any]],
+        deserialization_context: DeserializationContext,
+    ) -> Awaitable[Sequence[str]]:
+        """Returns the awaitable that reads the strings."""
+        session, _ = load_session(self, deserialization_context)
+        for param in params:
+            check_stored_type(session.entry(param.keypath), frozenset({STRING}), "a str")
+
+        async def read() -> list[str]:
+            strings = session.strings()
+            result = []
+            for param in params:
+                name = session.storage_name(param.keypath)
+                if name not in strings:
+                    raise _errors.integrity_error(
+                        session.entry(param.keypath).keystr,
+                        f"it is missing from {session.directory / '_strings.json'}",
+                    )
+                result.append(str(strings[name]))
+            return result
+
+        return read()
+
+    async def metadata(
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
+    ) -> Sequence[str]:
+        """``""`` for each string leaf (an abstract ``str``)."""
+        return ["" for _ in params]
+
+
+def _to_bytes(pieces: list[np.ndarray]) -> bytes:
+    return pieces[0].tobytes()
+
+
+class BytesLeafHandler(ZarrLeafHandler):
+    """Saves ``bytes`` leaves as 1-d uint8 zarr3 arrays; loads ``bytes``.
+
+    ``metadata`` gives ``b""`` for each (an abstract ``bytes``).
+    """
+
+    loads_as = "bytes"
+
+    def _schedule_writes(
+        self, session: SaveSession, params: Sequence[SerializationParam[bytes]]
+    ) -> None:
+        for param in params:
+            data = np.frombuffer(bytes(param.value), dtype=np.uint8)
+            shape = (int(data.size),)
+            schedule_array(
+                session,
+                param,
+                shape=shape,
+                dtype=np.dtype(np.uint8),
+                chunk_shape=_zarr3.default_chunk_shape(shape),
+                chunks=[((0,), data)] if data.size else [],
+                storage=cp.options.ArrayStorageOptions(),
+            )
+
+    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+        return ReadTarget(_to_bytes)
+
+    async def metadata(
+        self,
+        params: Sequence[DeserializationParam[None]],
+        deserialization_context: DeserializationContext,
+    ) -> Sequence[bytes]:
+        """``b""`` for each bytes leaf (an abstract ``bytes``)."""
+        return [b"" for _ in params]
