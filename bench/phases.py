@@ -58,7 +58,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 def _instrument(op: str) -> None:
     from checkpointables import _loading, _saving
-    from checkpointables_pytree import _read, _tree, _tree_metadata, _write
+    from checkpointables_pytree import _read, _rebuild, _tree_metadata, _write
 
     if op == "save":
         _timed(_saving, "_blocking_phase", "1 blocking phase: flatten, checks, snapshot")
@@ -72,7 +72,7 @@ def _instrument(op: str) -> None:
         _timed(_tree_metadata, "parse_tree_metadata", "1.1 parsing _METADATA")
         _timed(_loading, "_read", "2 background phase: reads")
         _timed(_read.Reader, "run", "2.1 reader (index, preads, CRC-32C)")
-        _timed(_tree, "unflatten", "2.2 unflatten")
+        _timed(_rebuild, "unflatten", "2.2 unflatten")
 
 
 def _cpu() -> float:

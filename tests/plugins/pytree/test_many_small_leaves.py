@@ -59,7 +59,7 @@ def test_the_tree_is_big_enough_for_the_batched_read(saved) -> None:
     assert LEAVES > _read.INLINE_READ_KEYS
     # ...and for the early read of the b-tree, so the damage tests below cover it too.
     metadata = (saved / "pytree" / "_METADATA").stat().st_size
-    assert metadata > _read.PREFETCH_METADATA_BYTES
+    assert metadata > _ocdbt_index.PREFETCH_METADATA_BYTES
 
 
 def test_round_trip_numpy(saved) -> None:

@@ -13,17 +13,26 @@ import collections
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import checkpointables as cp
 import numpy as np
 
-from checkpointables_pytree import _zarr3
+from checkpointables_pytree import _errors, _zarr3
+from checkpointables_pytree._buffers import aligned_empty
 
 __all__ = [
     "ArrayRead",
     "BatchConvert",
+    "assemble",
+    "check_against_metadata",
+    "check_fits_in_memory",
+    "physical_memory_bytes",
+    "read_region",
+    "tiling_box",
+    "within",
     "Region",
     "StoredArray",
     "check_shape",
@@ -242,3 +251,91 @@ def _convert_many_of(kind: type) -> Any:
     """The ``convert_many`` of a conversion's class, or ``None`` (looked up once per class:
     ``convert_all`` runs per leaf, and most conversions are plain functions)."""
     return getattr(kind, "convert_many", None)
+
+
+async def read_region(
+    read: ArrayRead, store: Any, region: Region, stored_shape: tuple[int, ...]
+) -> np.ndarray:
+    """``region`` of the stored array (zeros beyond its bounds)."""
+    dtype = store.dtype.numpy_dtype
+    parts = intersect(region, stored_shape) if region else ((), ())
+    if parts is None:
+        return np.zeros(region_shape(region), dtype=dtype)
+    source, destination = parts
+    try:
+        data = await store[source].read() if source else await store.read()
+    except ValueError as e:
+        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+    if data.shape != region_shape(region):
+        padded = np.zeros(region_shape(region), dtype=data.dtype)
+        padded[destination] = data
+        data = padded
+    return data
+
+
+def within(region: Region, box: Region) -> tuple[slice, ...]:
+    return tuple(
+        slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
+    )
+
+
+def assemble(read: ArrayRead, chunks: list[memoryview]) -> np.ndarray:
+    """The whole array from its shards' data (a view of the only one, or a fresh array)."""
+    stored = read.stored
+    assert stored is not None
+    if stored.single_chunk:
+        # A read-only view when TensorStore read the value: conversions copy or make it writable.
+        return np.frombuffer(chunks[0], dtype=stored.dtype).reshape(stored.shape)
+    layout = _zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
+    full = aligned_empty(stored.nbytes).view(stored.dtype).reshape(stored.shape)
+    for index, data in zip(stored.chunk_indices, chunks, strict=True):
+        chunk = np.frombuffer(data, dtype=stored.dtype).reshape(stored.chunk_shape)
+        region = layout.region(index)
+        full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+    return full
+
+
+def check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
+    stored = read.stored
+    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
+        raise _errors.integrity_error(
+            f"{read.what} (array {read.name!r})",
+            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
+            f"shape {stored.shape} and dtype {stored.dtype}",
+        )
+
+
+@functools.cache
+def physical_memory_bytes() -> int:
+    """The machine's memory (``0`` where unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def check_fits_in_memory(read: ArrayRead, nbytes: int) -> None:
+    """Refuses, before anything is allocated, a read larger than the machine's memory."""
+    memory = physical_memory_bytes()
+    if memory and nbytes > memory:
+        raise cp.errors.MetadataError(
+            f"{read.what} (array {read.name!r}): loading it here needs {nbytes:,} bytes, more "
+            f"than this machine's memory ({memory:,} bytes). If the checkpoint is damaged, restore "
+            f"it from a copy; otherwise load it across more processes, or skip the leaf "
+            f"(cp.PLACEHOLDER in the abstract tree)."
+        )
+
+
+def tiling_box(regions: Sequence[Region]) -> Region | None:
+    """The block several regions tile exactly, or ``None`` (one region, or gaps between them)."""
+    if len(regions) < 2 or not regions[0]:
+        return None
+    box = tuple(
+        slice(min(r[d].start for r in regions), max(r[d].stop for r in regions))
+        for d in range(len(regions[0]))
+    )
+    # Distinct regions of a sharding never overlap: equal volumes mean no gaps.
+    if sum(math.prod(region_shape(r)) for r in regions) != math.prod(region_shape(box)):
+        return None
+    return box

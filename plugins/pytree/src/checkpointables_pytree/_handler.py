@@ -27,7 +27,7 @@ from checkpointables_pytree import (
     _keys,
     _multiprocess,
     _ocdbt,
-    _read,
+    _ocdbt_index,
     _tree,
     _tree_metadata,
     _verify,
@@ -307,7 +307,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = _read.OpenedDatabase.start(directory)
+        opened = _ocdbt_index.OpenedDatabase.start(directory)
         tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:

@@ -15,7 +15,7 @@ import jax
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _tree, _tree_metadata
+from checkpointables_pytree import _rebuild, _tree, _tree_metadata
 from checkpointables_pytree._errors import describe_type, listing
 from checkpointables_pytree._session import NamedDeserializationParam
 
@@ -213,7 +213,7 @@ class LoadPlan:
             (names, types, value)
             for (names, types), value in zip(self.slots, self.values, strict=True)
         ]
-        return _tree.unflatten(
+        return _rebuild.unflatten(
             items,
             tree.tuple_paths,
             on_conflict=lambda message: cp.errors.MetadataError(

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import checkpointables as cp
 import crc32c
-import numpy as np
 import tensorstore as ts
 from checkpointables import execution
 from etils import epath
@@ -45,18 +42,21 @@ from checkpointables_pytree import (
 )
 from checkpointables_pytree._array_reads import (
     ArrayRead,
-    Region,
+    assemble,
+    check_against_metadata,
+    check_fits_in_memory,
     check_shape,
     convert_all,
-    intersect,
     pieces_of,
+    read_region,
     region_shape,
     regions_of,
+    tiling_box,
+    within,
 )
-from checkpointables_pytree._buffers import aligned_empty
-from checkpointables_pytree._tree_metadata import METADATA_FILE
+from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
-__all__ = ["OpenedDatabase", "Reader", "read_values", "physical_memory_bytes"]
+__all__ = ["Reader", "read_values"]
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
@@ -77,86 +77,6 @@ INLINE_READ_KEYS = 64
 LARGE_ARRAY_BYTES = 256 << 10
 # Groups up to this size are checked on the event loop's thread (a hand-over costs more).
 INLINE_CHECK_BYTES = 1 << 20
-# A _METADATA of more than this (about 100 leaves) starts a load's index early.
-PREFETCH_METADATA_BYTES = 32 << 10
-
-
-class OpenedDatabase:
-    """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
-
-    ``start`` also issues one read, which brings the manifest and the b-tree's
-    root into the context's cache while this thread parses the metadata and
-    plans the reads: for a tree of a few leaves that waiting was a fifth of
-    the load. For a tree of many leaves (a ``_METADATA`` of more than
-    ``PREFETCH_METADATA_BYTES``) it also starts reading where the values are
-    (``index``), which TensorStore decodes meanwhile in its own threads.
-    """
-
-    def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
-        self.context = context
-        self.kvstore = kvstore
-        self.index = _ocdbt_index.DatabaseIndex(directory)
-        self._warming = kvstore.read("")  # Held: TensorStore may cancel a dropped read.
-
-    @classmethod
-    def start(cls, directory: epath.Path) -> OpenedDatabase | None:
-        """Opens the local OCDBT database in ``directory``; ``None`` if there is none.
-
-        Anything unusual is left to the reads, which report it.
-        """
-        root = os.fspath(directory)
-        if not _ocdbt.is_local(root) or not os.path.exists(
-            os.path.join(root, _ocdbt.MANIFEST_FILE)
-        ):
-            return None
-        context = _ocdbt.make_context()
-        try:
-            kvstore = _ocdbt.open_kvstore(directory, context).result()
-        except ValueError:  # TensorStore's errors: the reads report them, naming the leaf.
-            return None
-        opened = cls(directory, context, kvstore)
-        try:
-            if os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES:
-                opened.index.prefetch()
-        except OSError:
-            pass  # No _METADATA: reading it reports that.
-        return opened
-
-
-class ByteLimiter:
-    """Lets tasks hold up to ``limit`` bytes at once (a task larger than that runs alone)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._condition: asyncio.Condition | None = None
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        """Waits until ``nbytes`` fit, holds them for the ``async with`` body."""
-        if self._condition is None:
-            self._condition = asyncio.Condition()
-        condition = self._condition
-        nbytes = min(max(nbytes, 1), self._limit)
-        async with condition:
-            await condition.wait_for(lambda: self._used + nbytes <= self._limit)
-            self._used += nbytes
-        try:
-            yield
-        finally:
-            async with condition:
-                self._used -= nbytes
-                condition.notify_all()
-
-
-async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    """Lets the other tasks finish after one failed.
-
-    Cancelling a task that awaits a TensorStore future leaves the future's
-    callback pointing at this event loop, which may be closed by the time
-    the I/O ends; waiting for them is safe, and bounded by their I/O.
-    """
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
@@ -183,7 +103,7 @@ class Reader:
         ocdbt: bool = True,
         zarr3: bool = True,
         verify: bool = True,
-        opened: OpenedDatabase | None = None,
+        opened: _ocdbt_index.OpenedDatabase | None = None,
         cross_check: bool = False,
     ) -> None:
         self._directory = directory
@@ -246,7 +166,7 @@ class Reader:
     async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
         """Reads, checks and converts arrays stored as plain shards, group by group."""
         for read in reads:
-            _check_fits_in_memory(read, read.stored.nbytes)  # type: ignore[union-attr]
+            check_fits_in_memory(read, read.stored.nbytes)  # type: ignore[union-attr]
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
@@ -338,7 +258,7 @@ class Reader:
                 count = 1 if stored.single_chunk else len(stored.chunk_indices)
                 chunks = [self._data(read, values[position + n], n) for n in range(count)]
                 position += count
-                done.append((read, pieces_of(read, _assemble(read, chunks))))
+                done.append((read, pieces_of(read, assemble(read, chunks))))
             convert_all(done)
 
     def _data(self, read: ArrayRead, value: Any, n: int) -> memoryview:
@@ -386,20 +306,20 @@ class Reader:
             raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
         stored_shape = tuple(int(s) for s in store.shape)
         dtype = store.dtype.numpy_dtype
-        _check_against_metadata(read, stored_shape, dtype)
+        check_against_metadata(read, stored_shape, dtype)
         regions = regions_of(read, check_shape(read, stored_shape))
         nbytes = sum(math.prod(region_shape(r)) for r in regions) * dtype.itemsize
-        _check_fits_in_memory(read, nbytes)
+        check_fits_in_memory(read, nbytes)
         # The regions of one process's devices usually tile one block: read it once
         # rather than every chunk once per region that touches it.
-        box = _tiling_box(regions)
+        box = tiling_box(regions)
         async with limiter.hold(nbytes):
             pieces = [
-                await _read_region(read, store, region, stored_shape)
+                await read_region(read, store, region, stored_shape)
                 for region in (regions if box is None else [box])
             ]
             if box is not None:
-                pieces = [pieces[0][_within(region, box)] for region in regions]
+                pieces = [pieces[0][within(region, box)] for region in regions]
             read.result = read.convert(pieces)
 
 
@@ -408,32 +328,6 @@ async def _read_one(kvstore: ts.KvStore, key: str, read: ArrayRead) -> bytes:
         return (await kvstore.read(key)).value
     except ValueError as e:
         raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
-
-
-async def _read_region(
-    read: ArrayRead, store: Any, region: Region, stored_shape: tuple[int, ...]
-) -> np.ndarray:
-    """``region`` of the stored array (zeros beyond its bounds)."""
-    dtype = store.dtype.numpy_dtype
-    parts = intersect(region, stored_shape) if region else ((), ())
-    if parts is None:
-        return np.zeros(region_shape(region), dtype=dtype)
-    source, destination = parts
-    try:
-        data = await store[source].read() if source else await store.read()
-    except ValueError as e:
-        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
-    if data.shape != region_shape(region):
-        padded = np.zeros(region_shape(region), dtype=data.dtype)
-        padded[destination] = data
-        data = padded
-    return data
-
-
-def _within(region: Region, box: Region) -> tuple[slice, ...]:
-    return tuple(
-        slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, box, strict=True)
-    )
 
 
 def _groups(
@@ -460,65 +354,3 @@ def _groups(
         groups[-1].append(read)
         used += read.stored.nbytes  # type: ignore[union-attr]
     return [g for g in groups if g]
-
-
-def _assemble(read: ArrayRead, chunks: list[memoryview]) -> np.ndarray:
-    """The whole array from its shards' data (a view of the only one, or a fresh array)."""
-    stored = read.stored
-    assert stored is not None
-    if stored.single_chunk:
-        # A read-only view when TensorStore read the value: conversions copy or make it writable.
-        return np.frombuffer(chunks[0], dtype=stored.dtype).reshape(stored.shape)
-    layout = _zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
-    full = aligned_empty(stored.nbytes).view(stored.dtype).reshape(stored.shape)
-    for index, data in zip(stored.chunk_indices, chunks, strict=True):
-        chunk = np.frombuffer(data, dtype=stored.dtype).reshape(stored.chunk_shape)
-        region = layout.region(index)
-        full[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
-    return full
-
-
-def _check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
-    stored = read.stored
-    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
-        raise _errors.integrity_error(
-            f"{read.what} (array {read.name!r})",
-            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
-            f"shape {stored.shape} and dtype {stored.dtype}",
-        )
-
-
-@functools.cache
-def physical_memory_bytes() -> int:
-    """The machine's memory (``0`` where unknown)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (OSError, ValueError, AttributeError):
-        return 0
-
-
-def _check_fits_in_memory(read: ArrayRead, nbytes: int) -> None:
-    """Refuses, before anything is allocated, a read larger than the machine's memory."""
-    memory = physical_memory_bytes()
-    if memory and nbytes > memory:
-        raise cp.errors.MetadataError(
-            f"{read.what} (array {read.name!r}): loading it here needs {nbytes:,} bytes, more "
-            f"than this machine's memory ({memory:,} bytes). If the checkpoint is damaged, restore "
-            f"it from a copy; otherwise load it across more processes, or skip the leaf "
-            f"(cp.PLACEHOLDER in the abstract tree)."
-        )
-
-
-def _tiling_box(regions: Sequence[Region]) -> Region | None:
-    """The block several regions tile exactly, or ``None`` (one region, or gaps between them)."""
-    if len(regions) < 2 or not regions[0]:
-        return None
-    box = tuple(
-        slice(min(r[d].start for r in regions), max(r[d].stop for r in regions))
-        for d in range(len(regions[0]))
-    )
-    # Distinct regions of a sharding never overlap: equal volumes mean no gaps.
-    if sum(math.prod(region_shape(r)) for r in regions) != math.prod(region_shape(box)):
-        return None
-    return box

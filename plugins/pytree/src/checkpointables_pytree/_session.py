@@ -25,7 +25,16 @@ import crc32c
 import numpy as np
 from etils import epath
 
-from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree, _tree_metadata, _zarr3
+from checkpointables_pytree import (
+    _errors,
+    _ocdbt,
+    _ocdbt_index,
+    _read,
+    _sharding,
+    _tree,
+    _tree_metadata,
+    _zarr3,
+)
 from checkpointables_pytree._array_reads import StoredArray
 from checkpointables_pytree._write import Writer
 
@@ -180,7 +189,7 @@ class LoadSession:
         directory: epath.Path,
         tree: _tree_metadata.TreeMetadata,
         context: cp.Context,
-        opened: _read.OpenedDatabase | None = None,
+        opened: _ocdbt_index.OpenedDatabase | None = None,
     ) -> None:
         self.directory = directory
         self.tree = tree

@@ -1,4 +1,4 @@
-"""Flattening pytrees into key paths, and rebuilding them.
+"""Flattening pytrees into key paths (``_rebuild`` makes trees of recorded ones).
 
 Keys are recorded the way Orbax records them: each level has a name (the dict
 key, sequence index or attribute name, as a string) and a key type
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import checkpointables as cp
@@ -32,7 +32,6 @@ __all__ = [
     "has_empty_node",
     "key_names",
     "keystr",
-    "unflatten",
     "jax_keypath",
 ]
 
@@ -309,100 +308,3 @@ def _abstract_is_leaf(x: Any) -> bool:
 def flatten_abstract(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
     """Flattens an abstract tree (``jax.tree_util``); ``None`` and empty containers are leaves."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_abstract_is_leaf)
-
-
-def unflatten(
-    items: Sequence[tuple[tuple[str, ...], tuple[int, ...], Any]],
-    tuple_paths: frozenset[tuple[str, ...]] = frozenset(),
-    *,
-    on_conflict: Callable[[str], Exception] = ValueError,
-) -> Any:
-    """Rebuilds a tree from ``(names, key_types, value)`` items.
-
-    DICT levels become dicts, SEQUENCE levels lists (or tuples for the paths in
-    ``tuple_paths``), ordered by index.
-    """
-    if len(items) == 1 and not items[0][0]:
-        return items[0][2]
-    root: dict[str, Any] = {}
-    kinds: dict[tuple[str, ...], int] = {}
-    # Items come sorted, so siblings follow each other: their parent is found once.
-    parent_names: tuple[str, ...] | None = None
-    parent: dict[str, Any] = root
-    for names, types, value in items:
-        if not names:
-            raise on_conflict("the root is recorded both as a leaf and as a container")
-        if len(names) != len(types):
-            raise ValueError(f"{len(names)} key names but {len(types)} key types")
-        head = names[:-1]
-        if head != parent_names:
-            parent_names, parent = head, _parent_of(root, kinds, names, types, on_conflict)
-        name, kind = names[-1], types[-1]
-        recorded = kinds.setdefault(head, kind)
-        if recorded != kind:
-            raise on_conflict(f"the children of {keystr(head)} mix list and dict keys")
-        if name in parent:
-            raise on_conflict(f"{keystr(names, types)} is recorded twice")
-        parent[name] = _Value(value)
-    return _build(root, (), kinds, tuple_paths, on_conflict)
-
-
-def _parent_of(
-    root: dict[str, Any],
-    kinds: dict[tuple[str, ...], int],
-    names: tuple[str, ...],
-    types: tuple[int, ...],
-    on_conflict: Callable[[str], Exception],
-) -> dict[str, Any]:
-    """The dict that holds the item at ``names`` (made on the way), checking each level's kind."""
-    node = root
-    for depth in range(len(names) - 1):
-        name, kind = names[depth], types[depth]
-        prefix = names[:depth]
-        recorded = kinds.setdefault(prefix, kind)
-        if recorded != kind:
-            raise on_conflict(f"the children of {keystr(prefix)} mix list and dict keys")
-        child = node.setdefault(name, {})
-        if isinstance(child, _Value):
-            raise on_conflict(f"{keystr(names[: depth + 1])} is both a leaf and a container")
-        node = child
-    return node
-
-
-def _build(
-    node: dict[str, Any],
-    prefix: tuple[str, ...],
-    kinds: dict[tuple[str, ...], int],
-    tuple_paths: frozenset[tuple[str, ...]],
-    on_conflict: Callable[[str], Exception],
-) -> Any:
-    """The container at ``prefix``: a dict, or a list or tuple for SEQUENCE levels."""
-
-    def value(key: str, child: Any) -> Any:
-        if isinstance(child, _Value):
-            return child.value
-        return _build(child, (*prefix, key), kinds, tuple_paths, on_conflict)
-
-    if kinds.get(prefix, DICT) != SEQUENCE:
-        return {k: value(k, v) for k, v in node.items()}
-    try:
-        ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
-    except ValueError:
-        raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
-    values = [value(k, v) for k, v in ordered]
-    if ordered and int(ordered[-1][0]) != len(ordered) - 1:
-        # Indices with gaps (only possible in hand-edited metadata): keep positions.
-        padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
-        for (k, _), v in zip(ordered, values, strict=True):
-            padded[int(k)] = v
-        values = padded
-    return tuple(values) if prefix in tuple_paths else values
-
-
-class _Value:
-    """Marks a leaf value in the nested dicts ``unflatten`` builds."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value

@@ -1,5 +1,8 @@
 """Waiting for many TensorStore futures from an event loop, with one wake-up.
 
+Also what the reader and the writer share to wait safely: ``settle`` (let
+the other tasks end after one failed) and ``ByteLimiter`` (bytes in flight).
+
 ``await future`` on a TensorStore future schedules a callback on the event
 loop for that future alone: the loop's thread wakes up once per future. A
 save of thousands of arrays waits for an open and a copy per array, and
@@ -13,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-__all__ = ["wait_all"]
+__all__ = ["ByteLimiter", "settle", "wait_all"]
 
 
 async def wait_all(futures: Sequence[Any]) -> list[Any]:
@@ -51,3 +54,39 @@ async def wait_all(futures: Sequence[Any]) -> list[Any]:
             future.add_done_callback(one_done)
         await all_done
     return [f.result() for f in futures]
+
+
+class ByteLimiter:
+    """Lets tasks hold up to ``limit`` bytes at once (a task larger than that runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._condition: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        """Waits until ``nbytes`` fit, holds them for the ``async with`` body."""
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        condition = self._condition
+        nbytes = min(max(nbytes, 1), self._limit)
+        async with condition:
+            await condition.wait_for(lambda: self._used + nbytes <= self._limit)
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            async with condition:
+                self._used -= nbytes
+                condition.notify_all()
+
+
+async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Lets the other tasks finish after one failed.
+
+    Cancelling a task that awaits a TensorStore future leaves the future's
+    callback pointing at this event loop, which may be closed by the time
+    the I/O ends; waiting for them is safe, and bounded by their I/O.
+    """
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -27,7 +27,15 @@ import tensorstore as ts
 from checkpointables.serialization import LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _errors, _ocdbt, _read, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree import (
+    _array_reads,
+    _errors,
+    _ocdbt,
+    _read,
+    _sharding,
+    _tree_metadata,
+    _zarr3,
+)
 from checkpointables_pytree._array_reads import ArrayRead
 from checkpointables_pytree._leaf_common import ARRAY_VALUE_TYPES, SCALAR, STRING
 from checkpointables_pytree._load_plan import LoadPlan
@@ -165,7 +173,7 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
         )
         chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
-        memory = _read.physical_memory_bytes()
+        memory = _array_reads.physical_memory_bytes()
         if memory and chunk_bytes > memory:
             return [
                 f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "

@@ -37,7 +37,7 @@ from checkpointables import execution
 from etils import epath
 
 from checkpointables_pytree import _errors, _ocdbt, _ts_futures, _zarr3
-from checkpointables_pytree._read import ByteLimiter, settle
+from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
 __all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 
