@@ -29,6 +29,23 @@ def _empty_value(value_type: str) -> Any:
     return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": {}}[value_type]
 
 
+_VALUE_TYPES = "value types"  # tree.derived's key of the value types a tree records.
+
+
+def _value_types(tree: _tree_metadata.TreeMetadata) -> tuple[str, ...]:
+    """Every value type the entries record (their own ones too), in a fixed order."""
+    types = {e.value_type for e in tree.entries}
+    if tree.own_value_types:
+        own = (e.extra.get(_tree_metadata.OWN_VALUE_TYPE) for e in tree.entries)
+        types.update(t for t in own if isinstance(t, str))
+    return tuple(sorted(types))
+
+
+def _handler_for(registry: LeafHandlerRegistry, value_type: str) -> type | None:
+    leaf_entry = registry.entry_for_typestr(value_type)
+    return None if leaf_entry is None else leaf_entry.handler_cls
+
+
 def is_skip(abstract: Any) -> bool:
     """Whether an abstract leaf asks to skip what is stored there (``None``, a placeholder)."""
     return (
@@ -102,6 +119,7 @@ class LoadPlan:
         self.groups: dict[type, list[tuple[int, DeserializationParam[Any]]]] = {}
         self.slots: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         self.treedef: Any = None
+        self.empties: list[tuple[int, str]] = []  # Slots of empty containers, by value type.
 
     @classmethod
     def without_abstract(
@@ -109,49 +127,60 @@ class LoadPlan:
     ) -> LoadPlan:
         """Every recorded leaf, read as saved.
 
+        The plan depends only on the ``_METADATA`` text and on which leaf handler
+        reads each value type: it is made once per text and handler choice
+        (``tree.derived``) and copied for each load.
+
         Raises:
           cp.errors.MissingHandlerError: a leaf's value type has no leaf handler here.
         """
+        types = tree.derived.get(_VALUE_TYPES)
+        if types is None:
+            types = tree.derived[_VALUE_TYPES] = _value_types(tree)
+        handlers = tuple((t, _handler_for(registry, t)) for t in types)
+        template = tree.derived.get(handlers)
+        if template is None:
+            template = tree.derived[handlers] = cls._recorded(tree, dict(handlers))
+        plan = cls()
+        plan.values = list(template.values)
+        for slot, value_type in template.empties:  # Fresh ones: the caller may change them.
+            plan.values[slot] = _empty_value(value_type)
+        plan.groups, plan.slots = template.groups, template.slots
+        return plan
+
+    @classmethod
+    def _recorded(
+        cls, tree: _tree_metadata.TreeMetadata, handlers: dict[str, type | None]
+    ) -> LoadPlan:
+        """The plan of ``without_abstract``, with each value type's leaf handler."""
         plan = cls()
         unknown: dict[str, list[str]] = {}
         slots, values = plan.slots, plan.values
-        # Per value type: the list of its handler's group (looked up once per type).
-        group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
         jax_keypath, own_value_types = _tree.jax_keypath, tree.own_value_types
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
             if entry.skip_deserialize and value_type in _tree.EMPTY_TYPES:
-                values.append(_empty_value(value_type))
+                plan.empties.append((len(values), value_type))
+                values.append(None)
                 continue
             if value_type == _PLACEHOLDER_TYPE:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
-            if own_value_types:
-                value_type = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) or value_type
-            try:
-                group = group_of[value_type]
-            except KeyError:
-                group = group_of[value_type] = plan._group_for(registry, value_type, entry)
-            if group is None:
-                unknown.setdefault(value_type, []).append(entry.keystr)
+            own = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) if own_value_types else None
+            own = own if isinstance(own, str) else None
+            # A leaf's own value type unknown here falls back to its Orbax value type.
+            handler = (own and handlers.get(own)) or handlers.get(value_type)
+            if handler is None:
+                unknown.setdefault(own or value_type, []).append(entry.keystr)
                 continue
             keypath = jax_keypath(names, entry.key_types)
             param = NamedDeserializationParam(keypath=keypath, value=None, names=names)
-            group.append((len(values) - 1, param))
+            plan.groups.setdefault(handler, []).append((len(values) - 1, param))
         if unknown:
             raise _missing_handlers(unknown)
         return plan
-
-    def _group_for(
-        self, registry: LeafHandlerRegistry, value_type: str, entry: _tree_metadata.Entry
-    ) -> list[tuple[int, DeserializationParam[Any]]] | None:
-        # A leaf's own value type unknown here falls back to its Orbax value type.
-        leaf_entry = registry.entry_for_typestr(value_type) or registry.entry_for_typestr(
-            entry.value_type
-        )
-        return None if leaf_entry is None else self.groups.setdefault(leaf_entry.handler_cls, [])
 
     @classmethod
     def with_abstract(
