@@ -220,7 +220,7 @@ def pieces_of(read: ArrayRead, array: np.ndarray) -> list[np.ndarray]:
     """The regions ``read`` asks for, from the whole stored ``array``."""
     stored = read.stored
     assert stored is not None
-    if read.regions is None and read.target_shape in (None, stored.shape):
+    if read.regions is None and (read.target_shape is None or read.target_shape == stored.shape):
         return [array]
     target = check_shape(read, stored.shape)
     return [cut(array, r, stored.shape) for r in regions_of(read, target)]

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import math
 import os
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
 __all__ = ["Reader", "read_values"]
 
+_recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its data.
+_trailer = _zarr3.shard_trailer
 _Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
@@ -256,7 +259,10 @@ class Reader:
             position = 0
             for read, keys in group:
                 count = len(keys)
-                chunks = [self._data(read, values[position + n], n) for n in range(count)]
+                if count == 1:  # Most arrays.
+                    chunks = [self._data(read, values[position], 0)]
+                else:
+                    chunks = [self._data(read, values[position + n], n) for n in range(count)]
                 position += count
                 done.append((read, pieces_of(read, assemble(read, chunks))))
             convert_all(done)
@@ -265,8 +271,8 @@ class Reader:
         """The data of the ``n``-th shard value of ``read``, once its layout and CRC-32C check."""
         nbytes = read.stored.chunk_nbytes  # type: ignore[union-attr]
         view = memoryview(value)
-        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != (
-            _zarr3.shard_trailer(nbytes)
+        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != _trailer(
+            nbytes
         ):
             index = read.stored.chunk_indices[n]  # type: ignore[union-attr]
             problem = "is missing" if not len(view) else "does not have the layout that was written"
@@ -274,9 +280,7 @@ class Reader:
                 read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}"
             )
         data = view[:nbytes]
-        if self._verify and crc32c.crc32c(data) != int.from_bytes(
-            view[nbytes : nbytes + 4], "little"
-        ):
+        if self._verify and crc32c.crc32c(data) != _recorded_crc(view, nbytes)[0]:
             raise _errors.integrity_error(read.what, "a chunk's CRC-32C does not match its data")
         return data
 
