@@ -157,3 +157,20 @@ def test_a_cached_read_plan_follows_the_registry_and_hands_out_fresh_containers(
     )
     with arrays_only, pytest.raises(cp.errors.MissingHandlerError, match="np.ndarray"):
         cp.load_pytree(tmp_path / "c")
+
+
+def test_abstract_leaves_of_one_type_but_other_dtypes_pick_their_own_handlers(tmp_path) -> None:
+    key = jax.random.key(3)
+    tree = {"a": jnp.arange(4.0), "k": key, "z": jnp.arange(3), "n": np.ones(2, np.int8)}
+    cp.save_pytree(tmp_path / "c", tree)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    abstract["n"] = np.empty(2, np.float32)  # Loads the stored int8 as float32.
+    for _ in range(2):  # The second load reuses the parsed text.
+        loaded = cp.load_pytree(tmp_path / "c", abstract)
+        assert jax.dtypes.issubdtype(loaded["k"].dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(loaded["k"])), np.asarray(jax.random.key_data(key))
+        )
+        np.testing.assert_array_equal(np.asarray(loaded["a"]), np.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(loaded["z"]), np.arange(3))
+        assert isinstance(loaded["n"], np.ndarray) and loaded["n"].dtype == np.float32

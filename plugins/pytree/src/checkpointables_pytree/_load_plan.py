@@ -7,16 +7,20 @@ reported at once, by key path, before any array is read.
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import checkpointables as cp
 import jax
+import numpy as np
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
 from checkpointables_pytree import _rebuild, _tree, _tree_metadata
 from checkpointables_pytree._errors import describe_type, listing
+from checkpointables_pytree._keys import AbstractPRNGKey
 from checkpointables_pytree._session import NamedDeserializationParam
 
 __all__ = ["LoadPlan", "is_skip"]
@@ -191,43 +195,41 @@ class LoadPlan:
         *,
         partial: bool,
         where: epath.Path,
+        flat: tuple[list[tuple[tuple[Any, ...], Any]], Any] | None = None,
     ) -> LoadPlan:
-        """The leaves of ``abstract``, matched against ``tree``.
+        """The leaves of ``abstract`` (``flat``: already flattened), matched against ``tree``.
 
         Raises:
           cp.errors.TreeMismatchError: the trees differ (``partial``: leaves the
             abstract tree leaves out are fine).
         """
         plan = cls()
-        leaves, plan.treedef = _tree.flatten_abstract(abstract)
-        stored = {e.names: e for e in tree.entries}
-        inner: set[tuple[str, ...]] = set()
-        for names in stored:
-            inner.update(names[:i] for i in range(len(names)))
+        leaves, plan.treedef = flat if flat is not None else _tree.flatten_abstract(abstract)
+        stored, inner = _stored_and_inner(tree)
         mismatch = _Mismatch()
         used: set[tuple[str, ...]] = set()
         skipped: set[tuple[str, ...]] = set()
+        handler_of = _abstract_handlers(registry)
         for keypath, leaf in leaves:
             names = _tree.key_names(keypath)
             plan.values.append(leaf)
-            shown = jax.tree_util.keystr(keypath) or "<root>"
             if is_skip(leaf):
                 if names in stored or names in inner:
                     skipped.add(names)
                 else:
-                    mismatch.extra.append(shown)
+                    mismatch.extra.append(_shown(keypath))
                 continue
             entry = stored.get(names)
             if entry is None or entry.is_empty_node:
-                _no_leaf_stored(shown, entry, names in inner, mismatch)
+                _no_leaf_stored(_shown(keypath), entry, names in inner, mismatch)
                 continue
-            leaf_entry = registry.entry_for_abstract(leaf)
-            if leaf_entry is None:
-                mismatch.unsupported.append(f"{shown} ({describe_type(leaf)})")
+            handler = handler_of(leaf)
+            if handler is None:
+                mismatch.unsupported.append(f"{_shown(keypath)} ({describe_type(leaf)})")
                 continue
             used.add(names)
             param = NamedDeserializationParam(keypath=tuple(keypath), value=leaf, names=names)
-            plan.groups.setdefault(leaf_entry.handler_cls, []).append((len(plan.values) - 1, param))
+            plan.groups.setdefault(handler, []).append((len(plan.values) - 1, param))
         mismatch.missing = _left_out(tree, abstract, used, skipped)
         mismatch.raise_if_any(partial=partial, where=where)
         return plan
@@ -249,6 +251,58 @@ class LoadPlan:
                 f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
             ),
         )
+
+
+def _shown(keypath: tuple[Any, ...]) -> str:
+    """A key path as errors show it (made only for the leaves an error names)."""
+    return jax.tree_util.keystr(keypath) or "<root>"
+
+
+def _stored_and_inner(
+    tree: _tree_metadata.TreeMetadata,
+) -> tuple[dict[tuple[str, ...], _tree_metadata.Entry], frozenset[tuple[str, ...]]]:
+    """The entries by key names, and every proper prefix of them (made once per text)."""
+    entries = _tree_metadata.entries_by_names(tree)
+    inner = tree.derived.get("inner")
+    if inner is None:
+        inner = tree.derived["inner"] = frozenset(
+            names[:i] for names in entries for i in range(len(names))
+        )
+    return entries, inner
+
+
+# Abstract leaf types whose instances all have the same attributes: the registry picks
+# the same leaf handler for two of one dtype (see _decided_by_type_and_dtype).
+_TYPE_DECIDES = frozenset({np.ndarray, jax.ShapeDtypeStruct})
+
+
+def _decided_by_type_and_dtype(registry: LeafHandlerRegistry) -> bool:
+    """Whether the registry's match of an abstract leaf depends only on its type and dtype:
+    protocols (attributes), plain classes, and ``AbstractPRNGKey`` (the dtype)."""
+    return all(
+        getattr(t, "_is_protocol", False) or type(t) in (type, abc.ABCMeta) or t is AbstractPRNGKey
+        for t in (e.abstract_type for e in registry.get_all())
+    )
+
+
+def _abstract_handlers(registry: LeafHandlerRegistry) -> Callable[[Any], type | None]:
+    """The leaf handler class for an abstract leaf (looked up once per type and dtype where
+    that decides it: most abstract trees hold a few kinds of leaves)."""
+    known: dict[tuple[type, Any], type | None] = {}
+    kinds = _TYPE_DECIDES if _decided_by_type_and_dtype(registry) else frozenset()
+
+    def handler_of(leaf: Any) -> type | None:
+        kind = type(leaf)
+        key = (kind, leaf.dtype) if kind in kinds else None
+        if key is not None and key in known:
+            return known[key]
+        leaf_entry = registry.entry_for_abstract(leaf)
+        handler = None if leaf_entry is None else leaf_entry.handler_cls
+        if key is not None:
+            known[key] = handler
+        return handler
+
+    return handler_of
 
 
 def _no_leaf_stored(
@@ -275,7 +329,9 @@ def _left_out(
     missing = []
     for entry in tree.entries:
         names = entry.names
-        if names in used or any(names[:i] in skipped for i in range(len(names) + 1)):
+        if names in used:
+            continue
+        if skipped and any(names[:i] in skipped for i in range(len(names) + 1)):
             continue
         # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
         # abstract tree's flattening: look for it there.

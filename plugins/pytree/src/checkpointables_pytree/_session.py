@@ -207,9 +207,7 @@ class LoadSession:
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived
-        if "entries" not in derived:
-            derived["entries"] = {e.names: e for e in tree.entries}
-        self.entries: dict[tuple[str, ...], _tree_metadata.Entry] = derived["entries"]
+        self.entries = _tree_metadata.entries_by_names(tree)
         self._names: dict[tuple[str, ...], str] = derived.setdefault("storage_names", {})
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
         self._stored: dict[tuple[str, ...], StoredArray | None] = derived.setdefault("stored", {})

@@ -213,6 +213,14 @@ def _key_type_text(key_type: Any) -> str:
 _KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
 
 
+def entries_by_names(tree: TreeMetadata) -> dict[tuple[str, ...], Entry]:
+    """``tree``'s entries by their key names (made once per text: ``tree.derived``)."""
+    entries = tree.derived.get("entries")
+    if entries is None:
+        entries = tree.derived["entries"] = {e.names: e for e in tree.entries}
+    return entries
+
+
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
     """Writes ``_METADATA`` (the commit fsyncs it with the rest of the checkpoint)."""
     cp.storage.write_text(directory / METADATA_FILE, metadata.to_json_text())
