@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import crc32c
+import numpy as np
 import tensorstore as ts
 from checkpointables import execution
 from etils import epath
@@ -258,13 +259,17 @@ class Reader:
             done = []
             position = 0
             for read, keys in group:
-                count = len(keys)
-                if count == 1:  # Most arrays.
-                    chunks = [self._data(read, values[position], 0)]
+                count, stored = len(keys), read.stored
+                assert stored is not None
+                if stored.single_chunk and read.regions is None and read.target_shape is None:
+                    # Most arrays: one shard, wanted whole and as stored.
+                    data = self._data(read, values[position], 0)
+                    array = np.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
+                    done.append((read, [array]))
                 else:
                     chunks = [self._data(read, values[position + n], n) for n in range(count)]
+                    done.append((read, pieces_of(read, assemble(read, chunks))))
                 position += count
-                done.append((read, pieces_of(read, assemble(read, chunks))))
             convert_all(done)
 
     def _data(self, read: ArrayRead, value: Any, n: int) -> memoryview:
