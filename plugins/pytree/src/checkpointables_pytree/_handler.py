@@ -177,6 +177,7 @@ class PyTreeHandler:
 
     def __init__(self) -> None:
         self._last_flat: tuple[Any, _tree.Flat] | None = None
+        self._last_abstract: tuple[Any, Any] | None = None
 
     # -- Resolution ---------------------------------------------------------------------
 
@@ -224,11 +225,17 @@ class PyTreeHandler:
         """
         if abstract_checkpointable is None:
             return None
-        leaves, _ = _tree.flatten_abstract(abstract_checkpointable)
+        leaves, _ = self._flatten_abstract(abstract_checkpointable)
         if len(leaves) == 1 and leaves[0][0] == ():
             leaf = leaves[0][1]
             return is_skip(leaf) or leaf_registry().is_abstract_handleable(leaf)
         return True
+
+    def _flatten_abstract(self, abstract: Any) -> Any:
+        # Resolution calls is_abstract_handleable and then load on the same instance.
+        if self._last_abstract is None or self._last_abstract[0] is not abstract:
+            self._last_abstract = (abstract, _tree.flatten_abstract(abstract))
+        return self._last_abstract[1]
 
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
@@ -313,12 +320,15 @@ class PyTreeHandler:
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)
         else:
+            flat = self._flatten_abstract(abstract_checkpointable)
+            self._last_abstract = None
             plan = LoadPlan.with_abstract(
                 tree,
                 abstract_checkpointable,
                 registry,
                 partial=context.pytree_options.partial_load,
                 where=directory,
+                flat=flat,
             )
         deserialization_context = _deserialization_context(session)
         pending: list[tuple[list[int], Any]] = []
