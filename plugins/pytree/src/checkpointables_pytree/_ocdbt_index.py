@@ -19,7 +19,6 @@ TensorStore leaks (a fixed one is left alone).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import bisect
 import collections
@@ -245,11 +244,6 @@ async def locate(
 _decref = ctypes.pythonapi.Py_DecRef
 _decref.argtypes = [ctypes.py_object]
 _decref.restype = None
-_new_list = ctypes.pythonapi.PyList_New
-_new_list.argtypes = [ctypes.c_ssize_t]
-_new_list.restype = ctypes.py_object
-# CPython's PyListObject: reference count, type and size, then the pointer to its items.
-_ITEMS_OFFSET = 3 * ctypes.sizeof(ctypes.c_ssize_t)
 _IS_DICT = frozenset({dict}).__contains__
 _IS_LIST = frozenset({list}).__contains__
 _IS_CONTAINER = frozenset({dict, list}).__contains__
@@ -281,38 +275,10 @@ def _give_back(result: Any) -> Any:
         dicts = [node] if type(node) is dict else _dicts_in(node, stack)
         values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
         # Each dict still holds its keys and values: nothing is freed here.
-        _decref_each([*itertools.chain.from_iterable(dicts), *values])
+        keys = itertools.chain.from_iterable(dicts)
+        collections.deque(map(_decref, itertools.chain(keys, values)), maxlen=0)
         stack.extend(itertools.compress(values, map(_IS_CONTAINER, map(type, values))))
     return result
-
-
-@functools.cache
-def _list_layout_known() -> bool:
-    """Whether lists are laid out as ``_decref_each`` expects (a 64-bit CPython)."""
-    if ctypes.sizeof(ctypes.c_void_p) != 8:
-        return False
-    probe = [object()]
-    items = ctypes.c_void_p.from_address(id(probe) + _ITEMS_OFFSET).value
-    return items is not None and ctypes.c_void_p.from_address(items).value == id(probe[0])
-
-
-def _decref_each(objects: list[Any]) -> None:
-    """Drops one reference to each of ``objects``, in one C loop where the layout is known.
-
-    A node of 5,000 arrays has 40,000 keys and values: one ``Py_DecRef`` call
-    each through ctypes took about 10 ms. Instead their addresses are copied
-    into a new list without taking references, and freeing that list drops one.
-    """
-    if not objects:
-        return
-    if not _list_layout_known():
-        collections.deque(map(_decref, objects), maxlen=0)
-        return
-    addresses = array.array("Q", map(id, objects))
-    borrowed = _new_list(len(addresses))  # Its items are NULL until filled.
-    items = ctypes.c_void_p.from_address(id(borrowed) + _ITEMS_OFFSET).value
-    ctypes.memmove(items, addresses.buffer_info()[0], len(addresses) * addresses.itemsize)
-    del borrowed  # Frees the list: one reference fewer to each item.
 
 
 def _dicts_in(items: list[Any], stack: list[Any]) -> list[dict[Any, Any]]:
