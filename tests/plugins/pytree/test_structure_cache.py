@@ -12,6 +12,7 @@ import checkpointables as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from checkpointables_pytree import _tree, _tree_metadata
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -116,3 +117,40 @@ def test_a_metadata_text_parsed_again_is_a_copy_the_caller_may_change(tmp_path) 
     assert len(again.entries) == len(first.entries) + 1
     assert again == _tree_metadata._parse_tree_metadata(path, text)
     _save_and_check(tmp_path / "c", _tree_of(3))
+
+
+def test_leaf_types_changed_under_one_structure(tmp_path) -> None:
+    # One treedef, leaves taken by different leaf handlers from one save to the next.
+    as_jax = {"a": jnp.arange(3.0), "b": jnp.ones(2), "c": jnp.zeros(1)}
+    _save_and_check(tmp_path / "a", as_jax)
+    _save_and_check(tmp_path / "b", {"a": np.arange(3.0), "b": jnp.ones(2), "c": 7})
+    _save_and_check(tmp_path / "c", {"a": 1.5, "b": np.ones(2), "c": jnp.zeros(1)})
+    _save_and_check(tmp_path / "d", as_jax)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Twins:
+    """A node whose two children have keys of the same name."""
+
+    def __init__(self, first: object, second: object) -> None:
+        self.first, self.second = first, second
+
+    def tree_flatten_with_keys(self):
+        key = jax.tree_util.GetAttrKey("x")
+        return ((key, self.first), (key, self.second)), None
+
+    def tree_flatten(self):
+        return (self.first, self.second), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
+def test_keys_of_one_name_raise_on_every_save_of_a_cached_structure(tmp_path) -> None:
+    _save_and_check(tmp_path / "ok", {"n": {"x": np.ones(2), "y": np.zeros(2)}})
+    for name in ("a", "b"):  # The second save finds the structure cached.
+        with pytest.raises(cp.errors.InvalidArgumentError, match="same string form"):
+            cp.save_pytree_async(tmp_path / name, {"n": _Twins(jnp.ones(2), jnp.zeros(2))})
+        assert not (tmp_path / name).exists()
