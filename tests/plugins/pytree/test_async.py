@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import threading
 
@@ -220,3 +221,18 @@ def test_single_device_and_sharded_leaves_deleted_right_after_return(
     loaded = cp.load_pytree(tmp_path / "c", {"t": expected, "gate": _open_gate()})
     for name, value in expected.items():
         np.testing.assert_array_equal(loaded["t"][name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_as_the_caller_left_it_once_an_async_save_is_done(
+    tmp_path, enabled
+) -> None:
+    # The save pauses it in its blocking phase and while planning in the background.
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        response = cp.save_pytree_async(tmp_path / "c", _many_small())
+        response.result(timeout=GATE_TIMEOUT)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

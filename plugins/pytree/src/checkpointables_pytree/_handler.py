@@ -113,11 +113,13 @@ async def _write(
 
     ``metadata`` makes the tree's ``_METADATA`` once the leaf handlers' deferred
     work (``session.plan()``) is done: neither is needed before the caller gets
-    control back.
+    control back. Both allocate per leaf, with the collector paused.
     """
     try:
-        session.plan()
-        await _write_all(directory, session, metadata(), awaitables)
+        with execution.paused_gc():
+            session.plan()
+            tree = metadata()
+        await _write_all(directory, session, tree, awaitables)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = _errors.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
