@@ -91,3 +91,20 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         for op in ("save", "load"):
             assert case["requests"]["checkpointables"][op]["total"] > 0, (name, op)
     assert {t["verdict"] for t in s3["targets"]} <= {"PASS", "FAIL"}, s3["targets"]
+
+
+@pytest.mark.parametrize("checkpointer", [False, True])
+def test_stall_tool_runs(tmp_path, checkpointer):
+    command = [sys.executable, "-m", "bench.stall", "--case", "tiny-jax", "--repeats", "1"]
+    command += ["--tmp-dir", str(tmp_path), *(["--checkpointer"] if checkpointer else [])]
+    proc = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "CPU   median" in proc.stdout and "collections per generation" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # Its checkpoints are removed.
