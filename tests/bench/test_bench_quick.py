@@ -19,22 +19,10 @@ INTEROP_CASES = {"safetensors-1gib", "safetensors-2gib-mesh"}
 LIBRARIES = {"raw", "checkpointables", "orbax", "safetensors"}
 
 
-@pytest.mark.slow
-def test_quick_mode_runs_every_case_library_and_target(tmp_path):
-    output = tmp_path / "bench.json"
+def _bench(tool: str, *args: str) -> str:
+    """Runs ``python -m bench.<tool> <args>``; its output, once it succeeded."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.run",
-            "--quick",
-            "--scale",
-            "0.002",
-            "--tmp-dir",
-            str(tmp_path),
-            "--output",
-            str(output),
-        ],
+        [sys.executable, "-m", f"bench.{tool}", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -42,6 +30,15 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_every_case_library_and_target(tmp_path):
+    output = tmp_path / "bench.json"
+    out = _bench(
+        "run", "--quick", "--scale", "0.002", "--tmp-dir", str(tmp_path), "--output", str(output)
+    )
     doc = json.loads(output.read_text())
 
     assert doc["unavailable"] == {}, doc["unavailable"]
@@ -78,7 +75,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
     assert len(verdicts) == 16 + 3 + 5
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
-    assert "== targets" in proc.stdout
+    assert "== targets" in out
 
     # The object-store cases (bench/object_store.py), against a local S3 server.
     s3 = doc["object_store"]
@@ -95,16 +92,9 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
 
 @pytest.mark.parametrize("checkpointer", [False, True])
 def test_stall_tool_runs(tmp_path, checkpointer):
-    command = [sys.executable, "-m", "bench.stall", "--case", "tiny-jax", "--repeats", "1"]
-    command += ["--tmp-dir", str(tmp_path), *(["--checkpointer"] if checkpointer else [])]
-    proc = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    extra = ["--checkpointer"] if checkpointer else []
+    out = _bench(
+        "stall", "--case", "tiny-jax", "--repeats", "1", "--tmp-dir", f"{tmp_path}", *extra
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "CPU   median" in proc.stdout and "collections per generation" in proc.stdout
+    assert "CPU   median" in out and "collections per generation" in out
     assert list(tmp_path.iterdir()) == []  # Its checkpoints are removed.
