@@ -95,7 +95,8 @@ def test_flatten_reuses_a_structure_and_returns_this_trees_leaves() -> None:
     a, b = _tree.flatten(first), _tree.flatten(second)
     assert [leaf.names for leaf in a.leaves] == [leaf.names for leaf in b.leaves]
     assert all(leaf.value is v for leaf, v in zip(b.leaves, jax.tree.leaves(second), strict=True))
-    assert b.empty == a.empty == [((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT)]
+    assert b.structure.empty == ((((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT),))
+    assert b.structure is a.structure
 
 
 def test_flatten_of_keys_jax_cannot_sort() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any
 
 import checkpointables as cp
 import jax
@@ -67,10 +67,6 @@ class LeafGroup(Sequence[SerializationParam[Any]]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    @overload
-    def __getitem__(self, index: int) -> SerializationParam[Any]: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[SerializationParam[Any]]: ...
     def __getitem__(self, index: Any) -> Any:
         return self.params[index]
 
@@ -169,7 +165,7 @@ def saved_tree_metadata(
                     extra=extra,
                 )
             )
-    for path, kind in flat.empty:
+    for path, kind in structure.empty:
         entries.append(
             _tree_metadata.Entry(
                 names=_tree.key_names(path),
@@ -181,6 +177,6 @@ def saved_tree_metadata(
     entries.sort(key=lambda e: e.names)
     return _tree_metadata.TreeMetadata(
         entries=entries,
-        tuple_paths=frozenset(_tree.key_names(p) for p in flat.tuples),
+        tuple_paths=frozenset(_tree.key_names(p) for p in structure.tuples),
         own_value_types=any(t is not None for t in own_types.values()),
     )

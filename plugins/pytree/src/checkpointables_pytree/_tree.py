@@ -176,16 +176,6 @@ class Flat:
         s = self.structure
         return list(map(Leaf, s.keypaths, self.values, s.names, s.key_types))
 
-    @property
-    def empty(self) -> list[tuple[tuple[Any, ...], str]]:
-        """The empty nodes: key path and kind (``EMPTY_DICT``, ...)."""
-        return list(self.structure.empty)
-
-    @property
-    def tuples(self) -> list[tuple[Any, ...]]:
-        """The key paths of tuple containers."""
-        return list(self.structure.tuples)
-
 
 def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
     try:
