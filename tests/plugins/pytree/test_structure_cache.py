@@ -95,7 +95,8 @@ def test_flatten_reuses_a_structure_and_returns_this_trees_leaves() -> None:
     a, b = _tree.flatten(first), _tree.flatten(second)
     assert [leaf.names for leaf in a.leaves] == [leaf.names for leaf in b.leaves]
     assert all(leaf.value is v for leaf, v in zip(b.leaves, jax.tree.leaves(second), strict=True))
-    assert b.empty == a.empty == [((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT)]
+    assert b.structure.empty == ((((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT),))
+    assert b.structure is a.structure
 
 
 def test_flatten_of_keys_jax_cannot_sort() -> None:
@@ -174,3 +175,38 @@ def test_abstract_leaves_of_one_type_but_other_dtypes_pick_their_own_handlers(tm
         np.testing.assert_array_equal(np.asarray(loaded["a"]), np.arange(4.0))
         np.testing.assert_array_equal(np.asarray(loaded["z"]), np.arange(3))
         assert isinstance(loaded["n"], np.ndarray) and loaded["n"].dtype == np.float32
+def test_leaf_types_changed_under_one_structure(tmp_path) -> None:
+    # One treedef, leaves taken by different leaf handlers from one save to the next.
+    as_jax = {"a": jnp.arange(3.0), "b": jnp.ones(2), "c": jnp.zeros(1)}
+    _save_and_check(tmp_path / "a", as_jax)
+    _save_and_check(tmp_path / "b", {"a": np.arange(3.0), "b": jnp.ones(2), "c": 7})
+    _save_and_check(tmp_path / "c", {"a": 1.5, "b": np.ones(2), "c": jnp.zeros(1)})
+    _save_and_check(tmp_path / "d", as_jax)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Twins:
+    """A node whose two children have keys of the same name."""
+
+    def __init__(self, first: object, second: object) -> None:
+        self.first, self.second = first, second
+
+    def tree_flatten_with_keys(self):
+        key = jax.tree_util.GetAttrKey("x")
+        return ((key, self.first), (key, self.second)), None
+
+    def tree_flatten(self):
+        return (self.first, self.second), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
+def test_keys_of_one_name_raise_on_every_save_of_a_cached_structure(tmp_path) -> None:
+    _save_and_check(tmp_path / "ok", {"n": {"x": np.ones(2), "y": np.zeros(2)}})
+    for name in ("a", "b"):  # The second save finds the structure cached.
+        with pytest.raises(cp.errors.InvalidArgumentError, match="same string form"):
+            cp.save_pytree_async(tmp_path / name, {"n": _Twins(jnp.ones(2), jnp.zeros(2))})
+        assert not (tmp_path / name).exists()

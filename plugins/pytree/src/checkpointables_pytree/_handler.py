@@ -113,11 +113,13 @@ async def _write(
 
     ``metadata`` makes the tree's ``_METADATA`` once the leaf handlers' deferred
     work (``session.plan()``) is done: neither is needed before the caller gets
-    control back.
+    control back. Both allocate per leaf, with the collector paused.
     """
     try:
-        session.plan()
-        await _write_all(directory, session, metadata(), awaitables)
+        with execution.paused_gc():
+            session.plan()
+            tree = metadata()
+        await _write_all(directory, session, tree, awaitables)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = _errors.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
@@ -192,10 +194,13 @@ class PyTreeHandler:
 
     def _unsupported(self, tree: Any) -> list[str]:
         lookup = EntryCache(leaf_registry())
+        flat = self._flatten(tree)
+        if all(lookup(t) for t in set(map(type, flat.values))):
+            return []
         return [
             f"{_tree.keystr(leaf.names, leaf.key_types)} ({_errors.describe_type(leaf.value)})"
-            for leaf in self._flatten(tree).leaves
-            if lookup(leaf.value) is None
+            for leaf in flat.leaves
+            if lookup(type(leaf.value)) is None
         ]
 
     def is_handleable(self, checkpointable: Any) -> bool:
@@ -268,12 +273,10 @@ class PyTreeHandler:
         session = SaveSession.create(directory, context)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         awaitables: list[Any] = []
-        for handler_cls, items in groups.items():
+        for handler_cls, group in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
-                awaitables.append(
-                    await handler.serialize([p for p, _, _ in items], serialization_context)
-                )
+                awaitables.append(await handler.serialize(group, serialization_context))
             except BaseException:
                 _discard(awaitables)
                 raise
