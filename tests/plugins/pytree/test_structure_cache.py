@@ -175,6 +175,8 @@ def test_abstract_leaves_of_one_type_but_other_dtypes_pick_their_own_handlers(tm
         np.testing.assert_array_equal(np.asarray(loaded["a"]), np.arange(4.0))
         np.testing.assert_array_equal(np.asarray(loaded["z"]), np.arange(3))
         assert isinstance(loaded["n"], np.ndarray) and loaded["n"].dtype == np.float32
+
+
 def test_leaf_types_changed_under_one_structure(tmp_path) -> None:
     # One treedef, leaves taken by different leaf handlers from one save to the next.
     as_jax = {"a": jnp.arange(3.0), "b": jnp.ones(2), "c": jnp.zeros(1)}
