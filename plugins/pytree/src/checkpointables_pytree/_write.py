@@ -184,8 +184,10 @@ class Writer:
                 with execution.paused_gc():
                     transaction = _stage_small(kvstore, batch, metadata_only)
                 metadata_only = []
-                commit = self._commit_and_flush(transaction, database, flushes)
-                commits.append(asyncio.ensure_future(commit))
+                # Started here, not in a task: a task would only start once this loop
+                # awaits, after the next batch is staged.
+                committed = self._flush_when(transaction.commit_async(), database, flushes)
+                commits.append(asyncio.ensure_future(committed))
                 if len(commits) == 2:  # At most two batches in memory.
                     await commits.pop(0)
             await asyncio.gather(*commits)
@@ -195,13 +197,13 @@ class Writer:
             await settle(flushes)
             raise
 
-    async def _commit_and_flush(
-        self, transaction: ts.Transaction, database: epath.Path, flushes: list[asyncio.Future[Any]]
+    async def _flush_when(
+        self, commit: ts.Future[None], database: epath.Path, flushes: list[asyncio.Future[Any]]
     ) -> None:
-        """Commits ``transaction``, then starts flushing its data files: the disk writes them
+        """Waits for ``commit``, then starts flushing its data files: the disk writes them
         while later batches are staged, rather than all at the checkpoint's commit (the
         batch's memory is free once committed: the flush holds up nothing)."""
-        await transaction.commit_async()
+        await commit
         flush = asyncio.to_thread(_fsync_new_files, database, self._flushed)
         flushes.append(asyncio.ensure_future(flush))
 
