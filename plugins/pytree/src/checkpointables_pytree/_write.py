@@ -42,10 +42,9 @@ from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
 __all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 
-# Arrays up to this size are encoded here; larger ones by the zarr3 driver. Here costs two
-# copies (the shard, TensorStore's copy of the value) and a hardware CRC-32C; the driver one
-# copy, a portable CRC-32C (~4 GB/s) and ~50 us per array. 128 MiB of arrays of 128 KiB:
-# 122 against 177 ms of CPU; of 512 KiB: 95 against 108 ms; of 2 MiB: even.
+# Arrays up to this size are encoded here (two copies, hardware CRC-32C), larger ones by the
+# zarr3 driver (no copy, portable CRC-32C at ~4 GB/s, ~50 us per array). CPU for 128 MiB of
+# arrays of 128 KiB: 122 here against 177 ms; of 512 KiB: 95 against 108 ms; of 2 MiB: even.
 DIRECT_WRITE_BYTES = 1 << 20
 # Small arrays per transaction: bounds the memory a batch of encoded keys takes.
 SMALL_BATCH_BYTES = 32 << 20
@@ -180,13 +179,16 @@ class Writer:
         commits: list[asyncio.Future[Any]] = []
         flushes: list[asyncio.Future[Any]] = []
         try:
-            for batch in _batches(small, SMALL_BATCH_BYTES) or [[]]:
+            batches = _batches(small, SMALL_BATCH_BYTES) or [[]]
+            for n, batch in enumerate(batches, 1):
                 with execution.paused_gc():
                     transaction = _stage_small(kvstore, batch, metadata_only)
                 metadata_only = []
-                # Started here, not in a task: a task would only start once this loop
-                # awaits, after the next batch is staged.
-                committed = self._flush_when(transaction.commit_async(), database, flushes)
+                # The last batch is flushed by the checkpoint's commit with its other files
+                # (an fsync of its own costs a journal commit: ~4 ms for a tiny save).
+                flush_to = database if n < len(batches) else None
+                # Started here: a task would only start once this loop awaits.
+                committed = self._flush_when(transaction.commit_async(), flush_to, flushes)
                 commits.append(asyncio.ensure_future(committed))
                 if len(commits) == 2:  # At most two batches in memory.
                     await commits.pop(0)
@@ -198,14 +200,18 @@ class Writer:
             raise
 
     async def _flush_when(
-        self, commit: ts.Future[None], database: epath.Path, flushes: list[asyncio.Future[Any]]
+        self,
+        commit: ts.Future[None],
+        database: epath.Path | None,
+        flushes: list[asyncio.Future[Any]],
     ) -> None:
-        """Waits for ``commit``, then starts flushing its data files: the disk writes them
-        while later batches are staged, rather than all at the checkpoint's commit (the
-        batch's memory is free once committed: the flush holds up nothing)."""
+        """Waits for ``commit``, then starts flushing the data files of ``database`` (if
+        given): the disk writes them while later batches are staged, not all at the
+        checkpoint's commit (a committed batch holds no memory: the flush delays nothing)."""
         await commit
-        flush = asyncio.to_thread(_fsync_new_files, database, self._flushed)
-        flushes.append(asyncio.ensure_future(flush))
+        if database is not None:
+            flush = asyncio.to_thread(_fsync_new_files, database, self._flushed)
+            flushes.append(asyncio.ensure_future(flush))
 
     async def _start_large(
         self,
