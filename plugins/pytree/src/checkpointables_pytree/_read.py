@@ -182,7 +182,8 @@ class Reader:
         found = await self._locate([k for _, keys in pairs for k in keys], reads)
         groups = _groups(pairs, found, READ_THREADS)
         threads = asyncio.Semaphore(READ_THREADS)
-        requests = asyncio.Semaphore(_remote_reads.REQUESTS)
+        load_bytes = sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
+        requests = asyncio.Semaphore(_remote_reads.requests_in_flight(load_bytes))
         files = _local_reads.OpenFiles()
 
         async def one(group: list[_Keyed]) -> None:
