@@ -84,12 +84,19 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     """Runs one measurement in this (fresh) process and returns the numbers."""
     from bench import cases, libraries
 
-    case = cases.get_case(args["case"])
-    library = libraries.all_libraries([args["library"]])[0]
     op = args["op"]
+    if args.get("store") == "s3":  # An object-store case (bench.object_store), on its server.
+        from bench import object_store
+
+        case = next(c for c in object_store.CASES if c.name == args["case"])
+        library: libraries.Library = object_store.CheckpointablesS3()
+        probe_dir, remove = f"{args['path']}-warm-up", object_store.delete
+    else:
+        case = cases.get_case(args["case"])
+        library = libraries.all_libraries([args["library"]])[0]
+        probe_dir, remove = libraries.scratch_dir(args["tmp_root"]), libraries.remove
 
     # Warm-up on a tiny tree: imports, thread pools, JIT caches are not what we measure.
-    probe_dir = libraries.scratch_dir(args["tmp_root"])
     try:
         probe = cases.tiny(1.0)
         if case.leaves == "jax":
@@ -100,7 +107,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         if op == "save_async":
             library.save_async(os.path.join(probe_dir, "b"), probe, probe_spec).result()
     finally:
-        libraries.remove(probe_dir)
+        remove(probe_dir)
     del probe
 
     tree = case.tree(args["scale"])

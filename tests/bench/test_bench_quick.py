@@ -19,22 +19,10 @@ INTEROP_CASES = {"safetensors-1gib", "safetensors-2gib-mesh"}
 LIBRARIES = {"raw", "checkpointables", "orbax", "safetensors"}
 
 
-@pytest.mark.slow
-def test_quick_mode_runs_every_case_library_and_target(tmp_path):
-    output = tmp_path / "bench.json"
+def _bench(tool: str, *args: str) -> str:
+    """Runs ``python -m bench.<tool> <args>``; its output, once it succeeded."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.run",
-            "--quick",
-            "--scale",
-            "0.002",
-            "--tmp-dir",
-            str(tmp_path),
-            "--output",
-            str(output),
-        ],
+        [sys.executable, "-m", f"bench.{tool}", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -42,6 +30,15 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_every_case_library_and_target(tmp_path):
+    output = tmp_path / "bench.json"
+    out = _bench(
+        "run", "--quick", "--scale", "0.002", "--tmp-dir", str(tmp_path), "--output", str(output)
+    )
     doc = json.loads(output.read_text())
 
     assert doc["unavailable"] == {}, doc["unavailable"]
@@ -78,7 +75,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
     assert len(verdicts) == 16 + 3 + 5
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
-    assert "== targets" in proc.stdout
+    assert "== targets" in out
 
     # The object-store cases (bench/object_store.py), against a local S3 server.
     s3 = doc["object_store"]
@@ -91,3 +88,13 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         for op in ("save", "load"):
             assert case["requests"]["checkpointables"][op]["total"] > 0, (name, op)
     assert {t["verdict"] for t in s3["targets"]} <= {"PASS", "FAIL"}, s3["targets"]
+
+
+@pytest.mark.parametrize("checkpointer", [False, True])
+def test_stall_tool_runs(tmp_path, checkpointer):
+    extra = ["--checkpointer"] if checkpointer else []
+    out = _bench(
+        "stall", "--case", "tiny-jax", "--repeats", "1", "--tmp-dir", f"{tmp_path}", *extra
+    )
+    assert "CPU   median" in out and "collections per generation" in out
+    assert list(tmp_path.iterdir()) == []  # Its checkpoints are removed.

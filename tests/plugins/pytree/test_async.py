@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import threading
 
@@ -182,3 +183,56 @@ def test_jax_arrays_are_never_copied_on_cpu(tmp_path) -> None:
     assert np.shares_memory(data, np.asarray(array))
     array.delete()
     np.testing.assert_array_equal(data, np.arange(16.0) * 2)
+
+
+def _many_small(count: int = 40) -> dict[str, jax.Array]:
+    return {f"w{i:02d}": jnp.arange(8.0) + i for i in range(count)}
+
+
+def test_a_deleted_leaf_among_many_is_named_before_save_async_returns(tmp_path) -> None:
+    tree = _many_small()
+    tree["w17"].delete()
+    for name in ("a", "b"):  # The second save reuses the structure's cached plan.
+        with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['w17'\].*deleted"):
+            cp.save_pytree_async(tmp_path / name, tree)
+        assert not (tmp_path / name).exists()
+
+
+def test_a_dtype_zarr3_lacks_is_named_before_save_async_returns(tmp_path) -> None:
+    tree = _many_small()
+    tree["w05"] = jnp.zeros(4, dtype=jnp.dtype("uint2"))
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['w05'\].*uint2"):
+        cp.save_pytree_async(tmp_path / "c", tree)
+    assert not (tmp_path / "c").exists()
+
+
+def test_single_device_and_sharded_leaves_deleted_right_after_return(
+    tmp_path, gated_context, mesh_4x2
+) -> None:
+    sharding = jax.sharding.NamedSharding(mesh_4x2, jax.sharding.PartitionSpec("x"))
+    tree = {**_many_small(), "sharded": jax.device_put(np.arange(64.0), sharding)}
+    expected = {k: np.array(v) for k, v in tree.items()}
+    gate = Gate(threading.Event())
+    response = cp.save_pytree_async(tmp_path / "c", {"t": tree, "gate": gate})
+    for value in tree.values():
+        value.delete()
+    gate.event.set()
+    response.result(timeout=GATE_TIMEOUT)
+    loaded = cp.load_pytree(tmp_path / "c", {"t": expected, "gate": _open_gate()})
+    for name, value in expected.items():
+        np.testing.assert_array_equal(loaded["t"][name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_as_the_caller_left_it_once_an_async_save_is_done(
+    tmp_path, enabled
+) -> None:
+    # The save pauses it in its blocking phase and while planning in the background.
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        response = cp.save_pytree_async(tmp_path / "c", _many_small())
+        response.result(timeout=GATE_TIMEOUT)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

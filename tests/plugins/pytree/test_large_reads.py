@@ -86,6 +86,6 @@ def _read(name: str, nbytes: int) -> ArrayRead:
 )
 def test_groups_cover_every_read_once_in_similar_sizes(sizes, expected_groups) -> None:
     reads = [_read(f"a{i}", n) for i, n in enumerate(sizes)]
-    groups = _reader._groups(reads, {}, threads=2)
-    assert [r for g in groups for r in g] == reads
+    groups = _reader._groups([(r, r.chunk_keys) for r in reads], {}, threads=2)
+    assert [r for g in groups for r, _ in g] == reads
     assert len(groups) == expected_groups

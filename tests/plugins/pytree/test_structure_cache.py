@@ -12,6 +12,7 @@ import checkpointables as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from checkpointables_pytree import _tree, _tree_metadata
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -94,7 +95,8 @@ def test_flatten_reuses_a_structure_and_returns_this_trees_leaves() -> None:
     a, b = _tree.flatten(first), _tree.flatten(second)
     assert [leaf.names for leaf in a.leaves] == [leaf.names for leaf in b.leaves]
     assert all(leaf.value is v for leaf, v in zip(b.leaves, jax.tree.leaves(second), strict=True))
-    assert b.empty == a.empty == [((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT)]
+    assert b.structure.empty == ((((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT),))
+    assert b.structure is a.structure
 
 
 def test_flatten_of_keys_jax_cannot_sort() -> None:
@@ -102,17 +104,111 @@ def test_flatten_of_keys_jax_cannot_sort() -> None:
     assert [leaf.names for leaf in flat.leaves] == [("1",), ("a",)]
 
 
-def test_a_metadata_text_parsed_again_is_a_copy_the_caller_may_change(tmp_path) -> None:
+def test_a_metadata_text_parsed_again_shares_its_entries_and_derived_plans(tmp_path) -> None:
     cp.save_pytree(tmp_path / "a", _tree_of(1))
     cp.save_pytree(tmp_path / "b", _tree_of(2))  # Same structure: the same _METADATA text.
     path = tmp_path / "a" / "pytree" / _tree_metadata.METADATA_FILE
     text = path.read_bytes()
     assert (tmp_path / "b" / "pytree" / _tree_metadata.METADATA_FILE).read_bytes() == text
     first = _tree_metadata.parse_tree_metadata(path, text)
-    first.entries[0].extra["changed"] = True
-    first.entries.pop()
+    first.extra["changed"] = True
+    first.checksum_recorded = True
+    first.derived["plan"] = "made once"
     again = _tree_metadata.parse_tree_metadata(path, text)
-    assert "changed" not in again.entries[0].extra
-    assert len(again.entries) == len(first.entries) + 1
+    assert again.entries is first.entries  # Shared, never changed by loads.
+    assert again.derived["plan"] == "made once"
+    assert "changed" not in again.extra and not again.checksum_recorded  # The caller's own.
     assert again == _tree_metadata._parse_tree_metadata(path, text)
+    other = text.replace(b'"step"', b'"steps"')
+    assert other != text
+    assert "plan" not in _tree_metadata.parse_tree_metadata(path, other).derived
     _save_and_check(tmp_path / "c", _tree_of(3))
+
+
+def test_a_cached_read_plan_follows_the_registry_and_hands_out_fresh_containers(tmp_path) -> None:
+    from checkpointables_pytree import ArrayLeafHandler, NumpyLeafHandler
+
+    key = jax.random.key(8)
+    cp.save_pytree(tmp_path / "c", {"k": key, "e": {}, "x": np.arange(3)})
+    only_arrays = cp.serialization.LeafHandlerRegistry()
+    without_keys = cp.serialization.LeafHandlerRegistry()
+    for registry in (only_arrays, without_keys):
+        registry.add(
+            jax.Array,
+            cp.serialization.AbstractShardedArray,
+            ArrayLeafHandler,
+            secondary_typestrs=("jax.Array",),
+        )
+    without_keys.add(
+        np.ndarray,
+        cp.serialization.AbstractArray,
+        NumpyLeafHandler,
+        secondary_typestrs=("np.ndarray",),
+    )
+    # The same _METADATA text each time, read by different leaf handlers.
+    for registry, is_key in ((None, True), (without_keys, False), (None, True)):
+        with cp.Context(pytree_options=cp.options.PyTreeOptions(leaf_handler_registry=registry)):
+            loaded = cp.load_pytree(tmp_path / "c")
+        assert jax.dtypes.issubdtype(loaded["k"].dtype, jax.dtypes.prng_key) == is_key
+        assert loaded["e"] == {}
+        loaded["e"]["added"] = 1  # Each load's empty containers are its own.
+        np.testing.assert_array_equal(loaded["x"], np.arange(3))
+    arrays_only = cp.Context(
+        pytree_options=cp.options.PyTreeOptions(leaf_handler_registry=only_arrays)
+    )
+    with arrays_only, pytest.raises(cp.errors.MissingHandlerError, match="np.ndarray"):
+        cp.load_pytree(tmp_path / "c")
+
+
+def test_abstract_leaves_of_one_type_but_other_dtypes_pick_their_own_handlers(tmp_path) -> None:
+    key = jax.random.key(3)
+    tree = {"a": jnp.arange(4.0), "k": key, "z": jnp.arange(3), "n": np.ones(2, np.int8)}
+    cp.save_pytree(tmp_path / "c", tree)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    abstract["n"] = np.empty(2, np.float32)  # Loads the stored int8 as float32.
+    for _ in range(2):  # The second load reuses the parsed text.
+        loaded = cp.load_pytree(tmp_path / "c", abstract)
+        assert jax.dtypes.issubdtype(loaded["k"].dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(loaded["k"])), np.asarray(jax.random.key_data(key))
+        )
+        np.testing.assert_array_equal(np.asarray(loaded["a"]), np.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(loaded["z"]), np.arange(3))
+        assert isinstance(loaded["n"], np.ndarray) and loaded["n"].dtype == np.float32
+
+
+def test_leaf_types_changed_under_one_structure(tmp_path) -> None:
+    # One treedef, leaves taken by different leaf handlers from one save to the next.
+    as_jax = {"a": jnp.arange(3.0), "b": jnp.ones(2), "c": jnp.zeros(1)}
+    _save_and_check(tmp_path / "a", as_jax)
+    _save_and_check(tmp_path / "b", {"a": np.arange(3.0), "b": jnp.ones(2), "c": 7})
+    _save_and_check(tmp_path / "c", {"a": 1.5, "b": np.ones(2), "c": jnp.zeros(1)})
+    _save_and_check(tmp_path / "d", as_jax)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Twins:
+    """A node whose two children have keys of the same name."""
+
+    def __init__(self, first: object, second: object) -> None:
+        self.first, self.second = first, second
+
+    def tree_flatten_with_keys(self):
+        key = jax.tree_util.GetAttrKey("x")
+        return ((key, self.first), (key, self.second)), None
+
+    def tree_flatten(self):
+        return (self.first, self.second), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
+def test_keys_of_one_name_raise_on_every_save_of_a_cached_structure(tmp_path) -> None:
+    _save_and_check(tmp_path / "ok", {"n": {"x": np.ones(2), "y": np.zeros(2)}})
+    for name in ("a", "b"):  # The second save finds the structure cached.
+        with pytest.raises(cp.errors.InvalidArgumentError, match="same string form"):
+            cp.save_pytree_async(tmp_path / name, {"n": _Twins(jnp.ones(2), jnp.zeros(2))})
+        assert not (tmp_path / name).exists()

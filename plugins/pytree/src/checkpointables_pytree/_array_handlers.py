@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from checkpointables_pytree._leaf_common import (
     unsupported,
 )
 from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree._save_plan import LeafGroup
 from checkpointables_pytree._session import LoadSession, SaveSession
 
 __all__ = ["ArrayLeafHandler", "NumpyLeafHandler"]
@@ -126,10 +128,8 @@ def _host_shards(
         shard.data.copy_to_host_async()
     chunks = []
     for shard in shards:
-        # On an accelerator this is a fresh host copy. On CPU it is a view that
-        # holds the device buffer: jax.Arrays are immutable and the buffer
-        # outlives delete() while the view exists, so even an asynchronous
-        # save needs no copy.
+        # On an accelerator a fresh host copy; on CPU a view that holds the device
+        # buffer (it outlives delete() and donation): an async save needs no copy.
         data = np.asarray(shard.data)
         if data.dtype != dtype:
             data = data.astype(dtype)
@@ -141,12 +141,14 @@ def _host_shards(
     return chunk_shape, chunks
 
 
-def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
-    """Starts the device-to-host copy of every array, before waiting for any.
+_SHARDING = operator.attrgetter("sharding")
+_IS_DELETED = operator.methodcaller("is_deleted")
+_SINGLE = jax.sharding.SingleDeviceSharding
 
-    Nothing to start where JAX runs on the CPU: ``np.asarray`` of an array is
-    then a view of its buffer.
-    """
+
+def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
+    """Starts the device-to-host copy of every array, before waiting for any (on CPU,
+    ``np.asarray`` of an array is a view of its buffer: nothing to start)."""
     if jax.default_backend() == "cpu":
         return
     for array in arrays:
@@ -181,18 +183,19 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
     ) -> None:
+        # The caller waits for checks and host copies; the rest is done by session.plan().
+        if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
+            values = params.values if isinstance(params, LeafGroup) else [p.value for p in params]
+            shardings = list(map(_SHARDING, values))
+            hosted = self._snapshot_local(session, params, values, shardings)
+            session.defer(functools.partial(self._record_all, session, params, shardings, hosted))
+            return
         lacking = _multiprocess.arrays_the_primary_lacks(
             {p.name: p.value for p in params}, session.directory, session.context
         )
-        # The caller waits for the checks and host copies only; the layouts and
-        # metadata are recorded in the background phase (session.plan()).
-        if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
-            snapshots = self._snapshot_local(session, params)
-        else:
-            snapshots = [
-                self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params
-            ]
-        session.defer(functools.partial(self._record_all, session, params, snapshots))
+        snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
+        shardings = [s.sharding for s in snapshots]
+        session.defer(functools.partial(self._record_all, session, params, shardings, snapshots))
 
     def _schedule_array(
         self,
@@ -236,44 +239,60 @@ class ArrayLeafHandler(ZarrLeafHandler):
         return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
 
     def _snapshot_local(
-        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
-    ) -> list[_Snapshot]:
+        self,
+        session: SaveSession,
+        params: Sequence[SerializationParam[jax.Array]],
+        values: list[jax.Array],
+        shardings: list[jax.sharding.Sharding],
+    ) -> list[np.ndarray | _Snapshot]:
         """``_snapshot`` of each array of a one-process save with one storage option for all.
 
-        Single-device arrays (most leaves of most trees) take a short path:
-        their dtype is checked once per dtype, their one shard is the array.
+        Single-device arrays (most leaves of most trees) are put on host in one pass
+        and checked once per dtype; the rest waits for ``_record_all``.
         """
+        _start_host_copies(values)
+        if set(map(type, shardings)) == {_SINGLE} and not any(map(_IS_DELETED, values)):
+            hosted: list[np.ndarray | _Snapshot] = list(map(np.asarray, values))
+        else:
+            hosted = [
+                np.asarray(v)
+                if type(s) is _SINGLE and not v.is_deleted()
+                else self._snapshot(session, params[i], primary_lacks=False)
+                for i, (v, s) in enumerate(zip(values, shardings, strict=True))
+            ]
         storage = session.array_options.storage_options
-        single = jax.sharding.SingleDeviceSharding
-        _start_host_copies([p.value for p in params])
-        dtypes: dict[Any, np.dtype] = {}
-        snapshots = []
-        for param in params:
-            array = param.value
-            shape, sharding = array.shape, array.sharding
-            if type(sharding) is not single or 0 in shape or array.is_deleted():
-                snapshots.append(self._snapshot(session, param, primary_lacks=False))
+        for dtype in {h.dtype for h in hosted if type(h) is np.ndarray}:
+            if storage.dtype is None and _zarr3.zarr_dtype_name(dtype) is not None:
                 continue
-            dtype = dtypes.get(array.dtype)
-            if dtype is None:
-                dtype = dtypes[array.dtype] = storage_dtype(
-                    param.keypath, array, array.dtype, storage
-                )
-            data = np.asarray(array)
-            if data.dtype != dtype:
-                data = data.astype(dtype)
-            chunks = [((0,) * len(shape), data)]
-            snapshots.append(_Snapshot(storage, dtype, shape, shape, chunks, sharding))
-        return snapshots
+            # A cast, or an error naming the first such leaf.
+            i = next(i for i, h in enumerate(hosted) if type(h) is np.ndarray and h.dtype == dtype)
+            storage_dtype(params[i].keypath, values[i], dtype, storage)
+        return hosted
 
     def _record_all(
         self,
         session: SaveSession,
         params: Sequence[SerializationParam[jax.Array]],
-        snapshots: Sequence[_Snapshot],
+        shardings: Sequence[jax.sharding.Sharding],
+        hosted: Sequence[np.ndarray | _Snapshot],
     ) -> None:
-        for param, snapshot in zip(params, snapshots, strict=True):
-            self._record(session, param, snapshot, None)
+        """Records the snapshots (``_snapshot_local`` leaves host arrays to finish here)."""
+        storage = session.array_options.storage_options
+        dtypes: dict[np.dtype, np.dtype] = {}
+        for param, sharding, item in zip(params, shardings, hosted, strict=True):
+            if type(item) is np.ndarray:
+                dtype = dtypes.get(item.dtype)
+                if dtype is None:
+                    dtype = storage_dtype(param.keypath, item, item.dtype, storage)
+                    dtypes[item.dtype] = dtype
+                shape = item.shape
+                data = item if item.dtype == dtype else item.astype(dtype)
+                if 0 in shape:
+                    chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
+                else:
+                    chunk_shape, chunks = shape, [((0,) * len(shape), data)]
+                item = _Snapshot(storage, dtype, shape, chunk_shape, chunks, sharding)
+            self._record(session, param, item, None)
 
     @staticmethod
     def _record(

@@ -117,7 +117,7 @@ class ArrayRead:
         """How errors name the leaf (``label`` is a string, or has a ``keystr``)."""
         return self.label if isinstance(self.label, str) else self.label.keystr
 
-    @functools.cached_property
+    @property
     def reads_part(self) -> bool:
         """Whether the regions asked for cover only part of the stored array.
 
@@ -145,8 +145,27 @@ class ArrayRead:
         """
         if self._whole is None:
             stored = self.stored
-            self._whole = bool(stored is not None and stored.direct and not self.reads_part)
+            self._whole = bool(
+                stored is not None
+                and stored.direct
+                and (self.regions is None or not self.reads_part)
+            )
         return self._whole
+
+    @property
+    def chunk_keys(self) -> tuple[bytes, ...]:
+        """The database keys of its recorded shards, in C order (``()`` if not recorded)."""
+        stored = self.stored
+        if stored is None:
+            return ()
+        if stored.single_chunk:
+            return (_only_chunk_key(self.name, len(stored.shape)),)
+        return tuple(_zarr3.chunk_key(self.name, i).encode() for i in stored.chunk_indices)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # The loads of one structure ask for the same ones.
+def _only_chunk_key(name: str, rank: int) -> bytes:
+    return _zarr3.chunk_key(name, (0,) * rank).encode()
 
 
 def check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -201,7 +220,7 @@ def pieces_of(read: ArrayRead, array: np.ndarray) -> list[np.ndarray]:
     """The regions ``read`` asks for, from the whole stored ``array``."""
     stored = read.stored
     assert stored is not None
-    if read.regions is None and read.target_shape in (None, stored.shape):
+    if read.regions is None and (read.target_shape is None or read.target_shape == stored.shape):
         return [array]
     target = check_shape(read, stored.shape)
     return [cut(array, r, stored.shape) for r in regions_of(read, target)]

@@ -113,11 +113,13 @@ async def _write(
 
     ``metadata`` makes the tree's ``_METADATA`` once the leaf handlers' deferred
     work (``session.plan()``) is done: neither is needed before the caller gets
-    control back.
+    control back. Both allocate per leaf, with the collector paused.
     """
     try:
-        session.plan()
-        await _write_all(directory, session, metadata(), awaitables)
+        with execution.paused_gc():
+            session.plan()
+            tree = metadata()
+        await _write_all(directory, session, tree, awaitables)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = _errors.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
@@ -177,6 +179,7 @@ class PyTreeHandler:
 
     def __init__(self) -> None:
         self._last_flat: tuple[Any, _tree.Flat] | None = None
+        self._last_abstract: tuple[Any, Any] | None = None
 
     # -- Resolution ---------------------------------------------------------------------
 
@@ -191,10 +194,13 @@ class PyTreeHandler:
 
     def _unsupported(self, tree: Any) -> list[str]:
         lookup = EntryCache(leaf_registry())
+        flat = self._flatten(tree)
+        if all(lookup(t) for t in set(map(type, flat.values))):
+            return []
         return [
             f"{_tree.keystr(leaf.names, leaf.key_types)} ({_errors.describe_type(leaf.value)})"
-            for leaf in self._flatten(tree).leaves
-            if lookup(leaf.value) is None
+            for leaf in flat.leaves
+            if lookup(type(leaf.value)) is None
         ]
 
     def is_handleable(self, checkpointable: Any) -> bool:
@@ -224,11 +230,17 @@ class PyTreeHandler:
         """
         if abstract_checkpointable is None:
             return None
-        leaves, _ = _tree.flatten_abstract(abstract_checkpointable)
+        leaves, _ = self._flatten_abstract(abstract_checkpointable)
         if len(leaves) == 1 and leaves[0][0] == ():
             leaf = leaves[0][1]
             return is_skip(leaf) or leaf_registry().is_abstract_handleable(leaf)
         return True
+
+    def _flatten_abstract(self, abstract: Any) -> Any:
+        # Resolution calls is_abstract_handleable and then load on the same instance.
+        if self._last_abstract is None or self._last_abstract[0] is not abstract:
+            self._last_abstract = (abstract, _tree.flatten_abstract(abstract))
+        return self._last_abstract[1]
 
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
@@ -261,12 +273,10 @@ class PyTreeHandler:
         session = SaveSession.create(directory, context)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         awaitables: list[Any] = []
-        for handler_cls, items in groups.items():
+        for handler_cls, group in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
             try:
-                awaitables.append(
-                    await handler.serialize([p for p, _, _ in items], serialization_context)
-                )
+                awaitables.append(await handler.serialize(group, serialization_context))
             except BaseException:
                 _discard(awaitables)
                 raise
@@ -313,12 +323,15 @@ class PyTreeHandler:
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)
         else:
+            flat = self._flatten_abstract(abstract_checkpointable)
+            self._last_abstract = None
             plan = LoadPlan.with_abstract(
                 tree,
                 abstract_checkpointable,
                 registry,
                 partial=context.pytree_options.partial_load,
                 where=directory,
+                flat=flat,
             )
         deserialization_context = _deserialization_context(session)
         pending: list[tuple[list[int], Any]] = []

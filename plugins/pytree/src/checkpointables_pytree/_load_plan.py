@@ -7,16 +7,20 @@ reported at once, by key path, before any array is read.
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import checkpointables as cp
 import jax
+import numpy as np
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
 from checkpointables_pytree import _rebuild, _tree, _tree_metadata
 from checkpointables_pytree._errors import describe_type, listing
+from checkpointables_pytree._keys import AbstractPRNGKey
 from checkpointables_pytree._session import NamedDeserializationParam
 
 __all__ = ["LoadPlan", "is_skip"]
@@ -27,6 +31,23 @@ _PLACEHOLDER_TYPE = "placeholder"  # Orbax's value_type for skipped leaves of pa
 def _empty_value(value_type: str) -> Any:
     # An empty named tuple loads as {}, as non-empty ones load as dicts of their fields.
     return {"Dict": {}, "List": [], "Tuple": (), "None": None, "NamedTuple": {}}[value_type]
+
+
+_VALUE_TYPES = "value types"  # tree.derived's key of the value types a tree records.
+
+
+def _value_types(tree: _tree_metadata.TreeMetadata) -> tuple[str, ...]:
+    """Every value type the entries record (their own ones too), in a fixed order."""
+    types = {e.value_type for e in tree.entries}
+    if tree.own_value_types:
+        own = (e.extra.get(_tree_metadata.OWN_VALUE_TYPE) for e in tree.entries)
+        types.update(t for t in own if isinstance(t, str))
+    return tuple(sorted(types))
+
+
+def _handler_for(registry: LeafHandlerRegistry, value_type: str) -> type | None:
+    leaf_entry = registry.entry_for_typestr(value_type)
+    return None if leaf_entry is None else leaf_entry.handler_cls
 
 
 def is_skip(abstract: Any) -> bool:
@@ -102,6 +123,7 @@ class LoadPlan:
         self.groups: dict[type, list[tuple[int, DeserializationParam[Any]]]] = {}
         self.slots: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         self.treedef: Any = None
+        self.empties: list[tuple[int, str]] = []  # Slots of empty containers, by value type.
 
     @classmethod
     def without_abstract(
@@ -109,49 +131,60 @@ class LoadPlan:
     ) -> LoadPlan:
         """Every recorded leaf, read as saved.
 
+        The plan depends only on the ``_METADATA`` text and on which leaf handler
+        reads each value type: it is made once per text and handler choice
+        (``tree.derived``) and copied for each load.
+
         Raises:
           cp.errors.MissingHandlerError: a leaf's value type has no leaf handler here.
         """
+        types = tree.derived.get(_VALUE_TYPES)
+        if types is None:
+            types = tree.derived[_VALUE_TYPES] = _value_types(tree)
+        handlers = tuple((t, _handler_for(registry, t)) for t in types)
+        template = tree.derived.get(handlers)
+        if template is None:
+            template = tree.derived[handlers] = cls._recorded(tree, dict(handlers))
+        plan = cls()
+        plan.values = list(template.values)
+        for slot, value_type in template.empties:  # Fresh ones: the caller may change them.
+            plan.values[slot] = _empty_value(value_type)
+        plan.groups, plan.slots = template.groups, template.slots
+        return plan
+
+    @classmethod
+    def _recorded(
+        cls, tree: _tree_metadata.TreeMetadata, handlers: dict[str, type | None]
+    ) -> LoadPlan:
+        """The plan of ``without_abstract``, with each value type's leaf handler."""
         plan = cls()
         unknown: dict[str, list[str]] = {}
         slots, values = plan.slots, plan.values
-        # Per value type: the list of its handler's group (looked up once per type).
-        group_of: dict[str, list[tuple[int, DeserializationParam[Any]]] | None] = {}
         jax_keypath, own_value_types = _tree.jax_keypath, tree.own_value_types
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
             if entry.skip_deserialize and value_type in _tree.EMPTY_TYPES:
-                values.append(_empty_value(value_type))
+                plan.empties.append((len(values), value_type))
+                values.append(None)
                 continue
             if value_type == _PLACEHOLDER_TYPE:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
-            if own_value_types:
-                value_type = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) or value_type
-            try:
-                group = group_of[value_type]
-            except KeyError:
-                group = group_of[value_type] = plan._group_for(registry, value_type, entry)
-            if group is None:
-                unknown.setdefault(value_type, []).append(entry.keystr)
+            own = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) if own_value_types else None
+            own = own if isinstance(own, str) else None
+            # A leaf's own value type unknown here falls back to its Orbax value type.
+            handler = (own and handlers.get(own)) or handlers.get(value_type)
+            if handler is None:
+                unknown.setdefault(own or value_type, []).append(entry.keystr)
                 continue
             keypath = jax_keypath(names, entry.key_types)
             param = NamedDeserializationParam(keypath=keypath, value=None, names=names)
-            group.append((len(values) - 1, param))
+            plan.groups.setdefault(handler, []).append((len(values) - 1, param))
         if unknown:
             raise _missing_handlers(unknown)
         return plan
-
-    def _group_for(
-        self, registry: LeafHandlerRegistry, value_type: str, entry: _tree_metadata.Entry
-    ) -> list[tuple[int, DeserializationParam[Any]]] | None:
-        # A leaf's own value type unknown here falls back to its Orbax value type.
-        leaf_entry = registry.entry_for_typestr(value_type) or registry.entry_for_typestr(
-            entry.value_type
-        )
-        return None if leaf_entry is None else self.groups.setdefault(leaf_entry.handler_cls, [])
 
     @classmethod
     def with_abstract(
@@ -162,43 +195,41 @@ class LoadPlan:
         *,
         partial: bool,
         where: epath.Path,
+        flat: tuple[list[tuple[tuple[Any, ...], Any]], Any] | None = None,
     ) -> LoadPlan:
-        """The leaves of ``abstract``, matched against ``tree``.
+        """The leaves of ``abstract`` (``flat``: already flattened), matched against ``tree``.
 
         Raises:
           cp.errors.TreeMismatchError: the trees differ (``partial``: leaves the
             abstract tree leaves out are fine).
         """
         plan = cls()
-        leaves, plan.treedef = _tree.flatten_abstract(abstract)
-        stored = {e.names: e for e in tree.entries}
-        inner: set[tuple[str, ...]] = set()
-        for names in stored:
-            inner.update(names[:i] for i in range(len(names)))
+        leaves, plan.treedef = flat if flat is not None else _tree.flatten_abstract(abstract)
+        stored, inner = _stored_and_inner(tree)
         mismatch = _Mismatch()
         used: set[tuple[str, ...]] = set()
         skipped: set[tuple[str, ...]] = set()
+        handler_of = _abstract_handlers(registry)
         for keypath, leaf in leaves:
             names = _tree.key_names(keypath)
             plan.values.append(leaf)
-            shown = jax.tree_util.keystr(keypath) or "<root>"
             if is_skip(leaf):
                 if names in stored or names in inner:
                     skipped.add(names)
                 else:
-                    mismatch.extra.append(shown)
+                    mismatch.extra.append(_shown(keypath))
                 continue
             entry = stored.get(names)
             if entry is None or entry.is_empty_node:
-                _no_leaf_stored(shown, entry, names in inner, mismatch)
+                _no_leaf_stored(_shown(keypath), entry, names in inner, mismatch)
                 continue
-            leaf_entry = registry.entry_for_abstract(leaf)
-            if leaf_entry is None:
-                mismatch.unsupported.append(f"{shown} ({describe_type(leaf)})")
+            handler = handler_of(leaf)
+            if handler is None:
+                mismatch.unsupported.append(f"{_shown(keypath)} ({describe_type(leaf)})")
                 continue
             used.add(names)
             param = NamedDeserializationParam(keypath=tuple(keypath), value=leaf, names=names)
-            plan.groups.setdefault(leaf_entry.handler_cls, []).append((len(plan.values) - 1, param))
+            plan.groups.setdefault(handler, []).append((len(plan.values) - 1, param))
         mismatch.missing = _left_out(tree, abstract, used, skipped)
         mismatch.raise_if_any(partial=partial, where=where)
         return plan
@@ -220,6 +251,58 @@ class LoadPlan:
                 f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
             ),
         )
+
+
+def _shown(keypath: tuple[Any, ...]) -> str:
+    """A key path as errors show it (made only for the leaves an error names)."""
+    return jax.tree_util.keystr(keypath) or "<root>"
+
+
+def _stored_and_inner(
+    tree: _tree_metadata.TreeMetadata,
+) -> tuple[dict[tuple[str, ...], _tree_metadata.Entry], frozenset[tuple[str, ...]]]:
+    """The entries by key names, and every proper prefix of them (made once per text)."""
+    entries = _tree_metadata.entries_by_names(tree)
+    inner = tree.derived.get("inner")
+    if inner is None:
+        inner = tree.derived["inner"] = frozenset(
+            names[:i] for names in entries for i in range(len(names))
+        )
+    return entries, inner
+
+
+# Abstract leaf types whose instances all have the same attributes: the registry picks
+# the same leaf handler for two of one dtype (see _decided_by_type_and_dtype).
+_TYPE_DECIDES = frozenset({np.ndarray, jax.ShapeDtypeStruct})
+
+
+def _decided_by_type_and_dtype(registry: LeafHandlerRegistry) -> bool:
+    """Whether the registry's match of an abstract leaf depends only on its type and dtype:
+    protocols (attributes), plain classes, and ``AbstractPRNGKey`` (the dtype)."""
+    return all(
+        getattr(t, "_is_protocol", False) or type(t) in (type, abc.ABCMeta) or t is AbstractPRNGKey
+        for t in (e.abstract_type for e in registry.get_all())
+    )
+
+
+def _abstract_handlers(registry: LeafHandlerRegistry) -> Callable[[Any], type | None]:
+    """The leaf handler class for an abstract leaf (looked up once per type and dtype where
+    that decides it: most abstract trees hold a few kinds of leaves)."""
+    known: dict[tuple[type, Any], type | None] = {}
+    kinds = _TYPE_DECIDES if _decided_by_type_and_dtype(registry) else frozenset()
+
+    def handler_of(leaf: Any) -> type | None:
+        kind = type(leaf)
+        key = (kind, leaf.dtype) if kind in kinds else None
+        if key is not None and key in known:
+            return known[key]
+        leaf_entry = registry.entry_for_abstract(leaf)
+        handler = None if leaf_entry is None else leaf_entry.handler_cls
+        if key is not None:
+            known[key] = handler
+        return handler
+
+    return handler_of
 
 
 def _no_leaf_stored(
@@ -246,7 +329,9 @@ def _left_out(
     missing = []
     for entry in tree.entries:
         names = entry.names
-        if names in used or any(names[:i] in skipped for i in range(len(names) + 1)):
+        if names in used:
+            continue
+        if skipped and any(names[:i] in skipped for i in range(len(names) + 1)):
             continue
         # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
         # abstract tree's flattening: look for it there.

@@ -24,10 +24,12 @@ import asyncio
 import contextlib
 import math
 import os
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 import crc32c
+import numpy as np
 import tensorstore as ts
 from checkpointables import execution
 from etils import epath
@@ -57,6 +59,10 @@ from checkpointables_pytree._array_reads import (
 from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
 __all__ = ["Reader", "read_values"]
+
+_recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its data.
+_trailer = _zarr3.shard_trailer
+_Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
@@ -143,8 +149,10 @@ class Reader:
         if not self._reads:
             return
         context = self._opened.context if self._opened is not None else _ocdbt.make_context()
-        whole = [r for r in self._reads if r.whole and self._ocdbt]
-        driver = [r for r in self._reads if not (r.whole and self._ocdbt)]
+        whole: list[ArrayRead] = []
+        driver: list[ArrayRead] = []
+        for read in self._reads:
+            (whole if read.whole and self._ocdbt else driver).append(read)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in driver]
         try:
@@ -165,22 +173,23 @@ class Reader:
 
     async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
         """Reads, checks and converts arrays stored as plain shards, group by group."""
-        for read in reads:
-            check_fits_in_memory(read, read.stored.nbytes)  # type: ignore[union-attr]
+        largest = max(reads, key=lambda r: r.stored.nbytes)  # type: ignore[union-attr]
+        check_fits_in_memory(largest, largest.stored.nbytes)  # type: ignore[union-attr]
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
-        keys = [_zarr3.chunk_key(r.name, i) for r in reads for i in r.stored.chunk_indices]  # type: ignore[union-attr]
-        found = await self._locate(keys, reads)
-        groups = _groups(reads, found, READ_THREADS)
+        pairs = [(r, r.chunk_keys) for r in reads]
+        found = await self._locate([k for _, keys in pairs for k in keys], reads)
+        groups = _groups(pairs, found, READ_THREADS)
         threads = asyncio.Semaphore(READ_THREADS)
-        requests = asyncio.Semaphore(_remote_reads.REQUESTS)
+        load_bytes = sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
+        requests = asyncio.Semaphore(_remote_reads.requests_in_flight(load_bytes))
         files = _local_reads.OpenFiles()
 
-        async def one(group: list[ArrayRead]) -> None:
+        async def one(group: list[_Keyed]) -> None:
             async with threads if self._local else contextlib.nullcontext():
                 values = await self._fetch(kvstore, group, found, requests, files)
-                if sum(r.stored.nbytes for r in group) <= INLINE_CHECK_BYTES:  # type: ignore[union-attr]
+                if sum(r.stored.nbytes for r, _ in group) <= INLINE_CHECK_BYTES:  # type: ignore[union-attr]
                     self._finish(group, values)
                 else:
                     await asyncio.to_thread(self._finish, group, values)
@@ -195,41 +204,36 @@ class Reader:
             files.close()
 
     async def _locate(
-        self, keys: Sequence[str], reads: Sequence[ArrayRead]
+        self, keys: Sequence[bytes], reads: Sequence[ArrayRead]
     ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
         """Inline values and value locations from the b-tree: ``{}`` where not worth it."""
         large = any(r.stored.nbytes > LARGE_ARRAY_BYTES for r in reads)  # type: ignore[union-attr]
         if self._index is None or (self._local and len(keys) <= INLINE_READ_KEYS and not large):
             return {}
         try:
-            return await self._index.find([k.encode() for k in keys])
+            return await self._index.find(keys)
         except ValueError:  # An index TensorStore cannot decode: its reads report the damage.
             return {}
 
     async def _fetch(
         self,
         kvstore: ts.KvStore,
-        group: Sequence[ArrayRead],
+        group: Sequence[_Keyed],
         found: dict[bytes, Any],
         requests: asyncio.Semaphore,
         files: _local_reads.OpenFiles,
     ) -> list[Any]:
         """The shard values of ``group``, in order: the fast paths', then TensorStore's."""
-        keys, sizes, owners = [], [], []
-        for read in group:
-            stored = read.stored
-            assert stored is not None
-            count = len(stored.chunk_indices)
-            keys += [_zarr3.chunk_key(read.name, i) for i in stored.chunk_indices]
-            sizes += [stored.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES] * count
-            owners += [read] * count
-        values: list[Any] = [found.get(k.encode()) for k in keys]
-        # Only values of the size recorded are read here: a damaged b-tree may claim terabytes.
-        located = [
-            v if type(v) is _ocdbt_index.ValueLocation and v.length == size else None
-            for v, size in zip(values, sizes, strict=True)
-        ]
-        values = [None if type(v) is _ocdbt_index.ValueLocation else v for v in values]
+        values: list[Any] = []
+        get, location = found.get, _ocdbt_index.ValueLocation
+        for read, keys in group:
+            size = read.stored.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES  # type: ignore[union-attr]
+            for key in keys:
+                value = get(key)
+                # Only values of the size recorded are read here: a damaged b-tree may claim
+                # terabytes (TensorStore reads the others, and reports them).
+                values.append(None if type(value) is location and value.length != size else value)
+        located = [v if type(v) is location else None for v in values]
         if any(located):
             assert self._index is not None
             if self._local:
@@ -237,36 +241,44 @@ class Reader:
             else:
                 read = await _remote_reads.read_values(self._index, located, requests)
             values = [v if r is None else r for v, r in zip(values, read, strict=True)]
+        values = [None if type(v) is location else v for v in values]
         rest = [i for i, v in enumerate(values) if v is None]
         if rest:
+            keys = [k.decode() for _, read_keys in group for k in read_keys]
             try:
                 found_rest = await read_values(kvstore, [keys[i] for i in rest])
             except ValueError:  # A node that fails to decode, a file cut short: name the leaf.
+                owners = [r for r, read_keys in group for _ in read_keys]
                 found_rest = [await _read_one(kvstore, keys[i], owners[i]) for i in rest]
             for i, value in zip(rest, found_rest, strict=True):
                 values[i] = value
         return values
 
-    def _finish(self, group: Sequence[ArrayRead], values: Sequence[Any]) -> None:
+    def _finish(self, group: Sequence[_Keyed], values: Sequence[Any]) -> None:
         """Checks every shard of ``group`` against its CRC-32C, assembles and converts."""
         with execution.paused_gc():
             done = []
             position = 0
-            for read in group:
-                stored = read.stored
+            for read, keys in group:
+                count, stored = len(keys), read.stored
                 assert stored is not None
-                count = 1 if stored.single_chunk else len(stored.chunk_indices)
-                chunks = [self._data(read, values[position + n], n) for n in range(count)]
+                if stored.single_chunk and read.regions is None and read.target_shape is None:
+                    # Most arrays: one shard, wanted whole and as stored.
+                    data = self._data(read, values[position], 0)
+                    array = np.frombuffer(data, dtype=stored.dtype).reshape(stored.shape)
+                    done.append((read, [array]))
+                else:
+                    chunks = [self._data(read, values[position + n], n) for n in range(count)]
+                    done.append((read, pieces_of(read, assemble(read, chunks))))
                 position += count
-                done.append((read, pieces_of(read, assemble(read, chunks))))
             convert_all(done)
 
     def _data(self, read: ArrayRead, value: Any, n: int) -> memoryview:
         """The data of the ``n``-th shard value of ``read``, once its layout and CRC-32C check."""
         nbytes = read.stored.chunk_nbytes  # type: ignore[union-attr]
         view = memoryview(value)
-        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != (
-            _zarr3.shard_trailer(nbytes)
+        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != _trailer(
+            nbytes
         ):
             index = read.stored.chunk_indices[n]  # type: ignore[union-attr]
             problem = "is missing" if not len(view) else "does not have the layout that was written"
@@ -274,9 +286,7 @@ class Reader:
                 read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}"
             )
         data = view[:nbytes]
-        if self._verify and crc32c.crc32c(data) != int.from_bytes(
-            view[nbytes : nbytes + 4], "little"
-        ):
+        if self._verify and crc32c.crc32c(data) != _recorded_crc(view, nbytes)[0]:
             raise _errors.integrity_error(read.what, "a chunk's CRC-32C does not match its data")
         return data
 
@@ -330,27 +340,24 @@ async def _read_one(kvstore: ts.KvStore, key: str, read: ArrayRead) -> bytes:
         raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
 
 
-def _groups(
-    reads: Sequence[ArrayRead], found: dict[bytes, Any], threads: int
-) -> list[list[ArrayRead]]:
-    """``reads`` in the order of their first shard in the files, cut into groups of similar size."""
+def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> list[list[_Keyed]]:
+    """Reads in the order of their first shard in the files, cut into groups of similar size."""
 
-    def where(read: ArrayRead) -> tuple[int, str, int]:
-        key = _zarr3.chunk_key(read.name, read.stored.chunk_indices[0]).encode()  # type: ignore[union-attr]
-        location = found.get(key)
+    def where(pair: _Keyed) -> tuple[int, str, int]:
+        location = found.get(pair[1][0]) if pair[1] else None
         if type(location) is _ocdbt_index.ValueLocation:
             return (0, location.file, location.offset)
         return (1, "", 0)
 
-    ordered = sorted(reads, key=where) if found else list(reads)
-    total = sum(r.stored.nbytes for r in ordered)  # type: ignore[union-attr]
+    ordered = sorted(pairs, key=where) if found else list(pairs)
+    total = sum(r.stored.nbytes for r, _ in ordered)  # type: ignore[union-attr]
     budget = max(MIN_GROUP_BYTES, min(GROUP_BYTES, total // (GROUPS_PER_THREAD * threads)))
-    groups: list[list[ArrayRead]] = [[]]
+    groups: list[list[_Keyed]] = [[]]
     used = 0
-    for read in ordered:
+    for pair in ordered:
         if groups[-1] and used >= budget:
             groups.append([])
             used = 0
-        groups[-1].append(read)
-        used += read.stored.nbytes  # type: ignore[union-attr]
+        groups[-1].append(pair)
+        used += pair[0].stored.nbytes  # type: ignore[union-attr]
     return [g for g in groups if g]

@@ -5,8 +5,15 @@ arrays made about 3,300 requests to S3, at tens of milliseconds each. But the
 values of one save sit next to each other in a few data files, and the
 b-tree says where (``_ocdbt_index``). So neighbouring values of one file
 (gaps of up to ``GAP_BYTES`` are read and dropped) are read as runs, each cut
-into ranges of at most ``RANGE_BYTES``; ``REQUESTS`` ranges are in flight at
-once, so a load holds at most ``REQUESTS * RANGE_BYTES`` besides its arrays.
+into ranges of at most ``RANGE_BYTES``; ``requests_in_flight`` of them at
+once, few for a small load (memory) and many for a large one (bandwidth).
+
+TensorStore hands a range to Python as a new ``bytes`` made through a C++
+string: two more copies of it, made, copied into the arrays and dropped on
+one thread of their own (``_copier``). glibc's malloc gives each thread its
+own heap and keeps what a heap frees for reuse: on the event loop's thread
+those copies landed among the arrays' buffers, and each range touched fresh
+pages; on their own thread each range reuses the last one's memory.
 
 A value a range did not fully deliver is ``None``: the caller reads it
 through TensorStore, which reports what is wrong.
@@ -15,11 +22,14 @@ through TensorStore, which reports what is wrong.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import checkpointables as cp
 import numpy as np
 
 from checkpointables_pytree._buffers import Slab
@@ -29,14 +39,31 @@ __all__ = ["read_values"]
 
 # A request costs what tens of milliseconds of transfer would: read through gaps this small.
 GAP_BYTES = 1 << 20
-# Ranges in flight, and their size: a load holds about REQUESTS * RANGE_BYTES beyond its
-# arrays. Loading 256 MiB of jax.Arrays from a local S3 server (peak RSS growth, time):
-# 32 x 2 MiB 1.05-1.07x, 1.1-1.5 s; 16 x 4 MiB 1.15-1.19x, 0.9-1.2 s; 4 x 8 MiB 1.12-1.16x,
-# 0.7-0.9 s. Few large ranges also keep a load of thousands of small arrays at a few
-# requests (47 MiB in 3,000 arrays: 6 ranges, not 24). A server far away (tens of ms per
-# request) would fill its bandwidth with more in flight: a note for remote benchmarks.
-REQUESTS = 4
+# A load holds its ranges in flight beside its arrays, about three times over: in TensorStore's
+# HTTP threads, then as the string and the bytes made on _copier, and each of those threads
+# keeps about as much freed memory for reuse. Peak RSS growth loading 256 MiB of jax.Arrays in
+# the s3-256mib benchmark case, and its GETs: 4 x 8 MiB 1.38-1.47x (1.40x with _copier), 52;
+# 4 x 4 MiB with _copier 1.07-1.21x, 85; 2 x 8 MiB with _copier 1.10x, 52, as fast as 4 x 8
+# MiB. So a load keeps at most 1/IN_FLIGHT_SHARE of its bytes in flight (at least
+# MIN_REQUESTS ranges): a large load far from the server still gets the request concurrency
+# it needs (32 ranges at 30 ms each for 8 GiB and more). Ranges of 8 MiB also keep a load of
+# thousands of small arrays at a few requests (47 MiB in 3,000 arrays: 16 GETs; 24 with 4 MiB).
+MIN_REQUESTS = 2
+IN_FLIGHT_SHARE = 32
+DEFAULT_CONCURRENCY = 32  # TensorStore's s3_request_concurrency and gcs_request_concurrency.
 RANGE_BYTES = 8 << 20
+
+
+def requests_in_flight(load_bytes: int) -> int:
+    """How many ranges a load of ``load_bytes`` keeps in flight.
+
+    At most the request concurrency of the ``cp.options.StorageOptions`` in force (default
+    32), at least ``MIN_REQUESTS``, and otherwise ``1 / IN_FLIGHT_SHARE`` of the load's bytes.
+    For example 2 for 256 MiB, 4 for 1 GiB, 32 for 8 GiB and more.
+    """
+    concurrency = cp.context.get_context().storage_options.request_concurrency
+    by_memory = max(MIN_REQUESTS, load_bytes // (IN_FLIGHT_SHARE * RANGE_BYTES))
+    return min(concurrency or DEFAULT_CONCURRENCY, by_memory)
 
 
 @attrs.define
@@ -54,7 +81,7 @@ async def read_values(
 ) -> list[np.ndarray | None]:
     """The bytes at each location (``None`` in, ``None`` out), each in a 64-byte aligned buffer.
 
-    ``limit`` (of ``REQUESTS``, shared by a load's calls) bounds the requests in flight.
+    ``limit`` (of ``requests_in_flight``, shared by a load's calls) bounds the requests in flight.
     """
     base = await index.base()
     order = sorted(
@@ -108,14 +135,23 @@ async def _read_range(
     """Reads ``[start, end)`` of the run's file into the values it overlaps."""
     async with limit:
         result = await base.read(run.file, byte_range=slice(start, end))
-        data = np.frombuffer(result.value, np.uint8) if result.state == "value" else None
-        for i in run.members:
-            _, offset, length = locations[i]  # type: ignore[misc]
-            low, high = max(start, offset), min(end, offset + length)
-            if low >= high:
-                continue
-            if data is None or len(data) < high - start:
-                missing[i] = True  # Cut short: TensorStore's read reports it.
-                continue
-            buffers[i][low - offset : high - offset] = data[low - start : high - start]  # type: ignore[index]
-        del data, result
+
+        def copy() -> None:  # On _copier: see the module's docstring.
+            data = np.frombuffer(result.value, np.uint8) if result.state == "value" else None
+            for i in run.members:
+                _, offset, length = locations[i]  # type: ignore[misc]
+                low, high = max(start, offset), min(end, offset + length)
+                if low >= high:
+                    continue
+                if data is None or len(data) < high - start:
+                    missing[i] = True  # Cut short: TensorStore's read reports it.
+                    continue
+                buffers[i][low - offset : high - offset] = data[low - start : high - start]  # type: ignore[index]
+
+        await asyncio.get_running_loop().run_in_executor(_copier(os.getpid()), copy)
+
+
+@functools.cache
+def _copier(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that copies ranges into arrays: one per process (a forked child, its own)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointables-ranges")

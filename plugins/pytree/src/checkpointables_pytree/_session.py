@@ -205,9 +205,12 @@ class LoadSession:
             # must agree with the arrays' own zarr.json.
             cross_check=not tree.checksum_recorded,
         )
-        self.entries = {e.names: e for e in tree.entries}
+        # Derived from the _METADATA text alone: shared by the loads of one structure.
+        derived = tree.derived
+        self.entries = _tree_metadata.entries_by_names(tree)
+        self._names: dict[tuple[str, ...], str] = derived.setdefault("storage_names", {})
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
-        self._stored: dict[tuple[str, ...], StoredArray | None] = {}
+        self._stored: dict[tuple[str, ...], StoredArray | None] = derived.setdefault("stored", {})
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
         self._zarr_metadata: dict[str, dict[str, Any]] = {}
@@ -218,7 +221,10 @@ class LoadSession:
         """A leaf's recorded entry and storage name (``names``: its key names, if known)."""
         if names is None:
             names = _tree.key_names(keypath)
-        return self.entries[names], self.tree.storage_name(names)
+        name = self._names.get(names)
+        if name is None:
+            name = self._names[names] = self.tree.storage_name(names)
+        return self.entries[names], name
 
     def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
         """The recorded entry of a leaf."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ __all__ = [
     "SEQUENCE",
     "DICT",
     "Leaf",
+    "Structure",
     "Flat",
     "flatten",
     "flatten_abstract",
@@ -130,13 +132,49 @@ class Leaf(NamedTuple):
     key_types: tuple[int, ...]
 
 
-@dataclasses.dataclass
-class Flat:
-    """A flattened tree: its leaves, its empty nodes, and its tuple containers."""
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """What depends only on a tree's structure (its treedef), kept while trees keep it.
 
-    leaves: list[Leaf] = dataclasses.field(default_factory=list)
-    empty: list[tuple[tuple[Any, ...], str]] = dataclasses.field(default_factory=list)
-    tuples: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    Per leaf, in ``jax.tree_util`` order: its key path, key names and key types.
+    """
+
+    keypaths: tuple[tuple[Any, ...], ...]
+    names: tuple[tuple[str, ...], ...]
+    key_types: tuple[tuple[int, ...], ...]
+    empty: tuple[tuple[tuple[Any, ...], str], ...]
+    tuples: tuple[tuple[Any, ...], ...]
+
+    @functools.cached_property
+    def storage_names(self) -> tuple[str, ...]:
+        """The name each leaf is stored under."""
+        return tuple(map(storage_name, self.names))
+
+    @functools.cached_property
+    def same_names(self) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """Two key paths whose keys have the same string forms, if any (they cannot be saved)."""
+        if len(set(self.names)) == len(self.names):
+            return None
+        seen: dict[tuple[str, ...], tuple[Any, ...]] = {}
+        for names, keypath in zip(self.names, self.keypaths, strict=True):
+            if names in seen:
+                return seen[names], keypath
+            seen[names] = keypath
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """A flattened tree: its structure and its leaves' values (in the same order)."""
+
+    structure: Structure
+    values: list[Any]
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        """One ``Leaf`` per leaf (made on each call: for the few paths that need them)."""
+        s = self.structure
+        return list(map(Leaf, s.keypaths, self.values, s.names, s.key_types))
 
 
 def _sorted_keys(d: Mapping[Any, Any]) -> list[Any]:
@@ -158,18 +196,9 @@ def _one_level(node: Any) -> list[tuple[tuple[Any, ...], Any]] | None:
     return children
 
 
-@dataclasses.dataclass(frozen=True)
-class _Structure:
-    """What ``flatten`` finds that depends only on a tree's structure (its treedef)."""
-
-    leaves: tuple[tuple[tuple[Any, ...], tuple[str, ...], tuple[int, ...]], ...]
-    empty: tuple[tuple[tuple[Any, ...], str], ...]
-    tuples: tuple[tuple[Any, ...], ...]
-
-
 # Structures of recently flattened trees, by treedef: a training loop saves trees of one
 # structure again and again. A few, for loops that save several trees (params, optimizer).
-_STRUCTURES: dict[Any, _Structure] = {}
+_STRUCTURES: dict[Any, Structure] = {}
 _STRUCTURES_KEPT = 8
 _STRUCTURES_LOCK = threading.Lock()
 
@@ -189,33 +218,23 @@ def flatten(tree: Any) -> Flat:
         # Dict keys jax cannot sort (it raises; the walk keeps their order), or a
         # node whose auxiliary data cannot be hashed: no cache for such trees.
         return _walk(tree)
-    if structure is not None and len(structure.leaves) == len(values):
-        return Flat(
-            [Leaf(k, v, n, t) for (k, n, t), v in zip(structure.leaves, values, strict=True)],
-            list(structure.empty),
-            list(structure.tuples),
-        )
+    if structure is not None and len(structure.names) == len(values):
+        return Flat(structure, values)
     flat = _walk(tree)
     # Kept only where jax.tree_util finds the same leaves in the same order.
-    if len(flat.leaves) == len(values) and all(
-        leaf.value is v for leaf, v in zip(flat.leaves, values, strict=True)
-    ):
-        structure = _Structure(
-            tuple((leaf.keypath, leaf.names, leaf.key_types) for leaf in flat.leaves),
-            tuple(flat.empty),
-            tuple(flat.tuples),
-        )
+    if len(flat.values) == len(values) and all(map(operator.is_, flat.values, values)):
         with _STRUCTURES_LOCK:  # Saves may run in several threads.
             if len(_STRUCTURES) >= _STRUCTURES_KEPT:
                 del _STRUCTURES[next(iter(_STRUCTURES))]
-            _STRUCTURES[treedef] = structure
+            _STRUCTURES[treedef] = flat.structure
     return flat
 
 
 def _walk(tree: Any) -> Flat:
     """``flatten``, walking the tree in Python."""
-    flat = Flat()
-    leaves, empty, tuples = flat.leaves, flat.empty, flat.tuples
+    leaves: list[Leaf] = []
+    empty: list[tuple[tuple[Any, ...], str]] = []
+    tuples: list[tuple[Any, ...]] = []
 
     # `names` and `types` follow `path`: each leaf's key names and key types are
     # known without a second pass over its key path.
@@ -268,7 +287,9 @@ def _walk(tree: Any) -> Flat:
                     )
 
     walk(tree, (), (), ())
-    return flat
+    keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
+    structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples))
+    return Flat(structure, [leaf.value for leaf in leaves])
 
 
 _MISSING = object()

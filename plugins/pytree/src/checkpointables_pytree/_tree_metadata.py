@@ -98,6 +98,10 @@ class TreeMetadata:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Whether the file was checked against the checksum recorded at commit (not written).
     checksum_recorded: bool = False
+    # What loads derive from this text alone (storage names, stored-array records, read
+    # plans), shared by every load of the same text: another text is another parse, so
+    # nothing here is ever stale.
+    derived: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def to_json_text(self) -> str:
         """The text of the ``_METADATA`` file."""
@@ -209,6 +213,14 @@ def _key_type_text(key_type: Any) -> str:
 _KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
 
 
+def entries_by_names(tree: TreeMetadata) -> dict[tuple[str, ...], Entry]:
+    """``tree``'s entries by their key names (made once per text: ``tree.derived``)."""
+    entries = tree.derived.get("entries")
+    if entries is None:
+        entries = tree.derived["entries"] = {e.names: e for e in tree.entries}
+    return entries
+
+
 def write_tree_metadata(directory: epath.Path, metadata: TreeMetadata) -> None:
     """Writes ``_METADATA`` (the commit fsyncs it with the rest of the checkpoint)."""
     cp.storage.write_text(directory / METADATA_FILE, metadata.to_json_text())
@@ -277,8 +289,9 @@ _PARSED_LOCK = threading.Lock()
 def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     """Parses the text (or UTF-8 bytes) of a ``_METADATA`` file at ``path``.
 
-    A text parsed recently is not parsed again: the result is a copy of the
-    earlier one, which the caller may change.
+    A text parsed recently is not parsed again: the result is a shallow copy
+    of the earlier one, sharing its entries (treat them as immutable) and its
+    ``derived`` cache.
 
     Raises:
       cp.errors.MetadataError: the text is not the expected JSON.
@@ -293,21 +306,7 @@ def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
             if len(_PARSED) >= _PARSED_KEPT:
                 del _PARSED[next(iter(_PARSED))]
             _PARSED[text] = parsed
-    return dataclasses.replace(
-        parsed,
-        entries=[
-            Entry(
-                names=e.names,
-                key_types=e.key_types,
-                value_type=e.value_type,
-                skip_deserialize=e.skip_deserialize,
-                write_shape=e.write_shape,
-                extra=dict(e.extra),
-            )
-            for e in parsed.entries
-        ],
-        extra=dict(parsed.extra),
-    )
+    return dataclasses.replace(parsed, extra=dict(parsed.extra))
 
 
 def _parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
