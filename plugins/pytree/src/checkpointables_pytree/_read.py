@@ -182,8 +182,9 @@ class Reader:
         found = await self._locate([k for _, keys in pairs for k in keys], reads)
         groups = _groups(pairs, found, READ_THREADS)
         threads = asyncio.Semaphore(READ_THREADS)
-        load_bytes = sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
-        requests = asyncio.Semaphore(_remote_reads.requests_in_flight(load_bytes))
+        # Ranged GETs in flight, sized by the load's bytes (object stores only: a sum per leaf).
+        in_flight = 1 if self._local else _remote_reads.requests_in_flight(_nbytes(reads))
+        requests = asyncio.Semaphore(in_flight)
         files = _local_reads.OpenFiles()
 
         async def one(group: list[_Keyed]) -> None:
@@ -361,3 +362,7 @@ def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> l
         groups[-1].append(pair)
         used += pair[0].stored.nbytes  # type: ignore[union-attr]
     return [g for g in groups if g]
+
+
+def _nbytes(reads: Sequence[ArrayRead]) -> int:
+    return sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
