@@ -1,13 +1,14 @@
-"""Where the values of an OCDBT database are, as TensorStore's ``ts.ocdbt.dump`` says.
+"""Where the values of an OCDBT database are, as its b-tree says.
 
 Reading a value through TensorStore's kvstore costs a future, a thread
 hand-over and a fresh ``bytes`` object per key, and an object store a
 request per key. The b-tree says where each value is: inline in a leaf node,
 or a range of a data file. ``DatabaseIndex.find`` walks from the root to the
-nodes that hold the wanted keys (``ts.ocdbt.dump`` decodes each node: this
-module never parses OCDBT's binary format), so that values can be read in
-bulk: by ``_local_reads`` with ``preadv``, by ``_remote_reads`` in few ranged
-GETs.
+nodes that hold the wanted keys, so that values can be read in bulk: by
+``_local_reads`` with ``preadv``, by ``_remote_reads`` in few ranged GETs.
+Uncompressed nodes (what the manifest's configuration says this library
+writes) are decoded by ``_btree_nodes``; compressed ones (Orbax's,
+TensorStore's default) by ``ts.ocdbt.dump``, which also reads the manifest.
 
 ``ts.ocdbt.dump`` (TensorStore 0.1.86, the newest release at the time of
 writing) leaks: it builds its result with ``PyDict_SetItem`` on references it
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _ocdbt
+from checkpointables_pytree import _btree_nodes, _ocdbt
 from checkpointables_pytree._tree_metadata import METADATA_FILE
 
 __all__ = [
@@ -107,6 +108,7 @@ class DatabaseIndex:
         self.root = os.fspath(directory)
         self._start: concurrent.futures.Future[tuple[Any, Any]] | None = None
         self._nodes: dict[str, Any] = {}
+        self._plain = False  # Whether the manifest says its nodes are uncompressed.
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -125,14 +127,30 @@ class DatabaseIndex:
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
         base = ts.KvStore.open(_ocdbt.location_spec(self.root)).result()
-        versions = dump(base).get("versions") or []
+        manifest = dump(base)
+        versions = manifest.get("versions") or []
         if not versions:
             return base, None
+        # Nodes written without compression are decoded here (_btree_nodes), not by dump.
+        self._plain = (manifest.get("config") or {}).get("compression", 0) is None
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
         if location is None:  # An empty database.
             return base, None
+        if self._plain:
+            node = _decoded(_read_node(base, location).result(), location)
+            if node is not None:
+                return base, (location, node)
         return base, (location, dump(base, location))
+
+    async def node(self, location: str) -> Any:
+        """The node at ``location``: decoded here if it is uncompressed, else by dump."""
+        base = await self.base()
+        if self._plain:
+            node = _decoded(await _read_node(base, location), location)
+            if node is not None:
+                return node
+        return await dump_async(base, location)
 
     async def find(
         self, keys: Collection[str] | Collection[bytes]
@@ -148,16 +166,36 @@ class DatabaseIndex:
         """
         self.prefetch()
         assert self._start is not None
-        base, root = await asyncio.wrap_future(self._start)
+        _, root = await asyncio.wrap_future(self._start)
         found: dict[bytes, bytes | ValueLocation] = {}
         if root is None:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
         wanted = sorted({k.encode() if isinstance(k, str) else k for k in keys})
-        walk = _Walk(base, self._nodes, wanted, found, self.root)
+        walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
+
+
+def _read_node(base: ts.KvStore, location: str) -> Any:
+    """Reads the bytes of the node at ``location`` (a future)."""
+    path, relative, offset, length = _btree_nodes.split_location(location)
+    return base.read(path + relative, byte_range=slice(offset, offset + length))
+
+
+def _decoded(read: Any, location: str) -> Any:
+    """The node read from ``location`` (``None``: compressed, for dump to decode).
+
+    Raises ``ValueError`` if it is missing or damaged, as dump does.
+    """
+    base, _, _, length = _btree_nodes.split_location(location)
+    if read.state != "value" or len(read.value) != length:
+        raise ValueError(f"the b-tree node at {location} is missing or cut short")
+    node = _btree_nodes.decode(read.value, base)
+    if isinstance(node, _btree_nodes.LeafNode):
+        return {"height": 0, "entries": node}
+    return None if node is None else {"height": 1, "entries": node}
 
 
 @functools.cache
@@ -170,13 +208,13 @@ class _Walk:
 
     def __init__(
         self,
-        base: Any,
+        index: DatabaseIndex,
         nodes: dict[str, Any],
         wanted: list[bytes],
         found: dict[bytes, bytes | ValueLocation],
         root: str,
     ) -> None:
-        self._base = base
+        self._index = index
         self._nodes = nodes  # Dumps already read, by location (shared by the index's walks).
         self._wanted = wanted  # Sorted, to pick subtrees.
         self._wanted_set = frozenset(wanted)
@@ -189,10 +227,13 @@ class _Walk:
         ``subtree_common_prefix`` its ancestors' entries share)."""
         node = self._nodes.get(location)
         if node is None:
-            node = self._nodes[location] = await dump_async(self._base, location)
+            node = self._nodes[location] = await self._index.node(location)
         entries = node["entries"]
         if node["height"] == 0:
-            self._leaf(entries, prefix)
+            if type(entries) is _btree_nodes.LeafNode:
+                self._decoded_leaf(entries, prefix)
+            else:
+                self._leaf(entries, prefix)
             return
         wanted = self._wanted
         children = []
@@ -223,6 +264,20 @@ class _Walk:
             parsed = self._parse(file)
             if parsed is not None and offset.isdigit() and numbers.isdigit():
                 found[key] = ValueLocation(parsed, int(offset), int(numbers))
+
+    def _decoded_leaf(self, node: _btree_nodes.LeafNode, prefix: bytes) -> None:
+        wanted, found, files = self._wanted_set, self._found, node.files
+        keys = [prefix + k for k in node.keys] if prefix else node.keys
+        inline, file_ids, offsets, lengths = node.inline, node.file_ids, node.offsets, node.lengths
+        paths = [self._parse("value:" + f) for f in files]
+        for i in [i for i, key in enumerate(keys) if key in wanted]:
+            value = inline[i]
+            if value is not None:
+                found[keys[i]] = value
+                continue
+            path = paths[file_ids[i]]
+            if path is not None:
+                found[keys[i]] = ValueLocation(path, offsets[i], lengths[i])
 
 
 def _parse_file(text: str, root: str) -> str | None:

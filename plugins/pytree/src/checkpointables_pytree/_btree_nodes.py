@@ -1,0 +1,222 @@
+"""Decoding uncompressed OCDBT b-tree nodes, column by column with NumPy.
+
+``ts.ocdbt.dump`` turns a node into a dict per entry: for the root of 5,000
+small arrays (10,000 entries) about 15 ms in TensorStore and 11 ms more to
+hand back the references it leaks (``_ocdbt_index``), all while holding the
+GIL. A node stores its entries column by column (every key length, then every
+key, every value length, ...: TensorStore's ``index.rst``, "B+tree node
+format"), so an uncompressed node decodes with a few NumPy operations per
+column, and only the keys need a Python loop (each shares a prefix with the
+one before).
+
+Nodes compressed with zstd (TensorStore's default, so Orbax's checkpoints and
+this library's older ones) are not decoded here: ``decode`` returns ``None``
+and the caller asks ``ts.ocdbt.dump``. A node that is not what its location
+promises (wrong magic, length or CRC-32C, a column running past the end)
+raises ``ValueError``, as TensorStore's own decoding does.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import attrs
+import crc32c
+import numpy as np
+
+__all__ = ["LeafNode", "decode", "split_location"]
+
+_MAGIC = 0x0CDB20DE
+_HEADER = struct.Struct("<Q")  # The node's length, after the big-endian magic.
+_VARINT_BYTES = 9  # 63 bits: offsets and lengths of files; longer ones are damage.
+
+
+@attrs.define
+class LeafNode:
+    """The entries of a leaf node: ``keys`` (relative to the node's prefix), in order.
+
+    Entry ``i`` is inline (``inline[i]`` is its value) or in a data file
+    (``files[file_ids[i]]``, at ``offsets[i]``, ``lengths[i]`` bytes long).
+    """
+
+    keys: list[bytes]
+    inline: list[bytes | None]
+    files: list[str]
+    file_ids: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+
+def split_location(text: str) -> tuple[str, str, int, int]:
+    """``"<kind>:<base>:<relative>:<offset>:<length>"`` as (base, relative, offset, length)."""
+    _, rest = text.split(":", 1)
+    rest, offset, length = rest.rsplit(":", 2)
+    base, relative = rest.split(":", 1)
+    return base, relative, int(offset), int(length)
+
+
+def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | None:
+    """The node encoded in ``data``: a ``LeafNode``, or an interior node's entries as
+    ``ts.ocdbt.dump`` gives them; ``None`` if it is compressed.
+
+    ``transitive`` is the base path of the location the node was read from:
+    its data files' paths (relative to the database) start with it.
+
+    Raises:
+      ValueError: ``data`` is not a well-formed node.
+    """
+    view = memoryview(data)
+    if len(view) < 18 or int.from_bytes(view[:4], "big") != _MAGIC:
+        raise ValueError("not an OCDBT b-tree node")
+    if _HEADER.unpack_from(view, 4)[0] != len(view):
+        raise ValueError("a b-tree node's length differs from its location's")
+    reader = _Reader(np.frombuffer(data, np.uint8), 12, len(view) - 4)
+    if reader.varint() != 0:
+        raise ValueError("an OCDBT b-tree node of an unknown version")
+    if reader.varint() != 0:
+        return None  # Compressed: TensorStore decodes it.
+    if crc32c.crc32c(view[:-4]) != int.from_bytes(view[-4:], "little"):
+        raise ValueError("a b-tree node's CRC-32C does not match its data")
+    height = reader.byte()
+    files = _file_table(reader, transitive)
+    count = reader.varint()
+    keys, prefix_lengths = _keys(reader, count, interior=height > 0)
+    if height == 0:
+        node: Any = _leaf(reader, keys, files)
+    else:
+        node = _interior(reader, keys, prefix_lengths, files)
+    if reader.position != reader.end:
+        raise ValueError("a b-tree node has bytes after its entries")
+    return node
+
+
+class _Reader:
+    """A position in a node's bytes, and the columns read from there."""
+
+    def __init__(self, buffer: np.ndarray, position: int, end: int) -> None:
+        self.buffer = buffer
+        self.position = position
+        self.end = end
+
+    def byte(self) -> int:
+        if self.position >= self.end:
+            raise ValueError("a b-tree node ends early")
+        self.position += 1
+        return int(self.buffer[self.position - 1])
+
+    def varint(self) -> int:
+        return int(self.varints(1)[0])
+
+    def varints(self, count: int) -> np.ndarray:
+        """``count`` consecutive LEB128 numbers, as int64."""
+        if count == 0:
+            return np.zeros(0, np.int64)
+        window = self.buffer[self.position : min(self.end, self.position + 9 * count)]
+        single = window[:count]
+        if len(single) == count and int(single.max()) < 0x80:  # Most columns: small numbers.
+            self.position += count
+            return single.astype(np.int64)
+        ends = np.flatnonzero(window < 0x80)[:count]
+        if len(ends) < count:
+            raise ValueError("a b-tree node ends early")
+        starts = np.zeros(count, np.int64)
+        starts[1:] = ends[:-1] + 1
+        sizes = ends - starts + 1
+        if int(sizes.max()) > _VARINT_BYTES:
+            raise ValueError("a b-tree node holds a number too large")
+        values = np.zeros(count, np.int64)
+        for k in range(int(sizes.max())):
+            has = np.flatnonzero(sizes > k)
+            values[has] |= (window[starts[has] + k].astype(np.int64) & 0x7F) << (7 * k)
+        self.position += int(ends[-1]) + 1
+        return values
+
+    def bytes(self, count: int) -> bytes:
+        if self.position + count > self.end:
+            raise ValueError("a b-tree node ends early")
+        self.position += count
+        return self.buffer[self.position - count : self.position].tobytes()
+
+
+def _file_table(reader: _Reader, transitive: str) -> list[str]:
+    """The node's data files: ``(base, relative)`` paths joined as dump writes them."""
+    count = reader.varint()
+    shared = reader.varints(count - 1).tolist() if count else []
+    sizes = reader.varints(count)
+    bases = reader.varints(count).tolist()
+    joined = reader.bytes(int(sizes.sum()))
+    files: list[str] = []
+    last, start = b"", 0
+    for keep, size, base in zip([0, *shared], sizes.tolist(), bases, strict=True):
+        last = last[:keep] + joined[start : start + size]
+        start += size
+        if base > len(last):
+            raise ValueError("a b-tree node's data file table is malformed")
+        files.append(f"{transitive}{last[:base].decode()}:{last[base:].decode()}")
+    return files
+
+
+def _keys(reader: _Reader, count: int, *, interior: bool) -> tuple[list[bytes], list[int]]:
+    """The entries' keys (an interior node's key columns include its common prefix lengths)."""
+    shared = reader.varints(count - 1).tolist() if count else []
+    sizes = reader.varints(count)
+    common = reader.varints(count).tolist() if interior else []
+    joined = reader.bytes(int(sizes.sum()))
+    ends = np.cumsum(sizes)
+    last = b""
+    # Each key is the one before's first ``keep`` bytes and its own suffix. (A damaged
+    # node's keys come out wrong, not as an error: its CRC-32C was checked.)
+    starts = (ends - sizes).tolist()
+    keys = [
+        (last := last[:keep] + joined[start:end])
+        for keep, start, end in zip([0, *shared], starts, ends.tolist(), strict=True)
+    ]
+    return keys, common
+
+
+def _leaf(reader: _Reader, keys: list[bytes], files: list[str]) -> LeafNode:
+    count = len(keys)
+    lengths = reader.varints(count)
+    kinds = reader.varints(count)
+    if count and int(kinds.max()) > 1:
+        raise ValueError("a b-tree node holds a value of an unknown kind")
+    indirect = np.flatnonzero(kinds == 1)
+    file_ids = reader.varints(len(indirect))
+    if len(indirect) and int(file_ids.max()) >= len(files):
+        raise ValueError("a b-tree node names a data file it does not list")
+    offsets = reader.varints(len(indirect))
+    direct = np.flatnonzero(kinds == 0)
+    inline: list[bytes | None] = [None] * count
+    if len(direct):
+        joined = reader.bytes(int(lengths[direct].sum()))
+        ends = np.cumsum(lengths[direct]).tolist()
+        for i, start, end in zip(direct.tolist(), [0, *ends], ends, strict=False):
+            inline[i] = joined[start:end]
+    all_ids, all_offsets = np.zeros(count, np.int64), np.zeros(count, np.int64)
+    all_ids[indirect], all_offsets[indirect] = file_ids, offsets
+    return LeafNode(keys, inline, files, all_ids.tolist(), all_offsets.tolist(), lengths.tolist())
+
+
+def _interior(
+    reader: _Reader, keys: list[bytes], common: list[int], files: list[str]
+) -> list[dict[str, Any]]:
+    count = len(keys)
+    file_ids = reader.varints(count).tolist()
+    offsets = reader.varints(count).tolist()
+    lengths = reader.varints(count).tolist()
+    for _ in range(3):  # Statistics: keys, tree bytes and value bytes below each child.
+        reader.varints(count)
+    entries = []
+    columns = zip(keys, common, file_ids, offsets, lengths, strict=True)
+    for key, prefix, file, offset, length in columns:
+        if file >= len(files) or prefix > len(key):
+            raise ValueError("a b-tree node's entry is malformed")
+        entries.append(
+            {
+                "key": key,
+                "subtree_common_prefix": key[:prefix],
+                "location": f"btreenode:{files[file]}:{offset}:{length}",
+            }
+        )
+    return entries
