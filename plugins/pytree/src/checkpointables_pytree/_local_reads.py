@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from checkpointables_pytree._buffers import Slab
 from checkpointables_pytree._ocdbt_index import ValueLocation
 
-__all__ = ["OpenFiles", "read_values"]
+__all__ = ["OpenFiles", "read_into", "read_values"]
 
 # The values of one call share buffers of about this size: one kept array keeps at most
 # this much of its neighbours' memory alive.
@@ -140,14 +140,14 @@ def _read_call(
         buffers.append(buffer)
         position = location.offset + location.length
     try:
-        _read_into(fd, buffers, first.offset)
+        read_into(fd, buffers, first.offset)
     except (OSError, EOFError):  # The file changed under us: TensorStore's reads report it.
         return
     for i, buffer in call:
         values[i] = buffer
 
 
-def _read_into(fd: int, buffers: list[memoryview], position: int) -> None:
+def read_into(fd: int, buffers: list[memoryview], position: int) -> None:
     """Fills ``buffers`` (in order) from ``position`` of ``fd``; ``EOFError`` if it ends first."""
     pending = [b for b in buffers if len(b)]
     while pending:

@@ -7,7 +7,8 @@ two paths per array:
   with one inner chunk per shard (what this library writes), wanted whole.
   Their shards are read as plain values and checked here against zarr3's
   own CRC-32C (hardware CRC-32C, ``crc32c``), in groups of about
-  ``GROUP_BYTES`` on worker threads. Values come from ``_local_reads``
+  ``GROUP_BYTES`` on worker threads. Small one-shard arrays of a local
+  database are read and checked many at a time by ``_small_reads``. Values come from ``_local_reads``
   (local files, ``preadv`` into the arrays' memory) or ``_remote_reads``
   (object stores, few ranged GETs), located by the b-tree
   (``_ocdbt_index``); TensorStore's kvstore reads the rest (small trees,
@@ -25,7 +26,7 @@ import contextlib
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import crc32c
@@ -40,6 +41,7 @@ from checkpointables_pytree import (
     _ocdbt,
     _ocdbt_index,
     _remote_reads,
+    _small_reads,
     _zarr3,
 )
 from checkpointables_pytree._array_reads import (
@@ -178,24 +180,35 @@ class Reader:
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
-        pairs = [(r, r.chunk_keys) for r in reads]
-        found = await self._locate([k for _, keys in pairs for k in keys], reads)
-        groups = _groups(pairs, found, READ_THREADS)
+        keys = [r.chunk_keys for r in reads]
+        found = await self._locate([k for read_keys in keys for k in read_keys], reads)
+        if self._local:
+            small, pairs = _small_reads.split(reads, keys, found)
+        else:
+            small, pairs = [], list(zip(reads, keys, strict=True))
+        groups: list[Any] = _groups(pairs, found, READ_THREADS)
+        groups += _small_groups(small, READ_THREADS)
         threads = asyncio.Semaphore(READ_THREADS)
         # Ranged GETs in flight, sized by the load's bytes (object stores only: a sum per leaf).
-        in_flight = 1 if self._local else _remote_reads.requests_in_flight(_nbytes(reads))
+        in_flight = (
+            1 if self._local else _remote_reads.requests_in_flight(_nbytes(r for r, _ in pairs))
+        )
         requests = asyncio.Semaphore(in_flight)
         files = _local_reads.OpenFiles()
 
-        async def one(group: list[_Keyed]) -> None:
+        async def one(group: list[Any]) -> None:
             async with threads if self._local else contextlib.nullcontext():
+                if type(group[0]) is _small_reads.Small:
+                    if await asyncio.to_thread(self._finish_small, group, files):
+                        return
+                    group = [(s.read, s.read.chunk_keys) for s in group]  # TensorStore reads.
                 values = await self._fetch(kvstore, group, found, requests, files)
                 if sum(r.stored.nbytes for r, _ in group) <= INLINE_CHECK_BYTES:  # type: ignore[union-attr]
                     self._finish(group, values)
                 else:
                     await asyncio.to_thread(self._finish, group, values)
 
-        tasks = [asyncio.ensure_future(one(g)) for g in groups]
+        tasks = [asyncio.ensure_future(one(g)) for g in groups if g]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -203,6 +216,15 @@ class Reader:
             raise
         finally:
             files.close()
+
+    def _finish_small(self, group: list[_small_reads.Small], files: _local_reads.OpenFiles) -> bool:
+        """Reads, checks and converts a group of small arrays; ``False`` if a file fell short."""
+        with execution.paused_gc():
+            arrays = _small_reads.read(files, group, self._verify)
+            if arrays is None:
+                return False
+            convert_all([(s.read, [a]) for s, a in zip(group, arrays, strict=True)])
+            return True
 
     async def _locate(
         self, keys: Sequence[bytes], reads: Sequence[ArrayRead]
@@ -281,14 +303,13 @@ class Reader:
         if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != _trailer(
             nbytes
         ):
-            index = read.stored.chunk_indices[n]  # type: ignore[union-attr]
-            problem = "is missing" if not len(view) else "does not have the layout that was written"
-            raise _errors.integrity_error(
-                read.what, f"chunk {_zarr3.chunk_key(read.name, index)} {problem}"
-            )
+            key = _zarr3.chunk_key(read.name, read.stored.chunk_indices[n])  # type: ignore[union-attr]
+            if not len(view):
+                raise _small_reads.layout_error(read, key, "is missing")
+            raise _small_reads.layout_error(read, key)
         data = view[:nbytes]
         if self._verify and crc32c.crc32c(data) != _recorded_crc(view, nbytes)[0]:
-            raise _errors.integrity_error(read.what, "a chunk's CRC-32C does not match its data")
+            raise _small_reads.checksum_error(read)
         return data
 
     async def _check_zarr_json(self, kvstore: Any, reads: Sequence[ArrayRead]) -> None:
@@ -351,18 +372,23 @@ def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> l
         return (1, "", 0)
 
     ordered = sorted(pairs, key=where) if found else list(pairs)
-    total = sum(r.stored.nbytes for r, _ in ordered)  # type: ignore[union-attr]
-    budget = max(MIN_GROUP_BYTES, min(GROUP_BYTES, total // (GROUPS_PER_THREAD * threads)))
-    groups: list[list[_Keyed]] = [[]]
-    used = 0
-    for pair in ordered:
-        if groups[-1] and used >= budget:
-            groups.append([])
-            used = 0
-        groups[-1].append(pair)
-        used += pair[0].stored.nbytes  # type: ignore[union-attr]
-    return [g for g in groups if g]
+    sizes = [r.stored.nbytes for r, _ in ordered]  # type: ignore[union-attr]
+    return _small_reads.in_groups(ordered, sizes, _budget(sum(sizes), GROUP_BYTES, threads))
 
 
-def _nbytes(reads: Sequence[ArrayRead]) -> int:
+def _small_groups(small: list[_small_reads.Small], threads: int) -> list[list[_small_reads.Small]]:
+    """Small reads in the order of the files (inline ones last), in groups of similar size,
+    each at most one buffer of ``SLAB_BYTES``."""
+    small = sorted(small, key=_small_reads.place)
+    sizes = list(map(_small_reads.size_of, small))
+    budget = _budget(sum(sizes), _local_reads.SLAB_BYTES, threads)
+    return _small_reads.in_groups(small, sizes, budget)
+
+
+def _budget(total: int, most: int, threads: int) -> int:
+    """Bytes per group: several groups per thread, each at least ``MIN_GROUP_BYTES``."""
+    return max(MIN_GROUP_BYTES, min(most, total // (GROUPS_PER_THREAD * threads)))
+
+
+def _nbytes(reads: Iterable[ArrayRead]) -> int:
     return sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
