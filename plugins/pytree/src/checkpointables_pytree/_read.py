@@ -8,9 +8,10 @@ two paths per array:
   Their shards are read as plain values and checked here against zarr3's
   own CRC-32C (hardware CRC-32C, ``crc32c``), in groups of about
   ``GROUP_BYTES`` on worker threads. Small one-shard arrays of a local
-  database are read and checked many at a time by ``_small_reads``. Values come from ``_local_reads``
-  (local files, ``preadv`` into the arrays' memory) or ``_remote_reads``
-  (object stores, few ranged GETs), located by the b-tree
+  database are read and checked many at a time by ``_small_reads``.
+  Values come from ``_local_reads`` (local files, ``preadv`` into the
+  arrays' memory) or ``_remote_reads`` (object stores, few ranged GETs),
+  located by the b-tree
   (``_ocdbt_index``); TensorStore's kvstore reads the rest (small trees,
   inline values, anything the fast paths cannot vouch for).
 * ``_read_with_driver``: everything else (Orbax's checkpoints, compressed

@@ -142,7 +142,7 @@ def read(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[np.nda
         stored = smalls[i].read.stored
         assert stored is not None
         arrays[i] = np.ndarray(stored.shape, stored.dtype, buffer, place)
-    _check(smalls, order, buffer, places, lengths - _TRAILER, arrays, verify)
+    _check(smalls, order, buffer, places, lengths - _TRAILER, verify)
     return arrays
 
 
@@ -190,7 +190,6 @@ def _check(
     buffer: np.ndarray,
     places: np.ndarray,
     nbytes: np.ndarray,
-    arrays: list[np.ndarray],
     verify: bool,
 ) -> None:
     """Raises for the first array (in ``smalls``' order) whose shard is not as written."""
@@ -206,9 +205,12 @@ def _check(
     )
     if verify:
         recorded = np.ascontiguousarray(trailers[:, :4]).view("<u4").ravel()
-        sums = np.fromiter(map(crc32c.crc32c, arrays), np.int64, len(arrays))
+        # Over memoryviews: crc32c takes an ndarray's buffer three times as slowly.
+        view = memoryview(buffer)
+        data = [view[p : p + n] for p, n in zip(places.tolist(), nbytes.tolist(), strict=True)]
+        sums = np.fromiter(map(crc32c.crc32c, data), np.int64, len(data))
         wrong = np.zeros(len(smalls), bool)
-        wrong[order] = sums[order] != recorded
+        wrong[order] = sums != recorded
         bad |= wrong
     if not bad.any():
         return
