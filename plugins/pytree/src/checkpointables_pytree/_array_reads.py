@@ -85,7 +85,7 @@ class StoredArray:
 Region = tuple[slice, ...]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # Thousands per load: slots make them faster.
 class ArrayRead:
     """One array to read.
 

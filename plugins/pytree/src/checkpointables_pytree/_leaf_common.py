@@ -339,26 +339,33 @@ class ZarrLeafHandler(StandardLeafHandler):
     ) -> Awaitable[Sequence[Any]]:
         """Schedules the reads; returns the awaitable that yields the leaves."""
         session, private = load_session(self, deserialization_context)
-        reads = [self._schedule_read(session, p) for p in params]
+        reads = self._schedule_reads(session, params)
         return finish_load(session, private, reads)
 
+    def _schedule_reads(
+        self, session: LoadSession, params: Sequence[DeserializationParam[Any]]
+    ) -> list[ArrayRead]:
+        """An ``ArrayRead`` per leaf, added to the session's reader (a load of many small
+        arrays makes thousands: what is the same for all is looked up once)."""
+        info, stored_array, read_target = session.info, session.stored_array, self._read_target
+        add, allow_resize, types = session.reader.add, session.allow_resize, ARRAY_VALUE_TYPES
+        reads = []
+        for param in params:
+            entry, name = info(param.keypath, getattr(param, "names", None))
+            if entry.value_type not in types:
+                check_stored_type(entry, types, self.loads_as)
+            stored = stored_array(entry)
+            target = read_target(entry, param.value, stored)
+            read = ArrayRead(
+                entry, name, stored, target.convert, target.shape, target.regions, allow_resize
+            )
+            add(read)
+            reads.append(read)
+        return reads
+
     def _schedule_read(self, session: LoadSession, param: DeserializationParam[Any]) -> ArrayRead:
-        entry, name = session.info(param.keypath, getattr(param, "names", None))
-        if entry.value_type not in ARRAY_VALUE_TYPES:
-            check_stored_type(entry, ARRAY_VALUE_TYPES, self.loads_as)
-        stored = session.stored_array(entry)
-        target = self._read_target(entry, param.value, stored)
-        read = ArrayRead(
-            label=entry,
-            name=name,
-            stored=stored,
-            convert=target.convert,
-            target_shape=target.shape,
-            regions=target.regions,
-            allow_resize=session.allow_resize,
-        )
-        session.reader.add(read)
-        return read
+        """The ``ArrayRead`` of one leaf, added to the session's reader."""
+        return self._schedule_reads(session, [param])[0]
 
     def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
         raise NotImplementedError
