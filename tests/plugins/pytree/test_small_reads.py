@@ -100,7 +100,8 @@ def test_a_damaged_shard_names_its_leaf(saved, tmp_path, where, problem) -> None
 
 def _small(name: str, value) -> _small_reads.Small:
     stored = StoredArray((4,), np.dtype(np.float32), (4,), direct=True)
-    return _small_reads.Small(ArrayRead(name, name, stored, convert=lambda p: p[0]), value)
+    size = value.length if isinstance(value, ValueLocation) else len(value)
+    return _small_reads.Small(ArrayRead(name, name, stored, convert=lambda p: p[0]), value, size)
 
 
 def test_values_a_file_cannot_hold_are_left_to_tensorstore(tmp_path) -> None:

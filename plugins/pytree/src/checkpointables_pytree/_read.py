@@ -378,12 +378,9 @@ def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> l
 
 
 def _small_groups(small: list[_small_reads.Small], threads: int) -> list[list[_small_reads.Small]]:
-    """Small reads in the order of the files (inline ones last), in groups of similar size,
-    each at most one buffer of ``SLAB_BYTES``."""
-    small = sorted(small, key=_small_reads.place)
-    sizes = list(map(_small_reads.size_of, small))
-    budget = _budget(sum(sizes), _local_reads.SLAB_BYTES, threads)
-    return _small_reads.in_groups(small, sizes, budget)
+    """Small reads in groups of similar size, each at most one buffer of ``SLAB_BYTES``."""
+    total = sum(s.size for s in small)
+    return _small_reads.groups(small, _budget(total, _local_reads.SLAB_BYTES, threads))
 
 
 def _budget(total: int, most: int, threads: int) -> int:

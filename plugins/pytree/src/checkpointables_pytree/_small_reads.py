@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -39,9 +40,8 @@ __all__ = [
     "checksum_error",
     "in_groups",
     "layout_error",
-    "place",
+    "groups",
     "read",
-    "size_of",
     "split",
 ]
 
@@ -62,18 +62,11 @@ class Small(NamedTuple):
 
     read: ArrayRead
     value: bytes | ValueLocation
+    size: int  # Of the shard.
 
 
-def size_of(small: Small) -> int:
-    """The bytes of a small read's shard."""
-    value = small.value
-    return value.length if type(value) is ValueLocation else len(value)
-
-
-def place(small: Small) -> tuple[int, Any]:
-    """A sort key: values in files first, by file and offset; then inline ones."""
-    value = small.value
-    return (0, value) if type(value) is ValueLocation else (1, ())
+_VALUE = operator.itemgetter(1)
+_SIZE = operator.itemgetter(2)
 
 
 def in_groups(items: Sequence[T], sizes: Sequence[int], budget: int) -> list[list[T]]:
@@ -92,9 +85,11 @@ def in_groups(items: Sequence[T], sizes: Sequence[int], budget: int) -> list[lis
 def split(
     reads: Sequence[ArrayRead], keys: Sequence[tuple[bytes, ...]], found: dict[bytes, Any]
 ) -> tuple[list[Small], list[tuple[ArrayRead, tuple[bytes, ...]]]]:
-    """The reads this module can do (small, one shard, wanted whole as stored), and the rest
-    with their shards' ``keys``."""
+    """The reads this module can do (small, one shard, wanted whole as stored), in the order
+    of their shards in the files (inline ones last), and the rest with their shards' ``keys``.
+    """
     small: list[Small] = []
+    inline: list[Small] = []
     rest: list[tuple[ArrayRead, tuple[bytes, ...]]] = []
     location_type, get = ValueLocation, found.get
     for read, read_keys in zip(reads, keys, strict=True):
@@ -110,10 +105,16 @@ def split(
             kind = type(value)
             size = value.length if kind is location_type else len(value) if kind is bytes else -1
             if size == stored.nbytes + _TRAILER:
-                small.append(Small(read, value))
+                (small if kind is location_type else inline).append(Small(read, value, size))
                 continue
         rest.append((read, read_keys))
-    return small, rest
+    small.sort(key=_VALUE)  # By file, then offset.
+    return small + inline, rest
+
+
+def groups(small: list[Small], budget: int) -> list[list[Small]]:
+    """``small`` (as ``split`` orders them) in groups of about ``budget`` bytes."""
+    return in_groups(small, list(map(_SIZE, small)), budget)
 
 
 def read(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[np.ndarray] | None:
@@ -127,7 +128,7 @@ def read(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[np.nda
     kinds = [type(v) is ValueLocation for v in values]
     located = sorted(itertools.compress(range(len(values)), kinds), key=values.__getitem__)
     order = located + [i for i, k in enumerate(kinds) if not k]  # Files by offset, then inline.
-    lengths = np.fromiter(map(size_of, [smalls[i] for i in order]), np.int64, len(order))
+    lengths = np.fromiter(map(_SIZE, [smalls[i] for i in order]), np.int64, len(order))
     ends = np.cumsum(-(-lengths // ALIGNMENT) * ALIGNMENT)
     places = np.empty_like(ends)
     places[0], places[1:] = 0, ends[:-1]
