@@ -34,6 +34,7 @@ def _empty_value(value_type: str) -> Any:
 
 
 _VALUE_TYPES = "value types"  # tree.derived's key of the value types a tree records.
+_RECIPE = "recipe"  # tree.derived's key of the slots it was made for and the Recipe.
 
 
 def _value_types(tree: _tree_metadata.TreeMetadata) -> tuple[str, ...]:
@@ -240,17 +241,18 @@ class LoadPlan:
             return jax.tree_util.tree_unflatten(self.treedef, self.values)
         if not self.slots:
             return {}
-        items = [
-            (names, types, value)
-            for (names, types), value in zip(self.slots, self.values, strict=True)
-        ]
-        return _rebuild.unflatten(
-            items,
-            tree.tuple_paths,
-            on_conflict=lambda message: cp.errors.MetadataError(
-                f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
-            ),
-        )
+        # The structure depends only on the _METADATA text: worked out once, then replayed.
+        recipe = tree.derived.get(_RECIPE)
+        if recipe is None or recipe[0] is not self.slots:
+            made = _rebuild.Recipe.of(
+                self.slots,
+                tree.tuple_paths,
+                on_conflict=lambda message: cp.errors.MetadataError(
+                    f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
+                ),
+            )
+            recipe = tree.derived[_RECIPE] = (self.slots, made)
+        return recipe[1].build(self.values)
 
 
 def _shown(keypath: tuple[Any, ...]) -> str:

@@ -172,7 +172,7 @@ class DatabaseIndex:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
-        wanted = sorted({k.encode() if isinstance(k, str) else k for k in keys})
+        wanted = frozenset(k.encode() if type(k) is str else k for k in keys)
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
@@ -210,14 +210,14 @@ class _Walk:
         self,
         index: DatabaseIndex,
         nodes: dict[str, Any],
-        wanted: list[bytes],
+        wanted: frozenset[bytes],
         found: dict[bytes, bytes | ValueLocation],
         root: str,
     ) -> None:
         self._index = index
         self._nodes = nodes  # Dumps already read, by location (shared by the index's walks).
-        self._wanted = wanted  # Sorted, to pick subtrees.
-        self._wanted_set = frozenset(wanted)
+        self._wanted_set = wanted
+        self._sorted: list[bytes] | None = None  # To pick subtrees (none in a one-node tree).
         self._found = found
         # Each data file's path is checked once, not once per value.
         self._parse = functools.lru_cache(maxsize=None)(functools.partial(_parse_file, root=root))
@@ -235,7 +235,9 @@ class _Walk:
             else:
                 self._leaf(entries, prefix)
             return
-        wanted = self._wanted
+        if self._sorted is None:
+            self._sorted = sorted(self._wanted_set)
+        wanted = self._sorted
         children = []
         for n, entry in enumerate(entries):
             low = prefix + entry["key"]

@@ -8,12 +8,13 @@ dict keys) is reported through ``on_conflict``, never guessed at.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpointables_pytree._tree import DICT, SEQUENCE, keystr
 
-__all__ = ["unflatten"]
+__all__ = ["Recipe", "unflatten"]
 
 
 def unflatten(
@@ -111,3 +112,82 @@ class _Value:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+class _Slot:
+    """Stands for the value of slot ``index`` while a ``Recipe`` is made."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class Recipe:
+    """How ``unflatten`` builds a tree of one structure, replayed for new values.
+
+    Made once per ``_METADATA`` text: the containers in the order they are
+    built (children first), each as its kind, its keys and where each child
+    comes from (a value, ``None`` padding, or a container built before it),
+    so that a rebuild is a few C-level calls per container.
+
+    Example::
+
+        recipe = Recipe.of(items_without_values, tuple_paths)
+        tree = recipe.build(values)
+    """
+
+    def __init__(self, count: int) -> None:
+        self._count = count  # Values; pool index ``count`` holds None (sequence padding).
+        self._steps: list[tuple[type, list[str], Callable[[list[Any]], Any]]] = []
+        self._root_value: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        slots: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
+        tuple_paths: frozenset[tuple[str, ...]] = frozenset(),
+        *,
+        on_conflict: Callable[[str], Exception] = ValueError,
+    ) -> Recipe:
+        """The recipe of the tree ``unflatten`` builds from ``slots`` (raising as it does)."""
+        items = [(names, types, _Slot(i)) for i, (names, types) in enumerate(slots)]
+        skeleton = unflatten(items, tuple_paths, on_conflict=on_conflict)
+        recipe = cls(len(slots))
+        if type(skeleton) is _Slot:
+            recipe._root_value = skeleton.index
+        else:
+            recipe._add(skeleton)
+        return recipe
+
+    def _add(self, node: Any) -> int:
+        """Adds the steps building ``node`` (a container); returns its index in the pool."""
+        children = list(node.values()) if type(node) is dict else list(node)
+        refs = []
+        for child in children:
+            if type(child) is _Slot:
+                refs.append(child.index)
+            elif child is None:
+                refs.append(self._count)
+            else:
+                refs.append(self._add(child))
+        pick: Callable[[list[Any]], Any] = (
+            operator.itemgetter(*refs)
+            if len(refs) > 1
+            else lambda pool, r=refs: [pool[i] for i in r]
+        )
+        self._steps.append((type(node), list(node) if type(node) is dict else [], pick))
+        return self._count + len(self._steps)
+
+    def build(self, values: Sequence[Any]) -> Any:
+        """The tree with ``values`` (one per slot, in order) at its leaves."""
+        if self._root_value is not None:
+            return values[self._root_value]
+        pool = [*values, None]
+        for kind, keys, pick in self._steps:
+            children = pick(pool)
+            if kind is dict:
+                pool.append(dict(zip(keys, children, strict=True)))
+            else:
+                pool.append(kind(children))
+        return pool[-1]

@@ -1,0 +1,48 @@
+"""A ``Recipe`` replays what ``unflatten`` builds, for new values, in fresh containers."""
+
+from __future__ import annotations
+
+import pytest
+from checkpointables_pytree._rebuild import Recipe, unflatten
+from checkpointables_pytree._tree import DICT, SEQUENCE
+
+D, S = DICT, SEQUENCE
+STRUCTURES = {
+    "nested dicts and lists": [
+        (("a", "w"), (D, D)),
+        (("a", "b"), (D, D)),
+        (("layers", "0", "w"), (D, S, D)),
+        (("layers", "1", "w"), (D, S, D)),
+        (("layers", "1", "b"), (D, S, D)),
+        (("step",), (D,)),
+    ],
+    "tuples and a list of one": [
+        (("opt", "0", "mu"), (D, S, D)),
+        (("opt", "1"), (D, S)),
+        (("one", "0"), (D, S)),
+    ],
+    "a sequence with gaps": [(("xs", "0"), (D, S)), (("xs", "3"), (D, S))],
+    "a root list": [(("0",), (S,)), (("1",), (S,)), (("2", "k"), (S, D))],
+    "a root leaf": [((), ())],
+}
+TUPLES = frozenset({("opt",)})
+
+
+@pytest.mark.parametrize("name", STRUCTURES)
+def test_a_recipe_builds_what_unflatten_builds(name) -> None:
+    slots = STRUCTURES[name]
+    recipe = Recipe.of(slots, TUPLES)
+    for round_ in range(2):
+        values = [{} if i == 1 else f"value {round_}.{i}" for i in range(len(slots))]
+        expected = unflatten([(n, t, v) for (n, t), v in zip(slots, values, strict=True)], TUPLES)
+        built = recipe.build(values)
+        assert built == expected and type(built) is type(expected)
+        assert repr(built) == repr(expected)  # Same kinds and key order at every level.
+    if name != "a root leaf":
+        assert recipe.build(values) is not recipe.build(values)  # Fresh containers each time.
+
+
+def test_a_malformed_structure_raises_as_unflatten_does() -> None:
+    slots = [(("a",), (D,)), (("a", "b"), (D, D))]
+    with pytest.raises(KeyError, match="both a leaf and a container"):
+        Recipe.of(slots, on_conflict=KeyError)
