@@ -79,11 +79,6 @@ class _OnDefaultDevice:
         return jax.device_put([_cast(p[0], c.dtype) for c, p in zip(converts, pieces, strict=True)])
 
 
-# What a load without an abstract tree wants of every array: shared, never changed.
-_NUMPY_AS_STORED = ReadTarget(_numpy_result)
-_JAX_AS_STORED = ReadTarget(_OnDefaultDevice(None))
-
-
 def _sharded_read(
     shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding
 ) -> ReadTarget:
@@ -334,8 +329,6 @@ class ArrayLeafHandler(ZarrLeafHandler):
         )
 
     def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
-        if abstract is None:
-            return _JAX_AS_STORED
         shape, dtype, sharding = _target_of(abstract)
         if sharding is not None and shape is not None:
             return _sharded_read(shape, dtype, sharding)
@@ -396,7 +389,7 @@ class NumpyLeafHandler(ZarrLeafHandler):
 
     def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
         if abstract is None:
-            return _NUMPY_AS_STORED
+            return ReadTarget(_numpy_result)
         shape, dtype, _ = _target_of(abstract)
         return ReadTarget(functools.partial(_numpy_result, dtype=dtype), shape)
 
