@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 import crc32c
 import numpy as np
+import tensorstore as ts
 
-__all__ = ["LeafNode", "decode", "split_location"]
+__all__ = ["LeafNode", "decode", "decoded", "read", "split_location"]
 
 _MAGIC = 0x0CDB20DE
 _HEADER = struct.Struct("<Q")  # The node's length, after the big-endian magic.
@@ -54,6 +55,27 @@ def split_location(text: str) -> tuple[str, str, int, int]:
     rest, offset, length = rest.rsplit(":", 2)
     base, relative = rest.split(":", 1)
     return base, relative, int(offset), int(length)
+
+
+def read(base: ts.KvStore, location: str) -> Any:
+    """Reads the bytes of the node at ``location`` (a future)."""
+    path, relative, offset, length = split_location(location)
+    return base.read(path + relative, byte_range=slice(offset, offset + length))
+
+
+def decoded(result: Any, location: str) -> Any:
+    """The node ``read`` gave as ``result`` for ``location``, as ``ts.ocdbt.dump`` gives
+    it (``None``: compressed, for dump to decode).
+
+    Raises ``ValueError`` if it is missing or damaged, as dump does.
+    """
+    base, _, _, length = split_location(location)
+    if result.state != "value" or len(result.value) != length:
+        raise ValueError(f"the b-tree node at {location} is missing or cut short")
+    node = decode(result.value, base)
+    if isinstance(node, LeafNode):
+        return {"height": 0, "entries": node}
+    return None if node is None else {"height": 1, "entries": node}
 
 
 def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | None:

@@ -138,7 +138,7 @@ class DatabaseIndex:
         if location is None:  # An empty database.
             return base, None
         if self._plain:
-            node = _decoded(_read_node(base, location).result(), location)
+            node = _btree_nodes.decoded(_btree_nodes.read(base, location).result(), location)
             if node is not None:
                 return base, (location, node)
         return base, (location, dump(base, location))
@@ -147,7 +147,7 @@ class DatabaseIndex:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
         base = await self.base()
         if self._plain:
-            node = _decoded(await _read_node(base, location), location)
+            node = _btree_nodes.decoded(await _btree_nodes.read(base, location), location)
             if node is not None:
                 return node
         return await dump_async(base, location)
@@ -176,26 +176,6 @@ class DatabaseIndex:
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
-
-
-def _read_node(base: ts.KvStore, location: str) -> Any:
-    """Reads the bytes of the node at ``location`` (a future)."""
-    path, relative, offset, length = _btree_nodes.split_location(location)
-    return base.read(path + relative, byte_range=slice(offset, offset + length))
-
-
-def _decoded(read: Any, location: str) -> Any:
-    """The node read from ``location`` (``None``: compressed, for dump to decode).
-
-    Raises ``ValueError`` if it is missing or damaged, as dump does.
-    """
-    base, _, _, length = _btree_nodes.split_location(location)
-    if read.state != "value" or len(read.value) != length:
-        raise ValueError(f"the b-tree node at {location} is missing or cut short")
-    node = _btree_nodes.decode(read.value, base)
-    if isinstance(node, _btree_nodes.LeafNode):
-        return {"height": 0, "entries": node}
-    return None if node is None else {"height": 1, "entries": node}
 
 
 @functools.cache
