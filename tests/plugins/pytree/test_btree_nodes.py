@@ -43,8 +43,8 @@ def _as_dump(node) -> list[dict]:
     """A decoded leaf node's entries as ``ts.ocdbt.dump`` shows them."""
     entries = []
     for i, key in enumerate(node.keys):
-        if node.inline[i] is not None:
-            entries.append({"key": key, "inline_value": node.inline[i]})
+        if node.inline(i) is not None:
+            entries.append({"key": key, "inline_value": node.inline(i)})
         else:
             file = node.files[node.file_ids[i]]
             where = f"value:{file}:{node.offsets[i]}:{node.lengths[i]}"

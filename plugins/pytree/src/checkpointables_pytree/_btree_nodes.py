@@ -37,16 +37,24 @@ _VARINT_BYTES = 9  # 63 bits: offsets and lengths of files; longer ones are dama
 class LeafNode:
     """The entries of a leaf node: ``keys`` (relative to the node's prefix), in order.
 
-    Entry ``i`` is inline (``inline[i]`` is its value) or in a data file
-    (``files[file_ids[i]]``, at ``offsets[i]``, ``lengths[i]`` bytes long).
+    Entry ``i`` is inline (``inline(i)`` is its value, at ``inline_at[i]`` of the
+    node's ``data``) or in a data file (``files[file_ids[i]]``, at
+    ``offsets[i]``); either way ``lengths[i]`` bytes long. Inline values are
+    cut out of the node only when asked for: most loads want few of them.
     """
 
     keys: list[bytes]
-    inline: list[bytes | None]
+    data: bytes
+    inline_at: list[int]  # -1: in a data file.
     files: list[str]
     file_ids: list[int]
     offsets: list[int]
     lengths: list[int]
+
+    def inline(self, i: int) -> bytes | None:
+        """The value of entry ``i`` if it is inline, else ``None``."""
+        at = self.inline_at[i]
+        return None if at < 0 else self.data[at : at + self.lengths[i]]
 
 
 def split_location(text: str) -> tuple[str, str, int, int]:
@@ -93,7 +101,7 @@ def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | No
         raise ValueError("not an OCDBT b-tree node")
     if _HEADER.unpack_from(view, 4)[0] != len(view):
         raise ValueError("a b-tree node's length differs from its location's")
-    reader = _Reader(np.frombuffer(data, np.uint8), 12, len(view) - 4)
+    reader = _Reader(data, 12, len(view) - 4)
     if reader.varint() != 0:
         raise ValueError("an OCDBT b-tree node of an unknown version")
     if reader.varint() != 0:
@@ -116,8 +124,9 @@ def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | No
 class _Reader:
     """A position in a node's bytes, and the columns read from there."""
 
-    def __init__(self, buffer: np.ndarray, position: int, end: int) -> None:
-        self.buffer = buffer
+    def __init__(self, data: bytes, position: int, end: int) -> None:
+        self.data = data
+        self.buffer = np.frombuffer(data, np.uint8)
         self.position = position
         self.end = end
 
@@ -155,10 +164,15 @@ class _Reader:
         return values
 
     def bytes(self, count: int) -> bytes:
+        start = self.skip(count)
+        return self.data[start : start + count]
+
+    def skip(self, count: int) -> int:
+        """Moves past ``count`` bytes; returns where they start."""
         if self.position + count > self.end:
             raise ValueError("a b-tree node ends early")
         self.position += count
-        return self.buffer[self.position - count : self.position].tobytes()
+        return self.position - count
 
 
 def _file_table(reader: _Reader, transitive: str) -> list[str]:
@@ -209,15 +223,21 @@ def _leaf(reader: _Reader, keys: list[bytes], files: list[str]) -> LeafNode:
         raise ValueError("a b-tree node names a data file it does not list")
     offsets = reader.varints(len(indirect))
     direct = np.flatnonzero(kinds == 0)
-    inline: list[bytes | None] = [None] * count
+    inline_at = np.full(count, -1, np.int64)
     if len(direct):
-        joined = reader.bytes(int(lengths[direct].sum()))
-        ends = np.cumsum(lengths[direct]).tolist()
-        for i, start, end in zip(direct.tolist(), [0, *ends], ends, strict=False):
-            inline[i] = joined[start:end]
+        sizes = lengths[direct]
+        inline_at[direct] = reader.skip(int(sizes.sum())) + np.cumsum(sizes) - sizes
     all_ids, all_offsets = np.zeros(count, np.int64), np.zeros(count, np.int64)
     all_ids[indirect], all_offsets[indirect] = file_ids, offsets
-    return LeafNode(keys, inline, files, all_ids.tolist(), all_offsets.tolist(), lengths.tolist())
+    return LeafNode(
+        keys,
+        reader.data,
+        inline_at.tolist(),
+        files,
+        all_ids.tolist(),
+        all_offsets.tolist(),
+        lengths.tolist(),
+    )
 
 
 def _interior(

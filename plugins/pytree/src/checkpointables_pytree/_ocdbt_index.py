@@ -253,7 +253,7 @@ class _Walk:
         inline, file_ids, offsets, lengths = node.inline, node.file_ids, node.offsets, node.lengths
         paths = [self._parse("value:" + f) for f in files]
         for i in [i for i, key in enumerate(keys) if key in wanted]:
-            value = inline[i]
+            value = inline(i)
             if value is not None:
                 found[keys[i]] = value
                 continue
