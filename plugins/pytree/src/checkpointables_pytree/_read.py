@@ -380,7 +380,8 @@ def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> l
 def _small_groups(small: list[_small_reads.Small], threads: int) -> list[list[_small_reads.Small]]:
     """Small reads in groups of similar size, each at most one buffer of ``SLAB_BYTES``."""
     total = sum(s.size for s in small)
-    return _small_reads.groups(small, _budget(total, _local_reads.SLAB_BYTES, threads))
+    budget = max(_small_reads.MIN_BUFFER_BYTES, _budget(total, _local_reads.SLAB_BYTES, threads))
+    return _small_reads.groups(small, budget)
 
 
 def _budget(total: int, most: int, threads: int) -> int:

@@ -35,6 +35,7 @@ from checkpointables_pytree._local_reads import OpenFiles, read_into
 from checkpointables_pytree._ocdbt_index import ValueLocation
 
 __all__ = [
+    "MIN_BUFFER_BYTES",
     "SMALL_ARRAY_BYTES",
     "Small",
     "checksum_error",
@@ -47,7 +48,10 @@ __all__ = [
 
 # Arrays up to this size are read here (larger ones: a few, where Python per array is nothing).
 SMALL_ARRAY_BYTES = 256 << 10
-# The arrays of one call share one buffer: callers keep calls to about _local_reads.SLAB_BYTES.
+# The arrays of one call share one buffer: callers keep calls to about _local_reads.SLAB_BYTES,
+# and to at least MIN_BUFFER_BYTES where they can: NumPy asks for 2 MiB pages from 4 MiB on,
+# and the page faults of a buffer of 4 KiB pages cost about 0.5 ms per MiB.
+MIN_BUFFER_BYTES = 4 << 20
 # One preadv call reads at most this many values (the system's limit is 1024 buffers or more,
 # with the gaps between them).
 _VALUES_PER_CALL = 256
