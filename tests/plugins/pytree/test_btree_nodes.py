@@ -10,7 +10,8 @@ import checkpointables as cp
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _btree_nodes, _ocdbt_index
+from checkpointables_pytree import _btree_nodes, _ocdbt, _ocdbt_index
+from etils import epath
 
 from .damage import flip
 
@@ -158,3 +159,32 @@ def test_a_checkpoint_with_uncompressed_nodes_loads_and_damage_is_caught(tmp_pat
         flip(damaged / "pytree" / relative, at)
         with pytest.raises(cp.errors.IntegrityError):
             cp.load_pytree(damaged)
+
+
+def test_nodes_of_merged_databases_name_the_files_of_each(tmp_path) -> None:
+    # A merge (multi-process saves) points the root's b-tree into the processes' databases:
+    # their data files' paths start with the base path of the node that names them.
+    config = {**_UNCOMPRESSED, "max_inline_value_bytes": 16, "max_decoded_node_bytes": 400}
+    values = {}
+    for process in (1, 2):
+        (tmp_path / f"ocdbt.process_{process}").mkdir()
+        own = {f"p{process}/w{i}/c/0": bytes([process, i]) * (50 + i) for i in range(30)}
+        _write(_kvstore(tmp_path / f"ocdbt.process_{process}", config), own)
+        values.update(own)
+    _write(_kvstore(tmp_path, {**_UNCOMPRESSED, **_ocdbt.OCDBT_CONFIG}), {"root/c/0": b"r" * 2000})
+    values["root/c/0"] = b"r" * 2000
+    sources = [_ocdbt.Source(epath.Path(tmp_path / f"ocdbt.process_{p}")) for p in (1, 2)]
+    _ocdbt.merge_into(epath.Path(tmp_path), sources)
+    index = _ocdbt_index.DatabaseIndex(tmp_path)
+    found = asyncio.run(index.find(list(values)))
+    assert {type(n["entries"]) for n in index._nodes.values() if n["height"] == 0} == {
+        _btree_nodes.LeafNode
+    }
+    files = set()
+    for key, location in found.items():
+        with open(location.file, "rb") as f:
+            f.seek(location.offset)
+            assert f.read(location.length) == values[key.decode()], key
+        files.add(os.path.relpath(location.file, tmp_path).split(os.sep)[0])
+    assert set(found) == {k.encode() for k in values}
+    assert files == {"d", "ocdbt.process_1", "ocdbt.process_2"}
