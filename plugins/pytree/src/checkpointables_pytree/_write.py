@@ -7,11 +7,12 @@ pytree's OCDBT database:
 * small arrays (up to ``DIRECT_WRITE_BYTES``, uncompressed, one inner chunk
   per shard) are encoded here into the exact keys TensorStore's zarr3 driver
   would write (``<name>/zarr.json`` and one shard per chunk: the data, its
-  CRC-32C, the shard index, see ``_zarr3``) and written through one kvstore
-  in transactions of about ``SMALL_BATCH_BYTES``; one commits while the
-  next is encoded, and is flushed once committed. Opening a zarr3 driver
-  costs about 150 us of Python per array, and its CRC-32C is TensorStore's
-  portable code;
+  CRC-32C, the shard index, see ``_zarr3``). With every array's ``zarr.json``
+  they make the pytree's database, which ``_direct_database`` writes without
+  TensorStore, in data files of about ``SMALL_FILE_BYTES``: one is written
+  and flushed while the next is encoded. Opening a zarr3 driver costs about
+  150 us of Python per array, its CRC-32C is TensorStore's portable code, and
+  an OCDBT transaction about 7 us per key;
 * larger arrays, and any compressed or finely chunked one, go through the
   zarr3 driver, in groups of about ``LARGE_GROUP_BYTES`` committed by
   several OCDBT writers (databases of their own, merged into the pytree's
@@ -37,7 +38,7 @@ import tensorstore as ts
 from checkpointables import execution
 from etils import epath
 
-from checkpointables_pytree import _errors, _ocdbt, _ts_futures, _zarr3
+from checkpointables_pytree import _direct_database, _errors, _ocdbt, _ts_futures, _zarr3
 from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
 __all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
@@ -46,8 +47,9 @@ __all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "W
 # zarr3 driver (no copy, portable CRC-32C at ~4 GB/s, ~50 us per array). CPU for 128 MiB of
 # arrays of 128 KiB: 122 here against 177 ms; of 512 KiB: 95 against 108 ms; of 2 MiB: even.
 DIRECT_WRITE_BYTES = 1 << 20
-# Small arrays per transaction: bounds the memory a batch of encoded keys takes.
-SMALL_BATCH_BYTES = 32 << 20
+# Small arrays per data file: one is written while the next is encoded (and on an object
+# store each file is one PUT, and is copied once to make it).
+SMALL_FILE_BYTES = 32 << 20
 # Large arrays being encoded at once: bounds the extra memory of a save.
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
@@ -130,6 +132,8 @@ class Writer:
         self._items: list[ArrayWrite] = []
         self._flushed: set[str] = set()
         self._specs: dict[tuple[Any, ...], ts.Spec] = {}
+        # The pytree's database, and the writing of it that its commits wait for.
+        self._database_written: tuple[epath.Path, asyncio.Future[None]]
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -152,13 +156,15 @@ class Writer:
             root = await self._directory.await_creation()
             database = _ocdbt.database_directory(root)
             context = _ocdbt.make_context(_ocdbt.SAVE_OCDBT_CACHE_BYTES)
-            kvstore = await _ocdbt.open_kvstore(database, context, create=True)
             large = [i for i in self._items if not i.direct]
-            # TensorStore's threads encode the large arrays while this thread encodes the small.
-            tasks = await self._start_large(large, database, kvstore, context)
+            small = [i for i in self._items if i.direct]
+            # The small arrays, and every zarr.json, make the database; the large ones are
+            # committed by TensorStore into writers' databases, merged into it at the end.
+            written = asyncio.ensure_future(self._write_small(database, context, small, large))
+            tasks = [written]
             try:
-                small = [i for i in self._items if i.direct]
-                await self._write_small(kvstore, database, small, large)
+                # TensorStore's threads encode the large arrays while this thread encodes the small.
+                tasks += await self._start_large(large, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
                 await settle(tasks)
@@ -166,67 +172,58 @@ class Writer:
 
     async def _write_small(
         self,
-        kvstore: ts.KvStore,
         database: epath.Path,
+        context: ts.Context,
         small: Sequence[ArrayWrite],
         large: Sequence[ArrayWrite],
     ) -> None:
-        """Encodes the small arrays batch by batch; one commits while the next is encoded.
+        """Writes the database of the small arrays and of every array's ``zarr.json``.
 
-        The first batch also carries every large array's ``zarr.json``.
+        A data file is written (and flushed) while the next one is encoded; the
+        last one, which ends with the b-tree, is flushed by the checkpoint's
+        commit with its other files. The manifest is written last.
         """
-        metadata_only = [i for i in large if i.write_metadata]
-        commits: list[asyncio.Future[Any]] = []
-        flushes: list[asyncio.Future[Any]] = []
+        files = await _direct_database.DatabaseFiles.open(database, context)
+        new = _direct_database.DirectDatabase()
+        writes: list[asyncio.Future[Any]] = []
         try:
-            batches = _batches(small, SMALL_BATCH_BYTES) or [[]]
-            for n, batch in enumerate(batches, 1):
+            with execution.paused_gc():
+                for item in (*small, *large):
+                    if item.write_metadata:
+                        new.put(item.layout.name + "/zarr.json", [item.zarr_json()])
+            for batch in _batches(small, SMALL_FILE_BYTES):
                 with execution.paused_gc():
-                    transaction = _stage_small(kvstore, batch, metadata_only)
-                metadata_only = []
-                # The last batch is flushed by the checkpoint's commit with its other files
-                # (an fsync of its own costs a journal commit: ~4 ms for a tiny save).
-                flush_to = database if n < len(batches) else None
-                # Started here: a task would only start once this loop awaits.
-                committed = self._flush_when(transaction.commit_async(), flush_to, flushes)
-                commits.append(asyncio.ensure_future(committed))
-                if len(commits) == 2:  # At most two batches in memory.
-                    await commits.pop(0)
-            await asyncio.gather(*commits)
-            await asyncio.gather(*flushes)
+                    _put_chunks(new, batch)
+                sealed = new.seal()
+                if sealed is not None:
+                    if len(writes) == 2:  # At most two files waiting to be written.
+                        await writes.pop(0)
+                    writes.append(asyncio.ensure_future(files.write(sealed, flush=True)))
+            if new.empty:
+                return
+            last, manifest = new.finish()
+            writes.append(asyncio.ensure_future(files.write(last, flush=False)))
+            await asyncio.gather(*writes)
+            await files.write(
+                _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest]), flush=False
+            )
         except BaseException:
-            await settle(commits)
-            await settle(flushes)
+            await settle(writes)
             raise
-
-    async def _flush_when(
-        self,
-        commit: ts.Future[None],
-        database: epath.Path | None,
-        flushes: list[asyncio.Future[Any]],
-    ) -> None:
-        """Waits for ``commit``, then starts flushing the data files of ``database`` (if
-        given): the disk writes them while later batches are staged, not all at the
-        checkpoint's commit (a committed batch holds no memory: the flush delays nothing)."""
-        await commit
-        if database is not None:
-            flush = asyncio.to_thread(_fsync_new_files, database, self._flushed)
-            flushes.append(asyncio.ensure_future(flush))
 
     async def _start_large(
         self,
         large: Sequence[ArrayWrite],
         database: epath.Path,
-        kvstore: ts.KvStore,
         context: ts.Context,
+        small_written: asyncio.Future[None],
     ) -> list[asyncio.Future[Any]]:
         """Starts writing the large arrays in groups, each committed by one of the writers."""
         groups = _batches(large, LARGE_GROUP_BYTES)
         writers = _writer_databases(database, len(groups))
-        stores = {database: kvstore}
+        stores = {}
         for writer in writers:
-            if writer != database:
-                stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
+            stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         committed = [asyncio.get_running_loop().create_future() for _ in groups]
         tasks = [
@@ -237,9 +234,11 @@ class Writer:
             )
             for n, group in enumerate(groups)
         ]
+        self._database_written = (database, small_written)
         if writers != [database]:
             # Merged as soon as every group is committed, while the last ones are flushed.
-            tasks.append(asyncio.ensure_future(_merge_when(committed, database, writers)))
+            merge = _merge_when(committed, small_written, database, writers)
+            tasks.append(asyncio.ensure_future(merge))
         await asyncio.sleep(0)  # Let the large groups start before this thread encodes.
         return tasks
 
@@ -271,8 +270,10 @@ class Writer:
         """Writes a group of arrays through the zarr3 driver, as one OCDBT commit, then
         flushes its data files (while later groups are encoded, rather than all at the
         checkpoint's commit). ``committed`` says whether the commit succeeded."""
+        root, root_written = self._database_written
+        after = root_written if database == root else None
         try:
-            await self._commit_large(items, kvstores[database], context, limiter)
+            await self._commit_large(items, kvstores[database], context, limiter, after)
         except BaseException:
             committed.set_result(False)  # Nothing to merge: this task reports the failure.
             raise
@@ -285,10 +286,12 @@ class Writer:
         base: ts.KvStore,
         context: ts.Context,
         limiter: ByteLimiter,
+        after: asyncio.Future[None] | None,
     ) -> None:
-        """Opens, writes and commits one group of arrays in the database ``base`` opens."""
+        """Opens, writes and commits one group of arrays in the database ``base`` opens,
+        once ``after`` (if given: the writing of that database itself) is done."""
         # A group of several arrays is one transaction: one commit instead of one each.
-        transaction = ts.Transaction() if len(items) > 1 else None
+        transaction = ts.Transaction() if len(items) > 1 or after is not None else None
         # Opened all at once, before waiting for the byte limit (an open holds no data),
         # from parsed specs and an open kvstore: a JSON spec costs twice as much.
         stores = await _ts_futures.wait_all(
@@ -317,35 +320,25 @@ class Writer:
                 await _ts_futures.wait_all(futures)
             else:
                 await _ts_futures.wait_all([f.copy for f in futures])
+                if after is not None:
+                    await asyncio.wait([after])
+                    if after.exception() is not None:
+                        return  # The database was not written: that task reports why.
                 await transaction.commit_async()
 
 
-def _stage_small(
-    kvstore: ts.KvStore, items: Sequence[ArrayWrite], metadata_only: Sequence[ArrayWrite]
-) -> ts.Transaction:
-    """A transaction writing the keys of ``items`` and the ``zarr.json`` of ``metadata_only``."""
-    transaction = ts.Transaction()
-    write = kvstore.with_transaction(transaction).write
-    for item in (*items, *metadata_only):
-        if item.write_metadata:
-            write(item.layout.name + "/zarr.json", item.zarr_json())
-    chunk_key, encode, checksum = _zarr3.chunk_key, _zarr3.encode_shard, crc32c.crc32c
+def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[ArrayWrite]) -> None:
+    """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk."""
+    chunk_key, trailer, checksum = _zarr3.chunk_key, _zarr3.shard_trailer, crc32c.crc32c
+    put, trailer_bytes = database.put, _zarr3.SHARD_TRAILER_BYTES
     # Plain loops: a comprehension costs a frame per array (most have one chunk).
     for item in items:
         layout = item.layout
         for index, data in item.chunks:
-            chunk = _full_chunk(data, layout).reshape(-1).view(np.uint8)
-            write(chunk_key(layout.name, index), encode(chunk, checksum(chunk)))
-    return transaction
-
-
-def _full_chunk(data: np.ndarray, layout: _zarr3.ZarrLayout) -> np.ndarray:
-    """``data`` as a C-contiguous full chunk (edge chunks are padded with zeros)."""
-    if data.shape != layout.chunk_shape:
-        full = np.zeros(layout.chunk_shape, dtype=layout.dtype)
-        full[tuple(slice(0, s) for s in data.shape)] = data
-        return full
-    return np.ascontiguousarray(data, dtype=layout.dtype)
+            chunk = _zarr3.full_chunk(data, layout).reshape(-1).view(np.uint8)
+            nbytes = chunk.nbytes
+            end = checksum(chunk).to_bytes(4, "little") + trailer(nbytes)
+            put(chunk_key(layout.name, index), (chunk, end), nbytes + trailer_bytes)
 
 
 def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
@@ -380,10 +373,16 @@ def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
 
 
 async def _merge_when(
-    committed: Sequence[asyncio.Future[bool]], database: epath.Path, writers: Sequence[epath.Path]
+    committed: Sequence[asyncio.Future[bool]],
+    small_written: asyncio.Future[None],
+    database: epath.Path,
+    writers: Sequence[epath.Path],
 ) -> None:
-    """Merges the writers' databases into ``database`` once every group is committed."""
-    if all(await asyncio.gather(*committed)):  # Else a group failed: its own task reports it.
+    """Merges the writers' databases into ``database`` once every group is committed and
+    the database itself is written."""
+    done = await asyncio.gather(*committed)
+    await asyncio.wait([small_written])  # If it failed, its own task reports it.
+    if all(done) and not small_written.exception():  # Else that failure is reported.
         sources = [_ocdbt.Source(w) for w in writers]
         await asyncio.to_thread(_ocdbt.merge_into, database, sources)
 
