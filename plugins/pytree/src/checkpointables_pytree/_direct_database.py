@@ -37,7 +37,7 @@ from etils import epath
 
 from checkpointables_pytree import _ocdbt
 
-__all__ = ["DataFile", "DatabaseFiles", "DirectDatabase", "MAX_INLINE_VALUE_BYTES"]
+__all__ = ["DataFile", "DatabaseFiles", "Deferred", "DirectDatabase", "MAX_INLINE_VALUE_BYTES"]
 
 MAX_INLINE_VALUE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_inline_value_bytes"]
 MAX_NODE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_decoded_node_bytes"]
@@ -48,7 +48,24 @@ _VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default.
 _ENTRY_OVERHEAD = 32
 _IOV_MAX = 1024  # Buffers per os.writev (Linux's limit).
 
-Buffer = Any  # bytes, or a C-contiguous np.ndarray.
+Buffer = Any  # bytes, a C-contiguous np.ndarray, or a Deferred.
+
+
+class Deferred:
+    """A part of a value computed only when it is written: ``function(*args)`` (bytes)."""
+
+    __slots__ = ("args", "function")
+
+    def __init__(self, function: Any, *args: Any) -> None:
+        self.function = function
+        self.args = args
+
+    def __call__(self) -> bytes:
+        return self.function(*self.args)
+
+
+def _resolved(parts: Sequence[Buffer]) -> list[Buffer]:
+    return [p() if type(p) is Deferred else p for p in parts]
 
 
 class DataFile:
@@ -99,11 +116,11 @@ class DirectDatabase:
         The parts are written as they are (no copy) and must not change until written.
         """
         if nbytes is None:
-            nbytes = sum(memoryview(p).nbytes for p in parts)
+            nbytes = sum(memoryview(p).nbytes for p in _resolved(parts))
         self._keys.append(key.encode())
         self._lengths.append(nbytes)
         if nbytes <= MAX_INLINE_VALUE_BYTES:
-            self._places.append(b"".join(parts))
+            self._places.append(b"".join(_resolved(parts)))
             return
         if not self._parts:
             self._files.append("d/" + secrets.token_hex(16))
@@ -125,11 +142,11 @@ class DirectDatabase:
         Raises:
           ValueError: a key was put twice.
         """
+        start = self._file_bytes  # Where the b-tree starts in the last data file.
         last = self.seal()
         if last is None:  # Every value was inline: the b-tree gets a file of its own.
             self._files.append("d/" + secrets.token_hex(16))
             last = DataFile(self._files[-1], [])
-        start = sum(memoryview(p).nbytes for p in last.parts)
         nodes, root_height, statistics = self._btree(len(self._files) - 1, start)
         last.parts.extend(nodes)
         root_length = len(nodes[-1])
@@ -181,7 +198,8 @@ class DatabaseFiles:
             directory = os.fspath(self._database)
             await asyncio.to_thread(_write_local_file, directory, file, flush=flush)
         else:
-            await self._store.write(file.name, b"".join(file.parts))
+            joined = await asyncio.to_thread(lambda: b"".join(_resolved(file.parts)))
+            await self._store.write(file.name, joined)
 
 
 def _write_local_file(directory: str, file: DataFile, *, flush: bool) -> None:
@@ -199,7 +217,7 @@ def _write_local_file(directory: str, file: DataFile, *, flush: bool) -> None:
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
     """``os.writev`` of every part, resuming after short writes."""
-    views = [memoryview(p).cast("B") for p in parts]
+    views = [memoryview(p).cast("B") for p in _resolved(parts)]
     start = 0
     while start < len(views):
         written = os.writev(fd, views[start : start + _IOV_MAX])

@@ -4,20 +4,24 @@ Leaf handlers ``add`` an ``ArrayWrite`` per leaf (its layout, and the host
 data of the chunks this process owns); ``run`` then writes them all into the
 pytree's OCDBT database:
 
-* small arrays (up to ``DIRECT_WRITE_BYTES``, uncompressed, one inner chunk
-  per shard) are encoded here into the exact keys TensorStore's zarr3 driver
-  would write (``<name>/zarr.json`` and one shard per chunk: the data, its
-  CRC-32C, the shard index, see ``_zarr3``). With every array's ``zarr.json``
-  they make the pytree's database, which ``_direct_database`` writes without
-  TensorStore, in data files of about ``SMALL_FILE_BYTES``: one is written
-  and flushed while the next is encoded. Opening a zarr3 driver costs about
-  150 us of Python per array, its CRC-32C is TensorStore's portable code, and
-  an OCDBT transaction about 7 us per key;
-* larger arrays, and any compressed or finely chunked one, go through the
-  zarr3 driver, in groups of about ``LARGE_GROUP_BYTES`` committed by
-  several OCDBT writers (databases of their own, merged into the pytree's
-  at the end); each group's data files are flushed while later groups are
-  encoded.
+* plain arrays (uncompressed, one inner chunk per shard, of a dtype stored as
+  little-endian bytes) are encoded here into the exact keys TensorStore's
+  zarr3 driver would write (``<name>/zarr.json`` and one shard per chunk:
+  the data, its CRC-32C, the shard index, see ``_zarr3``). With every array's
+  ``zarr.json`` they make the pytree's database, which ``_direct_database``
+  writes without TensorStore, in data files of about ``DATA_FILE_BYTES``
+  written from the arrays' own memory: one is written and flushed while the
+  next is encoded. On an object store only arrays up to
+  ``REMOTE_DIRECT_BYTES`` are (each data file is one PUT of a copy);
+* the others (compressed, finely chunked, int4...) go through the zarr3
+  driver, in groups of about ``LARGE_GROUP_BYTES`` committed by several OCDBT
+  writers (databases of their own, merged into the pytree's at the end; one
+  group commits into the pytree's database itself, once it is written); each
+  group's data files are flushed while later groups are encoded.
+
+Measured against TensorStore's own writer (``docs/performance.md``): an OCDBT
+transaction costs about 7 us per key and copies each value, a zarr3 driver
+about 150 us of Python per array and its CRC-32C is portable code.
 
 Everything of one save shares one ``ts.Context``.
 """
@@ -27,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,15 +44,14 @@ from etils import epath
 from checkpointables_pytree import _direct_database, _errors, _ocdbt, _ts_futures, _zarr3
 from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
-__all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
+__all__ = ["ArrayWrite", "Writer", "REMOTE_DIRECT_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 
-# Arrays up to this size are encoded here (two copies, hardware CRC-32C), larger ones by the
-# zarr3 driver (no copy, portable CRC-32C at ~4 GB/s, ~50 us per array). CPU for 128 MiB of
-# arrays of 128 KiB: 122 here against 177 ms; of 512 KiB: 95 against 108 ms; of 2 MiB: even.
-DIRECT_WRITE_BYTES = 1 << 20
-# Small arrays per data file: one is written while the next is encoded (and on an object
-# store each file is one PUT, and is copied once to make it).
-SMALL_FILE_BYTES = 32 << 20
+# On an object store, arrays up to this size are encoded here, larger ones by the zarr3
+# driver: each data file written here is one PUT of a copy of its arrays, while TensorStore's
+# writers keep several PUTs in flight. On a local disk, every plain array is encoded here.
+REMOTE_DIRECT_BYTES = 1 << 20
+# Arrays per data file: one is written (and flushed) while the next is encoded.
+DATA_FILE_BYTES = 32 << 20
 # Large arrays being encoded at once: bounds the extra memory of a save.
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
@@ -84,8 +86,10 @@ class ArrayWrite:
     nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
     # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
     one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Small and plain enough to be encoded here, without the zarr3 driver.
-    direct: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Plain enough to be encoded here, without the zarr3 driver (also of a plain dtype).
+    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Plain, and small enough to be encoded here for an object store.
+    small: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         chunks, layout = self.chunks, self.layout
@@ -98,12 +102,8 @@ class ArrayWrite:
             None,
             layout.chunk_shape,
         )
-        self.direct = bool(
-            self.one_chunk_shards
-            and layout.direct_dtype
-            and self.nbytes <= DIRECT_WRITE_BYTES
-            and layout.chunk_nbytes <= DIRECT_WRITE_BYTES
-        )
+        self.plain = bool(self.one_chunk_shards and layout.direct_dtype)
+        self.small = self.plain and max(self.nbytes, layout.chunk_nbytes) <= REMOTE_DIRECT_BYTES
 
     def zarr_json(self) -> bytes:
         """The bytes of the array's ``zarr.json``."""
@@ -156,28 +156,28 @@ class Writer:
             root = await self._directory.await_creation()
             database = _ocdbt.database_directory(root)
             context = _ocdbt.make_context(_ocdbt.SAVE_OCDBT_CACHE_BYTES)
-            large = [i for i in self._items if not i.direct]
-            small = [i for i in self._items if i.direct]
-            # The small arrays, and every zarr.json, make the database; the large ones are
-            # committed by TensorStore into writers' databases, merged into it at the end.
-            written = asyncio.ensure_future(self._write_small(database, context, small, large))
+            local = _ocdbt.is_local(database)
+            here = [i for i in self._items if (i.plain if local else i.small)]
+            driver = [i for i in self._items if not (i.plain if local else i.small)]
+            written = asyncio.ensure_future(self._write_database(database, context, here, driver))
             tasks = [written]
             try:
-                # TensorStore's threads encode the large arrays while this thread encodes the small.
-                tasks += await self._start_large(large, database, context, written)
+                # TensorStore's threads encode those arrays while this thread encodes these.
+                tasks += await self._start_large(driver, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
                 await settle(tasks)
                 raise
 
-    async def _write_small(
+    async def _write_database(
         self,
         database: epath.Path,
         context: ts.Context,
-        small: Sequence[ArrayWrite],
-        large: Sequence[ArrayWrite],
+        here: Sequence[ArrayWrite],
+        driver: Sequence[ArrayWrite],
     ) -> None:
-        """Writes the database of the small arrays and of every array's ``zarr.json``.
+        """Writes the pytree's database: the arrays encoded ``here``, and the ``zarr.json`` of
+        those and of the arrays written by the ``driver``.
 
         A data file is written (and flushed) while the next one is encoded; the
         last one, which ends with the b-tree, is flushed by the checkpoint's
@@ -188,10 +188,10 @@ class Writer:
         writes: list[asyncio.Future[Any]] = []
         try:
             with execution.paused_gc():
-                for item in (*small, *large):
+                for item in (*here, *driver):
                     if item.write_metadata:
                         new.put(item.layout.name + "/zarr.json", [item.zarr_json()])
-            for batch in _batches(small, SMALL_FILE_BYTES):
+            for batch in _batches(here, DATA_FILE_BYTES):
                 with execution.paused_gc():
                     _put_chunks(new, batch)
                 sealed = new.seal()
@@ -216,7 +216,7 @@ class Writer:
         large: Sequence[ArrayWrite],
         database: epath.Path,
         context: ts.Context,
-        small_written: asyncio.Future[None],
+        database_written: asyncio.Future[None],
     ) -> list[asyncio.Future[Any]]:
         """Starts writing the large arrays in groups, each committed by one of the writers."""
         groups = _batches(large, LARGE_GROUP_BYTES)
@@ -234,10 +234,10 @@ class Writer:
             )
             for n, group in enumerate(groups)
         ]
-        self._database_written = (database, small_written)
+        self._database_written = (database, database_written)
         if writers != [database]:
             # Merged as soon as every group is committed, while the last ones are flushed.
-            merge = _merge_when(committed, small_written, database, writers)
+            merge = _merge_when(committed, database_written, database, writers)
             tasks.append(asyncio.ensure_future(merge))
         await asyncio.sleep(0)  # Let the large groups start before this thread encodes.
         return tasks
@@ -278,7 +278,7 @@ class Writer:
             committed.set_result(False)  # Nothing to merge: this task reports the failure.
             raise
         committed.set_result(True)
-        await asyncio.to_thread(_fsync_new_files, database, self._flushed)
+        await asyncio.to_thread(_ocdbt.flush_data_files, database, self._flushed)
 
     async def _commit_large(
         self,
@@ -299,7 +299,7 @@ class Writer:
                 ts.open(
                     self._zarr3_spec(item),
                     kvstore=base / (item.layout.name + "/"),
-                    # zarr.json is written with the small arrays' first batch.
+                    # zarr.json is in the database _write_database writes.
                     assume_metadata=True,
                     context=context,
                     transaction=transaction,
@@ -328,40 +328,29 @@ class Writer:
 
 
 def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[ArrayWrite]) -> None:
-    """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk."""
-    chunk_key, trailer, checksum = _zarr3.chunk_key, _zarr3.shard_trailer, crc32c.crc32c
+    """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk.
+
+    A shard's end (the chunk's CRC-32C, the index) is computed by the thread that writes
+    its file (``_direct_database.Deferred``): checksums of one file overlap the next's
+    encoding.
+    """
+    chunk_key, deferred, end = _zarr3.chunk_key, _direct_database.Deferred, _shard_end
     put, trailer_bytes = database.put, _zarr3.SHARD_TRAILER_BYTES
     # Plain loops: a comprehension costs a frame per array (most have one chunk).
     for item in items:
         layout = item.layout
         for index, data in item.chunks:
             chunk = _zarr3.full_chunk(data, layout).reshape(-1).view(np.uint8)
-            nbytes = chunk.nbytes
-            end = checksum(chunk).to_bytes(4, "little") + trailer(nbytes)
-            put(chunk_key(layout.name, index), (chunk, end), nbytes + trailer_bytes)
+            put(
+                chunk_key(layout.name, index),
+                (chunk, deferred(end, chunk)),
+                chunk.nbytes + trailer_bytes,
+            )
 
 
-def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
-    """Flushes the database's data files not flushed yet (they are immutable once written)."""
-    if not cp.storage.is_local(directory):
-        return  # An object store's writes are durable once acknowledged.
-    data = os.path.join(os.fspath(directory), "d")
-    try:
-        names = os.listdir(data)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if name in done:
-            continue
-        try:
-            fd = os.open(os.path.join(data, name), os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # A temporary file TensorStore renamed meanwhile; the commit flushes the rest.
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        done.add(name)
+def _shard_end(chunk: np.ndarray) -> bytes:
+    """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
+    return crc32c.crc32c(chunk).to_bytes(4, "little") + _zarr3.shard_trailer(chunk.nbytes)
 
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
@@ -374,15 +363,15 @@ def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
 
 async def _merge_when(
     committed: Sequence[asyncio.Future[bool]],
-    small_written: asyncio.Future[None],
+    database_written: asyncio.Future[None],
     database: epath.Path,
     writers: Sequence[epath.Path],
 ) -> None:
     """Merges the writers' databases into ``database`` once every group is committed and
     the database itself is written."""
     done = await asyncio.gather(*committed)
-    await asyncio.wait([small_written])  # If it failed, its own task reports it.
-    if all(done) and not small_written.exception():  # Else that failure is reported.
+    await asyncio.wait([database_written])  # If it failed, its own task reports it.
+    if all(done) and not database_written.exception():  # Else that failure is reported.
         sources = [_ocdbt.Source(w) for w in writers]
         await asyncio.to_thread(_ocdbt.merge_into, database, sources)
 
