@@ -15,6 +15,7 @@ import numpy as np
 from checkpointables.serialization import SerializationParam
 
 from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree._array_layouts import in_bulk, numpy_storage_dtype, schedule_numpy_group
 from checkpointables_pytree._leaf_common import (
     ReadTarget,
     StoredLayout,
@@ -358,20 +359,13 @@ class NumpyLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
     ) -> None:
+        if in_bulk(session, params):
+            schedule_numpy_group(session, params)  # type: ignore[arg-type]
+            return
         for param in params:
             array = param.value
             storage = storage_options(session, param.keypath, array)
-            array_dtype = array.dtype
-            if array_dtype.kind in "OUS":
-                raise unsupported(
-                    param.keypath,
-                    array,
-                    f"arrays of dtype {array_dtype} cannot be stored in zarr3; "
-                    f"convert them to numbers (or strings to str leaves)",
-                )
-            if array_dtype.byteorder not in "=|":
-                array_dtype = array_dtype.newbyteorder("=")
-            dtype = storage_dtype(param.keypath, array, array_dtype, storage)
+            dtype = numpy_storage_dtype(param.keypath, array, array.dtype, storage)
             shape = array.shape  # A tuple of Python ints.
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:
