@@ -287,3 +287,22 @@ def test_an_unstorable_dtype_names_its_first_leaf_in_a_cached_structure(tmp_path
     with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['b'\].*dtype <U1"):
         cp.save_pytree(tmp_path / "bad", bad)
     assert not (tmp_path / "bad").exists()
+
+
+def test_jax_array_layouts_follow_shape_changes(tmp_path) -> None:
+    def tree_of(n: int) -> dict[str, jax.Array]:
+        return {"a": jnp.arange(float(n)), "b": jnp.ones((2, n), jnp.bfloat16), "z": jnp.ones(0)}
+
+    for name, n in (("a", 3), ("b", 3), ("c", 5), ("d", 3)):
+        tree = tree_of(n)
+        _save_and_check(tmp_path / name, tree)
+        stored = cp.pytree_metadata(tmp_path / name).metadata
+        assert stored["b"].shape == (2, n) and stored["b"].sharding == tree["b"].sharding
+        assert stored["b"].storage.write_shape == (2, n)
+        document = json.loads((tmp_path / name / "pytree/array_metadatas/process_0").read_text())
+        recorded = {
+            m["array_metadata"]["param_name"]: m["array_metadata"]
+            for m in document["array_metadatas"]
+        }
+        assert recorded["a"]["write_shape"] == recorded["a"]["chunk_shape"] == [n]
+    assert _metadata_text(tmp_path / "d") == _metadata_text(tmp_path / "a")

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 from checkpointables.serialization import SerializationParam
 
-from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata, _zarr3
-from checkpointables_pytree._array_layouts import in_bulk, numpy_storage_dtype, schedule_numpy_group
+from checkpointables_pytree import _array_layouts, _multiprocess, _sharding, _tree_metadata, _zarr3
 from checkpointables_pytree._leaf_common import (
     ReadTarget,
     StoredLayout,
@@ -278,6 +277,9 @@ class ArrayLeafHandler(ZarrLeafHandler):
         hosted: Sequence[np.ndarray | _Snapshot],
     ) -> None:
         """Records the snapshots (``_snapshot_local`` leaves host arrays to finish here)."""
+        if _array_layouts.in_bulk(session, params) and all(type(h) is np.ndarray for h in hosted):
+            _array_layouts.schedule_jax_group(session, params, shardings, hosted)  # type: ignore[arg-type]
+            return
         storage = session.array_options.storage_options
         dtypes: dict[np.dtype, np.dtype] = {}
         for param, sharding, item in zip(params, shardings, hosted, strict=True):
@@ -359,13 +361,13 @@ class NumpyLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
     ) -> None:
-        if in_bulk(session, params):
-            schedule_numpy_group(session, params)  # type: ignore[arg-type]
+        if _array_layouts.in_bulk(session, params):
+            _array_layouts.schedule_numpy_group(session, params)  # type: ignore[arg-type]
             return
         for param in params:
             array = param.value
             storage = storage_options(session, param.keypath, array)
-            dtype = numpy_storage_dtype(param.keypath, array, array.dtype, storage)
+            dtype = _array_layouts.numpy_storage_dtype(param.keypath, array, array.dtype, storage)
             shape = array.shape  # A tuple of Python ints.
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:

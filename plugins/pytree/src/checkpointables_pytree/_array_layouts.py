@@ -15,13 +15,14 @@ per save): never change a record or a layout once made.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import checkpointables as cp
+import jax
 import numpy as np
 
-from checkpointables_pytree import _zarr3
+from checkpointables_pytree import _sharding, _zarr3
 from checkpointables_pytree._leaf_common import LeafLabel, storage_dtype, unsupported
 from checkpointables_pytree._save_plan import LeafGroup
 from checkpointables_pytree._session import SaveSession
@@ -34,6 +35,7 @@ __all__ = [
     "numpy_storage_dtype",
     "schedule_numpy_group",
     "in_bulk",
+    "schedule_jax_group",
 ]
 
 # The index of the only chunk of an array of each rank (shared, not made per array).
@@ -181,18 +183,7 @@ def schedule_numpy_group(session: SaveSession, group: LeafGroup) -> None:
     structure (see ``array_layouts``). An asynchronous save copies them (a synchronous
     one's caller cannot touch them until it returns)."""
     values = group.values
-    keypaths = group.flat.structure.keypaths
-    storage = session.array_options.storage_options
-    dtypes = list(map(_DTYPE, values))
-    stored = {}
-    for dtype in dict.fromkeys(dtypes):  # In the leaves' order: errors name the first.
-        first = dtypes.index(dtype)
-        stored[dtype] = numpy_storage_dtype(
-            keypaths[group.indices[first]], values[first], dtype, storage
-        )
-    cast = any(s != d for d, s in stored.items())
-    if cast:
-        dtypes = [stored[d] for d in dtypes]
+    dtypes, cast = _stored_dtypes(session, group, values, numpy_storage_dtype)
     shapes = list(map(_SHAPE, values))
     plan = array_layouts("numpy", group, shapes, dtypes, session.compression)
     data: list[np.ndarray | None]
@@ -215,3 +206,62 @@ def schedule_numpy_group(session: SaveSession, group: LeafGroup) -> None:
 
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+
+
+def _stored_dtypes(
+    session: SaveSession,
+    group: LeafGroup,
+    arrays: Sequence[Any],
+    check: Callable[[Sequence[Any], Any, np.dtype, cp.options.ArrayStorageOptions], np.dtype],
+) -> tuple[list[np.dtype], bool]:
+    """The dtype each of ``arrays`` is stored in (``check`` runs once per dtype; its errors
+    name the first leaf of that dtype), and whether any differs from the array's own."""
+    keypaths = group.flat.structure.keypaths
+    storage = session.array_options.storage_options
+    dtypes = list(map(_DTYPE, arrays))
+    stored = {}
+    for dtype in dict.fromkeys(dtypes):  # In the leaves' order: errors name the first.
+        first = dtypes.index(dtype)
+        stored[dtype] = check(keypaths[group.indices[first]], arrays[first], dtype, storage)
+    if all(s == d for d, s in stored.items()):
+        return dtypes, False
+    return [stored[d] for d in dtypes], True
+
+
+def schedule_jax_group(
+    session: SaveSession,
+    group: LeafGroup,
+    shardings: Sequence[jax.sharding.Sharding],
+    hosted: Sequence[np.ndarray],
+) -> None:
+    """Schedules the arrays of ``group`` (single-device ``jax.Array`` leaves of a one-process
+    save, on host: ``hosted``) and records their shardings (see ``schedule_group``)."""
+    dtypes, cast = _stored_dtypes(session, group, hosted, storage_dtype)
+    shapes = list(map(_SHAPE, hosted))
+    plan = array_layouts("jax", group, shapes, dtypes, session.compression, write_shapes=True)
+    data: list[np.ndarray | None] = [
+        None if 0 in shape else h for h, shape in zip(hosted, shapes, strict=True)
+    ]
+    if cast:
+        data = [None if h is None else h.astype(d) for h, d in zip(data, dtypes, strict=True)]
+    schedule_group(session, group, plan, data)
+    described: dict[int, dict[str, Any] | None] = {}  # Per sharding (arrays share them).
+    records, metadatas = session.shardings, session.array_metadatas
+    for layout, record, sharding in zip(plan.layouts, plan.records, shardings, strict=True):
+        description = described.get(id(sharding), _UNSEEN)
+        if description is _UNSEEN:
+            description = described[id(sharding)] = _sharding.describe(sharding)
+        if description is not None:
+            records[layout.name] = description  # type: ignore[assignment]
+        chunk_shape = record["chunk_shape"]  # A list: shared, only encoded.
+        metadatas.append(
+            {
+                "param_name": layout.name,
+                "write_shape": chunk_shape,
+                "chunk_shape": chunk_shape,
+                "ext_metadata": None,
+            }
+        )
+
+
+_UNSEEN: Any = object()
