@@ -181,7 +181,8 @@ def _template(structure: _tree.Structure) -> _Template:
     for place, k in enumerate(order):
         places[k] = place
     encode = _tree_metadata.compact_encoder()
-    heads = [_tree_metadata.entry_head(*records[k]) for k in order]
+    key_texts: dict[tuple[str, int], str] = {}
+    heads = [_tree_metadata.entry_head(*records[k], key_texts) for k in order]
     heads[1:] = ["," + head for head in heads[1:]]
     template = structure.derived["metadata_template"] = _Template(
         heads=heads,

@@ -168,20 +168,29 @@ def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
     )
 
 
-def entry_head(names: tuple[str, ...], key_types: tuple[int, ...]) -> str:
+def entry_head(
+    names: tuple[str, ...],
+    key_types: tuple[int, ...],
+    key_texts: dict[tuple[str, int], str] | None = None,
+) -> str:
     """An entry's text up to its value metadata: ``"<str(names)>":{"key_metadata":[...],...{``.
 
     It depends only on the tree's structure: saves keep it with the structure.
+    ``key_texts`` keeps the text of each key for the next entries (siblings share most).
     """
     if len(names) != len(key_types):
         raise ValueError(f"{names}: {len(names)} key names but {len(key_types)} key types")
-    keys = ",".join(
-        [
-            f'{{"key":{_string(n)}{_KEY_TYPE_TEXT.get(t) or _key_type_text(t)}'
-            for n, t in zip(names, key_types)  # noqa: B905 (lengths checked above)
-        ]
-    )
-    return f'{_string(str(names))}:{{"key_metadata":[{keys}],"value_metadata":{{'
+    if key_texts is None:
+        key_texts = {}
+    keys = []
+    for key in zip(names, key_types):  # noqa: B905 (lengths checked above)
+        text = key_texts.get(key)
+        if text is None:
+            text = key_texts[key] = (
+                f'{{"key":{_string(key[0])}{_KEY_TYPE_TEXT.get(key[1]) or _key_type_text(key[1])}'
+            )
+        keys.append(text)
+    return f'{_string(str(names))}:{{"key_metadata":[{",".join(keys)}],"value_metadata":{{'
 
 
 def entry_tail(
