@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _direct_database, _ocdbt
+from checkpointables_pytree import _direct_database, _ocdbt, _ocdbt_format
 
 
 def _write(directory, values: dict[str, bytes], file_bytes=100_000, **options) -> int:
@@ -48,7 +48,7 @@ def _assert_holds(store: ts.KvStore, values: dict[str, bytes]) -> None:
         assert store.read(key).result().value == value, key
 
 
-@pytest.mark.parametrize("max_node_bytes", [_direct_database.MAX_NODE_BYTES, 20_000])
+@pytest.mark.parametrize("max_node_bytes", [_ocdbt_format.MAX_NODE_BYTES, 20_000])
 def test_tensorstore_reads_every_key(tmp_path, max_node_bytes) -> None:
     values = _values(3000)
     assert _write(tmp_path, values, max_node_bytes=max_node_bytes) > 1
@@ -59,7 +59,7 @@ def test_tensorstore_reads_every_key(tmp_path, max_node_bytes) -> None:
     assert versions[-1]["root"]["statistics"]["num_keys"] == len(values)
 
 
-@pytest.mark.parametrize("max_node_bytes", [_direct_database.MAX_NODE_BYTES, 20_000])
+@pytest.mark.parametrize("max_node_bytes", [_ocdbt_format.MAX_NODE_BYTES, 20_000])
 def test_tensorstore_commits_on_top(tmp_path, max_node_bytes) -> None:
     values = _values(500)
     _write(tmp_path, values, max_node_bytes=max_node_bytes)
