@@ -191,10 +191,12 @@ class Writer:
                 for item in (*here, *driver):
                     if item.write_metadata:
                         new.put(item.layout.name + "/zarr.json", [item.zarr_json()])
-            for batch in _batches(here, DATA_FILE_BYTES):
+            batches = _batches(here, DATA_FILE_BYTES)
+            for n, batch in enumerate(batches, 1):
                 with execution.paused_gc():
                     _put_chunks(new, batch)
-                sealed = new.seal()
+                # The last file ends with the b-tree; the checkpoint's commit flushes it.
+                sealed = new.seal() if n < len(batches) else None
                 if sealed is not None:
                     if len(writes) == 2:  # At most two files waiting to be written.
                         await writes.pop(0)
