@@ -111,7 +111,8 @@ class DirectDatabase:
         self._keys.append(key.encode())
         self._lengths.append(nbytes)
         if nbytes <= MAX_INLINE_VALUE_BYTES:
-            self._places.append(b"".join(_resolved(parts)))
+            only = parts[0] if len(parts) == 1 else None
+            self._places.append(only if type(only) is bytes else b"".join(_resolved(parts)))
             return
         if not self._parts:
             self._files.append("d/" + secrets.token_hex(16))
@@ -135,7 +136,7 @@ class DirectDatabase:
         """
         start = self._file_bytes  # Where the b-tree starts in the last data file.
         last = self.seal()
-        if last is None:  # Every value was inline: the b-tree gets a file of its own.
+        if last is None:  # The current file is empty (or was sealed): the b-tree gets its own.
             self._files.append("d/" + secrets.token_hex(16))
             last = DataFile(self._files[-1], [])
         nodes, root_height, statistics = self._btree(len(self._files) - 1, start)

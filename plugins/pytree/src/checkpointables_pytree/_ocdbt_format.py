@@ -121,6 +121,8 @@ def leaf_ranges(
     keys: Sequence[bytes], places: Sequence[Any], order: Sequence[int], limit: int
 ) -> list[tuple[int, int]]:
     """Splits sorted keys into runs whose leaf nodes stay within ``limit`` bytes."""
+    if sum(map(len, keys)) + len(keys) * (_ENTRY_OVERHEAD + MAX_INLINE_VALUE_BYTES) <= limit:
+        return [(0, len(keys))]  # One node, whatever the values.
     sizes = np.fromiter(
         (len(k) + _ENTRY_OVERHEAD for k in keys), np.int64, len(keys)
     ) + np.fromiter(

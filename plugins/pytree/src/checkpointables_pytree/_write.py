@@ -179,9 +179,9 @@ class Writer:
         """Writes the pytree's database: the arrays encoded ``here``, and the ``zarr.json`` of
         those and of the arrays written by the ``driver``.
 
-        A data file is written (and flushed) while the next one is encoded; the
-        last one, which ends with the b-tree, is flushed by the checkpoint's
-        commit with its other files. The manifest is written last.
+        A data file is written (and flushed) while the next one is encoded, the
+        last one while the b-tree is, which gets a file of its own. The manifest
+        is written last.
         """
         files = await _direct_database.DatabaseFiles.open(database, context)
         new = _direct_database.DirectDatabase()
@@ -190,17 +190,19 @@ class Writer:
             with execution.paused_gc():
                 for item in (*here, *driver):
                     if item.write_metadata:
-                        new.put(item.layout.name + "/zarr.json", [item.zarr_json()])
+                        text = item.zarr_json()
+                        new.put(item.layout.name + "/zarr.json", [text], len(text))
             batches = _batches(here, DATA_FILE_BYTES)
             for n, batch in enumerate(batches, 1):
                 with execution.paused_gc():
                     _put_chunks(new, batch)
-                # The last file ends with the b-tree; the checkpoint's commit flushes it.
-                sealed = new.seal() if n < len(batches) else None
+                sealed = new.seal()
                 if sealed is not None:
                     if len(writes) == 2:  # At most two files waiting to be written.
                         await writes.pop(0)
-                    writes.append(asyncio.ensure_future(files.write(sealed, flush=True)))
+                    # The checkpoint's commit flushes the last one with its other files.
+                    flush = n < len(batches)
+                    writes.append(asyncio.ensure_future(files.write(sealed, flush=flush)))
             if new.empty:
                 return
             last, manifest = new.finish()
