@@ -63,8 +63,8 @@ def _instrument(op: str) -> None:
     if op == "save":
         _timed(_saving, "_blocking_phase", "1 blocking phase: flatten, checks, snapshot")
         _timed(_saving, "_write", "2 background phase: writes")
-        _timed(_write, "_stage_small", "2.1 staging small arrays (ts.write per key)")
-        _timed(_write.Writer, "run", "2.2 writer (staging + TensorStore commit)")
+        _timed(_write, "_put_chunks", "2.1 encoding small arrays (CRC-32C, shard index)")
+        _timed(_write.Writer, "run", "2.2 writer (the database, large arrays)")
         _timed(_tree_metadata, "write_tree_metadata", "2.3 _METADATA (overlaps 2.2)")
         _timed(_saving, "_commit_save", "3 commit: metadata, fsyncs, rename")
     else:

@@ -478,9 +478,10 @@ def test_partial_saves_by_two_processes(tmp_path) -> None:
     assert not (tmp_path / "partial.partial_save").exists()
 
 
-# Each process's shards of two global arrays: more than one group of large arrays
-# per process, so each process commits them through several writers, merges those
-# into its own database, and the primary merges the processes' databases.
+# Each process's shards of two global arrays, in inner chunks (so TensorStore's zarr3
+# driver writes them): more than one group per process, so each process commits them
+# through several writers, merges those into its own database, and the primary merges
+# the processes' databases.
 SEVERAL_WRITERS_BODY = """
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -492,7 +493,9 @@ for name, offset in (("a", 0.0), ("b", 0.5)):
     value = np.arange(2 * columns, dtype=np.float32).reshape(2, columns) + offset
     tree[name] = jax.make_array_from_callback(
         value.shape, NamedSharding(mesh, P("x")), lambda i, v=value: v[i])
-cp.save_pytree(sys.argv[1], tree)
+storage = cp.options.ArrayStorageOptions(chunk_byte_size=8 << 20)
+with cp.Context(array_options=cp.options.ArrayOptions(storage_options=storage)):
+    cp.save_pytree(sys.argv[1], tree)
 print("SAVED", flush=True)
 """
 

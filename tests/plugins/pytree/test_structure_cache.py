@@ -8,6 +8,8 @@ between consecutive saves and load each checkpoint back.
 
 from __future__ import annotations
 
+import json
+
 import checkpointables as cp
 import jax
 import jax.numpy as jnp
@@ -212,3 +214,95 @@ def test_keys_of_one_name_raise_on_every_save_of_a_cached_structure(tmp_path) ->
         with pytest.raises(cp.errors.InvalidArgumentError, match="same string form"):
             cp.save_pytree_async(tmp_path / name, {"n": _Twins(jnp.ones(2), jnp.zeros(2))})
         assert not (tmp_path / name).exists()
+
+
+def _metadata_text(path) -> str:
+    return (path / "pytree" / _tree_metadata.METADATA_FILE).read_text()
+
+
+def test_saved_metadata_text_is_the_json_encoders(tmp_path) -> None:
+    # Built from the structure's template and the arrays' shared records: the same text as
+    # the entries encoded one by one.
+    key = jax.random.key(1)
+    tree = _tree_of(1, t=(np.ones(2), jnp.arange(3)), k=key, none=None, s="x", e=[])
+    for name in ("a", "b"):  # The second save reuses the template and the records' texts.
+        cp.save_pytree(tmp_path / name, tree)
+        text = _metadata_text(tmp_path / name)
+        parsed = _tree_metadata._parse_tree_metadata(tmp_path / name, text)
+        rebuilt = _tree_metadata.TreeMetadata(
+            entries=parsed.entries,
+            tuple_paths=parsed.tuple_paths,
+            own_value_types=parsed.own_value_types,
+            strings_crc32c=parsed.strings_crc32c,
+        )
+        assert text == rebuilt.to_json_text()
+
+
+def test_array_layouts_are_kept_while_shapes_and_dtypes_stay(tmp_path) -> None:
+    tree = {f"w{i}": np.full((i + 1, 2), i, np.float32) for i in range(6)}
+    structure = _tree.flatten(tree).structure
+    cp.save_pytree(tmp_path / "a", tree)
+    plan = structure.derived[("array_layouts", "numpy")]
+    _save_and_check(tmp_path / "b", {k: v + 1 for k, v in tree.items()})
+    assert structure.derived[("array_layouts", "numpy")] is plan  # Reused.
+    assert _metadata_text(tmp_path / "b") == _metadata_text(tmp_path / "a")
+    changed = {**tree, "w3": np.zeros((5, 5), np.float32), "w4": np.arange(3)}
+    _save_and_check(tmp_path / "c", changed)
+    assert structure.derived[("array_layouts", "numpy")] is not plan
+    stored = cp.pytree_metadata(tmp_path / "c").metadata
+    assert stored["w3"].shape == (5, 5) and stored["w4"].dtype == np.arange(3).dtype
+    _save_and_check(tmp_path / "d", tree)
+    assert _metadata_text(tmp_path / "d") == _metadata_text(tmp_path / "a")
+
+
+def test_compression_and_storage_dtype_changed_between_saves(tmp_path) -> None:
+    # "b" is big-endian: stored (and loaded) in the native byte order.
+    tree = {"a": np.arange(6.0).reshape(2, 3), "b": np.arange(4, dtype=">i4"), "c": np.ones(0)}
+    native = {**tree, "b": np.arange(4, dtype=np.int32)}
+
+    def save_and_check(path, stored_dtype=None) -> None:
+        cp.save_pytree(path, tree)
+        loaded = cp.load_pytree(path)
+        for name, want in native.items():
+            dtype = want.dtype if stored_dtype is None else stored_dtype
+            assert loaded[name].dtype == dtype and loaded[name].shape == want.shape
+            np.testing.assert_array_equal(loaded[name], want)
+
+    save_and_check(tmp_path / "plain")
+    with cp.Context(array_options=cp.options.ArrayOptions(use_compression=True)):
+        save_and_check(tmp_path / "zstd")
+    document = json.loads(_metadata_text(tmp_path / "zstd"))["tree_metadata"]
+    assert document["('a',)"]["value_metadata"]["checkpointables"]["one_chunk_shards"] is False
+    storage = cp.options.ArrayStorageOptions(dtype=np.float32)
+    with cp.Context(array_options=cp.options.ArrayOptions(storage_options=storage)):
+        save_and_check(tmp_path / "f32", np.dtype(np.float32))
+    save_and_check(tmp_path / "again")
+    assert _metadata_text(tmp_path / "again") == _metadata_text(tmp_path / "plain")
+
+
+def test_an_unstorable_dtype_names_its_first_leaf_in_a_cached_structure(tmp_path) -> None:
+    tree = {"a": np.ones(2), "b": np.ones(2), "c": np.ones(2)}
+    _save_and_check(tmp_path / "ok", tree)
+    bad = {"a": np.ones(2), "b": np.array(["x"]), "c": np.array([{}], dtype=object)}
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"\['b'\].*dtype <U1"):
+        cp.save_pytree(tmp_path / "bad", bad)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_jax_array_layouts_follow_shape_changes(tmp_path) -> None:
+    def tree_of(n: int) -> dict[str, jax.Array]:
+        return {"a": jnp.arange(float(n)), "b": jnp.ones((2, n), jnp.bfloat16), "z": jnp.ones(0)}
+
+    for name, n in (("a", 3), ("b", 3), ("c", 5), ("d", 3)):
+        tree = tree_of(n)
+        _save_and_check(tmp_path / name, tree)
+        stored = cp.pytree_metadata(tmp_path / name).metadata
+        assert stored["b"].shape == (2, n) and stored["b"].sharding == tree["b"].sharding
+        assert stored["b"].storage.write_shape == (2, n)
+        document = json.loads((tmp_path / name / "pytree/array_metadatas/process_0").read_text())
+        recorded = {
+            m["array_metadata"]["param_name"]: m["array_metadata"]
+            for m in document["array_metadatas"]
+        }
+        assert recorded["a"]["write_shape"] == recorded["a"]["chunk_shape"] == [n]
+    assert _metadata_text(tmp_path / "d") == _metadata_text(tmp_path / "a")

@@ -1,10 +1,14 @@
-"""Large arrays committed by several OCDBT writers, merged into one database at the end.
+"""Arrays written by TensorStore's zarr3 driver, committed by several OCDBT writers, merged
+into one database at the end.
 
-A save whose large arrays fill more than one group (``LARGE_GROUP_BYTES``)
-commits the groups through several ``ocdbt.writer_<i>`` databases and merges
-them into the pytree's database. These tests save enough data for that and
-check the result against every reader: this library, ``verify`` (which
-reads through TensorStore's zarr3 driver), Orbax, partial saves, and damage.
+The writer encodes plain arrays itself; arrays in inner chunks (here: 8 MiB
+chunks, ``ArrayStorageOptions.chunk_byte_size``), compressed ones and int4
+go through the driver. A save whose such arrays fill more than one group
+(``LARGE_GROUP_BYTES``) commits the groups through several
+``ocdbt.writer_<i>`` databases and merges them into the pytree's database.
+These tests save enough data for that and check the result against every
+reader: this library, ``verify`` (which reads through TensorStore's zarr3
+driver), Orbax, partial saves, and damage.
 """
 
 from __future__ import annotations
@@ -43,11 +47,20 @@ def _assert_equal(loaded, expected) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# Arrays over 8 MiB are split in inner chunks: the zarr3 driver writes them.
+INNER_CHUNKS = cp.Context(
+    array_options=cp.options.ArrayOptions(
+        storage_options=cp.options.ArrayStorageOptions(chunk_byte_size=8 << 20)
+    )
+)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("writers") / "c"
     tree = _tree()
-    cp.save_pytree(path, tree)
+    with INNER_CHUNKS:
+        cp.save_pytree(path, tree)
     return path, tree
 
 
@@ -91,9 +104,23 @@ def test_a_flipped_bit_in_a_writers_data_file_names_the_leaf(saved, tmp_path) ->
 def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) -> None:
     tree = _tree()
     root = tmp_path / "partial"
-    cp.partial.save(root, {"params": tree["params"]})
-    cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
+    with INNER_CHUNKS:
+        cp.partial.save(root, {"params": tree["params"]})
+        cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
     cp.partial.finalize(root)
     assert list((root / "pytree").glob(f"{cp.partial.SOURCE_PREFIX}*/**/{_write.WRITER_PREFIX}*"))
     _assert_equal(cp.load_pytree(root), tree)
     _assert_equal(ocp_v1.load(root), tree)
+
+
+def test_plain_large_arrays_are_written_without_the_driver(tmp_path) -> None:
+    # On a local disk every plain array goes to the database's own data files, from its memory.
+    path = tmp_path / "c"
+    tree = _tree()
+    cp.save_pytree(path, tree)
+    assert not list((path / "pytree").glob(_write.WRITER_PREFIX + "*"))
+    found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
+    assert {location.file.split("/")[-2] for location in found.values()} == {"d"}
+    handler = cp.handlers.get("pytree")()
+    assert cp._asyncio.run_sync(handler.verify(path / "pytree")) == []
+    _assert_equal(cp.load_pytree(path), tree)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from checkpointables.serialization import SerializationParam
 
-from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata, _zarr3
+from checkpointables_pytree import _array_layouts, _multiprocess, _sharding, _tree_metadata, _zarr3
 from checkpointables_pytree._leaf_common import (
     ReadTarget,
     StoredLayout,
@@ -277,6 +277,9 @@ class ArrayLeafHandler(ZarrLeafHandler):
         hosted: Sequence[np.ndarray | _Snapshot],
     ) -> None:
         """Records the snapshots (``_snapshot_local`` leaves host arrays to finish here)."""
+        if _array_layouts.in_bulk(session, params) and all(type(h) is np.ndarray for h in hosted):
+            _array_layouts.schedule_jax_group(session, params, shardings, hosted)  # type: ignore[arg-type]
+            return
         storage = session.array_options.storage_options
         dtypes: dict[np.dtype, np.dtype] = {}
         for param, sharding, item in zip(params, shardings, hosted, strict=True):
@@ -358,20 +361,13 @@ class NumpyLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
     ) -> None:
+        if _array_layouts.in_bulk(session, params):
+            _array_layouts.schedule_numpy_group(session, params)  # type: ignore[arg-type]
+            return
         for param in params:
             array = param.value
             storage = storage_options(session, param.keypath, array)
-            array_dtype = array.dtype
-            if array_dtype.kind in "OUS":
-                raise unsupported(
-                    param.keypath,
-                    array,
-                    f"arrays of dtype {array_dtype} cannot be stored in zarr3; "
-                    f"convert them to numbers (or strings to str leaves)",
-                )
-            if array_dtype.byteorder not in "=|":
-                array_dtype = array_dtype.newbyteorder("=")
-            dtype = storage_dtype(param.keypath, array, array_dtype, storage)
+            dtype = _array_layouts.numpy_storage_dtype(param.keypath, array, array.dtype, storage)
             shape = array.shape  # A tuple of Python ints.
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:

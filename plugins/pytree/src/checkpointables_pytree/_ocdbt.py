@@ -26,6 +26,7 @@ __all__ = [
     "MANIFEST_FILE",
     "Source",
     "database_directory",
+    "flush_data_files",
     "is_local",
     "kvstore_spec",
     "location_spec",
@@ -157,3 +158,26 @@ def merge_into(target: epath.Path, sources: Sequence[Source]) -> None:
                 futures.append(store.experimental_copy_range_to(into, **options))
         for future in futures:
             future.result()
+
+
+def flush_data_files(directory: epath.Path, done: set[str]) -> None:
+    """Flushes the database's data files not flushed yet (they are immutable once written)."""
+    if not is_local(directory):
+        return  # An object store's writes are durable once acknowledged.
+    data = os.path.join(os.fspath(directory), "d")
+    try:
+        names = os.listdir(data)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name in done:
+            continue
+        try:
+            fd = os.open(os.path.join(data, name), os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # A temporary file TensorStore renamed meanwhile; the commit flushes the rest.
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        done.add(name)

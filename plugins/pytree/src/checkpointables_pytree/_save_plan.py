@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
-from typing import Any
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
+import attrs
 import checkpointables as cp
 import jax
 from checkpointables.serialization import (
@@ -14,11 +16,19 @@ from checkpointables.serialization import (
     SerializationParam,
 )
 
-from checkpointables_pytree import _tree, _tree_metadata
+from checkpointables_pytree import _tree, _tree_metadata, _zarr3
 from checkpointables_pytree._errors import describe_type, listing
 from checkpointables_pytree._session import NamedSerializationParam, SaveSession
+from checkpointables_pytree._tree_metadata import OWN_VALUE_TYPE
 
-__all__ = ["EntryCache", "LeafGroup", "Groups", "group_leaves", "saved_tree_metadata"]
+__all__ = [
+    "ArrayRecords",
+    "EntryCache",
+    "LeafGroup",
+    "Groups",
+    "group_leaves",
+    "saved_tree_metadata",
+]
 
 
 class EntryCache:
@@ -36,6 +46,16 @@ class EntryCache:
             return entry
 
 
+class ArrayRecords(Protocol):
+    """The ``_METADATA`` records of the arrays of a group scheduled at once
+    (``_array_layouts.ArrayLayouts``), one per leaf of the group."""
+
+    layouts: list[_zarr3.ZarrLayout]
+    records: list[dict[str, Any]]  # Shared by arrays of one layout: never changed.
+    write_shapes: bool  # Whether entries record the write shape (the chunk shape).
+    texts: dict[Any, list[str]]  # Their text, per value type (kept by ``saved_tree_metadata``).
+
+
 class LeafGroup(Sequence[SerializationParam[Any]]):
     """The leaves of a save one leaf handler takes: its ``params``, made when first read.
 
@@ -47,6 +67,9 @@ class LeafGroup(Sequence[SerializationParam[Any]]):
         self.flat = flat
         self.indices = indices
         self.entries = entries  # Leaf type -> registry entry.
+        # Set by a standard array handler that scheduled the group at once: the records
+        # of its leaves for the _METADATA (else they are in the session's ``extras``).
+        self.layouts: ArrayRecords | None = None
 
     @functools.cached_property
     def values(self) -> list[Any]:
@@ -133,50 +156,136 @@ def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | No
     return None
 
 
+@attrs.frozen
+class _Template:
+    """A structure's ``_METADATA`` entries without the leaves' value metadata, in file order."""
+
+    heads: list[str]  # Per entry, sorted by key names: its text up to its value metadata.
+    places: list[int]  # Per leaf (jax.tree_util order): its entry's place in the file.
+    tails: list[str | None]  # Per place: the rest of an empty node's text (None: a leaf's).
+    tuple_paths: frozenset[tuple[str, ...]]
+
+
+def _template(structure: _tree.Structure) -> _Template:
+    """The ``_METADATA`` template of ``structure``, made by its first save."""
+    template = structure.derived.get("metadata_template")
+    if template is not None:
+        return template  # type: ignore[no-any-return]
+    records = list(zip(structure.names, structure.key_types, strict=True))
+    kinds: list[str | None] = [None] * len(records)
+    for path, kind in structure.empty:
+        records.append((_tree.key_names(path), tuple(_tree.key_type(k) for k in path)))
+        kinds.append(kind)
+    order = sorted(range(len(records)), key=lambda k: records[k][0])
+    places = [0] * len(order)
+    for place, k in enumerate(order):
+        places[k] = place
+    encode = _tree_metadata.compact_encoder()
+    key_texts: dict[tuple[str, int], str] = {}
+    heads = [_tree_metadata.entry_head(*records[k], key_texts) for k in order]
+    heads[1:] = ["," + head for head in heads[1:]]
+    template = structure.derived["metadata_template"] = _Template(
+        heads=heads,
+        places=places[: len(structure.names)],
+        tails=[
+            None
+            if kinds[k] is None
+            else _tree_metadata.entry_tail(kinds[k], True, None, None, encode)
+            for k in order
+        ],
+        tuple_paths=frozenset(_tree.key_names(p) for p in structure.tuples),
+    )
+    return template
+
+
 def saved_tree_metadata(
     groups: Groups,
     flat: _tree.Flat,
     session: SaveSession,
     registry: LeafHandlerRegistry,
 ) -> _tree_metadata.TreeMetadata:
-    """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node."""
+    """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node.
+
+    Its text is the structure's template (``_template``) filled in with each
+    leaf's value metadata, encoded once per distinct record (arrays of one
+    layout share theirs, see ``_array_layouts``).
+    """
+    template = _template(flat.structure)
+    tails = list(template.tails)
+    places, names = template.places, flat.structure.storage_names
     write_shapes, extras = session.write_shapes, session.extras
-    structure = flat.structure
-    names, key_types, storage_names = structure.names, structure.key_types, structure.storage_names
-    entries: list[_tree_metadata.Entry] = []
+    encode = _tree_metadata.compact_encoder()
+    # Per (registration, record, write shape): the text. Records are alive (in the session)
+    # while this runs, so their ids name them.
+    texts: dict[tuple[int, int, Any], str] = {}
     own_types: dict[int, str | None] = {}  # Per registration (by id), not per leaf.
     for group in groups.values():
         for entry in group.entries.values():
             if id(entry) not in own_types:
                 own_types[id(entry)] = _own_value_type(registry, entry)
+        if group.layouts is not None:
+            for i, text in zip(group.indices, _group_texts(group, own_types, encode), strict=True):
+                tails[places[i]] = text
+            continue
         for i, value in zip(group.indices, group.values, strict=True):
             entry = group.entries[type(value)]
-            own_type = own_types[id(entry)]
-            name = storage_names[i]
-            extra = extras.get(name) or {}
-            if own_type is not None:
-                extra = {**extra, _tree_metadata.OWN_VALUE_TYPE: own_type}
-            entries.append(
-                _tree_metadata.Entry(
-                    names=names[i],
-                    key_types=key_types[i],
-                    value_type=entry.typestr,
-                    write_shape=write_shapes.get(name),
-                    extra=extra,
+            name = names[i]
+            extra = extras.get(name)
+            write_shape = write_shapes.get(name)
+            key = (id(entry), id(extra), write_shape)
+            text = texts.get(key)
+            if text is None:
+                own_type = own_types[id(entry)]
+                if own_type is not None:
+                    extra = {**(extra or {}), _tree_metadata.OWN_VALUE_TYPE: own_type}
+                text = texts[key] = _tree_metadata.entry_tail(
+                    entry.typestr, False, write_shape, extra, encode
                 )
-            )
-    for path, kind in structure.empty:
-        entries.append(
-            _tree_metadata.Entry(
-                names=_tree.key_names(path),
-                key_types=tuple(_tree.key_type(k) for k in path),
-                value_type=kind,
-                skip_deserialize=True,
-            )
-        )
-    entries.sort(key=lambda e: e.names)
+            tails[places[i]] = text
+    pieces = itertools.chain.from_iterable(zip(template.heads, tails, strict=True))
     return _tree_metadata.TreeMetadata(
-        entries=entries,
-        tuple_paths=frozenset(_tree.key_names(p) for p in structure.tuples),
+        entries=[],
+        tuple_paths=template.tuple_paths,
         own_value_types=any(t is not None for t in own_types.values()),
+        entries_text="".join(pieces),  # type: ignore[arg-type]  # Every tail is set.
     )
+
+
+def _group_texts(
+    group: LeafGroup, own_types: dict[int, str | None], encode: Callable[[Any], str]
+) -> list[str]:
+    """The value metadata text of each leaf of a group scheduled at once (``group.layouts``)."""
+    plan = group.layouts
+    assert plan is not None
+    entries = group.entries
+    leaf_types = set(map(type, group.values))
+    if len({id(entries[t]) for t in leaf_types}) == 1:  # Usually: one type of leaf.
+        entry = entries[leaf_types.pop()]
+        return _planned_texts(plan, entry.typestr, own_types[id(entry)], encode)
+    texts = []
+    for j, value in enumerate(group.values):
+        entry = entries[type(value)]
+        texts.append(_planned_texts(plan, entry.typestr, own_types[id(entry)], encode)[j])
+    return texts
+
+
+def _planned_texts(
+    plan: ArrayRecords, value_type: str, own_type: str | None, encode: Callable[[Any], str]
+) -> list[str]:
+    """The value metadata of the arrays of ``plan`` as ``_METADATA`` text, made once per plan."""
+    key = (value_type, own_type)
+    texts = plan.texts.get(key)
+    if texts is None:
+        by_record: dict[int, str] = {}
+        texts = []
+        for layout, record in zip(plan.layouts, plan.records, strict=True):
+            text = by_record.get(id(record))
+            if text is None:
+                extra = record if own_type is None else {**record, OWN_VALUE_TYPE: own_type}
+                write_shape = layout.chunk_shape if plan.write_shapes else None
+                text = by_record[id(record)] = _tree_metadata.entry_tail(
+                    value_type, False, write_shape, extra, encode
+                )
+            texts.append(text)
+        plan.texts[key] = texts
+    return texts

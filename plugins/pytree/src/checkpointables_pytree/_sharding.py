@@ -35,6 +35,7 @@ __all__ = [
 SHARDING_FILE = "_sharding"
 
 
+@functools.lru_cache(maxsize=1 << 16)  # The arrays of recent structures: saves repeat them.
 def file_key(storage_name: str) -> str:
     """The key of an array in the ``_sharding`` file."""
     return base64.urlsafe_b64encode(storage_name.encode()).decode()
@@ -118,7 +119,13 @@ def rebuild(record: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
 
 def write_sharding_file(directory: epath.Path, records: Mapping[str, dict[str, Any]]) -> None:
     """Writes ``_sharding`` for ``{storage name: record}`` (the commit fsyncs it)."""
-    document = {file_key(name): json.dumps(record) for name, record in records.items()}
+    texts: dict[int, str] = {}  # Per record: arrays of one sharding share theirs.
+    document = {}
+    for name, record in records.items():
+        text = texts.get(id(record))
+        if text is None:
+            text = texts[id(record)] = json.dumps(record)
+        document[file_key(name)] = text
     cp.storage.write_text(directory / SHARDING_FILE, json.dumps(document))
 
 

@@ -137,6 +137,8 @@ class Structure:
     """What depends only on a tree's structure (its treedef), kept while trees keep it.
 
     Per leaf, in ``jax.tree_util`` order: its key path, key names and key types.
+    ``derived`` holds what saves derive from the structure (and, checked on
+    each use, from the leaves' shapes and dtypes): gone with the structure.
     """
 
     keypaths: tuple[tuple[Any, ...], ...]
@@ -144,6 +146,7 @@ class Structure:
     key_types: tuple[tuple[int, ...], ...]
     empty: tuple[tuple[tuple[Any, ...], str], ...]
     tuples: tuple[tuple[Any, ...], ...]
+    derived: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def storage_names(self) -> tuple[str, ...]:

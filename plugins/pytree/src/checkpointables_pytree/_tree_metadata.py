@@ -102,6 +102,9 @@ class TreeMetadata:
     # plans), shared by every load of the same text: another text is another parse, so
     # nothing here is ever stale.
     derived: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The entries as the file's text (then ``entries`` is empty): what a save writes, built
+    # from its structure's templates (``_save_plan.saved_tree_metadata``).
+    entries_text: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json_text(self) -> str:
         """The text of the ``_METADATA`` file."""
@@ -127,8 +130,10 @@ class TreeMetadata:
         rest = _ENCODER.encode(document)
         prefix = '{"tree_metadata":{}'
         assert rest.startswith(prefix)
-        encode = _compact_encoder()
-        entries = ",".join([_entry_text(e, encode) for e in self.entries])
+        entries = self.entries_text
+        if entries is None:
+            encode = compact_encoder()
+            entries = ",".join([_entry_text(e, encode) for e in self.entries])
         return '{"tree_metadata":{' + entries + "}" + rest[len(prefix) :]
 
     def storage_name(self, names: Sequence[str]) -> str:
@@ -142,7 +147,7 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))
 _string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
-def _compact_encoder() -> Callable[[Any], str]:
+def compact_encoder() -> Callable[[Any], str]:
     """``_ENCODER.encode`` without its per-call set-up (half the time for a small dict).
 
     For one document: the C encoder's record of the containers being encoded
@@ -156,53 +161,51 @@ def _compact_encoder() -> Callable[[Any], str]:
 
 
 def _entry_text(entry: Entry, encode: Callable[[Any], str]) -> str:
-    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each).
+    """``"<str(names)>":<entry.to_json() as JSON>``, built directly (f-strings: one join each)."""
+    head = entry_head(entry.names, entry.key_types)
+    return head + entry_tail(
+        entry.value_type, entry.skip_deserialize, entry.write_shape, entry.extra, encode
+    )
 
-    Everything but the leaf's own metadata (``entry.extra``) depends only on the
-    tree's structure, and is reused from the last saves of the same structure.
+
+def entry_head(
+    names: tuple[str, ...],
+    key_types: tuple[int, ...],
+    key_texts: dict[tuple[str, int], str] | None = None,
+) -> str:
+    """An entry's text up to its value metadata: ``"<str(names)>":{"key_metadata":[...],...{``.
+
+    It depends only on the tree's structure: saves keep it with the structure.
+    ``key_texts`` keeps the text of each key for the next entries (siblings share most).
     """
-    shape = entry.write_shape
-    key = (
-        entry.names,
-        entry.key_types,
-        entry.value_type,
-        entry.skip_deserialize,
-        None if shape is None else tuple(shape),
-    )
-    head = _HEADS.get(key)
-    if head is None:
-        head = _entry_head(entry, encode)
-        if len(_HEADS) >= _HEADS_KEPT:
-            _HEADS.clear()
-        _HEADS[key] = head
-    if entry.extra:
-        return f'{head},"{EXTRA}":{encode(entry.extra)}}}}}'
-    return head + "}}"
-
-
-# Entry texts without their end, by (names, key types, value type, skip, write shape):
-# the metadata template of the structures saved recently.
-_HEADS: dict[tuple[Any, ...], str] = {}
-_HEADS_KEPT = 200_000
-
-
-def _entry_head(entry: Entry, encode: Callable[[Any], str]) -> str:
-    names, key_types = entry.names, entry.key_types
     if len(names) != len(key_types):
-        raise ValueError(f"{entry.keystr}: {len(names)} key names but {len(key_types)} key types")
-    keys = ",".join(
-        [
-            f'{{"key":{_string(n)}{_KEY_TYPE_TEXT.get(t) or _key_type_text(t)}'
-            for n, t in zip(names, key_types)  # noqa: B905 (lengths checked above)
-        ]
-    )
-    skip = "true" if entry.skip_deserialize else "false"
-    shape = entry.write_shape
-    shape_text = "" if shape is None else f',"write_shape":{encode(list(shape))}'
+        raise ValueError(f"{names}: {len(names)} key names but {len(key_types)} key types")
+    if key_texts is None:
+        key_texts = {}
+    keys = []
+    for key in zip(names, key_types):  # noqa: B905 (lengths checked above)
+        text = key_texts.get(key)
+        if text is None:
+            text = key_texts[key] = (
+                f'{{"key":{_string(key[0])}{_KEY_TYPE_TEXT.get(key[1]) or _key_type_text(key[1])}'
+            )
+        keys.append(text)
+    return f'{_string(str(names))}:{{"key_metadata":[{",".join(keys)}],"value_metadata":{{'
+
+
+def entry_tail(
+    value_type: str,
+    skip_deserialize: bool,
+    write_shape: Sequence[int] | None,
+    extra: Mapping[str, Any] | None,
+    encode: Callable[[Any], str],
+) -> str:
+    """An entry's text after ``entry_head``: its value metadata and the closing braces."""
+    skip = "true" if skip_deserialize else "false"
+    shape_text = "" if write_shape is None else f',"write_shape":{encode(list(write_shape))}'
+    extra_text = f',"{EXTRA}":{encode(extra)}' if extra else ""
     return (
-        f'{_string(str(names))}:{{"key_metadata":[{keys}],"value_metadata":'
-        f'{{"value_type":{_string(entry.value_type)},"skip_deserialize":{skip}'
-        f"{shape_text}"
+        f'"value_type":{_string(value_type)},"skip_deserialize":{skip}{shape_text}{extra_text}}}}}'
     )
 
 

@@ -4,19 +4,24 @@ Leaf handlers ``add`` an ``ArrayWrite`` per leaf (its layout, and the host
 data of the chunks this process owns); ``run`` then writes them all into the
 pytree's OCDBT database:
 
-* small arrays (up to ``DIRECT_WRITE_BYTES``, uncompressed, one inner chunk
-  per shard) are encoded here into the exact keys TensorStore's zarr3 driver
-  would write (``<name>/zarr.json`` and one shard per chunk: the data, its
-  CRC-32C, the shard index, see ``_zarr3``) and written through one kvstore
-  in transactions of about ``SMALL_BATCH_BYTES``; one commits while the
-  next is encoded, and is flushed once committed. Opening a zarr3 driver
-  costs about 150 us of Python per array, and its CRC-32C is TensorStore's
-  portable code;
-* larger arrays, and any compressed or finely chunked one, go through the
-  zarr3 driver, in groups of about ``LARGE_GROUP_BYTES`` committed by
-  several OCDBT writers (databases of their own, merged into the pytree's
-  at the end); each group's data files are flushed while later groups are
-  encoded.
+* plain arrays (uncompressed, one inner chunk per shard, of a dtype stored as
+  little-endian bytes) are encoded here into the exact keys TensorStore's
+  zarr3 driver would write (``<name>/zarr.json`` and one shard per chunk:
+  the data, its CRC-32C, the shard index, see ``_zarr3``). With every array's
+  ``zarr.json`` they make the pytree's database, which ``_direct_database``
+  writes without TensorStore, in data files of about ``DATA_FILE_BYTES``
+  written from the arrays' own memory: one is written and flushed while the
+  next is encoded. On an object store only arrays up to
+  ``REMOTE_DIRECT_BYTES`` are (each data file is one PUT of a copy);
+* the others (compressed, finely chunked, int4...) go through the zarr3
+  driver, in groups of about ``LARGE_GROUP_BYTES`` committed by several OCDBT
+  writers (databases of their own, merged into the pytree's at the end; one
+  group commits into the pytree's database itself, once it is written); each
+  group's data files are flushed while later groups are encoded.
+
+Measured against TensorStore's own writer (``docs/performance.md``): an OCDBT
+transaction costs about 7 us per key and copies each value, a zarr3 driver
+about 150 us of Python per array and its CRC-32C is portable code.
 
 Everything of one save shares one ``ts.Context``.
 """
@@ -26,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,17 +41,17 @@ import tensorstore as ts
 from checkpointables import execution
 from etils import epath
 
-from checkpointables_pytree import _errors, _ocdbt, _ts_futures, _zarr3
+from checkpointables_pytree import _direct_database, _errors, _ocdbt, _ts_futures, _zarr3
 from checkpointables_pytree._ts_futures import ByteLimiter, settle
 
-__all__ = ["ArrayWrite", "Writer", "DIRECT_WRITE_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
+__all__ = ["ArrayWrite", "Writer", "REMOTE_DIRECT_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 
-# Arrays up to this size are encoded here (two copies, hardware CRC-32C), larger ones by the
-# zarr3 driver (no copy, portable CRC-32C at ~4 GB/s, ~50 us per array). CPU for 128 MiB of
-# arrays of 128 KiB: 122 here against 177 ms; of 512 KiB: 95 against 108 ms; of 2 MiB: even.
-DIRECT_WRITE_BYTES = 1 << 20
-# Small arrays per transaction: bounds the memory a batch of encoded keys takes.
-SMALL_BATCH_BYTES = 32 << 20
+# On an object store, arrays up to this size are encoded here, larger ones by the zarr3
+# driver: each data file written here is one PUT of a copy of its arrays, while TensorStore's
+# writers keep several PUTs in flight. On a local disk, every plain array is encoded here.
+REMOTE_DIRECT_BYTES = 1 << 20
+# Arrays per data file: one is written (and flushed) while the next is encoded.
+DATA_FILE_BYTES = 32 << 20
 # Large arrays being encoded at once: bounds the extra memory of a save.
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
@@ -82,8 +86,10 @@ class ArrayWrite:
     nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
     # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
     one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Small and plain enough to be encoded here, without the zarr3 driver.
-    direct: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Plain enough to be encoded here, without the zarr3 driver (also of a plain dtype).
+    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Plain, and small enough to be encoded here for an object store.
+    small: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         chunks, layout = self.chunks, self.layout
@@ -96,12 +102,8 @@ class ArrayWrite:
             None,
             layout.chunk_shape,
         )
-        self.direct = bool(
-            self.one_chunk_shards
-            and layout.direct_dtype
-            and self.nbytes <= DIRECT_WRITE_BYTES
-            and layout.chunk_nbytes <= DIRECT_WRITE_BYTES
-        )
+        self.plain = bool(self.one_chunk_shards and layout.direct_dtype)
+        self.small = self.plain and max(self.nbytes, layout.chunk_nbytes) <= REMOTE_DIRECT_BYTES
 
     def zarr_json(self) -> bytes:
         """The bytes of the array's ``zarr.json``."""
@@ -130,6 +132,8 @@ class Writer:
         self._items: list[ArrayWrite] = []
         self._flushed: set[str] = set()
         self._specs: dict[tuple[Any, ...], ts.Spec] = {}
+        # The pytree's database, and the writing of it that its commits wait for.
+        self._database_written: tuple[epath.Path, asyncio.Future[None]]
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -152,81 +156,78 @@ class Writer:
             root = await self._directory.await_creation()
             database = _ocdbt.database_directory(root)
             context = _ocdbt.make_context(_ocdbt.SAVE_OCDBT_CACHE_BYTES)
-            kvstore = await _ocdbt.open_kvstore(database, context, create=True)
-            large = [i for i in self._items if not i.direct]
-            # TensorStore's threads encode the large arrays while this thread encodes the small.
-            tasks = await self._start_large(large, database, kvstore, context)
+            local = _ocdbt.is_local(database)
+            here = [i for i in self._items if (i.plain if local else i.small)]
+            driver = [i for i in self._items if not (i.plain if local else i.small)]
+            written = asyncio.ensure_future(self._write_database(database, context, here, driver))
+            tasks = [written]
             try:
-                small = [i for i in self._items if i.direct]
-                await self._write_small(kvstore, database, small, large)
+                # TensorStore's threads encode those arrays while this thread encodes these.
+                tasks += await self._start_large(driver, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
                 await settle(tasks)
                 raise
 
-    async def _write_small(
+    async def _write_database(
         self,
-        kvstore: ts.KvStore,
         database: epath.Path,
-        small: Sequence[ArrayWrite],
-        large: Sequence[ArrayWrite],
+        context: ts.Context,
+        here: Sequence[ArrayWrite],
+        driver: Sequence[ArrayWrite],
     ) -> None:
-        """Encodes the small arrays batch by batch; one commits while the next is encoded.
+        """Writes the pytree's database: the arrays encoded ``here``, and the ``zarr.json`` of
+        those and of the arrays written by the ``driver``.
 
-        The first batch also carries every large array's ``zarr.json``.
+        A data file is written (and flushed) while the next one is encoded, the
+        last one while the b-tree is, which gets a file of its own. The manifest
+        is written last.
         """
-        metadata_only = [i for i in large if i.write_metadata]
-        commits: list[asyncio.Future[Any]] = []
-        flushes: list[asyncio.Future[Any]] = []
+        files = await _direct_database.DatabaseFiles.open(database, context)
+        new = _direct_database.DirectDatabase()
+        writes: list[asyncio.Future[Any]] = []
         try:
-            batches = _batches(small, SMALL_BATCH_BYTES) or [[]]
+            with execution.paused_gc():
+                for item in (*here, *driver):
+                    if item.write_metadata:
+                        text = item.zarr_json()
+                        new.put(item.layout.name + "/zarr.json", [text], len(text))
+            batches = _batches(here, DATA_FILE_BYTES)
             for n, batch in enumerate(batches, 1):
                 with execution.paused_gc():
-                    transaction = _stage_small(kvstore, batch, metadata_only)
-                metadata_only = []
-                # The last batch is flushed by the checkpoint's commit with its other files
-                # (an fsync of its own costs a journal commit: ~4 ms for a tiny save).
-                flush_to = database if n < len(batches) else None
-                # Started here: a task would only start once this loop awaits.
-                committed = self._flush_when(transaction.commit_async(), flush_to, flushes)
-                commits.append(asyncio.ensure_future(committed))
-                if len(commits) == 2:  # At most two batches in memory.
-                    await commits.pop(0)
-            await asyncio.gather(*commits)
-            await asyncio.gather(*flushes)
+                    _put_chunks(new, batch)
+                sealed = new.seal()
+                if sealed is not None:
+                    if len(writes) == 2:  # At most two files waiting to be written.
+                        await writes.pop(0)
+                    # The checkpoint's commit flushes the last one with its other files.
+                    flush = n < len(batches)
+                    writes.append(asyncio.ensure_future(files.write(sealed, flush=flush)))
+            if new.empty:
+                return
+            last, manifest = new.finish()
+            writes.append(asyncio.ensure_future(files.write(last, flush=False)))
+            await asyncio.gather(*writes)
+            await files.write(
+                _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest]), flush=False
+            )
         except BaseException:
-            await settle(commits)
-            await settle(flushes)
+            await settle(writes)
             raise
-
-    async def _flush_when(
-        self,
-        commit: ts.Future[None],
-        database: epath.Path | None,
-        flushes: list[asyncio.Future[Any]],
-    ) -> None:
-        """Waits for ``commit``, then starts flushing the data files of ``database`` (if
-        given): the disk writes them while later batches are staged, not all at the
-        checkpoint's commit (a committed batch holds no memory: the flush delays nothing)."""
-        await commit
-        if database is not None:
-            flush = asyncio.to_thread(_fsync_new_files, database, self._flushed)
-            flushes.append(asyncio.ensure_future(flush))
 
     async def _start_large(
         self,
         large: Sequence[ArrayWrite],
         database: epath.Path,
-        kvstore: ts.KvStore,
         context: ts.Context,
+        database_written: asyncio.Future[None],
     ) -> list[asyncio.Future[Any]]:
         """Starts writing the large arrays in groups, each committed by one of the writers."""
         groups = _batches(large, LARGE_GROUP_BYTES)
         writers = _writer_databases(database, len(groups))
-        stores = {database: kvstore}
+        stores = {}
         for writer in writers:
-            if writer != database:
-                stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
+            stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         committed = [asyncio.get_running_loop().create_future() for _ in groups]
         tasks = [
@@ -237,9 +238,11 @@ class Writer:
             )
             for n, group in enumerate(groups)
         ]
+        self._database_written = (database, database_written)
         if writers != [database]:
             # Merged as soon as every group is committed, while the last ones are flushed.
-            tasks.append(asyncio.ensure_future(_merge_when(committed, database, writers)))
+            merge = _merge_when(committed, database_written, database, writers)
+            tasks.append(asyncio.ensure_future(merge))
         await asyncio.sleep(0)  # Let the large groups start before this thread encodes.
         return tasks
 
@@ -271,13 +274,15 @@ class Writer:
         """Writes a group of arrays through the zarr3 driver, as one OCDBT commit, then
         flushes its data files (while later groups are encoded, rather than all at the
         checkpoint's commit). ``committed`` says whether the commit succeeded."""
+        root, root_written = self._database_written
+        after = root_written if database == root else None
         try:
-            await self._commit_large(items, kvstores[database], context, limiter)
+            await self._commit_large(items, kvstores[database], context, limiter, after)
         except BaseException:
             committed.set_result(False)  # Nothing to merge: this task reports the failure.
             raise
         committed.set_result(True)
-        await asyncio.to_thread(_fsync_new_files, database, self._flushed)
+        await asyncio.to_thread(_ocdbt.flush_data_files, database, self._flushed)
 
     async def _commit_large(
         self,
@@ -285,10 +290,12 @@ class Writer:
         base: ts.KvStore,
         context: ts.Context,
         limiter: ByteLimiter,
+        after: asyncio.Future[None] | None,
     ) -> None:
-        """Opens, writes and commits one group of arrays in the database ``base`` opens."""
+        """Opens, writes and commits one group of arrays in the database ``base`` opens,
+        once ``after`` (if given: the writing of that database itself) is done."""
         # A group of several arrays is one transaction: one commit instead of one each.
-        transaction = ts.Transaction() if len(items) > 1 else None
+        transaction = ts.Transaction() if len(items) > 1 or after is not None else None
         # Opened all at once, before waiting for the byte limit (an open holds no data),
         # from parsed specs and an open kvstore: a JSON spec costs twice as much.
         stores = await _ts_futures.wait_all(
@@ -296,7 +303,7 @@ class Writer:
                 ts.open(
                     self._zarr3_spec(item),
                     kvstore=base / (item.layout.name + "/"),
-                    # zarr.json is written with the small arrays' first batch.
+                    # zarr.json is in the database _write_database writes.
                     assume_metadata=True,
                     context=context,
                     transaction=transaction,
@@ -317,58 +324,37 @@ class Writer:
                 await _ts_futures.wait_all(futures)
             else:
                 await _ts_futures.wait_all([f.copy for f in futures])
+                if after is not None:
+                    await asyncio.wait([after])
+                    if after.exception() is not None:
+                        return  # The database was not written: that task reports why.
                 await transaction.commit_async()
 
 
-def _stage_small(
-    kvstore: ts.KvStore, items: Sequence[ArrayWrite], metadata_only: Sequence[ArrayWrite]
-) -> ts.Transaction:
-    """A transaction writing the keys of ``items`` and the ``zarr.json`` of ``metadata_only``."""
-    transaction = ts.Transaction()
-    write = kvstore.with_transaction(transaction).write
-    for item in (*items, *metadata_only):
-        if item.write_metadata:
-            write(item.layout.name + "/zarr.json", item.zarr_json())
-    chunk_key, encode, checksum = _zarr3.chunk_key, _zarr3.encode_shard, crc32c.crc32c
+def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[ArrayWrite]) -> None:
+    """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk.
+
+    A shard's end (the chunk's CRC-32C, the index) is computed by the thread that writes
+    its file (``_direct_database.Deferred``): checksums of one file overlap the next's
+    encoding.
+    """
+    chunk_key, deferred, end = _zarr3.chunk_key, _direct_database.Deferred, _shard_end
+    put, trailer_bytes = database.put, _zarr3.SHARD_TRAILER_BYTES
     # Plain loops: a comprehension costs a frame per array (most have one chunk).
     for item in items:
         layout = item.layout
         for index, data in item.chunks:
-            chunk = _full_chunk(data, layout).reshape(-1).view(np.uint8)
-            write(chunk_key(layout.name, index), encode(chunk, checksum(chunk)))
-    return transaction
+            chunk = _zarr3.full_chunk(data, layout).reshape(-1).view(np.uint8)
+            put(
+                chunk_key(layout.name, index),
+                (chunk, deferred(end, chunk)),
+                chunk.nbytes + trailer_bytes,
+            )
 
 
-def _full_chunk(data: np.ndarray, layout: _zarr3.ZarrLayout) -> np.ndarray:
-    """``data`` as a C-contiguous full chunk (edge chunks are padded with zeros)."""
-    if data.shape != layout.chunk_shape:
-        full = np.zeros(layout.chunk_shape, dtype=layout.dtype)
-        full[tuple(slice(0, s) for s in data.shape)] = data
-        return full
-    return np.ascontiguousarray(data, dtype=layout.dtype)
-
-
-def _fsync_new_files(directory: epath.Path, done: set[str]) -> None:
-    """Flushes the database's data files not flushed yet (they are immutable once written)."""
-    if not cp.storage.is_local(directory):
-        return  # An object store's writes are durable once acknowledged.
-    data = os.path.join(os.fspath(directory), "d")
-    try:
-        names = os.listdir(data)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if name in done:
-            continue
-        try:
-            fd = os.open(os.path.join(data, name), os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # A temporary file TensorStore renamed meanwhile; the commit flushes the rest.
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        done.add(name)
+def _shard_end(chunk: np.ndarray) -> bytes:
+    """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
+    return crc32c.crc32c(chunk).to_bytes(4, "little") + _zarr3.shard_trailer(chunk.nbytes)
 
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
@@ -380,10 +366,16 @@ def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
 
 
 async def _merge_when(
-    committed: Sequence[asyncio.Future[bool]], database: epath.Path, writers: Sequence[epath.Path]
+    committed: Sequence[asyncio.Future[bool]],
+    database_written: asyncio.Future[None],
+    database: epath.Path,
+    writers: Sequence[epath.Path],
 ) -> None:
-    """Merges the writers' databases into ``database`` once every group is committed."""
-    if all(await asyncio.gather(*committed)):  # Else a group failed: its own task reports it.
+    """Merges the writers' databases into ``database`` once every group is committed and
+    the database itself is written."""
+    done = await asyncio.gather(*committed)
+    await asyncio.wait([database_written])  # If it failed, its own task reports it.
+    if all(done) and not database_written.exception():  # Else that failure is reported.
         sources = [_ocdbt.Source(w) for w in writers]
         await asyncio.to_thread(_ocdbt.merge_into, database, sources)
 

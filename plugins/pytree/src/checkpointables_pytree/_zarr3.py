@@ -31,6 +31,7 @@ __all__ = [
     "zarr_json",
     "chunk_key",
     "encode_shard",
+    "full_chunk",
     "shard_trailer",
     "SHARD_TRAILER_BYTES",
     "ZarrLayout",
@@ -261,3 +262,12 @@ def planned_layout(
     """
     layout, summary = _layout_and_summary(name, shape, dtype, chunk_shape)
     return layout, summary.copy()
+
+
+def full_chunk(data: np.ndarray, layout: ZarrLayout) -> np.ndarray:
+    """``data`` as a C-contiguous full chunk (edge chunks are padded with zeros)."""
+    if data.shape != layout.chunk_shape:
+        full = np.zeros(layout.chunk_shape, dtype=layout.dtype)
+        full[tuple(slice(0, s) for s in data.shape)] = data
+        return full
+    return np.ascontiguousarray(data, dtype=layout.dtype)

@@ -1,0 +1,218 @@
+"""OCDBT's binary format, encoded: b-tree nodes, data file tables, the manifest.
+
+As TensorStore's documentation specifies it ("ocdbt Key-Value Store driver",
+"Storage format"), for what ``_direct_database`` writes: uncompressed nodes,
+data file paths relative to the database, a manifest of the single-file kind
+holding one version. Integers are unsigned LEB128 varints, stored column by
+column (every key's prefix length, then every suffix length...), which is
+what lets NumPy encode a node of 10,000 keys at once. Nodes are returned as
+lists of parts, not joined: a node of 10,000 small values is megabytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from checkpointables_pytree import _ocdbt
+
+__all__ = [
+    "MAX_INLINE_VALUE_BYTES",
+    "MAX_NODE_BYTES",
+    "file_table",
+    "interior_node",
+    "leaf_node",
+    "leaf_ranges",
+    "manifest",
+    "size",
+]
+
+MAX_INLINE_VALUE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_inline_value_bytes"]
+MAX_NODE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_decoded_node_bytes"]
+_MANIFEST_MAGIC = 0x0CDB3A2A
+_BTREE_NODE_MAGIC = 0x0CDB20DE
+_VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default.
+# Bytes a leaf entry takes besides its key and inline value (at most: varints).
+_ENTRY_OVERHEAD = 32
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _varints(values: Sequence[int]) -> bytes:
+    """Unsigned LEB128 of every value, concatenated (NumPy: one pass per byte of the longest)."""
+    if not len(values):
+        return b""
+    v = np.asarray(values, dtype=np.uint64)
+    if int(v.max()) < 0x80:
+        return v.astype(np.uint8).tobytes()
+    sizes = np.ones(v.size, np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        sizes += rest > 0
+        rest >>= np.uint64(7)
+    ends = np.cumsum(sizes)
+    out = np.empty(int(ends[-1]), np.uint8)
+    for k in range(int(sizes.max())):
+        has = sizes > k
+        group = ((v[has] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
+        out[(ends - sizes)[has] + k] = group | ((sizes[has] > k + 1).astype(np.uint8) << 7)
+    return out.tobytes()
+
+
+def _common_prefixes(keys: Sequence[bytes]) -> np.ndarray:
+    """Length of the common prefix of each key and the next (sorted keys, NumPy over bytes)."""
+    if len(keys) < 2:
+        return np.zeros(0, np.int64)
+    lengths = np.fromiter(map(len, keys), np.int64, len(keys))
+    width = max(1, int(lengths.max()))
+    table = np.array(keys, dtype=f"S{width}").view(np.uint8).reshape(len(keys), width)
+    differ = table[1:] != table[:-1]
+    first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+    return np.minimum(first, np.minimum(lengths[1:], lengths[:-1]))
+
+
+def _prefix_coded(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
+    """The prefix lengths, suffix lengths and suffixes of sorted, distinct ``keys``."""
+    prefixes = _common_prefixes(keys)
+    lengths = np.fromiter(map(len, keys), np.int64, len(keys))
+    if len(keys) > 1 and bool((prefixes == lengths[1:]).any()):
+        raise ValueError("An OCDBT database cannot hold a key twice.")
+    cut = [0, *prefixes.tolist()]
+    suffixes = b"".join([key[n:] for key, n in zip(keys, cut, strict=True)])
+    return _varints(prefixes), _varints(lengths - np.asarray(cut)), suffixes
+
+
+def _framed(magic: int, body: list[bytes]) -> list[bytes]:
+    """The parts of ``body`` behind the header (magic, length, version 0, uncompressed), then
+    their CRC-32C (parts, not one copy: a node of 10,000 keys is megabytes)."""
+    length = 4 + 8 + 2 + size(body) + 4
+    header = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
+    checksum = crc32c.crc32c(header)
+    for part in body:
+        checksum = crc32c.crc32c(part, checksum)
+    return [header, *body, struct.pack("<I", checksum)]
+
+
+def size(parts: Sequence[bytes]) -> int:
+    """Bytes of an encoded node (its parts)."""
+    return sum(map(len, parts))
+
+
+def file_table(paths: Sequence[bytes]) -> bytes:
+    """A data file table of ``paths`` (relative to the database: base paths are empty)."""
+    prefixes, suffix_lengths, suffixes = _prefix_coded(paths)
+    return b"".join((_varint(len(paths)), prefixes, suffix_lengths, bytes(len(paths)), suffixes))
+
+
+def leaf_ranges(
+    keys: Sequence[bytes], places: Sequence[Any], order: Sequence[int], limit: int
+) -> list[tuple[int, int]]:
+    """Splits sorted keys into runs whose leaf nodes stay within ``limit`` bytes."""
+    if sum(map(len, keys)) + len(keys) * (_ENTRY_OVERHEAD + MAX_INLINE_VALUE_BYTES) <= limit:
+        return [(0, len(keys))]  # One node, whatever the values.
+    sizes = np.fromiter(
+        (len(k) + _ENTRY_OVERHEAD for k in keys), np.int64, len(keys)
+    ) + np.fromiter(
+        (len(places[i]) if type(places[i]) is bytes else 0 for i in order), np.int64, len(keys)
+    )
+    ranges, begin, used = [], 0, 0
+    for i, size in enumerate(sizes.tolist()):
+        if i > begin and used + size > limit:
+            ranges.append((begin, i))
+            begin, used = i, 0
+        used += size
+    return [*ranges, (begin, len(keys))]
+
+
+def leaf_node(
+    keys: Sequence[bytes],
+    entries: Sequence[int],
+    lengths: Sequence[int],
+    places: Sequence[tuple[int, int] | bytes],
+    table: bytes,
+) -> list[bytes]:
+    """A b-tree leaf node of sorted ``keys``, whose values ``entries`` index."""
+    prefixes, suffix_lengths, suffixes = _prefix_coded(keys)
+    value_places = [places[i] for i in entries]
+    inline = [p for p in value_places if type(p) is bytes]
+    indirect = [p for p in value_places if type(p) is tuple]
+    body = [
+        b"\x00",  # height: a leaf.
+        table,
+        _varint(len(keys)),
+        prefixes,
+        suffix_lengths,
+        suffixes,
+        _varints([lengths[i] for i in entries]),
+        bytes(int(type(p) is tuple) for p in value_places),  # kind: 0 inline, 1 in a file.
+        _varints([file for file, _ in indirect]),
+        _varints([offset for _, offset in indirect]),
+        *inline,
+    ]
+    return _framed(_BTREE_NODE_MAGIC, body)
+
+
+def interior_node(
+    leaves: Sequence[tuple[bytes, list[bytes], int, int]], file_id: int, offset: int, table: bytes
+) -> list[bytes]:
+    """The root over ``leaves`` (first key, node, keys, indirect bytes), which are stored
+    one after the other from ``offset`` in file ``file_id``."""
+    prefixes, suffix_lengths, suffixes = _prefix_coded([first for first, _, _, _ in leaves])
+    sizes = [size(node) for _, node, _, _ in leaves]
+    offsets = np.cumsum([offset, *sizes[:-1]]).tolist()
+    body = [
+        b"\x01",  # height
+        table,
+        _varint(len(leaves)),
+        prefixes,
+        suffix_lengths,
+        bytes(len(leaves)),  # Common prefix of each subtree: none (leaves hold whole keys).
+        suffixes,
+        _varints([file_id] * len(leaves)),
+        _varints(offsets),
+        _varints(sizes),
+        _varints([count for _, _, count, _ in leaves]),
+        _varints(sizes),  # Bytes of each subtree's nodes: the leaf's own.
+        _varints([indirect for _, _, _, indirect in leaves]),
+    ]
+    return _framed(_BTREE_NODE_MAGIC, body)
+
+
+def manifest(
+    root_file: str, offset: int, length: int, height: int, statistics: Sequence[int]
+) -> bytes:
+    """A manifest of the single-file kind: configuration, then one version (generation 1)."""
+    config = (
+        secrets.token_bytes(16)  # The database's uuid.
+        + _varint(0)  # Manifest kind: single file.
+        + _varint(MAX_INLINE_VALUE_BYTES)
+        + _varint(MAX_NODE_BYTES)
+        + bytes([_VERSION_TREE_ARITY_LOG2])
+        + _varint(0)  # Nodes are not compressed.
+    )
+    version = (
+        _varint(1)  # One version...
+        + _varint(1)  # ...of generation 1,
+        + bytes([height])
+        + _varint(0)  # whose root is in the table's only file,
+        + _varint(offset)
+        + _varint(length)
+        + b"".join(map(_varint, statistics))  # keys, tree bytes, indirect value bytes,
+        + struct.pack("<Q", time.time_ns())  # committed now.
+    )
+    no_version_nodes = _varint(0)
+    body = [config, file_table([root_file.encode()]), version, no_version_nodes]
+    return b"".join(_framed(_MANIFEST_MAGIC, body))
