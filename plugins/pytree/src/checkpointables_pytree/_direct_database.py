@@ -189,6 +189,11 @@ class DatabaseFiles:
         spec = _ocdbt.location_spec(database)
         return cls(database, await ts.KvStore.open(spec, context=context))
 
+    @property
+    def local(self) -> bool:
+        """Whether the database is on a local disk."""
+        return self._store is None
+
     async def write(self, file: DataFile, *, flush: bool) -> None:
         """Writes ``file`` (a new one); on a local disk, fsyncs it if ``flush``."""
         if self._store is None:
@@ -196,7 +201,9 @@ class DatabaseFiles:
             await asyncio.to_thread(_write_local_file, directory, file, flush=flush)
         else:
             joined = await asyncio.to_thread(lambda: b"".join(_resolved(file.parts)))
-            await self._store.write(file.name, joined)
+            put = self._store.write(file.name, joined)
+            del joined  # TensorStore has its own copy.
+            await put
 
 
 def _write_local_file(directory: str, file: DataFile, *, flush: bool) -> None:
