@@ -24,6 +24,7 @@ from checkpointables_pytree import _ocdbt
 
 __all__ = [
     "MAX_INLINE_VALUE_BYTES",
+    "BTREE_NODE_MAGIC",
     "MAX_NODE_BYTES",
     "file_table",
     "interior_node",
@@ -36,7 +37,7 @@ __all__ = [
 MAX_INLINE_VALUE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_inline_value_bytes"]
 MAX_NODE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_decoded_node_bytes"]
 _MANIFEST_MAGIC = 0x0CDB3A2A
-_BTREE_NODE_MAGIC = 0x0CDB20DE
+BTREE_NODE_MAGIC = 0x0CDB20DE
 _VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default.
 # Bytes a leaf entry takes besides its key and inline value (at most: varints).
 _ENTRY_OVERHEAD = 32
@@ -162,7 +163,7 @@ def leaf_node(
         _varints([offset for _, offset in indirect]),
         *inline,
     ]
-    return _framed(_BTREE_NODE_MAGIC, body)
+    return _framed(BTREE_NODE_MAGIC, body)
 
 
 def interior_node(
@@ -188,7 +189,7 @@ def interior_node(
         _varints(sizes),  # Bytes of each subtree's nodes: the leaf's own.
         _varints([indirect for _, _, _, indirect in leaves]),
     ]
-    return _framed(_BTREE_NODE_MAGIC, body)
+    return _framed(BTREE_NODE_MAGIC, body)
 
 
 def manifest(
