@@ -95,3 +95,15 @@ def test_an_existing_database_is_never_overwritten(tmp_path) -> None:
     with pytest.raises(FileExistsError):
         _write(tmp_path, {"a": b"2"})
     _assert_holds(_open(tmp_path), {"a": b"1"})
+
+
+@pytest.mark.parametrize("written", [0, 3, 4, 9, 15])
+def test_a_short_write_is_resumed_where_it_stopped(tmp_path, written) -> None:
+    parts = [b"abcd", np.frombuffer(b"efghijk", np.uint8), b"lmnop"]  # 16 bytes.
+    whole = b"abcdefghijklmnop"
+    path = tmp_path / "file"
+    with open(path, "wb") as f:
+        f.write(whole[:written])  # As if os.writev had stopped after `written` bytes.
+        f.flush()
+        _direct_database._write_rest(f.fileno(), parts, written)
+    assert path.read_bytes() == whole

@@ -39,7 +39,7 @@ __all__ = ["DataFile", "DatabaseFiles", "Deferred", "DirectDatabase", "MAX_INLIN
 MAX_INLINE_VALUE_BYTES = _ocdbt_format.MAX_INLINE_VALUE_BYTES
 _IOV_MAX = 1024  # Buffers per os.writev (Linux's limit).
 
-Buffer = Any  # bytes, a C-contiguous np.ndarray, or a Deferred.
+Buffer = Any  # bytes, a 1-D np.uint8 array, or a Deferred (giving bytes).
 
 
 class Deferred:
@@ -194,19 +194,26 @@ class DatabaseFiles:
         """Whether the database is on a local disk."""
         return self._store is None
 
-    async def write(self, file: DataFile, *, flush: bool) -> None:
-        """Writes ``file`` (a new one); on a local disk, fsyncs it if ``flush``."""
+    def start(self, file: DataFile, *, flush: bool) -> asyncio.Future[None]:
+        """Starts writing ``file`` (a new one) now, on a thread; on a local disk, fsyncs it
+        if ``flush``. The caller may go on encoding: the write does not wait for the event
+        loop to run."""
+        loop = asyncio.get_running_loop()
         if self._store is None:
             directory = os.fspath(self._database)
-            await asyncio.to_thread(_write_local_file, directory, file, flush=flush)
-        else:
-            joined = await asyncio.to_thread(lambda: b"".join(_resolved(file.parts)))
-            put = self._store.write(file.name, joined)
-            del joined  # TensorStore has its own copy.
-            await put
+            return loop.run_in_executor(None, _write_local_file, directory, file, flush)
+        return asyncio.ensure_future(_put(self._store, file))
 
 
-def _write_local_file(directory: str, file: DataFile, *, flush: bool) -> None:
+async def _put(store: ts.KvStore, file: DataFile) -> None:
+    """PUTs ``file`` as one value (a joined copy, dropped once TensorStore has its own)."""
+    joined = await asyncio.to_thread(lambda: b"".join(_resolved(file.parts)))
+    put = store.write(file.name, joined)
+    del joined  # TensorStore has its own copy.
+    await put
+
+
+def _write_local_file(directory: str, file: DataFile, flush: bool) -> None:
     """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``)."""
     path = os.path.join(directory, file.name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -220,13 +227,28 @@ def _write_local_file(directory: str, file: DataFile, *, flush: bool) -> None:
 
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
-    """``os.writev`` of every part, resuming after short writes."""
-    views = [memoryview(p).cast("B") for p in _resolved(parts)]
+    """``os.writev`` of every part, resuming after short writes.
+
+    The common case is a few calls and no Python per part: a thread that writes
+    while the event loop's thread encodes must hold the GIL as little as possible.
+    """
+    parts = _resolved(parts)
+    for begin in range(0, len(parts), _IOV_MAX):
+        group = parts[begin : begin + _IOV_MAX]
+        written = os.writev(fd, group)
+        if written != sum(map(len, group)):  # len: bytes, or 1-D uint8 arrays.
+            _write_rest(fd, group, written)
+
+
+def _write_rest(fd: int, parts: Sequence[Buffer], written: int) -> None:
+    """Writes what a short ``os.writev`` of ``parts`` left (``written`` bytes were)."""
+    views = [memoryview(p).cast("B") for p in parts]
     start = 0
-    while start < len(views):
-        written = os.writev(fd, views[start : start + _IOV_MAX])
+    while True:
         while start < len(views) and written >= len(views[start]):
             written -= len(views[start])
             start += 1
-        if written:
-            views[start] = views[start][written:]
+        if start == len(views):
+            return
+        views[start] = views[start][written:]
+        written = os.writev(fd, views[start:])

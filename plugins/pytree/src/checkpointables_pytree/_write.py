@@ -50,12 +50,18 @@ __all__ = ["ArrayWrite", "Writer", "DIRECT_BYTES", "LARGE_GROUP_BYTES", "WRITER_
 DIRECT_BYTES = 32 << 20
 # On an object store a data file is one PUT of a copy; TensorStore's writers keep 16 PUTs going.
 REMOTE_DIRECT_BYTES = 1 << 20
-# Arrays per data file: one is written (and flushed) while the next is encoded.
+# Arrays per data file: one is written (and flushed) while the next is encoded. The first
+# files are smaller (2 MiB, then twice the previous): the disk starts early, and a large
+# save still has few files.
 DATA_FILE_BYTES = 32 << 20
+FIRST_DATA_FILE_BYTES = 2 << 20
 # On an object store a data file is joined into one copy and TensorStore makes two more
 # (one while PUT): two in flight of 32 MiB grew a 256 MiB save's RSS by 0.42x its size.
 # One at a time, of 16 MiB: a load of a few thousand small arrays still needs few GETs.
 REMOTE_DATA_FILE_BYTES = 16 << 20
+# Chunks over this size get their CRC-32C in the thread writing their file, smaller ones
+# while they are encoded (a call's Python costs more than 64 KiB of checksum).
+DEFERRED_CRC_BYTES = 64 << 10
 # Large arrays being encoded at once: bounds the extra memory of a save.
 IN_FLIGHT_BYTES = 128 << 20
 # Arrays written through the driver are grouped into transactions of at most this
@@ -197,9 +203,11 @@ class Writer:
                     if item.write_metadata:
                         text = item.zarr_json()
                         new.put(item.layout.name + "/zarr.json", [text], len(text))
-            file_bytes = DATA_FILE_BYTES if files.local else REMOTE_DATA_FILE_BYTES
-            batches = _batches(here, file_bytes)
-            for n, batch in enumerate(batches, 1):
+            if files.local:  # Small files first: the disk starts while the rest is encoded.
+                batches = _batches(here, DATA_FILE_BYTES, first=FIRST_DATA_FILE_BYTES)
+            else:
+                batches = _batches(here, REMOTE_DATA_FILE_BYTES)
+            for batch in batches:
                 with execution.paused_gc():
                     _put_chunks(new, batch)
                 sealed = new.seal()
@@ -208,17 +216,15 @@ class Writer:
                     # copies: one is PUT while the next is encoded.
                     if not files.local and writes:
                         await writes.pop(0)
-                    # The checkpoint's commit flushes the last one with its other files.
-                    flush = n < len(batches)
-                    writes.append(asyncio.ensure_future(files.write(sealed, flush=flush)))
+                    writes.append(files.start(sealed, flush=True))
             if new.empty:
                 return
             last, manifest = new.finish()
-            writes.append(asyncio.ensure_future(files.write(last, flush=False)))
+            writes.append(files.start(last, flush=True))
             await asyncio.gather(*writes)
-            await files.write(
-                _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest]), flush=False
-            )
+            # The checkpoint's commit flushes the manifest with its other files.
+            manifest_file = _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])
+            await files.start(manifest_file, flush=False)
         except BaseException:
             await settle(writes)
             raise
@@ -342,9 +348,10 @@ class Writer:
 def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[ArrayWrite]) -> None:
     """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk.
 
-    A shard's end (the chunk's CRC-32C, the index) is computed by the thread that writes
-    its file (``_direct_database.Deferred``): checksums of one file overlap the next's
-    encoding.
+    A large shard's end (the chunk's CRC-32C, the index) is computed by the thread that
+    writes its file (``_direct_database.Deferred``): checksums of one file overlap the
+    next's encoding. A small one's is computed here: in the writing thread its Python
+    would wait for the GIL this thread holds.
     """
     chunk_key, deferred, end = _zarr3.chunk_key, _direct_database.Deferred, _shard_end
     put, trailer_bytes = database.put, _zarr3.SHARD_TRAILER_BYTES
@@ -353,10 +360,11 @@ def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[Array
         layout = item.layout
         for index, data in item.chunks:
             chunk = _zarr3.full_chunk(data, layout).reshape(-1).view(np.uint8)
+            nbytes = chunk.nbytes
             put(
                 chunk_key(layout.name, index),
-                (chunk, deferred(end, chunk)),
-                chunk.nbytes + trailer_bytes,
+                (chunk, deferred(end, chunk) if nbytes > DEFERRED_CRC_BYTES else end(chunk)),
+                nbytes + trailer_bytes,
             )
 
 
@@ -388,13 +396,17 @@ async def _merge_when(
         await asyncio.to_thread(_ocdbt.merge_into, database, sources)
 
 
-def _batches(items: Sequence[ArrayWrite], budget: int) -> list[list[ArrayWrite]]:
+def _batches(
+    items: Sequence[ArrayWrite], budget: int, *, first: int | None = None
+) -> list[list[ArrayWrite]]:
+    """``items`` in runs of about ``budget`` bytes; the first of ``first``, doubling up to
+    ``budget``, if given."""
     batches: list[list[ArrayWrite]] = [[]]
-    used = 0
+    used, limit = 0, budget if first is None else first
     for item in items:
-        if batches[-1] and used + item.nbytes > budget:
+        if batches[-1] and used + item.nbytes > limit:
             batches.append([])
-            used = 0
+            used, limit = 0, min(2 * limit, budget)
         batches[-1].append(item)
         used += item.nbytes
     return [b for b in batches if b]
