@@ -8,24 +8,25 @@ import tensorstore as ts
 from checkpointables_pytree import _direct_database, _ocdbt, _ocdbt_format
 
 
-def _write(directory, values: dict[str, bytes], file_bytes=100_000, **options) -> int:
-    """Writes ``values`` as a new database in data files of about ``file_bytes``; returns how
-    many."""
-    database = _direct_database.DirectDatabase(**options)
-    files = []
-    for key, value in values.items():
-        half = len(value) // 2  # Two parts: a value is written from several buffers.
-        database.put(key, [np.frombuffer(value[:half], np.uint8), value[half:]])
-        if database.pending_bytes > file_bytes:
-            files.append(database.seal())
-    last, manifest = database.finish()
-    files.append(last)
-    for file in files:
-        _direct_database._write_local_file(str(directory), file, flush=False)
-    _direct_database._write_local_file(
-        str(directory), _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest]), flush=False
+def _write(directory, values: dict[str, bytes], file_bytes=100_000, fixed=(), **options) -> int:
+    """Writes ``values`` as a new database in data files of about ``file_bytes`` (``fixed``
+    keys' values given to the layout, the others when filled); returns how many files."""
+    layout = _direct_database.DatabaseLayout(
+        list(values),
+        [len(v) for v in values.values()],
+        [v if k in fixed else None for k, v in values.items()],
+        file_bytes=file_bytes,
+        **options,
     )
-    return len(files)
+    # Two parts each: a value is written from several buffers.
+    halves = [(len(v) // 2, v) for k, v in values.items() if k not in fixed]
+    filled = [[np.frombuffer(v[:half], np.uint8), v[half:]] for half, v in halves]
+    names = layout.file_names()
+    files = [layout.data_file(n, names, filled) for n in range(layout.data_files)]
+    btree, manifest = layout.btree_file(names, filled)
+    for file in [*files, btree, _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])]:
+        _direct_database._write_local_file(str(directory), file, flush=False)
+    return len(files) + 1
 
 
 def _values(count: int) -> dict[str, bytes]:
@@ -72,7 +73,7 @@ def test_tensorstore_commits_on_top(tmp_path, max_node_bytes) -> None:
 
 def test_a_data_file_of_more_parts_than_one_writev_takes(tmp_path) -> None:
     values = {f"k{i:04}": bytes([i % 251]) * 1500 for i in range(1200)}  # 2,400 parts.
-    assert _write(tmp_path, values, file_bytes=1 << 30) == 1
+    assert _write(tmp_path, values, file_bytes=1 << 30) == 2  # One data file, the b-tree's.
     _assert_holds(_open(tmp_path), values)
 
 
@@ -82,12 +83,57 @@ def test_a_database_of_inline_values_only(tmp_path) -> None:
     _assert_holds(_open(tmp_path), values)
 
 
-def test_a_key_put_twice_is_refused() -> None:
-    database = _direct_database.DirectDatabase()
-    database.put("w/c/0", [b"x"])
-    database.put("w/c/0", [b"y"])
+@pytest.mark.parametrize("max_node_bytes", [_ocdbt_format.MAX_NODE_BYTES, 20_000])
+def test_one_layout_filled_with_new_values_each_time(tmp_path, max_node_bytes) -> None:
+    first = _values(600)
+    # Fixed values, inline or not, are the layout's: the same in every database.
+    fixed = [k for i, k in enumerate(first) if i % 4 == 0]
+    second = {k: v if k in fixed else bytes(reversed(v)) for k, v in first.items()}
+    layout = _direct_database.DatabaseLayout(
+        list(first),
+        [len(v) for v in first.values()],
+        [v if k in fixed else None for k, v in first.items()],
+        file_bytes=50_000,
+        max_node_bytes=max_node_bytes,
+    )
+    for n, values in enumerate([first, second]):
+        filled = [[v] for k, v in values.items() if k not in fixed]
+        names = layout.file_names()
+        files = [layout.data_file(i, names, filled) for i in range(layout.data_files)]
+        btree, manifest = layout.btree_file(names, filled)
+        manifest_file = _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])
+        for file in [*files, btree, manifest_file]:
+            _direct_database._write_local_file(str(tmp_path / str(n)), file, flush=False)
+    _assert_holds(_open(tmp_path / "0"), first)
+    _assert_holds(_open(tmp_path / "1"), second)
+
+
+def test_data_files_grow_from_the_first_size(tmp_path) -> None:
+    values = {f"k{i:03}": bytes([i]) * 10_000 for i in range(70)}
+    # Files of at most 10, 20, 40, 80 KB: 1 + 2 + 4 + 8 values, then the rest.
+    layout = _direct_database.DatabaseLayout(
+        list(values), [10_000] * 70, [None] * 70, file_bytes=80_000, first_file_bytes=10_000
+    )
+    assert [layout.needs(n) for n in range(layout.data_files)] == [
+        1,
+        3,
+        7,
+        15,
+        23,
+        31,
+        39,
+        47,
+        55,
+        63,
+        70,
+    ]
+    assert _write(tmp_path, values, file_bytes=80_000, first_file_bytes=10_000) == 12
+    _assert_holds(_open(tmp_path), values)
+
+
+def test_a_key_given_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="twice"):
-        database.finish()
+        _direct_database.DatabaseLayout(["w/c/0", "w/c/0"], [1, 1], [b"x", None], file_bytes=10)
 
 
 def test_an_existing_database_is_never_overwritten(tmp_path) -> None:

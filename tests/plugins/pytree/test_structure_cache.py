@@ -306,3 +306,24 @@ def test_jax_array_layouts_follow_shape_changes(tmp_path) -> None:
         }
         assert recorded["a"]["write_shape"] == recorded["a"]["chunk_shape"] == [n]
     assert _metadata_text(tmp_path / "d") == _metadata_text(tmp_path / "a")
+
+
+def test_the_database_layout_is_kept_while_the_arrays_keep_their_sizes(tmp_path) -> None:
+    from checkpointables_pytree import _write
+
+    def tree_of(step: int, big: int = 4096) -> dict[str, np.ndarray]:
+        # Values in data files (over 1 KiB) and inline in the b-tree.
+        return {"big": np.arange(big) + step, "small": np.arange(3.0) + step, "mid": np.ones(600)}
+
+    def kept_layout(tree):
+        return _tree.flatten(tree).structure.derived[_write._DATABASE_LAYOUT][1]
+
+    _save_and_check(tmp_path / "a", tree_of(0))
+    first = kept_layout(tree_of(0))
+    _save_and_check(tmp_path / "b", tree_of(1))
+    assert kept_layout(tree_of(1)) is first  # Same shapes and dtypes: new values only.
+    _save_and_check(tmp_path / "c", tree_of(2, big=9000))  # A value changed its size.
+    assert kept_layout(tree_of(2)) is not first
+    as_float = {**tree_of(3), "big": np.arange(4096, dtype=np.float32)}
+    _save_and_check(tmp_path / "d", as_float)
+    _save_and_check(tmp_path / "e", tree_of(4))

@@ -2,20 +2,22 @@
 
 TensorStore writes a key of an OCDBT transaction in about 7 us of Python and
 C++ and copies its value (``KvStore.write`` takes ``bytes``): a save of
-5,000 small arrays (10,000 keys, 41 MB) spent 114 ms in it, against 35 ms
-for this module to write the same database. A save needs the simplest case
-of the format (TensorStore's docs, "ocdbt Key-Value Store driver", "Storage
-format", encoded by ``_ocdbt_format``): a database no one else writes,
-created with one version whose values are appended to data files of our
-own. So ``DirectDatabase``:
+5,000 small arrays (10,000 keys, 41 MB) spent 114 ms in it. A save needs
+the simplest case of the format (TensorStore's docs, "ocdbt Key-Value Store
+driver", "Storage format", encoded by ``_ocdbt_format``): a database no one
+else writes, created with one version whose values are in data files of our
+own. Its keys and the sizes of their values depend only on the tree's
+structure, and so does nearly everything else: which data file holds each
+value and where, which values are inline in the b-tree (those of at most
+``MAX_INLINE_VALUE_BYTES``, as TensorStore does), the b-tree's nodes but for
+those inline values. ``DatabaseLayout`` is all that, made once per structure;
+each save fills it with its values:
 
-* appends each value to the current data file (``d/<32 hex digits>``), or
-  keeps it for the b-tree leaf when it is at most ``MAX_INLINE_VALUE_BYTES``
-  (as TensorStore does); a data file is handed back to be written once it
-  holds ``file_bytes``, so that files are written while later ones fill;
-* ends with the b-tree (uncompressed leaf nodes, and an interior node when
-  they are more than one), appended to the last data file, and the manifest
-  (configuration and the single version), which is written last.
+* data files (``d/<32 hex digits>``) of about ``file_bytes``, written from the
+  arrays' own memory, each as soon as its values are known;
+* a last file with the b-tree (uncompressed leaf nodes, and an interior node
+  when they are more than one);
+* the manifest (configuration and the single version), written last.
 
 TensorStore and Orbax read the result as any OCDBT database, and TensorStore
 commits on top of it (merges of other writers' databases).
@@ -24,22 +26,26 @@ commits on top of it (merges of other writers' databases).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import _ocdbt, _ocdbt_format
 
-__all__ = ["DataFile", "DatabaseFiles", "Deferred", "DirectDatabase", "MAX_INLINE_VALUE_BYTES"]
+__all__ = ["DataFile", "DatabaseFiles", "DatabaseLayout", "Deferred", "MAX_INLINE_VALUE_BYTES"]
 
 MAX_INLINE_VALUE_BYTES = _ocdbt_format.MAX_INLINE_VALUE_BYTES
 _IOV_MAX = 1024  # Buffers per os.writev (Linux's limit).
 
 Buffer = Any  # bytes, a 1-D np.uint8 array, or a Deferred (giving bytes).
+# A part of a file as a layout records it: fixed bytes, or the index of a variable value.
+Recipe = list[bytes | int]
 
 
 class Deferred:
@@ -60,7 +66,7 @@ def _resolved(parts: Sequence[Buffer]) -> list[Buffer]:
 
 
 class DataFile:
-    """A data file to write: ``name`` (``d/<hex>``, relative to the database) and its parts."""
+    """A file to write: ``name`` (``d/<hex>``, relative to the database) and its parts."""
 
     __slots__ = ("name", "parts")
 
@@ -69,108 +75,169 @@ class DataFile:
         self.parts = parts
 
 
-class DirectDatabase:
-    """Collects the keys of a new database; ``seal`` and ``finish`` give what to write.
+class DatabaseLayout:
+    """Where each value of a new database goes, and its b-tree, for given keys and value
+    sizes: made once, filled with the values of each database written.
+
+    A value is *fixed* (the same in every database of this layout, given here:
+    an array's ``zarr.json``) or *variable* (given to ``data_file`` and
+    ``btree_file`` as a sequence of parts, in the order of the variable keys:
+    an array's chunks). Data files hold about ``file_bytes``; if
+    ``first_file_bytes`` is given, the first holds that much and each next one
+    twice the previous (the disk starts early; a large database has few files).
 
     Example::
 
-        database = DirectDatabase()
-        database.put("w/zarr.json", [text])
-        database.put("w/c/0", [data, trailer], len(data) + len(trailer))
-        last, manifest = database.finish()
-        # Write `last` (and every sealed file) first, then `manifest` as manifest.ocdbt.
+        layout = DatabaseLayout(["w/zarr.json", "w/c/0"], [len(text), n], [text, None])
+        names = layout.file_names()
+        values = [[chunk]]  # Values 0 to layout.needs(k) - 1 are enough to write file k.
+        files = [layout.data_file(k, names, values) for k in range(layout.data_files)]
+        btree, manifest = layout.btree_file(names, values)
+        # Write the files and btree, then the manifest as manifest.ocdbt.
+
+    Raises:
+      ValueError: a key is given twice.
     """
 
-    def __init__(self, *, max_node_bytes: int = _ocdbt_format.MAX_NODE_BYTES) -> None:
-        self._max_node_bytes = max_node_bytes
-        self._files: list[str] = []
-        self._parts: list[Buffer] = []
-        self._file_bytes = 0
-        # Per key: its bytes, length, and (file, offset) or the value itself when inline.
-        self._keys: list[bytes] = []
-        self._lengths: list[int] = []
-        self._places: list[tuple[int, int] | bytes] = []
-
-    @property
-    def empty(self) -> bool:
-        """Whether no key was put."""
-        return not self._keys
-
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes put into the current data file (not sealed yet)."""
-        return self._file_bytes
-
-    def put(self, key: str, parts: Sequence[Buffer], nbytes: int | None = None) -> None:
-        """Adds ``key`` with the concatenation of ``parts`` (``nbytes`` long) as its value.
-
-        The parts are written as they are (no copy) and must not change until written.
-        """
-        if nbytes is None:
-            nbytes = sum(memoryview(p).nbytes for p in _resolved(parts))
-        self._keys.append(key.encode())
-        self._lengths.append(nbytes)
-        if nbytes <= MAX_INLINE_VALUE_BYTES:
-            only = parts[0] if len(parts) == 1 else None
-            self._places.append(only if type(only) is bytes else b"".join(_resolved(parts)))
-            return
-        if not self._parts:
-            self._files.append("d/" + secrets.token_hex(16))
-        self._places.append((len(self._files) - 1, self._file_bytes))
-        self._parts.extend(parts)
-        self._file_bytes += nbytes
-
-    def seal(self) -> DataFile | None:
-        """Ends the current data file; returns it to be written (``None`` if empty)."""
-        if not self._parts:
-            return None
-        sealed = DataFile(self._files[-1], self._parts)
-        self._parts, self._file_bytes = [], 0
-        return sealed
-
-    def finish(self) -> tuple[DataFile, bytes]:
-        """The last data file, with the b-tree at its end, and the manifest's bytes.
-
-        Raises:
-          ValueError: a key was put twice.
-        """
-        start = self._file_bytes  # Where the b-tree starts in the last data file.
-        last = self.seal()
-        if last is None:  # The current file is empty (or was sealed): the b-tree gets its own.
-            self._files.append("d/" + secrets.token_hex(16))
-            last = DataFile(self._files[-1], [])
-        nodes, root_height, statistics = self._btree(len(self._files) - 1, start)
-        for node in nodes:
-            last.parts.extend(node)
-        root_length = _ocdbt_format.size(nodes[-1])
-        root_offset = start + sum(map(_ocdbt_format.size, nodes[:-1]))
-        manifest = _ocdbt_format.manifest(
-            last.name, root_offset, root_length, root_height, statistics
+    def __init__(
+        self,
+        keys: Sequence[str],
+        lengths: Sequence[int],
+        fixed: Sequence[bytes | None],
+        *,
+        file_bytes: int,
+        first_file_bytes: int | None = None,
+        max_node_bytes: int = _ocdbt_format.MAX_NODE_BYTES,
+    ) -> None:
+        variable = itertools.count()
+        values = [next(variable) if f is None else f for f in fixed]
+        places = self._place(values, lengths, file_bytes, first_file_bytes or file_bytes)
+        # The b-tree's file: the last; its name's place in the table is the same each time.
+        self.data_files = len(self._files)
+        names = [name.encode() for name in self.file_names()]
+        self._table_bytes = len(_ocdbt_format.file_table(names))
+        self._leaves, self._root = self._btree(
+            [k.encode() for k in keys], lengths, places, max_node_bytes
         )
-        return last, manifest
 
-    def _btree(self, file_id: int, offset: int) -> tuple[list[list[bytes]], int, list[int]]:
-        """The encoded b-tree nodes (root last), its height and its statistics, for nodes
-        appended to file ``file_id`` at ``offset``."""
-        order = sorted(range(len(self._keys)), key=self._keys.__getitem__)
-        keys = [self._keys[i] for i in order]
-        table = _ocdbt_format.file_table([f.encode() for f in self._files])
-        leaves = []
-        budget = self._max_node_bytes - len(table) - 64  # 64: the node's header and counts.
-        for begin, end in _ocdbt_format.leaf_ranges(keys, self._places, order, budget):
-            entries = order[begin:end]
-            node = _ocdbt_format.leaf_node(
-                keys[begin:end], entries, self._lengths, self._places, table
-            )
-            indirect = sum(self._lengths[i] for i in entries if type(self._places[i]) is tuple)
-            leaves.append((keys[begin], node, end - begin, indirect))
+    def _place(
+        self, values: list[bytes | int], lengths: Sequence[int], most: int, limit: int
+    ) -> list[Any]:
+        """Puts each value inline or into a data file; returns where each went."""
+        self._files: list[Recipe] = []
+        self._needs: list[int] = []  # Per data file: how many variable values it needs.
+        places: list[Any] = []
+        used = 0
+        for value, length in zip(values, lengths, strict=True):
+            if length <= MAX_INLINE_VALUE_BYTES:
+                places.append(value)
+                continue
+            if not self._files or (used and used + length > limit):
+                if self._files:
+                    limit = min(2 * limit, most)
+                self._files.append([])
+                self._needs.append(self._needs[-1] if self._needs else 0)
+                used = 0
+            places.append((len(self._files) - 1, used))
+            self._files[-1].append(value)
+            used += length
+            if type(value) is int:
+                self._needs[-1] = value + 1
+        return places
+
+    def _btree(
+        self,
+        keys: list[bytes],
+        lengths: Sequence[int],
+        places: list[Any],
+        max_node_bytes: int,
+    ) -> tuple[list[Recipe], tuple[bytes | None, int, int, int, list[int]]]:
+        """The leaves (their parts after the file table) and the root: its interior node
+        (``None`` if the only leaf is the root), offset, length, height and statistics."""
+        if len(set(keys)) != len(keys):
+            raise ValueError("An OCDBT database cannot hold a key twice.")
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        keys = [keys[i] for i in order]
+        lengths = [lengths[i] for i in order]
+        places = [places[i] for i in order]
+        indirect = np.array([type(p) is tuple for p in places])
+        inline_bytes = np.where(indirect, 0, np.asarray(lengths, np.int64))
+        fixed_bytes = 1 + self._table_bytes  # The height, the file table.
+        budget = max_node_bytes - fixed_bytes - 64  # 64: the node's header and counts.
+        leaves, sizes, counts, indirect_bytes = [], [], [], []
+        for begin, end in _ocdbt_format.leaf_ranges(keys, inline_bytes, budget):
+            body = _ocdbt_format.leaf_body(keys[begin:end], lengths[begin:end], places[begin:end])
+            leaves.append(_joined_runs(body))
+            # Its bytes: the encoding and fixed values, then the variable values inline.
+            variable = zip(places[begin:end], lengths[begin:end], strict=True)
+            body_bytes = sum(len(p) for p in body if type(p) is bytes)
+            body_bytes += sum(n for p, n in variable if type(p) is int)
+            sizes.append(_ocdbt_format.framed_size(fixed_bytes + body_bytes))
+            counts.append(end - begin)
+            lengths_in_files = np.asarray(lengths[begin:end], np.int64)[indirect[begin:end]]
+            indirect_bytes.append(int(lengths_in_files.sum()))
         if len(leaves) == 1:
-            _, node, count, indirect = leaves[0]
-            return [node], 0, [count, _ocdbt_format.size(node), indirect]
-        interior = _ocdbt_format.interior_node(leaves, file_id, offset, table)
-        tree_bytes = sum(map(_ocdbt_format.size, [n for _, n, _, _ in leaves] + [interior]))
-        totals = [len(keys), tree_bytes, sum(leaf[3] for leaf in leaves)]
-        return [n for _, n, _, _ in leaves] + [interior], 1, totals
+            return leaves, (None, 0, sizes[0], 0, [counts[0], sizes[0], indirect_bytes[0]])
+        first_keys = [keys[begin] for begin in itertools.accumulate([0, *counts[:-1]])]
+        root = _ocdbt_format.interior_body(
+            first_keys, sizes, counts, indirect_bytes, (self.data_files, 0)
+        )
+        length = _ocdbt_format.framed_size(fixed_bytes + len(root))
+        statistics = [len(keys), sum(sizes) + length, sum(indirect_bytes)]
+        return leaves, (root, sum(sizes), length, 1, statistics)
+
+    def file_names(self) -> list[str]:
+        """New names for the files (the data files, then the b-tree's): random, and each
+        (relative to the others) as in every database of this layout, so that the file
+        table has the same length."""
+        base = "d/" + secrets.token_hex(12)
+        return [f"{base}{k:08x}" for k in range(self.data_files + 1)]
+
+    def needs(self, data_file: int) -> int:
+        """How many variable values the data file ``data_file`` needs (the first ones)."""
+        return self._needs[data_file]
+
+    def data_file(
+        self, data_file: int, names: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> DataFile:
+        """The data file ``data_file``, of ``names`` (``file_names``), with ``values``."""
+        return DataFile(names[data_file], _filled(self._files[data_file], values))
+
+    def btree_file(
+        self, names: Sequence[str], values: Sequence[Sequence[Buffer]]
+    ) -> tuple[DataFile, bytes]:
+        """The b-tree's file (the last of ``names``) with ``values`` (inline ones are bytes
+        or arrays, never ``Deferred``), and the manifest's bytes."""
+        table = _ocdbt_format.file_table([name.encode() for name in names])
+        magic = _ocdbt_format.BTREE_NODE_MAGIC
+        parts: list[Buffer] = []
+        for recipe in self._leaves:
+            parts += _ocdbt_format.framed(magic, [b"\x00", table, *_filled(recipe, values)])
+        root, offset, length, height, statistics = self._root
+        if root is not None:
+            parts += _ocdbt_format.framed(magic, [b"\x01", table, root])
+        manifest = _ocdbt_format.manifest(names[-1], offset, length, height, statistics)
+        return DataFile(names[-1], parts), manifest
+
+
+def _joined_runs(parts: Sequence[bytes | int]) -> Recipe:
+    """``parts`` with each run of fixed bytes joined into one."""
+    recipe: Recipe = []
+    for fixed, run in itertools.groupby(parts, key=lambda part: type(part) is bytes):
+        runs = list(run)
+        recipe.extend([b"".join(runs)] if fixed else runs)  # type: ignore[arg-type]
+    return recipe
+
+
+def _filled(recipe: Recipe, values: Sequence[Sequence[Buffer]]) -> list[Buffer]:
+    """The parts of ``recipe``, each variable value's parts in its place."""
+    parts: list[Buffer] = []
+    for part in recipe:
+        if type(part) is int:
+            parts.extend(values[part])
+        else:
+            parts.append(part)
+    return parts
 
 
 class DatabaseFiles:

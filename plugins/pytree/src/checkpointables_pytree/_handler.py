@@ -270,7 +270,7 @@ class PyTreeHandler:
         flat = self._flatten(checkpointable)
         self._last_flat = None
         groups = group_leaves(flat, EntryCache(registry), directory.path)
-        session = SaveSession.create(directory, context)
+        session = SaveSession.create(directory, context, flat.structure.derived)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         awaitables: list[Any] = []
         for handler_cls, group in groups.items():

@@ -27,8 +27,10 @@ __all__ = [
     "BTREE_NODE_MAGIC",
     "MAX_NODE_BYTES",
     "file_table",
-    "interior_node",
-    "leaf_node",
+    "framed",
+    "framed_size",
+    "interior_body",
+    "leaf_body",
     "leaf_ranges",
     "manifest",
     "size",
@@ -96,15 +98,20 @@ def _prefix_coded(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
     return _varints(prefixes), _varints(lengths - np.asarray(cut)), suffixes
 
 
-def _framed(magic: int, body: list[bytes]) -> list[bytes]:
+def framed(magic: int, body: list[Any]) -> list[Any]:
     """The parts of ``body`` behind the header (magic, length, version 0, uncompressed), then
-    their CRC-32C (parts, not one copy: a node of 10,000 keys is megabytes)."""
-    length = 4 + 8 + 2 + size(body) + 4
-    header = struct.pack(">I", magic) + struct.pack("<Q", length) + b"\x00\x00"
+    their CRC-32C (parts, not one copy: a node of 10,000 keys is megabytes). Parts are bytes
+    or 1-D uint8 arrays."""
+    header = struct.pack(">I", magic) + struct.pack("<Q", framed_size(size(body))) + b"\x00\x00"
     checksum = crc32c.crc32c(header)
     for part in body:
         checksum = crc32c.crc32c(part, checksum)
     return [header, *body, struct.pack("<I", checksum)]
+
+
+def framed_size(body_bytes: int) -> int:
+    """Bytes of a node (or manifest) whose body is ``body_bytes`` long."""
+    return 4 + 8 + 2 + body_bytes + 4
 
 
 def size(parts: Sequence[bytes]) -> int:
@@ -119,77 +126,72 @@ def file_table(paths: Sequence[bytes]) -> bytes:
 
 
 def leaf_ranges(
-    keys: Sequence[bytes], places: Sequence[Any], order: Sequence[int], limit: int
+    keys: Sequence[bytes], inline_bytes: np.ndarray, limit: int
 ) -> list[tuple[int, int]]:
-    """Splits sorted keys into runs whose leaf nodes stay within ``limit`` bytes."""
+    """Splits sorted keys (whose inline values take ``inline_bytes``) into runs whose leaf
+    nodes stay within ``limit`` bytes."""
     if sum(map(len, keys)) + len(keys) * (_ENTRY_OVERHEAD + MAX_INLINE_VALUE_BYTES) <= limit:
         return [(0, len(keys))]  # One node, whatever the values.
-    sizes = np.fromiter(
-        (len(k) + _ENTRY_OVERHEAD for k in keys), np.int64, len(keys)
-    ) + np.fromiter(
-        (len(places[i]) if type(places[i]) is bytes else 0 for i in order), np.int64, len(keys)
-    )
+    sizes = np.fromiter(map(len, keys), np.int64, len(keys)) + _ENTRY_OVERHEAD + inline_bytes
     ranges, begin, used = [], 0, 0
-    for i, size in enumerate(sizes.tolist()):
-        if i > begin and used + size > limit:
+    for i, entry in enumerate(sizes.tolist()):
+        if i > begin and used + entry > limit:
             ranges.append((begin, i))
             begin, used = i, 0
-        used += size
+        used += entry
     return [*ranges, (begin, len(keys))]
 
 
-def leaf_node(
-    keys: Sequence[bytes],
-    entries: Sequence[int],
-    lengths: Sequence[int],
-    places: Sequence[tuple[int, int] | bytes],
-    table: bytes,
-) -> list[bytes]:
-    """A b-tree leaf node of sorted ``keys``, whose values ``entries`` index."""
+def leaf_body(
+    keys: Sequence[bytes], lengths: Sequence[int], places: Sequence[tuple[int, int] | Any]
+) -> list[Any]:
+    """What follows the data file table in a b-tree leaf of sorted ``keys``, whose values are
+    ``lengths`` long: in a data file ``(file, offset)``, or inline (any other place: the
+    value, or what stands for it, ends the body in the keys' order)."""
     prefixes, suffix_lengths, suffixes = _prefix_coded(keys)
-    value_places = [places[i] for i in entries]
-    inline = [p for p in value_places if type(p) is bytes]
-    indirect = [p for p in value_places if type(p) is tuple]
-    body = [
-        b"\x00",  # height: a leaf.
-        table,
+    kinds = [type(p) is tuple for p in places]  # 0: inline, 1: in a data file.
+    indirect = [p for p, kind in zip(places, kinds, strict=True) if kind]
+    return [
         _varint(len(keys)),
         prefixes,
         suffix_lengths,
         suffixes,
-        _varints([lengths[i] for i in entries]),
-        bytes(int(type(p) is tuple) for p in value_places),  # kind: 0 inline, 1 in a file.
+        _varints(lengths),
+        bytes(kinds),
         _varints([file for file, _ in indirect]),
         _varints([offset for _, offset in indirect]),
-        *inline,
+        *[p for p, kind in zip(places, kinds, strict=True) if not kind],
     ]
-    return _framed(BTREE_NODE_MAGIC, body)
 
 
-def interior_node(
-    leaves: Sequence[tuple[bytes, list[bytes], int, int]], file_id: int, offset: int, table: bytes
-) -> list[bytes]:
-    """The root over ``leaves`` (first key, node, keys, indirect bytes), which are stored
-    one after the other from ``offset`` in file ``file_id``."""
-    prefixes, suffix_lengths, suffixes = _prefix_coded([first for first, _, _, _ in leaves])
-    sizes = [size(node) for _, node, _, _ in leaves]
+def interior_body(
+    first_keys: Sequence[bytes],
+    sizes: Sequence[int],
+    key_counts: Sequence[int],
+    indirect_bytes: Sequence[int],
+    place: tuple[int, int],
+) -> bytes:
+    """What follows the data file table in the root over leaves of ``sizes`` bytes (stored
+    one after the other from ``place``: file, offset), which start with ``first_keys``, hold
+    ``key_counts`` keys and refer to ``indirect_bytes`` of values in data files."""
+    prefixes, suffix_lengths, suffixes = _prefix_coded(first_keys)
+    file_id, offset = place
     offsets = np.cumsum([offset, *sizes[:-1]]).tolist()
-    body = [
-        b"\x01",  # height
-        table,
-        _varint(len(leaves)),
-        prefixes,
-        suffix_lengths,
-        bytes(len(leaves)),  # Common prefix of each subtree: none (leaves hold whole keys).
-        suffixes,
-        _varints([file_id] * len(leaves)),
-        _varints(offsets),
-        _varints(sizes),
-        _varints([count for _, _, count, _ in leaves]),
-        _varints(sizes),  # Bytes of each subtree's nodes: the leaf's own.
-        _varints([indirect for _, _, _, indirect in leaves]),
-    ]
-    return _framed(BTREE_NODE_MAGIC, body)
+    return b"".join(
+        [
+            _varint(len(first_keys)),
+            prefixes,
+            suffix_lengths,
+            bytes(len(first_keys)),  # Common prefix of each subtree: none (leaves hold whole keys).
+            suffixes,
+            _varints([file_id] * len(first_keys)),
+            _varints(offsets),
+            _varints(sizes),
+            _varints(key_counts),
+            _varints(sizes),  # Bytes of each subtree's nodes: the leaf's own.
+            _varints(indirect_bytes),
+        ]
+    )
 
 
 def manifest(
@@ -216,4 +218,4 @@ def manifest(
     )
     no_version_nodes = _varint(0)
     body = [config, file_table([root_file.encode()]), version, no_version_nodes]
-    return b"".join(_framed(_MANIFEST_MAGIC, body))
+    return b"".join(framed(_MANIFEST_MAGIC, body))

@@ -77,15 +77,21 @@ class SaveSession:
     deferred: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def create(cls, directory: cp.path.PathAwaitingCreation, context: cp.Context) -> SaveSession:
-        """A session for a save into ``directory`` under ``context``."""
+    def create(
+        cls,
+        directory: cp.path.PathAwaitingCreation,
+        context: cp.Context,
+        structure_cache: dict[Any, Any] | None = None,
+    ) -> SaveSession:
+        """A session for a save into ``directory`` under ``context``; the writer keeps what
+        depends only on the tree's structure in ``structure_cache``."""
         from checkpointables.execution import caller_waits
 
         return cls(
             directory=directory,
             context=context,
             caller_waits=caller_waits(),
-            writer=Writer(directory),
+            writer=Writer(directory, structure_cache),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
             array_options=context.array_options,

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -75,6 +77,11 @@ WRITERS = 4
 # data PUT: more writers keep more PUTs in flight (see docs/performance.md, "Object stores").
 REMOTE_WRITERS = 16
 WRITER_PREFIX = "ocdbt.writer_"
+
+_DATABASE_LAYOUT = "database layout"  # The structure cache's key of the last layout.
+_LAYOUT = operator.attrgetter("layout")
+_WRITE_METADATA = operator.attrgetter("write_metadata")
+_CHUNKS = operator.attrgetter("chunks")
 
 
 @dataclasses.dataclass(slots=True)
@@ -137,11 +144,18 @@ class ArrayWrite:
 class Writer:
     """Collects the arrays of one save, then writes them all (``run``)."""
 
-    def __init__(self, directory: cp.path.PathAwaitingCreation) -> None:
+    def __init__(
+        self,
+        directory: cp.path.PathAwaitingCreation,
+        structure_cache: dict[Any, Any] | None = None,
+    ) -> None:
+        """A writer into ``directory``; what depends only on the tree's structure is kept
+        in ``structure_cache`` (``_tree.Structure.derived``) for the next save."""
         self._directory = directory
         self._items: list[ArrayWrite] = []
         self._flushed: set[str] = set()
         self._specs: dict[tuple[Any, ...], ts.Spec] = {}
+        self._structure_cache = structure_cache if structure_cache is not None else {}
         # The pytree's database, and the writing of it that its commits wait for.
         self._database_written: tuple[epath.Path, asyncio.Future[None]]
 
@@ -190,37 +204,31 @@ class Writer:
         """Writes the pytree's database: the arrays encoded ``here``, and the ``zarr.json`` of
         those and of the arrays written by the ``driver``.
 
-        A data file is written (and flushed) while the next one is encoded, the
-        last one while the b-tree is, which gets a file of its own. The manifest
-        is written last.
+        Each data file is written (and flushed) as soon as its arrays are
+        encoded, the b-tree once all are, in a file of its own. The manifest is
+        written last.
         """
         files = await _direct_database.DatabaseFiles.open(database, context)
-        new = _direct_database.DirectDatabase()
+        layout = self._database_layout(here, driver, files.local)
+        if layout is None:
+            return
+        names = layout.file_names()
+        values: list[Sequence[Any]] = []
+        chunks = _chunk_values(here)
         writes: list[asyncio.Future[Any]] = []
         try:
-            with execution.paused_gc():
-                for item in (*here, *driver):
-                    if item.write_metadata:
-                        text = item.zarr_json()
-                        new.put(item.layout.name + "/zarr.json", [text], len(text))
-            if files.local:  # Small files first: the disk starts while the rest is encoded.
-                batches = _batches(here, DATA_FILE_BYTES, first=FIRST_DATA_FILE_BYTES)
-            else:
-                batches = _batches(here, REMOTE_DATA_FILE_BYTES)
-            for batch in batches:
+            for n in range(layout.data_files):
                 with execution.paused_gc():
-                    _put_chunks(new, batch)
-                sealed = new.seal()
-                if sealed is not None:
-                    # A local file holds no copy: all are written at once. A remote one is
-                    # copies: one is PUT while the next is encoded.
-                    if not files.local and writes:
-                        await writes.pop(0)
-                    writes.append(files.start(sealed, flush=True))
-            if new.empty:
-                return
-            last, manifest = new.finish()
-            writes.append(files.start(last, flush=True))
+                    values.extend(itertools.islice(chunks, layout.needs(n) - len(values)))
+                # A local file holds no copy: all are written at once. A remote one is
+                # copies: one is PUT while the next is encoded.
+                if not files.local and writes:
+                    await writes.pop(0)
+                writes.append(files.start(layout.data_file(n, names, values), flush=True))
+            with execution.paused_gc():
+                values.extend(chunks)
+            btree, manifest = layout.btree_file(names, values)
+            writes.append(files.start(btree, flush=True))
             await asyncio.gather(*writes)
             # The checkpoint's commit flushes the manifest with its other files.
             manifest_file = _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])
@@ -228,6 +236,33 @@ class Writer:
         except BaseException:
             await settle(writes)
             raise
+
+    def _database_layout(
+        self, here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite], local: bool
+    ) -> _direct_database.DatabaseLayout | None:
+        """The layout of the database of ``here`` and ``driver`` (``None`` if it has no key):
+        kept with the tree's structure, and made again when the arrays' layouts, the chunks
+        this process writes or the storage differ from the last save's."""
+        items = [*here, *driver]
+        signature = (
+            local,
+            len(here),
+            list(map(_LAYOUT, items)),
+            list(map(_WRITE_METADATA, items)),
+            [c[0][0] if len(c) == 1 else [i for i, _ in c] for c in map(_CHUNKS, here)],
+        )
+        kept = self._structure_cache.get(_DATABASE_LAYOUT)
+        if kept is not None and kept[0] == signature:
+            return kept[1]  # type: ignore[no-any-return]
+        keys, lengths, fixed = _database_keys(here, driver)
+        layout = None
+        if keys:
+            sizes = {"file_bytes": DATA_FILE_BYTES, "first_file_bytes": FIRST_DATA_FILE_BYTES}
+            if not local:
+                sizes = {"file_bytes": REMOTE_DATA_FILE_BYTES}
+            layout = _direct_database.DatabaseLayout(keys, lengths, fixed, **sizes)
+        self._structure_cache[_DATABASE_LAYOUT] = (signature, layout)
+        return layout
 
     async def _start_large(
         self,
@@ -345,27 +380,40 @@ class Writer:
                 await transaction.commit_async()
 
 
-def _put_chunks(database: _direct_database.DirectDatabase, items: Sequence[ArrayWrite]) -> None:
-    """Puts every chunk of ``items`` into ``database``, as zarr3 shards of one inner chunk.
+def _database_keys(
+    here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite]
+) -> tuple[list[str], list[int], list[bytes | None]]:
+    """The keys of the database, their values' lengths, and the values that are fixed: every
+    array's ``zarr.json``, then the chunks of those encoded ``here`` (given each save)."""
+    keys, lengths, fixed = [], [], []
+    for item in (*here, *driver):
+        if item.write_metadata:
+            text = item.zarr_json()
+            keys.append(item.layout.name + "/zarr.json")
+            lengths.append(len(text))
+            fixed.append(text)
+    for item in here:
+        for index, _ in item.chunks:
+            keys.append(_zarr3.chunk_key(item.layout.name, index))
+            lengths.append(item.layout.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES)
+            fixed.append(None)
+    return keys, lengths, fixed
+
+
+def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any]]:
+    """Every chunk of ``items`` as a zarr3 shard of one inner chunk: the data, then its end.
 
     A large shard's end (the chunk's CRC-32C, the index) is computed by the thread that
     writes its file (``_direct_database.Deferred``): checksums of one file overlap the
     next's encoding. A small one's is computed here: in the writing thread its Python
     would wait for the GIL this thread holds.
     """
-    chunk_key, deferred, end = _zarr3.chunk_key, _direct_database.Deferred, _shard_end
-    put, trailer_bytes = database.put, _zarr3.SHARD_TRAILER_BYTES
-    # Plain loops: a comprehension costs a frame per array (most have one chunk).
+    deferred, end, full_chunk = _direct_database.Deferred, _shard_end, _zarr3.full_chunk
     for item in items:
         layout = item.layout
-        for index, data in item.chunks:
-            chunk = _zarr3.full_chunk(data, layout).reshape(-1).view(np.uint8)
-            nbytes = chunk.nbytes
-            put(
-                chunk_key(layout.name, index),
-                (chunk, deferred(end, chunk) if nbytes > DEFERRED_CRC_BYTES else end(chunk)),
-                nbytes + trailer_bytes,
-            )
+        for _, data in item.chunks:
+            chunk = full_chunk(data, layout).reshape(-1).view(np.uint8)
+            yield chunk, deferred(end, chunk) if chunk.nbytes > DEFERRED_CRC_BYTES else end(chunk)
 
 
 def _shard_end(chunk: np.ndarray) -> bytes:
