@@ -9,15 +9,13 @@ pytree's OCDBT database:
   zarr3 driver would write (``<name>/zarr.json`` and one shard per chunk:
   the data, its CRC-32C, the shard index, see ``_zarr3``). With every array's
   ``zarr.json`` they make the pytree's database, which ``_direct_database``
-  writes without TensorStore, in data files of about ``DATA_FILE_BYTES``
-  written from the arrays' own memory: one is written and flushed while the
-  next is encoded. Only arrays up to ``DIRECT_BYTES`` are (on an object
-  store ``REMOTE_DIRECT_BYTES``: each data file is one PUT of a copy);
+  writes without TensorStore, in data files of up to ``DATA_FILE_BYTES``
+  written from the arrays' own memory, each as soon as its arrays are
+  encoded. Its layout is made once per tree structure. Only arrays up to
+  ``DIRECT_BYTES`` are (on an object store ``REMOTE_DIRECT_BYTES``: each
+  data file is one PUT of a copy);
 * the others (larger, compressed, finely chunked, int4...) go through the zarr3
-  driver, in groups of about ``LARGE_GROUP_BYTES`` committed by several OCDBT
-  writers (databases of their own, merged into the pytree's at the end; one
-  group commits into the pytree's database itself, once it is written); each
-  group's data files are flushed while later groups are encoded.
+  driver (``_driver_writes``).
 
 Measured against TensorStore's own writer (``docs/performance.md``): an OCDBT
 transaction costs about 7 us per key and copies each value, a zarr3 driver
@@ -42,10 +40,10 @@ import tensorstore as ts
 from checkpointables import execution
 from etils import epath
 
-from checkpointables_pytree import _direct_database, _errors, _ocdbt, _ts_futures, _zarr3
-from checkpointables_pytree._ts_futures import ByteLimiter, settle
+from checkpointables_pytree import _direct_database, _driver_writes, _errors, _ocdbt, _zarr3
+from checkpointables_pytree._ts_futures import settle
 
-__all__ = ["ArrayWrite", "Writer", "DIRECT_BYTES", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
+__all__ = ["ArrayWrite", "Writer", "DIRECT_BYTES"]
 
 # Plain arrays up to this size are encoded here (256 MiB in 256 arrays: 110 ms of CPU, 190 via
 # the driver); 1 GiB in 16 arrays saved in 425 ms via the driver's 4 writers, 621 ms here.
@@ -64,19 +62,6 @@ REMOTE_DATA_FILE_BYTES = 16 << 20
 # Chunks over this size get their CRC-32C in the thread writing their file, smaller ones
 # while they are encoded (a call's Python costs more than 64 KiB of checksum).
 DEFERRED_CRC_BYTES = 64 << 10
-# Large arrays being encoded at once: bounds the extra memory of a save.
-IN_FLIGHT_BYTES = 128 << 20
-# Arrays written through the driver are grouped into transactions of at most this
-# many bytes (one commit each); a larger array is written alone.
-LARGE_GROUP_BYTES = 32 << 20
-# Groups are committed by this many OCDBT writers. One writer commits one transaction at
-# a time and writes its data file on one thread: with one writer a 256 MiB save waited
-# for those writes, and the disk sat idle until the first commit ended.
-WRITERS = 4
-# On an object store each commit waits for several requests (tens of ms each) besides its
-# data PUT: more writers keep more PUTs in flight (see docs/performance.md, "Object stores").
-REMOTE_WRITERS = 16
-WRITER_PREFIX = "ocdbt.writer_"
 
 _DATABASE_LAYOUT = "database layout"  # The structure cache's key of the last layout.
 _LAYOUT = operator.attrgetter("layout")
@@ -153,11 +138,7 @@ class Writer:
         in ``structure_cache`` (``_tree.Structure.derived``) for the next save."""
         self._directory = directory
         self._items: list[ArrayWrite] = []
-        self._flushed: set[str] = set()
-        self._specs: dict[tuple[Any, ...], ts.Spec] = {}
         self._structure_cache = structure_cache if structure_cache is not None else {}
-        # The pytree's database, and the writing of it that its commits wait for.
-        self._database_written: tuple[epath.Path, asyncio.Future[None]]
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -188,7 +169,8 @@ class Writer:
             tasks = [written]
             try:
                 # TensorStore's threads encode those arrays while this thread encodes these.
-                tasks += await self._start_large(driver, database, context, written)
+                large = _driver_writes.DriverWrites()
+                tasks += await large.start(driver, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
                 await settle(tasks)
@@ -264,121 +246,6 @@ class Writer:
         self._structure_cache[_DATABASE_LAYOUT] = (signature, layout)
         return layout
 
-    async def _start_large(
-        self,
-        large: Sequence[ArrayWrite],
-        database: epath.Path,
-        context: ts.Context,
-        database_written: asyncio.Future[None],
-    ) -> list[asyncio.Future[Any]]:
-        """Starts writing the large arrays in groups, each committed by one of the writers."""
-        groups = _batches(large, LARGE_GROUP_BYTES)
-        writers = _writer_databases(database, len(groups))
-        stores = {}
-        for writer in writers:
-            stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
-        limiter = ByteLimiter(IN_FLIGHT_BYTES)
-        committed = [asyncio.get_running_loop().create_future() for _ in groups]
-        tasks = [
-            asyncio.ensure_future(
-                self._write_large(
-                    group, writers[n % len(writers)], stores, context, limiter, committed[n]
-                )
-            )
-            for n, group in enumerate(groups)
-        ]
-        self._database_written = (database, database_written)
-        if writers != [database]:
-            # Merged as soon as every group is committed, while the last ones are flushed.
-            merge = _merge_when(committed, database_written, database, writers)
-            tasks.append(asyncio.ensure_future(merge))
-        await asyncio.sleep(0)  # Let the large groups start before this thread encodes.
-        return tasks
-
-    def _zarr3_spec(self, item: ArrayWrite) -> ts.Spec:
-        """The zarr3 spec of ``item`` (without its kvstore), parsed once per distinct layout."""
-        layout = item.layout
-        key = (layout.shape, layout.dtype, layout.chunk_shape, item.inner_chunk_shape)
-        key += (item.compression,)
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = ts.Spec(
-                {
-                    "driver": "zarr3",
-                    "metadata": item.metadata(),
-                    "store_data_equal_to_fill_value": True,
-                }
-            )
-        return spec
-
-    async def _write_large(
-        self,
-        items: Sequence[ArrayWrite],
-        database: epath.Path,
-        kvstores: dict[epath.Path, ts.KvStore],
-        context: ts.Context,
-        limiter: ByteLimiter,
-        committed: asyncio.Future[bool],
-    ) -> None:
-        """Writes a group of arrays through the zarr3 driver, as one OCDBT commit, then
-        flushes its data files (while later groups are encoded, rather than all at the
-        checkpoint's commit). ``committed`` says whether the commit succeeded."""
-        root, root_written = self._database_written
-        after = root_written if database == root else None
-        try:
-            await self._commit_large(items, kvstores[database], context, limiter, after)
-        except BaseException:
-            committed.set_result(False)  # Nothing to merge: this task reports the failure.
-            raise
-        committed.set_result(True)
-        await asyncio.to_thread(_ocdbt.flush_data_files, database, self._flushed)
-
-    async def _commit_large(
-        self,
-        items: Sequence[ArrayWrite],
-        base: ts.KvStore,
-        context: ts.Context,
-        limiter: ByteLimiter,
-        after: asyncio.Future[None] | None,
-    ) -> None:
-        """Opens, writes and commits one group of arrays in the database ``base`` opens,
-        once ``after`` (if given: the writing of that database itself) is done."""
-        # A group of several arrays is one transaction: one commit instead of one each.
-        transaction = ts.Transaction() if len(items) > 1 or after is not None else None
-        # Opened all at once, before waiting for the byte limit (an open holds no data),
-        # from parsed specs and an open kvstore: a JSON spec costs twice as much.
-        stores = await _ts_futures.wait_all(
-            [
-                ts.open(
-                    self._zarr3_spec(item),
-                    kvstore=base / (item.layout.name + "/"),
-                    # zarr.json is in the database _write_database writes.
-                    assume_metadata=True,
-                    context=context,
-                    transaction=transaction,
-                )
-                for item in items
-            ]
-        )
-        async with limiter.hold(sum(i.nbytes for i in items)):
-            futures = [
-                # An array of one chunk is written whole: indexing costs as much as the write.
-                (
-                    store if data.shape == item.layout.shape else store[item.layout.region(index)]
-                ).write(data, can_reference_source_data_indefinitely=True)
-                for item, store in zip(items, stores, strict=True)
-                for index, data in item.chunks
-            ]
-            if transaction is None:
-                await _ts_futures.wait_all(futures)
-            else:
-                await _ts_futures.wait_all([f.copy for f in futures])
-                if after is not None:
-                    await asyncio.wait([after])
-                    if after.exception() is not None:
-                        return  # The database was not written: that task reports why.
-                await transaction.commit_async()
-
 
 def _database_keys(
     here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite]
@@ -419,42 +286,3 @@ def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any
 def _shard_end(chunk: np.ndarray) -> bytes:
     """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
     return crc32c.crc32c(chunk).to_bytes(4, "little") + _zarr3.shard_trailer(chunk.nbytes)
-
-
-def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
-    """The databases that ``groups`` groups of large arrays are committed to."""
-    writers = WRITERS if _ocdbt.is_local(database) else REMOTE_WRITERS
-    if groups < 2 or writers < 2:
-        return [database]
-    return [database / f"{WRITER_PREFIX}{i}" for i in range(min(writers, groups))]
-
-
-async def _merge_when(
-    committed: Sequence[asyncio.Future[bool]],
-    database_written: asyncio.Future[None],
-    database: epath.Path,
-    writers: Sequence[epath.Path],
-) -> None:
-    """Merges the writers' databases into ``database`` once every group is committed and
-    the database itself is written."""
-    done = await asyncio.gather(*committed)
-    await asyncio.wait([database_written])  # If it failed, its own task reports it.
-    if all(done) and not database_written.exception():  # Else that failure is reported.
-        sources = [_ocdbt.Source(w) for w in writers]
-        await asyncio.to_thread(_ocdbt.merge_into, database, sources)
-
-
-def _batches(
-    items: Sequence[ArrayWrite], budget: int, *, first: int | None = None
-) -> list[list[ArrayWrite]]:
-    """``items`` in runs of about ``budget`` bytes; the first of ``first``, doubling up to
-    ``budget``, if given."""
-    batches: list[list[ArrayWrite]] = [[]]
-    used, limit = 0, budget if first is None else first
-    for item in items:
-        if batches[-1] and used + item.nbytes > limit:
-            batches.append([])
-            used, limit = 0, min(2 * limit, budget)
-        batches[-1].append(item)
-        used += item.nbytes
-    return [b for b in batches if b]
