@@ -26,7 +26,7 @@ from checkpointables_pytree import _sharding, _zarr3
 from checkpointables_pytree._leaf_common import LeafLabel, storage_dtype, unsupported
 from checkpointables_pytree._save_plan import LeafGroup
 from checkpointables_pytree._session import SaveSession
-from checkpointables_pytree._write import ArrayWrite
+from checkpointables_pytree._zarr3 import ArrayWrite
 
 __all__ = [
     "ArrayLayouts",

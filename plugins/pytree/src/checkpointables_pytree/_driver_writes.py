@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import _ocdbt, _ts_futures
 from checkpointables_pytree._ts_futures import ByteLimiter
-
-if TYPE_CHECKING:
-    from checkpointables_pytree._write import ArrayWrite
+from checkpointables_pytree._zarr3 import ArrayWrite
 
 __all__ = ["DriverWrites", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 

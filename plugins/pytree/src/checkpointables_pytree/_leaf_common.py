@@ -31,7 +31,7 @@ from checkpointables.serialization import (
 from checkpointables_pytree import _tree, _tree_metadata, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead
 from checkpointables_pytree._session import LoadSession, SaveSession, zarr_shape_dtype
-from checkpointables_pytree._write import ArrayWrite
+from checkpointables_pytree._zarr3 import ArrayWrite
 
 __all__ = [
     "JAX_ARRAY",

@@ -1,6 +1,6 @@
 """The writer: every array of one save, written in one ``Writer.run``.
 
-Leaf handlers ``add`` an ``ArrayWrite`` per leaf (its layout, and the host
+Leaf handlers ``add`` an ``ArrayWrite`` (``_zarr3``) per leaf (its layout, and the host
 data of the chunks this process owns); ``run`` then writes them all into the
 pytree's OCDBT database:
 
@@ -26,9 +26,7 @@ of one save shares one ``ts.Context``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
-import json
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,8 +40,9 @@ from etils import epath
 
 from checkpointables_pytree import _direct_database, _driver_writes, _errors, _ocdbt, _zarr3
 from checkpointables_pytree._ts_futures import settle
+from checkpointables_pytree._zarr3 import ArrayWrite
 
-__all__ = ["ArrayWrite", "Writer", "DIRECT_BYTES"]
+__all__ = ["Writer", "DIRECT_BYTES"]
 
 # Plain arrays up to this size are encoded here (256 MiB in 256 arrays: 110 ms of CPU, 190 via
 # the driver); 1 GiB in 16 arrays saved in 425 ms via the driver's 4 writers, 621 ms here.
@@ -67,63 +66,6 @@ _DATABASE_LAYOUT = "database layout"  # The structure cache's key of the last la
 _LAYOUT = operator.attrgetter("layout")
 _WRITE_METADATA = operator.attrgetter("write_metadata")
 _CHUNKS = operator.attrgetter("chunks")
-
-
-@dataclasses.dataclass(slots=True)
-class ArrayWrite:
-    """One array to write: its layout and the chunks this process owns.
-
-    ``chunks`` maps a chunk index to that chunk's data (edge chunks may be
-    smaller than ``layout.chunk_shape``). Neither changes once the write is
-    built: what depends on them is computed then, once.
-    """
-
-    what: Any  # Names the leaf in errors (its str(), formatted only when needed).
-    layout: _zarr3.ZarrLayout
-    chunks: list[tuple[tuple[int, ...], np.ndarray]]
-    inner_chunk_shape: tuple[int, ...] | None = None
-    compression: bool = False
-    write_metadata: bool = True
-    # Bytes of data this process writes for the array.
-    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
-    # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
-    one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Plain enough to be encoded here, without the zarr3 driver (also of a plain dtype).
-    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Bytes of its largest chunk, or of its chunks together if more.
-    largest: int = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        chunks, layout = self.chunks, self.layout
-        self.nbytes = (
-            int(chunks[0][1].nbytes)
-            if len(chunks) == 1
-            else sum(int(data.nbytes) for _, data in chunks)
-        )
-        self.one_chunk_shards = not self.compression and self.inner_chunk_shape in (
-            None,
-            layout.chunk_shape,
-        )
-        self.plain = bool(self.one_chunk_shards and layout.direct_dtype)
-        self.largest = max(self.nbytes, layout.chunk_nbytes)
-
-    def zarr_json(self) -> bytes:
-        """The bytes of the array's ``zarr.json``."""
-        layout = self.layout
-        if self.one_chunk_shards:
-            return _zarr3.zarr_json(layout.shape, layout.dtype, layout.chunk_shape)
-        return json.dumps(self.metadata(), separators=(",", ":"), sort_keys=True).encode()
-
-    def metadata(self) -> dict[str, Any]:
-        """The zarr3 metadata of the array."""
-        layout = self.layout
-        return _zarr3.metadata_dict(
-            layout.shape,
-            layout.dtype,
-            layout.chunk_shape,
-            self.inner_chunk_shape,
-            compression=self.compression,
-        )
 
 
 class Writer:

@@ -11,11 +11,14 @@ The batched writer produces these bytes itself for small arrays (one inner
 chunk per shard) and the batched reader checks them; TensorStore's zarr3
 driver reads them back, as does Orbax.
 ``zarr_json`` reproduces, byte for byte, the ``zarr.json`` TensorStore writes
-for the same array, so both paths leave identical files.
+for the same array, so both paths leave identical files. ``ZarrLayout`` is
+where one array lives and how it is chunked; ``ArrayWrite`` one array to
+write: its layout and the chunks this process owns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -27,6 +30,7 @@ import crc32c
 import numpy as np
 
 __all__ = [
+    "ArrayWrite",
     "zarr_dtype_name",
     "zarr_json",
     "chunk_key",
@@ -271,3 +275,60 @@ def full_chunk(data: np.ndarray, layout: ZarrLayout) -> np.ndarray:
         full[tuple(slice(0, s) for s in data.shape)] = data
         return full
     return np.ascontiguousarray(data, dtype=layout.dtype)
+
+
+@dataclasses.dataclass(slots=True)
+class ArrayWrite:
+    """One array to write: its layout and the chunks this process owns.
+
+    ``chunks`` maps a chunk index to that chunk's data (edge chunks may be
+    smaller than ``layout.chunk_shape``). Neither changes once the write is
+    built: what depends on them is computed then, once.
+    """
+
+    what: Any  # Names the leaf in errors (its str(), formatted only when needed).
+    layout: ZarrLayout
+    chunks: list[tuple[tuple[int, ...], np.ndarray]]
+    inner_chunk_shape: tuple[int, ...] | None = None
+    compression: bool = False
+    write_metadata: bool = True
+    # Bytes of data this process writes for the array.
+    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
+    # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
+    one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Plain enough to be encoded here, without the zarr3 driver (also of a plain dtype).
+    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # Bytes of its largest chunk, or of its chunks together if more.
+    largest: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        chunks, layout = self.chunks, self.layout
+        self.nbytes = (
+            int(chunks[0][1].nbytes)
+            if len(chunks) == 1
+            else sum(int(data.nbytes) for _, data in chunks)
+        )
+        self.one_chunk_shards = not self.compression and self.inner_chunk_shape in (
+            None,
+            layout.chunk_shape,
+        )
+        self.plain = bool(self.one_chunk_shards and layout.direct_dtype)
+        self.largest = max(self.nbytes, layout.chunk_nbytes)
+
+    def zarr_json(self) -> bytes:
+        """The bytes of the array's ``zarr.json``."""
+        layout = self.layout
+        if self.one_chunk_shards:
+            return zarr_json(layout.shape, layout.dtype, layout.chunk_shape)
+        return json.dumps(self.metadata(), separators=(",", ":"), sort_keys=True).encode()
+
+    def metadata(self) -> dict[str, Any]:
+        """The zarr3 metadata of the array."""
+        layout = self.layout
+        return metadata_dict(
+            layout.shape,
+            layout.dtype,
+            layout.chunk_shape,
+            self.inner_chunk_shape,
+            compression=self.compression,
+        )
