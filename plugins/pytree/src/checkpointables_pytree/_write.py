@@ -105,8 +105,9 @@ class Writer:
             context = _ocdbt.make_context(_ocdbt.SAVE_OCDBT_CACHE_BYTES)
             local = _ocdbt.is_local(database)
             limit = DIRECT_BYTES if local else REMOTE_DIRECT_BYTES
-            here = [i for i in self._items if i.plain and i.largest <= limit]
-            driver = [i for i in self._items if not (i.plain and i.largest <= limit)]
+            here, driver = [], []
+            for item in self._items:
+                (here if item.plain and item.largest <= limit else driver).append(item)
             written = asyncio.ensure_future(self._write_database(database, context, here, driver))
             tasks = [written]
             try:

@@ -283,7 +283,8 @@ class ArrayWrite:
 
     ``chunks`` maps a chunk index to that chunk's data (edge chunks may be
     smaller than ``layout.chunk_shape``). Neither changes once the write is
-    built: what depends on them is computed then, once.
+    built. What depends on them is computed when asked, by the writer: a save
+    builds one per array before its caller gets control back.
     """
 
     what: Any  # Names the leaf in errors (its str(), formatted only when needed).
@@ -292,28 +293,29 @@ class ArrayWrite:
     inner_chunk_shape: tuple[int, ...] | None = None
     compression: bool = False
     write_metadata: bool = True
-    # Bytes of data this process writes for the array.
-    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
-    # Uncompressed, one inner chunk per shard: readable without the zarr3 driver.
-    one_chunk_shards: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Plain enough to be encoded here, without the zarr3 driver (also of a plain dtype).
-    plain: bool = dataclasses.field(init=False, repr=False, compare=False)
-    # Bytes of its largest chunk, or of its chunks together if more.
-    largest: int = dataclasses.field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        chunks, layout = self.chunks, self.layout
-        self.nbytes = (
-            int(chunks[0][1].nbytes)
-            if len(chunks) == 1
-            else sum(int(data.nbytes) for _, data in chunks)
-        )
-        self.one_chunk_shards = not self.compression and self.inner_chunk_shape in (
-            None,
-            layout.chunk_shape,
-        )
-        self.plain = bool(self.one_chunk_shards and layout.direct_dtype)
-        self.largest = max(self.nbytes, layout.chunk_nbytes)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data this process writes for the array."""
+        chunks = self.chunks
+        if len(chunks) == 1:
+            return int(chunks[0][1].nbytes)
+        return sum(int(data.nbytes) for _, data in chunks)
+
+    @property
+    def one_chunk_shards(self) -> bool:
+        """Uncompressed, one inner chunk per shard: readable without the zarr3 driver."""
+        return not self.compression and self.inner_chunk_shape in (None, self.layout.chunk_shape)
+
+    @property
+    def plain(self) -> bool:
+        """Plain enough to be encoded without the zarr3 driver (also of a plain dtype)."""
+        return self.layout.direct_dtype and self.one_chunk_shards
+
+    @property
+    def largest(self) -> int:
+        """Bytes of its largest chunk, or of its chunks together if more."""
+        return max(self.nbytes, self.layout.chunk_nbytes)
 
     def zarr_json(self) -> bytes:
         """The bytes of the array's ``zarr.json``."""
