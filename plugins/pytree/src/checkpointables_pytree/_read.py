@@ -142,10 +142,15 @@ class Reader:
         Raises:
           cp.errors.TreeMismatchError: the recorded shape differs from the target's.
         """
-        stored, target = read.stored, read.target_shape
-        if stored is not None and target is not None and tuple(target) != stored.shape:
-            check_shape(read, stored.shape)  # Fail before any read, when possible.
-        self._reads.append(read)
+        self.add_all([read])
+
+    def add_all(self, reads: Sequence[ArrayRead]) -> None:
+        """Schedules ``reads`` (see ``add``): a load of many small arrays adds them at once."""
+        for read in reads:
+            stored, target = read.stored, read.target_shape
+            if target is not None and stored is not None and tuple(target) != stored.shape:
+                check_shape(read, stored.shape)  # Fail before any read, when possible.
+        self._reads += reads
 
     async def run(self) -> None:
         """Reads every scheduled array and converts it."""
