@@ -20,11 +20,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from checkpointables_pytree._buffers import Slab
-from checkpointables_pytree._ocdbt_index import ValueLocation
 
-__all__ = ["OpenFiles", "read_into", "read_values"]
+if TYPE_CHECKING:  # _ocdbt_index reads its b-tree nodes here.
+    from checkpointables_pytree._ocdbt_index import ValueLocation
+
+__all__ = ["OpenFiles", "read_into", "read_range", "read_values"]
 
 # The values of one call share buffers of about this size: one kept array keeps at most
 # this much of its neighbours' memory alive.
@@ -145,6 +148,22 @@ def _read_call(
         return
     for i, buffer in call:
         values[i] = buffer
+
+
+def read_range(path: str, offset: int, length: int) -> bytes | None:
+    """``length`` bytes at ``offset`` of the file at ``path`` (one copy, where TensorStore's
+    read makes two); ``None`` if they cannot all be read: TensorStore's read reports why."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == length else None
 
 
 def read_into(fd: int, buffers: list[memoryview], position: int) -> None:
