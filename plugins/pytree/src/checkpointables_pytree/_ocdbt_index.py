@@ -373,19 +373,24 @@ async def dump_async(base: ts.KvStore, location: str | None = None) -> Any:
 class OpenedDatabase:
     """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
 
-    ``start`` also issues one read, which brings the manifest and the b-tree's
-    root into the context's cache while this thread parses the metadata and
-    plans the reads: for a tree of a few leaves that waiting was a fifth of
-    the load. For a tree of many leaves (a ``_METADATA`` of more than
-    ``PREFETCH_METADATA_BYTES``) it also starts reading where the values are
-    (``index``), which TensorStore decodes meanwhile in its own threads.
+    For a tree of a few leaves, ``start`` issues one read, which brings the
+    manifest and the b-tree's root into the context's cache while this thread
+    parses the metadata and plans the reads: that waiting was a fifth of the
+    load. For a tree of many leaves (a ``_METADATA`` of more than
+    ``PREFETCH_METADATA_BYTES``) it starts reading where the values are
+    (``index``) instead: the values are then read without TensorStore's
+    kvstore, and its decoding of a large root (2.6 ms of this thread and more
+    of TensorStore's for 5,000 small arrays) would only compete for the cores.
     """
 
     def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
         self.context = context
         self.kvstore = kvstore
         self.index = DatabaseIndex(directory)
-        self._warming = kvstore.read("")  # Held: TensorStore may cancel a dropped read.
+        self._warming: Any = None  # Held: TensorStore may cancel a dropped read.
+
+    def _warm(self) -> None:
+        self._warming = self.kvstore.read("")
 
     @classmethod
     def start(cls, directory: epath.Path) -> OpenedDatabase | None:
@@ -405,8 +410,11 @@ class OpenedDatabase:
             return None
         opened = cls(directory, context, kvstore)
         try:
-            if os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES:
-                opened.index.prefetch()
+            many = os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES
         except OSError:
-            pass  # No _METADATA: reading it reports that.
+            many = False  # No _METADATA: reading it reports that.
+        if many:
+            opened.index.prefetch()
+        else:
+            opened._warm()
         return opened
