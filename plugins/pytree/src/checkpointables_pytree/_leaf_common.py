@@ -351,15 +351,15 @@ class ZarrLeafHandler(StandardLeafHandler):
         allow_resize, types = session.allow_resize, ARRAY_VALUE_TYPES
         reads = []
         for param in params:
-            entry, name, stored = leaf(param.keypath, getattr(param, "names", None))
+            entry, name, stored, keys = leaf(param.keypath, getattr(param, "names", None))
             if entry.value_type not in types:
                 check_stored_type(entry, types, self.loads_as)
             target = read_target(entry, param.value, stored)
-            reads.append(
-                ArrayRead(
-                    entry, name, stored, target.convert, target.shape, target.regions, allow_resize
-                )
+            read = ArrayRead(
+                entry, name, stored, target.convert, target.shape, target.regions, allow_resize
             )
+            read.keys = keys
+            reads.append(read)
         session.reader.add_all(reads)
         return reads
 

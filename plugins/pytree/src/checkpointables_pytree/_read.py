@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import operator
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,8 @@ __all__ = ["Reader", "read_values"]
 _recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its data.
 _trailer = _zarr3.shard_trailer
 _Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
+_NBYTES = operator.attrgetter("stored.nbytes")  # Of a read's stored array.
+_CHUNK_KEYS = operator.attrgetter("chunk_keys")
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
@@ -181,13 +184,14 @@ class Reader:
 
     async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
         """Reads, checks and converts arrays stored as plain shards, group by group."""
-        largest = max(reads, key=lambda r: r.stored.nbytes)  # type: ignore[union-attr]
-        check_fits_in_memory(largest, largest.stored.nbytes)  # type: ignore[union-attr]
+        largest = max(reads, key=_NBYTES)
+        check_fits_in_memory(largest, _NBYTES(largest))
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
-        keys = [r.chunk_keys for r in reads]
-        found = await self._locate([k for read_keys in keys for k in read_keys], reads)
+        keys = list(map(_CHUNK_KEYS, reads))
+        large = _NBYTES(largest) > LARGE_ARRAY_BYTES
+        found = await self._locate([k for read_keys in keys for k in read_keys], large)
         if self._local:
             small, pairs = _small_reads.split(reads, keys, found)
         else:
@@ -233,10 +237,10 @@ class Reader:
             return True
 
     async def _locate(
-        self, keys: Sequence[bytes], reads: Sequence[ArrayRead]
+        self, keys: Sequence[bytes], large: bool
     ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
-        """Inline values and value locations from the b-tree: ``{}`` where not worth it."""
-        large = any(r.stored.nbytes > LARGE_ARRAY_BYTES for r in reads)  # type: ignore[union-attr]
+        """Inline values and value locations from the b-tree: ``{}`` where not worth it
+        (``large``: whether an array of more than ``LARGE_ARRAY_BYTES`` is read)."""
         if self._index is None or (self._local and len(keys) <= INLINE_READ_KEYS and not large):
             return {}
         try:

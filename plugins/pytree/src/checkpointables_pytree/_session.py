@@ -35,7 +35,7 @@ from checkpointables_pytree import (
     _tree_metadata,
     _zarr3,
 )
-from checkpointables_pytree._array_reads import StoredArray
+from checkpointables_pytree._array_reads import StoredArray, chunk_keys
 from checkpointables_pytree._write import Writer
 
 __all__ = [
@@ -187,6 +187,7 @@ class Leaf(NamedTuple):
     entry: _tree_metadata.Entry
     name: str  # Of its array in the database.
     stored: StoredArray | None  # Its recorded layout, if any.
+    keys: tuple[bytes, ...] | None  # Of its shards in the database (``None``: not known yet).
 
 
 class LoadSession:
@@ -243,7 +244,10 @@ class LoadSession:
         leaf = self._leaves.get(names)
         if leaf is None:
             entry, name = self.info(keypath, names)
-            leaf = self._leaves[names] = Leaf(entry, name, self.stored_array(entry))
+            stored = self.stored_array(entry)
+            # The keys of a one-shard array, kept (those of larger ones are made when read).
+            keys = chunk_keys(name, stored) if stored is not None and stored.single_chunk else None
+            leaf = self._leaves[names] = Leaf(entry, name, stored, keys)
         return leaf
 
     def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
