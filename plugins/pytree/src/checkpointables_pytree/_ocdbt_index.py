@@ -192,10 +192,19 @@ class DatabaseIndex:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
-        wanted = frozenset(k.encode() if type(k) is str else k for k in keys)
+        # Loads ask for bytes (thousands of keys: no per-key conversion), other callers str.
+        bytes_only = all(map(_IS_BYTES, map(type, keys)))
+        wanted = frozenset(keys if bytes_only else map(_as_bytes, keys))
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
+
+
+_IS_BYTES = frozenset({bytes}).__contains__  # Of a type.
+
+
+def _as_bytes(key: str | bytes) -> bytes:
+    return key.encode() if type(key) is str else key  # type: ignore[return-value]
 
 
 @functools.cache
