@@ -10,7 +10,6 @@ reads on a shared ``LoadSession``, and the awaitable reads them all at once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
 import itertools
@@ -357,8 +356,7 @@ class PyTreeHandler:
             with execution.paused_gc():
                 put = plan.values.__setitem__
                 for (slots, _), values in zip(pending, results, strict=True):
-                    pairs = zip(slots, values, strict=True)
-                    collections.deque(itertools.starmap(put, pairs), maxlen=0)  # A C-level loop.
+                    list(itertools.starmap(put, zip(slots, values, strict=True)))  # In C.
                 return plan.build(tree, directory)
 
         return _owning(background(), [a for _, a in pending])

@@ -28,6 +28,7 @@ import contextvars
 import ctypes
 import functools
 import itertools
+import operator
 import os
 import sys
 from collections.abc import Collection
@@ -67,26 +68,23 @@ class ValueLocation(NamedTuple):
     length: int
 
 
-def parse_location(text: str, directory: str) -> ValueLocation | None:
-    """The location named by a dump's ``"value:<base>:<relative>:<offset>:<length>"``.
+def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
+    """The location named by a dump's ``"<kind>:<base>:<relative>:<offset>:<length>"``.
 
-    ``None`` when the text does not have that form or names a file outside
-    ``directory`` (a damaged or hostile b-tree: TensorStore's own read then
-    reports it).
+    ``None`` when the text does not have that form (``kind``: ``value``, or
+    ``btreenode`` for a node) or names a file outside ``directory`` (a
+    damaged or hostile b-tree: TensorStore's own read then reports it).
     """
     try:
-        kind, rest = text.split(":", 1)
-        rest, offset, length = rest.rsplit(":", 2)
-        base, relative = rest.split(":", 1)
-        location = ValueLocation(os.path.join(directory, base, relative), int(offset), int(length))
+        base, relative, offset, length = _btree_nodes.split_location(text)
     except ValueError:
         return None
-    if kind != "value" or location.offset < 0 or location.length < 0:
+    if not text.startswith(kind + ":") or offset < 0 or length < 0:
         return None
-    inside, root = os.path.normpath(location.file), os.path.normpath(directory)
-    if os.path.commonpath([inside, root]) != root:
+    file, root = os.path.join(directory, base, relative), os.path.normpath(directory)
+    if os.path.commonpath([os.path.normpath(file), root]) != root:
         return None
-    return location
+    return ValueLocation(file, offset, length)
 
 
 class DatabaseIndex:
@@ -140,10 +138,7 @@ class DatabaseIndex:
         if location is None:  # An empty database.
             return base, None
         if self._plain:
-            data = self._local_node(location)
-            if data is None:
-                data = _btree_nodes.value_of(_btree_nodes.read(base, location).result())
-            node = _btree_nodes.decoded(data, location)
+            node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
                 return base, (location, node)
         return base, (location, dump(base, location))
@@ -152,25 +147,19 @@ class DatabaseIndex:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
         base = await self.base()
         if self._plain:
-            data = await asyncio.to_thread(self._local_node, location)
-            if data is None:
-                data = _btree_nodes.value_of(await _btree_nodes.read(base, location))
+            data = await asyncio.to_thread(self._node_bytes, base, location)
             node = _btree_nodes.decoded(data, location)
             if node is not None:
                 return node
         return await dump_async(base, location)
 
-    def _local_node(self, location: str) -> bytes | None:
-        """The bytes of the node at ``location`` of a local database, read directly
-        (``None``: not local, or outside the database: TensorStore reads it)."""
-        if not self._local:
-            return None
-        base, relative, offset, length = _btree_nodes.split_location(location)
-        root = os.path.normpath(self.root)
-        path = os.path.normpath(os.path.join(root, base + relative))
-        if os.path.commonpath([path, root]) != root:
-            return None
-        return _local_reads.read_range(path, offset, length)
+    def _node_bytes(self, base: Any, location: str) -> bytes:
+        """The bytes of a node (``b""``: missing); a local database's are read directly."""
+        where = parse_location(location, self.root, "btreenode") if self._local else None
+        data = None if where is None else _local_reads.read_range(*where)
+        if data is None:
+            data = _btree_nodes.value_of(_btree_nodes.read(base, location).result())
+        return data
 
     async def find(
         self, keys: Collection[str] | Collection[bytes]
@@ -192,19 +181,12 @@ class DatabaseIndex:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
-        # Loads ask for bytes (thousands of keys: no per-key conversion), other callers str.
-        bytes_only = all(map(_IS_BYTES, map(type, keys)))
-        wanted = frozenset(keys if bytes_only else map(_as_bytes, keys))
+        wanted = frozenset(keys)  # Loads ask for thousands of bytes keys: taken as they are.
+        if type(next(iter(wanted), b"")) is str:
+            wanted = frozenset(k.encode() for k in wanted)  # type: ignore[union-attr]
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
-
-
-_IS_BYTES = frozenset({bytes}).__contains__  # Of a type.
-
-
-def _as_bytes(key: str | bytes) -> bytes:
-    return key.encode() if type(key) is str else key  # type: ignore[return-value]
 
 
 @functools.cache
@@ -277,27 +259,21 @@ class _Walk:
                 found[key] = ValueLocation(parsed, int(offset), int(numbers))
 
     def _decoded_leaf(self, node: _btree_nodes.LeafNode, prefix: bytes) -> None:
-        # Column by column (a node of 5,000 small arrays holds 10,000 entries): the
-        # wanted entries' values are cut from the node, their locations made, in C loops.
+        # Column by column (a node of 5,000 small arrays holds 10,000 entries), in C loops.
         keys = [prefix + k for k in node.keys] if prefix else node.keys
         chosen = np.flatnonzero(np.fromiter(map(self._wanted_set.__contains__, keys), bool))
         is_inline = node.inline_at[chosen] >= 0
         inline, located = chosen[is_inline], chosen[~is_inline]
-        starts = node.inline_at[inline]
-        ends = starts + node.lengths[inline]
-        values = map(node.data.__getitem__, map(slice, starts.tolist(), ends.tolist()))
+        starts, lengths = node.inline_at[inline].tolist(), node.lengths[inline].tolist()
+        values = map(node.data.__getitem__, map(slice, starts, map(operator.add, starts, lengths)))
         paths = [self._parse("value:" + f) for f in node.files]
-        if None in paths:  # Files outside the database: TensorStore's reads report them.
-            usable = np.array([p is not None for p in paths], bool)
-            located = located[usable[node.file_ids[located]]]
-        columns = zip(
-            map(paths.__getitem__, node.file_ids[located].tolist()),
-            node.offsets[located].tolist(),
-            node.lengths[located].tolist(),
-            strict=True,
+        usable = np.array([p is not None for p in paths], bool)  # Outside: TensorStore's.
+        located = located[usable[node.file_ids[located]]]
+        files = map(paths.__getitem__, node.file_ids[located].tolist())
+        rows = zip(
+            files, node.offsets[located].tolist(), node.lengths[located].tolist(), strict=True
         )
-        # tuple.__new__ makes each ValueLocation without a Python frame.
-        places = map(tuple.__new__, itertools.repeat(ValueLocation), columns)
+        places = map(tuple.__new__, itertools.repeat(ValueLocation), rows)  # No Python frames.
         for picked, found in ((inline, values), (located, places)):
             self._found.update(zip(map(keys.__getitem__, picked.tolist()), found, strict=True))
 
@@ -384,22 +360,17 @@ class OpenedDatabase:
 
     For a tree of a few leaves, ``start`` issues one read, which brings the
     manifest and the b-tree's root into the context's cache while this thread
-    parses the metadata and plans the reads: that waiting was a fifth of the
-    load. For a tree of many leaves (a ``_METADATA`` of more than
-    ``PREFETCH_METADATA_BYTES``) it starts reading where the values are
-    (``index``) instead: the values are then read without TensorStore's
-    kvstore, and its decoding of a large root (2.6 ms of this thread and more
-    of TensorStore's for 5,000 small arrays) would only compete for the cores.
+    plans the reads (that waiting was a fifth of the load). For a tree of many
+    leaves (a ``_METADATA`` over ``PREFETCH_METADATA_BYTES``) it starts
+    reading where the values are (``index``) instead: they are read without
+    the kvstore, whose decoding of the root would only take cores.
     """
 
     def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
         self.context = context
         self.kvstore = kvstore
         self.index = DatabaseIndex(directory)
-        self._warming: Any = None  # Held: TensorStore may cancel a dropped read.
-
-    def _warm(self) -> None:
-        self._warming = self.kvstore.read("")
+        self.warming: Any = None  # Held: TensorStore may cancel a dropped read.
 
     @classmethod
     def start(cls, directory: epath.Path) -> OpenedDatabase | None:
@@ -425,5 +396,5 @@ class OpenedDatabase:
         if many:
             opened.index.prefetch()
         else:
-            opened._warm()
+            opened.warming = kvstore.read("")
         return opened

@@ -1,6 +1,6 @@
 """The reader: every array of one load, read in one ``Reader.run``.
 
-Leaf handlers ``add`` an ``ArrayRead`` per leaf; ``run`` then takes one of
+Leaf handlers ``add_all`` an ``ArrayRead`` per leaf; ``run`` then takes one of
 two paths per array:
 
 * ``_read_whole``: arrays whose layout ``_METADATA`` recorded, uncompressed
@@ -68,7 +68,6 @@ _recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its
 _trailer = _zarr3.shard_trailer
 _Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
 _NBYTES = operator.attrgetter("stored.nbytes")  # Of a read's stored array.
-_CHUNK_KEYS = operator.attrgetter("chunk_keys")
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
@@ -139,16 +138,12 @@ class Reader:
             kvstore = _ocdbt.location_spec(self._directory / name)
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 
-    def add(self, read: ArrayRead) -> None:
-        """Schedules ``read``; ``read.result`` is set by ``run``.
+    def add_all(self, reads: Sequence[ArrayRead]) -> None:
+        """Schedules ``reads``; each ``read.result`` is set by ``run``.
 
         Raises:
-          cp.errors.TreeMismatchError: the recorded shape differs from the target's.
+          cp.errors.TreeMismatchError: a recorded shape differs from the target's.
         """
-        self.add_all([read])
-
-    def add_all(self, reads: Sequence[ArrayRead]) -> None:
-        """Schedules ``reads`` (see ``add``): a load of many small arrays adds them at once."""
         for read in reads:
             stored, target = read.stored, read.target_shape
             if target is not None and stored is not None and tuple(target) != stored.shape:
@@ -189,9 +184,8 @@ class Reader:
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
-        keys = list(map(_CHUNK_KEYS, reads))
-        large = _NBYTES(largest) > LARGE_ARRAY_BYTES
-        found = await self._locate([k for read_keys in keys for k in read_keys], large)
+        keys = [r.chunk_keys for r in reads]
+        found = await self._locate([k for read_keys in keys for k in read_keys], _NBYTES(largest))
         if self._local:
             small, pairs = _small_reads.split(reads, keys, found)
         else:
@@ -237,11 +231,13 @@ class Reader:
             return True
 
     async def _locate(
-        self, keys: Sequence[bytes], large: bool
+        self, keys: Sequence[bytes], largest: int
     ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
         """Inline values and value locations from the b-tree: ``{}`` where not worth it
-        (``large``: whether an array of more than ``LARGE_ARRAY_BYTES`` is read)."""
-        if self._index is None or (self._local and len(keys) <= INLINE_READ_KEYS and not large):
+        (``largest``: the bytes of the largest array read)."""
+        if self._index is None or (
+            self._local and len(keys) <= INLINE_READ_KEYS and largest <= LARGE_ARRAY_BYTES
+        ):
             return {}
         try:
             return await self._index.find(keys)
