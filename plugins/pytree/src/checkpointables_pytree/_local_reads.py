@@ -20,14 +20,25 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from checkpointables_pytree._buffers import Slab
 
-if TYPE_CHECKING:  # _ocdbt_index reads its b-tree nodes here.
-    from checkpointables_pytree._ocdbt_index import ValueLocation
+__all__ = ["OpenFiles", "ValueLocation", "read_into", "read_range", "read_values"]
 
-__all__ = ["OpenFiles", "read_into", "read_range", "read_values"]
+
+class ValueLocation(NamedTuple):
+    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``.
+
+    ``file`` is under the database's directory (``<root>/d/<name>``, or
+    ``<root>/ocdbt.process_1/d/<name>`` after a merge). A named tuple: a load
+    of many small arrays makes thousands.
+    """
+
+    file: str
+    offset: int
+    length: int
+
 
 # The values of one call share buffers of about this size: one kept array keeps at most
 # this much of its neighbours' memory alive.

@@ -32,13 +32,14 @@ import operator
 import os
 import sys
 from collections.abc import Collection
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import _btree_nodes, _local_reads, _ocdbt
+from checkpointables_pytree._local_reads import ValueLocation
 from checkpointables_pytree._tree_metadata import METADATA_FILE
 
 __all__ = [
@@ -53,19 +54,6 @@ __all__ = [
 
 # A _METADATA of more than this (about 100 leaves) starts a load's index early.
 PREFETCH_METADATA_BYTES = 32 << 10
-
-
-class ValueLocation(NamedTuple):
-    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``.
-
-    ``file`` is under the database's directory (``<root>/d/<name>``, or
-    ``<root>/ocdbt.process_1/d/<name>`` after a merge). A named tuple: a load
-    of many small arrays makes thousands.
-    """
-
-    file: str
-    offset: int
-    length: int
 
 
 def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
