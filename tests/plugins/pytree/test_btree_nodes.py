@@ -188,3 +188,22 @@ def test_nodes_of_merged_databases_name_the_files_of_each(tmp_path) -> None:
         files.add(os.path.relpath(location.file, tmp_path).split(os.sep)[0])
     assert set(found) == {k.encode() for k in values}
     assert files == {"d", "ocdbt.process_1", "ocdbt.process_2"}
+
+
+def test_a_node_decoded_before_is_reused_only_for_the_same_bytes(tmp_path) -> None:
+    # Two databases of the same keys and value sizes: their roots have the same length.
+    roots = []
+    for name, fill in (("a", 1), ("b", 2)):
+        values = {k: bytes([fill]) * len(v) for k, v in _values(40).items()}
+        _write(_kvstore(tmp_path / name, _UNCOMPRESSED), values)
+        (location, _), *_ = _all_nodes(tmp_path / name)
+        roots.append((location, _node_bytes(tmp_path / name, location)))
+    (location, first), (_, second) = roots
+    assert len(first) == len(second) and first != second
+    decoded = _btree_nodes.decoded(first, location)
+    assert _btree_nodes.decoded(first, location) is decoded  # Decoded once.
+    # Other bytes at a location seen before (a checkpoint written again) are decoded anew.
+    again = _btree_nodes.decoded(second, location)["entries"]
+    base = _btree_nodes.split_location(location)[0]
+    assert _as_dump(again) == _as_dump(_btree_nodes.decode(second, base))
+    assert _as_dump(again) != _as_dump(decoded["entries"])

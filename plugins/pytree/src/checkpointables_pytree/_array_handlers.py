@@ -43,6 +43,9 @@ def _numpy_result(pieces: list[np.ndarray], dtype: Any = None) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
+_AS_STORED = ReadTarget(_numpy_result)  # Of every NumPy leaf loaded as saved (never changed).
+
+
 def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
     """``(shape, dtype, sharding)`` an abstract leaf asks for (``None``: as stored)."""
     if abstract is None or isinstance(abstract, type):
@@ -385,7 +388,7 @@ class NumpyLeafHandler(ZarrLeafHandler):
 
     def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
         if abstract is None:
-            return ReadTarget(_numpy_result)
+            return _AS_STORED
         shape, dtype, _ = _target_of(abstract)
         return ReadTarget(functools.partial(_numpy_result, dtype=dtype), shape)
 

@@ -36,6 +36,7 @@ __all__ = [
     "Region",
     "StoredArray",
     "check_shape",
+    "chunk_keys",
     "convert_all",
     "cut",
     "intersect",
@@ -111,6 +112,8 @@ class ArrayRead:
     allow_resize: bool = False
     result: Any = None
     _whole: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # Set by whoever knows them already (a load's session keeps them per _METADATA text).
+    keys: tuple[bytes, ...] | None = dataclasses.field(default=None, init=False, compare=False)
 
     @property
     def what(self) -> str:
@@ -155,17 +158,18 @@ class ArrayRead:
     @property
     def chunk_keys(self) -> tuple[bytes, ...]:
         """The database keys of its recorded shards, in C order (``()`` if not recorded)."""
-        stored = self.stored
-        if stored is None:
-            return ()
-        if stored.single_chunk:
-            return (_only_chunk_key(self.name, len(stored.shape)),)
-        return tuple(_zarr3.chunk_key(self.name, i).encode() for i in stored.chunk_indices)
+        if self.keys is None:
+            self.keys = chunk_keys(self.name, self.stored)
+        return self.keys
 
 
-@functools.lru_cache(maxsize=1 << 16)  # The loads of one structure ask for the same ones.
-def _only_chunk_key(name: str, rank: int) -> bytes:
-    return _zarr3.chunk_key(name, (0,) * rank).encode()
+def chunk_keys(name: str, stored: StoredArray | None) -> tuple[bytes, ...]:
+    """The database keys of the shards of array ``name`` (``()`` if its layout is unknown)."""
+    if stored is None:
+        return ()
+    if stored.single_chunk:
+        return (_zarr3.chunk_key(name, (0,) * len(stored.shape)).encode(),)
+    return tuple(_zarr3.chunk_key(name, i).encode() for i in stored.chunk_indices)
 
 
 def check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:

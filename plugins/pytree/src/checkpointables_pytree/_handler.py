@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -335,16 +336,15 @@ class PyTreeHandler:
             )
         deserialization_context = _deserialization_context(session)
         pending: list[tuple[list[int], Any]] = []
-        for handler_cls, items in plan.groups.items():
+        for handler_cls, slots, params in plan.batches():
             handler = _make_leaf_handler(handler_cls, context)
             try:
-                awaitable = await handler.deserialize(
-                    [p for _, p in items], deserialization_context
-                )
+                # A copy: the params are the plan template's.
+                awaitable = await handler.deserialize(list(params), deserialization_context)
             except BaseException:
                 _discard([a for _, a in pending])
                 raise
-            pending.append(([slot for slot, _ in items], awaitable))
+            pending.append((slots, awaitable))
 
         async def background() -> Any:
             try:
@@ -354,9 +354,9 @@ class PyTreeHandler:
                 raise
             results = await asyncio.gather(*[a for _, a in pending])
             with execution.paused_gc():
+                put = plan.values.__setitem__
                 for (slots, _), values in zip(pending, results, strict=True):
-                    for slot, value in zip(slots, values, strict=True):
-                        plan.values[slot] = value
+                    list(itertools.starmap(put, zip(slots, values, strict=True)))  # In C.
                 return plan.build(tree, directory)
 
         return _owning(background(), [a for _, a in pending])

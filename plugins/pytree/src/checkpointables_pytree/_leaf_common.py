@@ -347,20 +347,20 @@ class ZarrLeafHandler(StandardLeafHandler):
     ) -> list[ArrayRead]:
         """An ``ArrayRead`` per leaf, added to the session's reader (a load of many small
         arrays makes thousands: what is the same for all is looked up once)."""
-        info, stored_array, read_target = session.info, session.stored_array, self._read_target
-        add, allow_resize, types = session.reader.add, session.allow_resize, ARRAY_VALUE_TYPES
+        leaf, read_target = session.leaf, self._read_target
+        allow_resize, types = session.allow_resize, ARRAY_VALUE_TYPES
         reads = []
         for param in params:
-            entry, name = info(param.keypath, getattr(param, "names", None))
+            entry, name, stored, keys = leaf(param.keypath, getattr(param, "names", None))
             if entry.value_type not in types:
                 check_stored_type(entry, types, self.loads_as)
-            stored = stored_array(entry)
             target = read_target(entry, param.value, stored)
             read = ArrayRead(
                 entry, name, stored, target.convert, target.shape, target.regions, allow_resize
             )
-            add(read)
+            read.keys = keys
             reads.append(read)
+        session.reader.add_all(reads)
         return reads
 
     def _schedule_read(self, session: LoadSession, param: DeserializationParam[Any]) -> ArrayRead:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import checkpointables as cp
@@ -112,6 +112,14 @@ class _Mismatch:
         raise cp.errors.TreeMismatchError("\n".join(lines))
 
 
+class Batch(NamedTuple):
+    """The leaves one leaf handler reads: their slots in ``LoadPlan.values``, and params."""
+
+    handler: type
+    slots: list[int]
+    params: list[DeserializationParam[Any]]
+
+
 class LoadPlan:
     """Which leaf handler reads which leaf, and how the result tree is built.
 
@@ -125,6 +133,16 @@ class LoadPlan:
         self.slots: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         self.treedef: Any = None
         self.empties: list[tuple[int, str]] = []  # Slots of empty containers, by value type.
+        self._batches: list[Batch] | None = None
+
+    def batches(self) -> list[Batch]:
+        """``groups`` as each leaf handler's slots and params (made once per plan template)."""
+        if self._batches is None:
+            self._batches = [
+                Batch(handler, [slot for slot, _ in items], [param for _, param in items])
+                for handler, items in self.groups.items()
+            ]
+        return self._batches
 
     @classmethod
     def without_abstract(
@@ -150,7 +168,7 @@ class LoadPlan:
         plan.values = list(template.values)
         for slot, value_type in template.empties:  # Fresh ones: the caller may change them.
             plan.values[slot] = _empty_value(value_type)
-        plan.groups, plan.slots = template.groups, template.slots
+        plan.groups, plan.slots, plan._batches = template.groups, template.slots, template.batches()
         return plan
 
     @classmethod

@@ -20,11 +20,25 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from checkpointables_pytree._buffers import Slab
-from checkpointables_pytree._ocdbt_index import ValueLocation
 
-__all__ = ["OpenFiles", "read_into", "read_values"]
+__all__ = ["OpenFiles", "ValueLocation", "read_into", "read_range", "read_values"]
+
+
+class ValueLocation(NamedTuple):
+    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``.
+
+    ``file`` is under the database's directory (``<root>/d/<name>``, or
+    ``<root>/ocdbt.process_1/d/<name>`` after a merge). A named tuple: a load
+    of many small arrays makes thousands.
+    """
+
+    file: str
+    offset: int
+    length: int
+
 
 # The values of one call share buffers of about this size: one kept array keeps at most
 # this much of its neighbours' memory alive.
@@ -145,6 +159,22 @@ def _read_call(
         return
     for i, buffer in call:
         values[i] = buffer
+
+
+def read_range(path: str, offset: int, length: int) -> bytes | None:
+    """``length`` bytes at ``offset`` of the file at ``path`` (one copy, where TensorStore's
+    read makes two); ``None`` if they cannot all be read: TensorStore's read reports why."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == length else None
 
 
 def read_into(fd: int, buffers: list[memoryview], position: int) -> None:

@@ -28,15 +28,18 @@ import contextvars
 import ctypes
 import functools
 import itertools
+import operator
 import os
 import sys
 from collections.abc import Collection
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _btree_nodes, _ocdbt
+from checkpointables_pytree import _btree_nodes, _local_reads, _ocdbt
+from checkpointables_pytree._local_reads import ValueLocation
 from checkpointables_pytree._tree_metadata import METADATA_FILE
 
 __all__ = [
@@ -53,39 +56,23 @@ __all__ = [
 PREFETCH_METADATA_BYTES = 32 << 10
 
 
-class ValueLocation(NamedTuple):
-    """Where a value's bytes are: ``length`` bytes at ``offset`` in ``file``.
+def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
+    """The location named by a dump's ``"<kind>:<base>:<relative>:<offset>:<length>"``.
 
-    ``file`` is under the database's directory (``<root>/d/<name>``, or
-    ``<root>/ocdbt.process_1/d/<name>`` after a merge). A named tuple: a load
-    of many small arrays makes thousands.
-    """
-
-    file: str
-    offset: int
-    length: int
-
-
-def parse_location(text: str, directory: str) -> ValueLocation | None:
-    """The location named by a dump's ``"value:<base>:<relative>:<offset>:<length>"``.
-
-    ``None`` when the text does not have that form or names a file outside
-    ``directory`` (a damaged or hostile b-tree: TensorStore's own read then
-    reports it).
+    ``None`` when the text does not have that form (``kind``: ``value``, or
+    ``btreenode`` for a node) or names a file outside ``directory`` (a
+    damaged or hostile b-tree: TensorStore's own read then reports it).
     """
     try:
-        kind, rest = text.split(":", 1)
-        rest, offset, length = rest.rsplit(":", 2)
-        base, relative = rest.split(":", 1)
-        location = ValueLocation(os.path.join(directory, base, relative), int(offset), int(length))
+        base, relative, offset, length = _btree_nodes.split_location(text)
     except ValueError:
         return None
-    if kind != "value" or location.offset < 0 or location.length < 0:
+    if not text.startswith(kind + ":") or offset < 0 or length < 0:
         return None
-    inside, root = os.path.normpath(location.file), os.path.normpath(directory)
-    if os.path.commonpath([inside, root]) != root:
+    file, root = os.path.join(directory, base, relative), os.path.normpath(directory)
+    if os.path.commonpath([os.path.normpath(file), root]) != root:
         return None
-    return location
+    return ValueLocation(file, offset, length)
 
 
 class DatabaseIndex:
@@ -109,6 +96,7 @@ class DatabaseIndex:
         self._start: concurrent.futures.Future[tuple[Any, Any]] | None = None
         self._nodes: dict[str, Any] = {}
         self._plain = False  # Whether the manifest says its nodes are uncompressed.
+        self._local = _ocdbt.is_local(self.root)
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -138,7 +126,7 @@ class DatabaseIndex:
         if location is None:  # An empty database.
             return base, None
         if self._plain:
-            node = _btree_nodes.decoded(_btree_nodes.read(base, location).result(), location)
+            node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
                 return base, (location, node)
         return base, (location, dump(base, location))
@@ -147,10 +135,19 @@ class DatabaseIndex:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
         base = await self.base()
         if self._plain:
-            node = _btree_nodes.decoded(await _btree_nodes.read(base, location), location)
+            data = await asyncio.to_thread(self._node_bytes, base, location)
+            node = _btree_nodes.decoded(data, location)
             if node is not None:
                 return node
         return await dump_async(base, location)
+
+    def _node_bytes(self, base: Any, location: str) -> bytes:
+        """The bytes of a node (``b""``: missing); a local database's are read directly."""
+        where = parse_location(location, self.root, "btreenode") if self._local else None
+        data = None if where is None else _local_reads.read_range(*where)
+        if data is None:
+            data = _btree_nodes.value_of(_btree_nodes.read(base, location).result())
+        return data
 
     async def find(
         self, keys: Collection[str] | Collection[bytes]
@@ -172,7 +169,9 @@ class DatabaseIndex:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
-        wanted = frozenset(k.encode() if type(k) is str else k for k in keys)
+        wanted = frozenset(keys)  # Loads ask for thousands of bytes keys: taken as they are.
+        if type(next(iter(wanted), b"")) is str:
+            wanted = frozenset(k.encode() for k in wanted)  # type: ignore[union-attr]
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
@@ -248,18 +247,23 @@ class _Walk:
                 found[key] = ValueLocation(parsed, int(offset), int(numbers))
 
     def _decoded_leaf(self, node: _btree_nodes.LeafNode, prefix: bytes) -> None:
-        wanted, found, files = self._wanted_set, self._found, node.files
+        # Column by column (a node of 5,000 small arrays holds 10,000 entries), in C loops.
         keys = [prefix + k for k in node.keys] if prefix else node.keys
-        inline, file_ids, offsets, lengths = node.inline, node.file_ids, node.offsets, node.lengths
-        paths = [self._parse("value:" + f) for f in files]
-        for i in [i for i, key in enumerate(keys) if key in wanted]:
-            value = inline(i)
-            if value is not None:
-                found[keys[i]] = value
-                continue
-            path = paths[file_ids[i]]
-            if path is not None:
-                found[keys[i]] = ValueLocation(path, offsets[i], lengths[i])
+        chosen = np.flatnonzero(np.fromiter(map(self._wanted_set.__contains__, keys), bool))
+        is_inline = node.inline_at[chosen] >= 0
+        inline, located = chosen[is_inline], chosen[~is_inline]
+        starts, lengths = node.inline_at[inline].tolist(), node.lengths[inline].tolist()
+        values = map(node.data.__getitem__, map(slice, starts, map(operator.add, starts, lengths)))
+        paths = [self._parse("value:" + f) for f in node.files]
+        usable = np.array([p is not None for p in paths], bool)  # Outside: TensorStore's.
+        located = located[usable[node.file_ids[located]]]
+        files = map(paths.__getitem__, node.file_ids[located].tolist())
+        rows = zip(
+            files, node.offsets[located].tolist(), node.lengths[located].tolist(), strict=True
+        )
+        places = map(tuple.__new__, itertools.repeat(ValueLocation), rows)  # No Python frames.
+        for picked, found in ((inline, values), (located, places)):
+            self._found.update(zip(map(keys.__getitem__, picked.tolist()), found, strict=True))
 
 
 def _parse_file(text: str, root: str) -> str | None:
@@ -342,19 +346,19 @@ async def dump_async(base: ts.KvStore, location: str | None = None) -> Any:
 class OpenedDatabase:
     """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
 
-    ``start`` also issues one read, which brings the manifest and the b-tree's
-    root into the context's cache while this thread parses the metadata and
-    plans the reads: for a tree of a few leaves that waiting was a fifth of
-    the load. For a tree of many leaves (a ``_METADATA`` of more than
-    ``PREFETCH_METADATA_BYTES``) it also starts reading where the values are
-    (``index``), which TensorStore decodes meanwhile in its own threads.
+    For a tree of a few leaves, ``start`` issues one read, which brings the
+    manifest and the b-tree's root into the context's cache while this thread
+    plans the reads (that waiting was a fifth of the load). For a tree of many
+    leaves (a ``_METADATA`` over ``PREFETCH_METADATA_BYTES``) it starts
+    reading where the values are (``index``) instead: they are read without
+    the kvstore, whose decoding of the root would only take cores.
     """
 
     def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
         self.context = context
         self.kvstore = kvstore
         self.index = DatabaseIndex(directory)
-        self._warming = kvstore.read("")  # Held: TensorStore may cancel a dropped read.
+        self.warming: Any = None  # Held: TensorStore may cancel a dropped read.
 
     @classmethod
     def start(cls, directory: epath.Path) -> OpenedDatabase | None:
@@ -374,8 +378,11 @@ class OpenedDatabase:
             return None
         opened = cls(directory, context, kvstore)
         try:
-            if os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES:
-                opened.index.prefetch()
+            many = os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES
         except OSError:
-            pass  # No _METADATA: reading it reports that.
+            many = False  # No _METADATA: reading it reports that.
+        if many:
+            opened.index.prefetch()
+        else:
+            opened.warming = kvstore.read("")
         return opened

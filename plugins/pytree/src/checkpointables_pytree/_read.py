@@ -1,6 +1,6 @@
 """The reader: every array of one load, read in one ``Reader.run``.
 
-Leaf handlers ``add`` an ``ArrayRead`` per leaf; ``run`` then takes one of
+Leaf handlers ``add_all`` an ``ArrayRead`` per leaf; ``run`` then takes one of
 two paths per array:
 
 * ``_read_whole``: arrays whose layout ``_METADATA`` recorded, uncompressed
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import operator
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,7 @@ __all__ = ["Reader", "read_values"]
 _recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its data.
 _trailer = _zarr3.shard_trailer
 _Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
+_NBYTES = operator.attrgetter("stored.nbytes")  # Of a read's stored array.
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
@@ -136,16 +138,17 @@ class Reader:
             kvstore = _ocdbt.location_spec(self._directory / name)
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 
-    def add(self, read: ArrayRead) -> None:
-        """Schedules ``read``; ``read.result`` is set by ``run``.
+    def add_all(self, reads: Sequence[ArrayRead]) -> None:
+        """Schedules ``reads``; each ``read.result`` is set by ``run``.
 
         Raises:
-          cp.errors.TreeMismatchError: the recorded shape differs from the target's.
+          cp.errors.TreeMismatchError: a recorded shape differs from the target's.
         """
-        stored, target = read.stored, read.target_shape
-        if stored is not None and target is not None and tuple(target) != stored.shape:
-            check_shape(read, stored.shape)  # Fail before any read, when possible.
-        self._reads.append(read)
+        for read in reads:
+            stored, target = read.stored, read.target_shape
+            if target is not None and stored is not None and tuple(target) != stored.shape:
+                check_shape(read, stored.shape)  # Fail before any read, when possible.
+        self._reads += reads
 
     async def run(self) -> None:
         """Reads every scheduled array and converts it."""
@@ -176,13 +179,13 @@ class Reader:
 
     async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
         """Reads, checks and converts arrays stored as plain shards, group by group."""
-        largest = max(reads, key=lambda r: r.stored.nbytes)  # type: ignore[union-attr]
-        check_fits_in_memory(largest, largest.stored.nbytes)  # type: ignore[union-attr]
+        largest = max(reads, key=_NBYTES)
+        check_fits_in_memory(largest, _NBYTES(largest))
         kvstore = await self._kvstore(context)
         if self._cross_check:
             await self._check_zarr_json(kvstore, reads)
         keys = [r.chunk_keys for r in reads]
-        found = await self._locate([k for read_keys in keys for k in read_keys], reads)
+        found = await self._locate([k for read_keys in keys for k in read_keys], _NBYTES(largest))
         if self._local:
             small, pairs = _small_reads.split(reads, keys, found)
         else:
@@ -228,11 +231,13 @@ class Reader:
             return True
 
     async def _locate(
-        self, keys: Sequence[bytes], reads: Sequence[ArrayRead]
+        self, keys: Sequence[bytes], largest: int
     ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
-        """Inline values and value locations from the b-tree: ``{}`` where not worth it."""
-        large = any(r.stored.nbytes > LARGE_ARRAY_BYTES for r in reads)  # type: ignore[union-attr]
-        if self._index is None or (self._local and len(keys) <= INLINE_READ_KEYS and not large):
+        """Inline values and value locations from the b-tree: ``{}`` where not worth it
+        (``largest``: the bytes of the largest array read)."""
+        if self._index is None or (
+            self._local and len(keys) <= INLINE_READ_KEYS and largest <= LARGE_ARRAY_BYTES
+        ):
             return {}
         try:
             return await self._index.find(keys)

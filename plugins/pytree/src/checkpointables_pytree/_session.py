@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import checkpointables as cp
 import crc32c
@@ -35,7 +35,7 @@ from checkpointables_pytree import (
     _tree_metadata,
     _zarr3,
 )
-from checkpointables_pytree._array_reads import StoredArray
+from checkpointables_pytree._array_reads import StoredArray, chunk_keys
 from checkpointables_pytree._write import Writer
 
 __all__ = [
@@ -187,6 +187,15 @@ class PyTreeDeserializationContext(cp.serialization.DeserializationContext):
 _UNKNOWN = object()  # Not looked up yet.
 
 
+class Leaf(NamedTuple):
+    """What a load needs of a recorded leaf (``LoadSession.leaf``)."""
+
+    entry: _tree_metadata.Entry
+    name: str  # Of its array in the database.
+    stored: StoredArray | None  # Its recorded layout, if any.
+    keys: tuple[bytes, ...] | None  # Of its shards in the database (``None``: not known yet).
+
+
 class LoadSession:
     """What the standard leaf handlers share during one load (or metadata read)."""
 
@@ -217,6 +226,7 @@ class LoadSession:
         self._names: dict[tuple[str, ...], str] = derived.setdefault("storage_names", {})
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
         self._stored: dict[tuple[str, ...], StoredArray | None] = derived.setdefault("stored", {})
+        self._leaves: dict[tuple[str, ...], Leaf] = derived.setdefault("leaves", {})
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
         self._zarr_metadata: dict[str, dict[str, Any]] = {}
@@ -231,6 +241,20 @@ class LoadSession:
         if name is None:
             name = self._names[names] = self.tree.storage_name(names)
         return self.entries[names], name
+
+    def leaf(self, keypath: Sequence[Any], names: tuple[str, ...] | None = None) -> Leaf:
+        """A leaf's entry, storage name and recorded layout, in one look-up (``names``: its
+        key names, if known); what a load of many small arrays asks of each leaf."""
+        if names is None:
+            names = _tree.key_names(keypath)
+        leaf = self._leaves.get(names)
+        if leaf is None:
+            entry, name = self.info(keypath, names)
+            stored = self.stored_array(entry)
+            # The keys of a one-shard array, kept (those of larger ones are made when read).
+            keys = chunk_keys(name, stored) if stored is not None and stored.single_chunk else None
+            leaf = self._leaves[names] = Leaf(entry, name, stored, keys)
+        return leaf
 
     def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
         """The recorded entry of a leaf."""

@@ -95,22 +95,25 @@ def split(
     small: list[Small] = []
     inline: list[Small] = []
     rest: list[tuple[ArrayRead, tuple[bytes, ...]]] = []
-    location_type, get = ValueLocation, found.get
+    # tuple.__new__ makes each Small without a Python frame: thousands per load.
+    location_type, get, new = ValueLocation, found.get, tuple.__new__
     for read, read_keys in zip(reads, keys, strict=True):
         stored = read.stored
-        if (
-            stored is not None
-            and stored.single_chunk
-            and 0 < stored.nbytes <= SMALL_ARRAY_BYTES
-            and read.regions is None
-            and (read.target_shape is None or tuple(read.target_shape) == stored.shape)
-        ):
-            value = get(read_keys[0])
-            kind = type(value)
-            size = value.length if kind is location_type else len(value) if kind is bytes else -1
-            if size == stored.nbytes + _TRAILER:
-                (small if kind is location_type else inline).append(Small(read, value, size))
-                continue
+        if stored is not None and stored.single_chunk and read.regions is None:
+            nbytes = stored.nbytes
+            target = read.target_shape
+            if 0 < nbytes <= SMALL_ARRAY_BYTES and (
+                target is None or tuple(target) == stored.shape
+            ):
+                value = get(read_keys[0])
+                kind = type(value)
+                if kind is location_type:
+                    if value.length == nbytes + _TRAILER:
+                        small.append(new(Small, (read, value, value.length)))
+                        continue
+                elif kind is bytes and len(value) == nbytes + _TRAILER:
+                    inline.append(new(Small, (read, value, nbytes + _TRAILER)))
+                    continue
         rest.append((read, read_keys))
     small.sort(key=_VALUE)  # By file, then offset.
     return small + inline, rest

@@ -134,15 +134,17 @@ async def _check_array_set(session: LoadSession) -> list[str]:
 
 async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
     reader = _read.Reader(session.directory)
-    for entry in entries:
-        reader.add(
+    reader.add_all(
+        [
             ArrayRead(
                 label=entry,
                 name=session.tree.storage_name(entry.names),
                 stored=session.stored_array(entry),
                 convert=lambda pieces: None,
             )
-        )
+            for entry in entries
+        ]
+    )
     try:
         await reader.run()
     except cp.errors.CheckpointError as e:
