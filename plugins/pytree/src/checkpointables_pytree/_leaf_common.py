@@ -30,8 +30,8 @@ from checkpointables.serialization import (
 
 from checkpointables_pytree import _tree, _tree_metadata, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._session import LoadSession, SaveSession, zarr_shape_dtype
-from checkpointables_pytree._zarr3 import ArrayWrite
+from checkpointables_pytree._session import LoadSession, SaveSession
+from checkpointables_pytree._zarr3 import ArrayWrite, zarr_shape_dtype
 
 __all__ = [
     "JAX_ARRAY",

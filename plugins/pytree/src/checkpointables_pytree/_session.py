@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import checkpointables as cp
@@ -376,30 +376,3 @@ def _dtype(name: str) -> np.dtype | None:
     except TypeError:
         return None
     return dtype if _zarr3.zarr_dtype_name(dtype) == name else None
-
-
-def zarr_shape_dtype(
-    document: Mapping[str, Any], where: str = "a zarr.json"
-) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
-    """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``.
-
-    Raises:
-      cp.errors.MetadataError: ``document`` (``where``, in messages) lacks them or is malformed.
-    """
-    try:
-        shape = tuple(int(s) for s in document["shape"])
-        if "data_type" in document:  # zarr v3
-            dtype = np.dtype(document["data_type"])
-            chunk = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
-        else:  # zarr v2
-            dtype = np.dtype(document["dtype"])
-            chunk = document.get("chunks")
-        chunks = tuple(int(c) for c in chunk) if chunk is not None else None
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
-        chunks = shape = None  # type: ignore[assignment]
-    if shape is None or min(shape, default=0) < 0 or min(chunks or (1,)) < 1 or dtype.hasobject:
-        raise cp.errors.MetadataError(
-            f"{where} does not describe an array (shape, data type and chunk shape): the "
-            f"checkpoint is damaged. Restore it from a copy."
-        )
-    return shape, dtype, chunks

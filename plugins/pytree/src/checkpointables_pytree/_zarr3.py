@@ -23,13 +23,15 @@ import functools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import checkpointables as cp
 import crc32c
 import numpy as np
 
 __all__ = [
+    "zarr_shape_dtype",
     "ArrayWrite",
     "zarr_dtype_name",
     "zarr_json",
@@ -213,6 +215,33 @@ def shard_trailer(nbytes: int) -> bytes:
 def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
     """A shard holding one inner chunk: ``data``, its checksum, then the index."""
     return b"".join((data, int(checksum).to_bytes(4, "little"), shard_trailer(len(data))))
+
+
+def zarr_shape_dtype(
+    document: Mapping[str, Any], where: str = "a zarr.json"
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...] | None]:
+    """Shape, dtype and chunk shape from a zarr v3 ``zarr.json`` or v2 ``.zarray``.
+
+    Raises:
+      cp.errors.MetadataError: ``document`` (``where``, in messages) lacks them or is malformed.
+    """
+    try:
+        shape = tuple(int(s) for s in document["shape"])
+        if "data_type" in document:  # zarr v3
+            dtype = np.dtype(document["data_type"])
+            chunk = document.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape")
+        else:  # zarr v2
+            dtype = np.dtype(document["dtype"])
+            chunk = document.get("chunks")
+        chunks = tuple(int(c) for c in chunk) if chunk is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        chunks = shape = None  # type: ignore[assignment]
+    if shape is None or min(shape, default=0) < 0 or min(chunks or (1,)) < 1 or dtype.hasobject:
+        raise cp.errors.MetadataError(
+            f"{where} does not describe an array (shape, data type and chunk shape): the "
+            f"checkpoint is damaged. Restore it from a copy."
+        )
+    return shape, dtype, chunks
 
 
 class ZarrLayout:
