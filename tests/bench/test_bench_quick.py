@@ -98,3 +98,15 @@ def test_stall_tool_runs(tmp_path, checkpointer):
     )
     assert "CPU   median" in out and "collections per generation" in out
     assert list(tmp_path.iterdir()) == []  # Its checkpoints are removed.
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_phases_tool_times_every_phase(tmp_path, op):
+    # The tool wraps functions of core and of the pytree plugin by name: a renamed one
+    # makes it fail, a phase that never ran is missing from its table.
+    out = _bench(
+        "phases", "--case", "small-numpy", "--op", op, "--repeats", "1", "--tmp-dir", f"{tmp_path}"
+    )
+    phases = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
+    expected = {"save": ["1", "2", "2.1", "2.1.1", "2.1.2", "2.1.3", "2.2", "3"]}
+    assert phases == expected.get(op, ["1", "1.1", "2", "2.1", "2.2"]), out
