@@ -153,7 +153,8 @@ class Writer:
             with execution.paused_gc():
                 values.extend(chunks)
             btree, manifest = layout.btree_file(names, values)
-            writes.append(files.start(btree, flush=True))
+            # A b-tree of inline values only is small: the commit flushes it with the rest.
+            writes.append(files.start(btree, flush=layout.data_files > 0))
             await asyncio.gather(*writes)
             # The checkpoint's commit flushes the manifest with its other files.
             manifest_file = _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])
