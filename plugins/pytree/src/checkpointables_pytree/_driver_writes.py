@@ -188,17 +188,15 @@ async def _merge_when(
         await asyncio.to_thread(_ocdbt.merge_into, database, sources)
 
 
-def _batches(
-    items: Sequence[ArrayWrite], budget: int, *, first: int | None = None
-) -> list[list[ArrayWrite]]:
-    """``items`` in runs of about ``budget`` bytes; the first of ``first``, doubling up to
-    ``budget``, if given."""
+def _batches(items: Sequence[ArrayWrite], budget: int) -> list[list[ArrayWrite]]:
+    """``items`` in runs of about ``budget`` bytes (a larger item alone)."""
     batches: list[list[ArrayWrite]] = [[]]
-    used, limit = 0, budget if first is None else first
+    used = 0
     for item in items:
-        if batches[-1] and used + item.nbytes > limit:
+        nbytes = item.nbytes
+        if batches[-1] and used + nbytes > budget:
             batches.append([])
-            used, limit = 0, min(2 * limit, budget)
+            used = 0
         batches[-1].append(item)
-        used += item.nbytes
+        used += nbytes
     return [b for b in batches if b]
