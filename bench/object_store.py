@@ -120,9 +120,9 @@ class RawS3(libraries.Library):
 
     def _store(self, path: str) -> Any:
         import tensorstore as ts
-        from checkpointables_pytree import _object_store
+        from checkpointables_pytree import storage
 
-        return ts.KvStore.open(_object_store.kvstore_spec(path)).result()
+        return ts.KvStore.open(storage.kvstore_spec(path)).result()
 
     def save(self, path: str, tree: Any, spec: libraries.TreeSpec) -> None:
         import jax

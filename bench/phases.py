@@ -58,23 +58,27 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 def _instrument(op: str) -> None:
     from checkpointables import _loading, _saving
-    from checkpointables_pytree import _direct_database, _load_plan, _read, _tree_metadata, _write
+    from checkpointables_pytree import _load_plan, io, ocdbt, tree
+
+    # Wrapped where their callers look them up: the modules that define them.
+    from checkpointables_pytree.ocdbt import _database_writer
+    from checkpointables_pytree.tree import _metadata_file
 
     if op == "save":
         _timed(_saving, "_blocking_phase", "1 blocking phase: flatten, checks, snapshot")
         _timed(_saving, "_write", "2 background phase: writes")
-        _timed(_write.Writer, "run", "2.1 writer (the database, large arrays)")
-        _timed(_write.Writer, "_database_layout", "2.1.1 the database's layout (per structure)")
-        _timed(_direct_database.DatabaseLayout, "btree_file", "2.1.2 b-tree nodes filled")
+        _timed(io.Writer, "run", "2.1 writer (the database, large arrays)")
+        _timed(io.Writer, "_database_layout", "2.1.1 the database's layout (per structure)")
+        _timed(ocdbt.DatabaseLayout, "btree_file", "2.1.2 b-tree nodes filled")
         # On threads, overlapping each other and the encoding: the sum of their times.
-        _timed(_direct_database, "_write_local_file", "2.1.3 files written and flushed (sum)")
-        _timed(_tree_metadata, "write_tree_metadata", "2.2 _METADATA (overlaps 2.1)")
+        _timed(_database_writer, "write_local_file", "2.1.3 files written and flushed (sum)")
+        _timed(tree, "write_tree_metadata", "2.2 _METADATA (overlaps 2.1)")
         _timed(_saving, "_commit_save", "3 commit: metadata, fsyncs, rename")
     else:
         _timed(_loading, "_blocking_phase", "1 blocking phase: metadata, read plan")
-        _timed(_tree_metadata, "parse_tree_metadata", "1.1 parsing _METADATA")
+        _timed(_metadata_file, "parse_tree_metadata", "1.1 parsing _METADATA")
         _timed(_loading, "_read", "2 background phase: reads")
-        _timed(_read.Reader, "run", "2.1 reader (index, preads, CRC-32C)")
+        _timed(io.Reader, "run", "2.1 reader (index, preads, CRC-32C)")
         _timed(_load_plan.LoadPlan, "build", "2.2 the tree built")
 
 

@@ -161,7 +161,7 @@ def test_a_1e12_element_array_claimed_by_the_array_store_is_refused(tmp_path) ->
     cp.save_pytree(tmp_path / "c", {"big": np.arange(100_000, dtype=np.float32)})
     without_metadata_checksums(tmp_path / "c")
     import tensorstore as ts
-    from checkpointables_pytree import _ocdbt, _zarr3
+    from checkpointables_pytree import ocdbt, zarr3
 
     file = tmp_path / "c" / "pytree" / "_METADATA"
     document = json.loads(file.read_text())
@@ -170,9 +170,9 @@ def test_a_1e12_element_array_claimed_by_the_array_store_is_refused(tmp_path) ->
     document.pop("checkpointables")
     file.write_text(json.dumps(document))
     store = ts.KvStore.open(
-        _ocdbt.kvstore_spec(tmp_path / "c" / "pytree"), context=_ocdbt.make_context()
+        ocdbt.kvstore_spec(tmp_path / "c" / "pytree"), context=ocdbt.make_context()
     ).result()
-    metadata = _zarr3.metadata_dict((10**12,), np.float32, (10**12,))
+    metadata = zarr3.metadata_dict((10**12,), np.float32, (10**12,))
     store.write("big/zarr.json", json.dumps(metadata).encode()).result()
     with pytest.raises(cp.errors.MetadataError, match="more than this machine's memory"):
         cp.load_pytree(tmp_path / "c")

@@ -486,7 +486,7 @@ SEVERAL_WRITERS_BODY = """
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from checkpointables_pytree import _driver_writes
-columns = _driver_writes.LARGE_GROUP_BYTES // 4 + 1024
+columns = ocdbt.LARGE_GROUP_BYTES // 4 + 1024
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
 tree = {}
 for name, offset in (("a", 0.0), ("b", 0.5)):
@@ -501,14 +501,14 @@ print("SAVED", flush=True)
 
 
 def test_several_writers_in_every_process(tmp_path) -> None:
-    from checkpointables_pytree import _driver_writes
+    from checkpointables_pytree import ocdbt
 
     for result in run_job(SEVERAL_WRITERS_BODY, args=[str(tmp_path / "ckpt")], timeout=120):
         result.check()
     pytree = tmp_path / "ckpt" / "pytree"
-    assert list(pytree.glob(f"ocdbt.process_1/{_driver_writes.WRITER_PREFIX}*"))
+    assert list(pytree.glob(f"ocdbt.process_1/{ocdbt.WRITER_PREFIX}*"))
     loaded = cp.load_pytree(tmp_path / "ckpt")
-    columns = _driver_writes.LARGE_GROUP_BYTES // 4 + 1024
+    columns = ocdbt.LARGE_GROUP_BYTES // 4 + 1024
     for name, offset in (("a", 0.0), ("b", 0.5)):
         expected = np.arange(2 * columns, dtype=np.float32).reshape(2, columns) + offset
         np.testing.assert_array_equal(np.asarray(loaded[name]), expected)

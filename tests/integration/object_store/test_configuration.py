@@ -9,7 +9,7 @@ from pathlib import Path
 import checkpointables as cp
 import numpy as np
 import pytest
-from checkpointables_pytree import _object_store
+from checkpointables_pytree import storage
 
 from .helpers import assert_equal
 
@@ -22,7 +22,7 @@ def _round_trip(path: str) -> None:
 def test_the_endpoint_comes_from_aws_endpoint_url_s3_first(s3, bucket, monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # Would refuse connections.
-    assert _object_store.s3_settings().endpoint == s3.endpoint
+    assert storage.s3_settings().endpoint == s3.endpoint
     _round_trip(f"{bucket}/ckpt")
 
 
@@ -31,7 +31,7 @@ def test_an_option_overrides_the_environment(s3, bucket, monkeypatch) -> None:
     options = cp.options.StorageOptions(endpoint=s3.endpoint, region="eu-west-3")
     with cp.Context(storage_options=options):
         _round_trip(f"{bucket}/ckpt")
-        settings = _object_store.s3_settings()
+        settings = storage.s3_settings()
     assert (settings.endpoint, settings.region) == (s3.endpoint, "eu-west-3")
     # cp.configure sets the same for every later call.
     cp.configure(storage_options=options)
@@ -53,7 +53,7 @@ def test_a_profile_of_the_aws_config_files(s3, bucket, monkeypatch, tmp_path) ->
     monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
     monkeypatch.setenv("AWS_PROFILE", "ckpt")
-    settings = _object_store.s3_settings()
+    settings = storage.s3_settings()
     assert settings.endpoint == s3.endpoint and settings.region == "us-east-1"
     assert settings.credentials == {
         "type": "profile",
@@ -71,7 +71,7 @@ def test_explicit_credentials_stay_private(s3, bucket, monkeypatch) -> None:
     assert "secret" not in repr(options)
     with cp.Context(storage_options=options):
         _round_trip(f"{bucket}/ckpt")
-        credentials = _object_store.s3_settings().credentials
+        credentials = storage.s3_settings().credentials
     file = credentials["credentials_file"]
     assert credentials["type"] == "profile" and "secret" in Path(file).read_text()
     assert stat.S_IMODE(os.stat(file).st_mode) == 0o600
@@ -82,7 +82,7 @@ def test_explicit_credentials_stay_private(s3, bucket, monkeypatch) -> None:
 
 def test_request_concurrency_and_retries(bucket) -> None:
     options = cp.options.StorageOptions(request_concurrency=1, request_retries=2)
-    assert _object_store.context_resources(options)["s3_request_concurrency"] == {"limit": 1}
+    assert storage.context_resources(options)["s3_request_concurrency"] == {"limit": 1}
     with cp.Context(storage_options=options):
         _round_trip(f"{bucket}/ckpt")
     with pytest.raises(ValueError, match="int >= 1"):
@@ -94,18 +94,18 @@ def test_without_any_configuration_only_an_instance_role_can_help(monkeypatch, t
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    assert _object_store.s3_settings().credentials == {"type": "imds"}
+    assert storage.s3_settings().credentials == {"type": "imds"}
     monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
-    assert _object_store.s3_settings().credentials == {"type": "default"}
+    assert storage.s3_settings().credentials == {"type": "default"}
 
 
 def test_gcs_paths_use_tensorstore_gcs_driver() -> None:
-    assert _object_store.kvstore_spec("gs://bucket/run/1") == {
+    assert storage.kvstore_spec("gs://bucket/run/1") == {
         "driver": "gcs",
         "bucket": "bucket",
         "path": "run/1/",
     }
     options = cp.options.StorageOptions(request_concurrency=8)
-    assert _object_store.context_resources(options)["gcs_request_concurrency"] == {"limit": 8}
+    assert storage.context_resources(options)["gcs_request_concurrency"] == {"limit": 8}
     with pytest.raises(ValueError, match="names no bucket"):
-        _object_store.kvstore_spec("s3://")
+        storage.kvstore_spec("s3://")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from checkpointables_pytree._array_reads import ArrayRead, StoredArray, convert_all, pieces_of
+from checkpointables_pytree.io import ArrayRead, StoredArray, convert_all, pieces_of
 
 _batches: list[int] = []
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from checkpointables._asyncio import waiting_caller
 from checkpointables_pytree import ArrayLeafHandler, NumpyLeafHandler
-from checkpointables_pytree._session import PyTreeSerializationContext, SaveSession
+from checkpointables_pytree.leaves import PyTreeSerializationContext, SaveSession
 
 GATE_TIMEOUT = 60
 

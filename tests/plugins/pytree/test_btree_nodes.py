@@ -10,7 +10,7 @@ import checkpointables as cp
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _btree_nodes, _ocdbt, _ocdbt_index
+from checkpointables_pytree import ocdbt
 from etils import epath
 
 from .damage import flip
@@ -54,7 +54,7 @@ def _as_dump(node) -> list[dict]:
 
 
 def _node_bytes(directory, location: str) -> bytes:
-    base, relative, offset, length = _btree_nodes.split_location(location)
+    base, relative, offset, length = ocdbt.split_location(location)
     with open(os.path.join(directory, base + relative), "rb") as f:
         f.seek(offset)
         return f.read(length)
@@ -63,12 +63,12 @@ def _node_bytes(directory, location: str) -> bytes:
 def _all_nodes(directory):
     """Every node of the latest b-tree: ``(location, dump of it)``, root first."""
     base = ts.KvStore.open({"driver": "file", "path": os.fspath(directory) + "/"}).result()
-    manifest = _ocdbt_index.dump(base)
+    manifest = ocdbt.dump(base)
     latest = max(manifest["versions"], key=lambda v: v["generation_number"])
     pending, nodes = [latest["root"]["location"]], []
     while pending:
         location = pending.pop()
-        node = _ocdbt_index.dump(base, location)
+        node = ocdbt.dump(base, location)
         nodes.append((location, node))
         if node["height"] > 0:
             pending.extend(e["location"] for e in node["entries"])
@@ -84,8 +84,8 @@ def test_every_node_decodes_as_tensorstore_decodes_it(tmp_path, max_node_bytes) 
     assert (len(nodes) > 1) == (max_node_bytes == 300)
     kinds = set()
     for location, dumped in nodes:
-        base = _btree_nodes.split_location(location)[0]
-        decoded = _btree_nodes.decode(_node_bytes(tmp_path, location), base)
+        base = ocdbt.split_location(location)[0]
+        decoded = ocdbt.decode(_node_bytes(tmp_path, location), base)
         if dumped["height"] == 0:
             assert _as_dump(decoded) == dumped["entries"], location
             kinds.update("inline_value" in e for e in dumped["entries"])
@@ -101,7 +101,7 @@ def test_every_node_decodes_as_tensorstore_decodes_it(tmp_path, max_node_bytes) 
 def test_compressed_nodes_are_left_to_tensorstore(tmp_path) -> None:
     _write(_kvstore(tmp_path, _ZSTD), _values(30))
     (location, _), *_ = _all_nodes(tmp_path)
-    assert _btree_nodes.decode(_node_bytes(tmp_path, location), "") is None
+    assert ocdbt.decode(_node_bytes(tmp_path, location), "") is None
 
 
 @pytest.mark.parametrize("config", [_UNCOMPRESSED, _ZSTD], ids=["uncompressed", "zstd"])
@@ -109,17 +109,17 @@ def test_the_index_finds_the_same_values_in_both_kinds_of_nodes(tmp_path, config
     sizes = {"max_inline_value_bytes": 64, "max_decoded_node_bytes": 400}
     values = _values(150)
     _write(_kvstore(tmp_path, {**config, **sizes}), values)
-    index = _ocdbt_index.DatabaseIndex(tmp_path)
+    index = ocdbt.DatabaseIndex(tmp_path)
     found = asyncio.run(index.find([*values, "layer0/absent"]))
     assert set(found) == {k.encode() for k in values}
     for key, value in found.items():
-        if isinstance(value, _ocdbt_index.ValueLocation):
+        if isinstance(value, ocdbt.ValueLocation):
             with open(value.file, "rb") as f:
                 f.seek(value.offset)
                 value = f.read(value.length)
         assert value == values[key.decode()], key
     decoded = [n["entries"] for n in index._nodes.values() if n["height"] == 0]
-    own = {type(e) is _btree_nodes.LeafNode for e in decoded}
+    own = {type(e) is ocdbt.LeafNode for e in decoded}
     assert own == {config is _UNCOMPRESSED}  # Only uncompressed nodes are decoded here.
 
 
@@ -129,7 +129,7 @@ def test_the_index_finds_the_same_values_in_both_kinds_of_nodes(tmp_path, config
 )
 def test_what_is_not_a_node_is_an_error(data) -> None:
     with pytest.raises(ValueError):
-        _btree_nodes.decode(data, "")
+        ocdbt.decode(data, "")
 
 
 def _uncompressed_copy(saved, target):
@@ -153,7 +153,7 @@ def test_a_checkpoint_with_uncompressed_nodes_loads_and_damage_is_caught(tmp_pat
     assert root["height"] == 0
     loaded = cp.load_pytree(copy)
     assert all(np.array_equal(loaded[k], v) for k, v in tree.items())
-    _, relative, offset, length = _btree_nodes.split_location(location)
+    _, relative, offset, length = ocdbt.split_location(location)
     for n, at in enumerate([offset + 20, offset + length // 2, offset + length - 2]):
         damaged = shutil.copytree(copy, tmp_path / f"damaged{n}")
         flip(damaged / "pytree" / relative, at)
@@ -171,14 +171,14 @@ def test_nodes_of_merged_databases_name_the_files_of_each(tmp_path) -> None:
         own = {f"p{process}/w{i}/c/0": bytes([process, i]) * (50 + i) for i in range(30)}
         _write(_kvstore(tmp_path / f"ocdbt.process_{process}", config), own)
         values.update(own)
-    _write(_kvstore(tmp_path, {**_UNCOMPRESSED, **_ocdbt.OCDBT_CONFIG}), {"root/c/0": b"r" * 2000})
+    _write(_kvstore(tmp_path, {**_UNCOMPRESSED, **ocdbt.OCDBT_CONFIG}), {"root/c/0": b"r" * 2000})
     values["root/c/0"] = b"r" * 2000
-    sources = [_ocdbt.Source(epath.Path(tmp_path / f"ocdbt.process_{p}")) for p in (1, 2)]
-    _ocdbt.merge_into(epath.Path(tmp_path), sources)
-    index = _ocdbt_index.DatabaseIndex(tmp_path)
+    sources = [ocdbt.Source(epath.Path(tmp_path / f"ocdbt.process_{p}")) for p in (1, 2)]
+    ocdbt.merge_into(epath.Path(tmp_path), sources)
+    index = ocdbt.DatabaseIndex(tmp_path)
     found = asyncio.run(index.find(list(values)))
     assert {type(n["entries"]) for n in index._nodes.values() if n["height"] == 0} == {
-        _btree_nodes.LeafNode
+        ocdbt.LeafNode
     }
     files = set()
     for key, location in found.items():
@@ -200,10 +200,10 @@ def test_a_node_decoded_before_is_reused_only_for_the_same_bytes(tmp_path) -> No
         roots.append((location, _node_bytes(tmp_path / name, location)))
     (location, first), (_, second) = roots
     assert len(first) == len(second) and first != second
-    decoded = _btree_nodes.decoded(first, location)
-    assert _btree_nodes.decoded(first, location) is decoded  # Decoded once.
+    decoded = ocdbt.decoded(first, location)
+    assert ocdbt.decoded(first, location) is decoded  # Decoded once.
     # Other bytes at a location seen before (a checkpoint written again) are decoded anew.
-    again = _btree_nodes.decoded(second, location)["entries"]
-    base = _btree_nodes.split_location(location)[0]
-    assert _as_dump(again) == _as_dump(_btree_nodes.decode(second, base))
+    again = ocdbt.decoded(second, location)["entries"]
+    base = ocdbt.split_location(location)[0]
+    assert _as_dump(again) == _as_dump(ocdbt.decode(second, base))
     assert _as_dump(again) != _as_dump(decoded["entries"])

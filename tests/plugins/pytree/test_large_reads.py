@@ -6,8 +6,8 @@ import checkpointables as cp
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _read as _reader
-from checkpointables_pytree._array_reads import ArrayRead, StoredArray
+from checkpointables_pytree import io
+from checkpointables_pytree.io import ArrayRead, StoredArray
 
 from .opens import load_recording_opens
 
@@ -86,6 +86,6 @@ def _read(name: str, nbytes: int) -> ArrayRead:
 )
 def test_groups_cover_every_read_once_in_similar_sizes(sizes, expected_groups) -> None:
     reads = [_read(f"a{i}", n) for i, n in enumerate(sizes)]
-    groups = _reader._groups([(r, r.chunk_keys) for r in reads], {}, threads=2)
+    groups = io.read_groups([(r, r.chunk_keys) for r in reads], {}, threads=2)
     assert [r for g in groups for r, _ in g] == reads
     assert len(groups) == expected_groups

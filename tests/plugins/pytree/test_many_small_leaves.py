@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables_pytree import _local_reads, _ocdbt, _ocdbt_index, _read
+from checkpointables_pytree import io, ocdbt, storage
 
 from .damage import copies_with_a_flipped_bit, flip
 
@@ -56,10 +56,10 @@ def saved(tmp_path_factory):
 
 
 def test_the_tree_is_big_enough_for_the_batched_read(saved) -> None:
-    assert LEAVES > _read.INLINE_READ_KEYS
+    assert LEAVES > io.INLINE_READ_KEYS
     # ...and for the early read of the b-tree, so the damage tests below cover it too.
     metadata = (saved / "pytree" / "_METADATA").stat().st_size
-    assert metadata > _ocdbt_index.PREFETCH_METADATA_BYTES
+    assert metadata > ocdbt.PREFETCH_METADATA_BYTES
 
 
 def test_round_trip_numpy(saved) -> None:
@@ -99,12 +99,12 @@ def test_partial_load_reads_only_what_is_asked(saved) -> None:
 
 def _read_local(directory, keys) -> list:
     """The values of ``keys``: inline ones from the b-tree, the others read by ``_local_reads``."""
-    found = asyncio.run(_ocdbt_index.DatabaseIndex(directory).find(keys))
+    found = asyncio.run(ocdbt.DatabaseIndex(directory).find(keys))
     values = [found.get(k.encode()) for k in keys]
-    located = [v if isinstance(v, _ocdbt_index.ValueLocation) else None for v in values]
-    files = _local_reads.OpenFiles()
+    located = [v if isinstance(v, ocdbt.ValueLocation) else None for v in values]
+    files = storage.OpenFiles()
     try:
-        read = _local_reads.read_values(files, located)
+        read = storage.read_values(files, located)
     finally:
         files.close()
     return [r if loc is not None else v for v, loc, r in zip(values, located, read, strict=True)]
@@ -122,10 +122,8 @@ def test_local_reads_match_tensorstore_reads(saved) -> None:
     async def through_tensorstore():
         import tensorstore as ts
 
-        kvstore = await ts.KvStore.open(
-            _ocdbt.kvstore_spec(directory), context=_ocdbt.make_context()
-        )
-        return await _read.read_values(kvstore, keys)
+        kvstore = await ts.KvStore.open(ocdbt.kvstore_spec(directory), context=ocdbt.make_context())
+        return await io.read_values(kvstore, keys)
 
     expected = asyncio.run(through_tensorstore())
     assert found[-2] is None  # Missing: left to TensorStore, which reports it.
@@ -151,7 +149,7 @@ def test_local_reads_share_aligned_buffers_of_bounded_size(saved) -> None:
         owner = view.obj.base  # The buffer the slab allocated.
         owners[id(owner)] = owner
     assert len(owners) < len(views)  # Shared buffers, not one per value...
-    assert all(o.nbytes <= _local_reads.SLAB_BYTES + 64 for o in owners.values())  # ...bounded.
+    assert all(o.nbytes <= storage.SLAB_BYTES + 64 for o in owners.values())  # ...bounded.
 
 
 def _copy(saved, tmp_path, name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import tensorstore as ts
-from checkpointables_pytree import _ocdbt_index as _ocdbt_dump
+from checkpointables_pytree import ocdbt
 
 
 def _database() -> ts.KvStore:
@@ -19,16 +19,16 @@ def _refcount_of_a_member(document: dict) -> int:
 
 
 def test_a_dumped_manifest_holds_no_reference_too_many() -> None:
-    manifest = _ocdbt_dump.dump(_database().base)
+    manifest = ocdbt.dump(_database().base)
     control = {"versions": []}
     assert _refcount_of_a_member(manifest) == _refcount_of_a_member(control)
 
 
 def test_every_member_of_a_node_can_be_freed() -> None:
     base = _database().base
-    manifest = _ocdbt_dump.dump(base)
+    manifest = ocdbt.dump(base)
     location = manifest["versions"][-1]["root"]["location"]
-    node = _ocdbt_dump.dump(base, location)
+    node = ocdbt.dump(base, location)
     (entry,) = node["entries"]
     assert entry["key"] == b"some/key"
     value = entry["inline_value"]
@@ -39,5 +39,5 @@ def test_every_member_of_a_node_can_be_freed() -> None:
 def test_the_probe_tells_whether_tensorstore_leaks() -> None:
     raw = ts.ocdbt.dump(_database().base).result()
     control = {"versions": []}
-    extra = 1 if _ocdbt_dump.leaks() else 0
+    extra = 1 if ocdbt.leaks() else 0
     assert _refcount_of_a_member(raw) == _refcount_of_a_member(control) + extra

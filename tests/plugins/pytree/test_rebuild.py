@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from checkpointables_pytree._rebuild import Recipe, unflatten
-from checkpointables_pytree._tree import DICT, SEQUENCE
+from checkpointables_pytree.tree import DICT, SEQUENCE, Recipe, unflatten
 
 D, S = DICT, SEQUENCE
 STRUCTURES = {

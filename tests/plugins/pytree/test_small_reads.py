@@ -10,9 +10,11 @@ import crc32c
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _local_reads, _small_reads, _zarr3
-from checkpointables_pytree._array_reads import ArrayRead, StoredArray
-from checkpointables_pytree._ocdbt_index import ValueLocation
+from checkpointables_pytree import io, storage, zarr3
+
+# Counting its calls patches the function where the reader finds it.
+from checkpointables_pytree.io import ArrayRead, StoredArray, _small_reads
+from checkpointables_pytree.ocdbt import ValueLocation
 
 from .damage import flip
 from .test_btree_nodes import _uncompressed_copy
@@ -39,15 +41,15 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def taken(monkeypatch) -> list[int]:
-    """How many arrays each call of ``_small_reads.read`` took."""
+    """How many arrays each call of ``io.read_small`` took."""
     counts: list[int] = []
-    original = _small_reads.read
+    original = io.read_small
 
     def counting(files, smalls, verify):
         counts.append(len(smalls))
         return original(files, smalls, verify)
 
-    monkeypatch.setattr(_small_reads, "read", counting)
+    monkeypatch.setattr(_small_reads, "read_small", counting)
     return counts
 
 
@@ -98,26 +100,26 @@ def test_a_damaged_shard_names_its_leaf(saved, tmp_path, where, problem) -> None
             np.testing.assert_array_equal(cp.load_pytree(copy)["layer_080"], array)
 
 
-def _small(name: str, value) -> _small_reads.Small:
+def _small(name: str, value) -> io.Small:
     stored = StoredArray((4,), np.dtype(np.float32), (4,), direct=True)
     size = value.length if isinstance(value, ValueLocation) else len(value)
-    return _small_reads.Small(ArrayRead(name, name, stored, convert=lambda p: p[0]), value, size)
+    return io.Small(ArrayRead(name, name, stored, convert=lambda p: p[0]), value, size)
 
 
 def test_values_a_file_cannot_hold_are_left_to_tensorstore(tmp_path) -> None:
     data = np.arange(4, dtype=np.float32)
-    shard = _zarr3.encode_shard(data.tobytes(), crc32c.crc32c(data))
+    shard = zarr3.encode_shard(data.tobytes(), crc32c.crc32c(data))
     (tmp_path / "values").write_bytes(shard * 2)
     where = os.fspath(tmp_path / "values")
-    files = _local_reads.OpenFiles()
+    files = storage.OpenFiles()
     try:
         inline = _small("inline", shard)
         whole = [_small("a", ValueLocation(where, 0, len(shard))), inline]
-        assert all(np.array_equal(a, data) for a in _small_reads.read(files, whole, True))
+        assert all(np.array_equal(a, data) for a in io.read_small(files, whole, True))
         beyond = _small("b", ValueLocation(where, len(shard) + 8, len(shard)))  # Cut short.
         missing = _small("c", ValueLocation(where + ".gone", 0, len(shard)))
-        assert _small_reads.read(files, [*whole, beyond], True) is None
-        assert _small_reads.read(files, [missing, inline], True) is None
+        assert io.read_small(files, [*whole, beyond], True) is None
+        assert io.read_small(files, [missing, inline], True) is None
     finally:
         files.close()
 
@@ -126,4 +128,4 @@ def test_arrays_share_buffers_of_bounded_size(saved) -> None:
     loaded = cp.load_pytree(saved)
     owners = {id(a.base): a.base for a in loaded.values() if a.base is not None}
     assert len(owners) < len(loaded) / 2
-    assert all(o.nbytes <= _local_reads.SLAB_BYTES + 64 for o in owners.values())
+    assert all(o.nbytes <= storage.SLAB_BYTES + 64 for o in owners.values())

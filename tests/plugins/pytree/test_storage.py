@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from checkpointables_pytree import choose_inner_chunk_shape
-from checkpointables_pytree._zarr3 import encode_shard, metadata_dict, zarr_json
+from checkpointables_pytree.zarr3 import encode_shard, metadata_dict, zarr_json
 from crc32c import crc32c
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables_pytree import _tree, _tree_metadata
+from checkpointables_pytree import tree as tree_room
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -94,36 +94,36 @@ def test_sharding_changed_between_saves(tmp_path, mesh_4x2) -> None:
 
 def test_flatten_reuses_a_structure_and_returns_this_trees_leaves() -> None:
     first, second = _tree_of(1), _tree_of(2)
-    a, b = _tree.flatten(first), _tree.flatten(second)
+    a, b = tree_room.flatten(first), tree_room.flatten(second)
     assert [leaf.names for leaf in a.leaves] == [leaf.names for leaf in b.leaves]
     assert all(leaf.value is v for leaf, v in zip(b.leaves, jax.tree.leaves(second), strict=True))
-    assert b.structure.empty == ((((jax.tree_util.DictKey("empty"),), _tree.EMPTY_DICT),))
+    assert b.structure.empty == ((((jax.tree_util.DictKey("empty"),), tree_room.EMPTY_DICT),))
     assert b.structure is a.structure
 
 
 def test_flatten_of_keys_jax_cannot_sort() -> None:
-    flat = _tree.flatten({1: np.ones(2), "a": np.zeros(2)})
+    flat = tree_room.flatten({1: np.ones(2), "a": np.zeros(2)})
     assert [leaf.names for leaf in flat.leaves] == [("1",), ("a",)]
 
 
 def test_a_metadata_text_parsed_again_shares_its_entries_and_derived_plans(tmp_path) -> None:
     cp.save_pytree(tmp_path / "a", _tree_of(1))
     cp.save_pytree(tmp_path / "b", _tree_of(2))  # Same structure: the same _METADATA text.
-    path = tmp_path / "a" / "pytree" / _tree_metadata.METADATA_FILE
+    path = tmp_path / "a" / "pytree" / tree_room.METADATA_FILE
     text = path.read_bytes()
-    assert (tmp_path / "b" / "pytree" / _tree_metadata.METADATA_FILE).read_bytes() == text
-    first = _tree_metadata.parse_tree_metadata(path, text)
+    assert (tmp_path / "b" / "pytree" / tree_room.METADATA_FILE).read_bytes() == text
+    first = tree_room.parse_tree_metadata(path, text)
     first.extra["changed"] = True
     first.checksum_recorded = True
     first.derived["plan"] = "made once"
-    again = _tree_metadata.parse_tree_metadata(path, text)
+    again = tree_room.parse_tree_metadata(path, text)
     assert again.entries is first.entries  # Shared, never changed by loads.
     assert again.derived["plan"] == "made once"
     assert "changed" not in again.extra and not again.checksum_recorded  # The caller's own.
-    assert again == _tree_metadata._parse_tree_metadata(path, text)
+    assert again == tree_room.parse_tree_metadata_uncached(path, text)
     other = text.replace(b'"step"', b'"steps"')
     assert other != text
-    assert "plan" not in _tree_metadata.parse_tree_metadata(path, other).derived
+    assert "plan" not in tree_room.parse_tree_metadata(path, other).derived
     _save_and_check(tmp_path / "c", _tree_of(3))
 
 
@@ -217,7 +217,7 @@ def test_keys_of_one_name_raise_on_every_save_of_a_cached_structure(tmp_path) ->
 
 
 def _metadata_text(path) -> str:
-    return (path / "pytree" / _tree_metadata.METADATA_FILE).read_text()
+    return (path / "pytree" / tree_room.METADATA_FILE).read_text()
 
 
 def test_saved_metadata_text_is_the_json_encoders(tmp_path) -> None:
@@ -228,8 +228,8 @@ def test_saved_metadata_text_is_the_json_encoders(tmp_path) -> None:
     for name in ("a", "b"):  # The second save reuses the template and the records' texts.
         cp.save_pytree(tmp_path / name, tree)
         text = _metadata_text(tmp_path / name)
-        parsed = _tree_metadata._parse_tree_metadata(tmp_path / name, text)
-        rebuilt = _tree_metadata.TreeMetadata(
+        parsed = tree_room.parse_tree_metadata_uncached(tmp_path / name, text)
+        rebuilt = tree_room.TreeMetadata(
             entries=parsed.entries,
             tuple_paths=parsed.tuple_paths,
             own_value_types=parsed.own_value_types,
@@ -240,7 +240,7 @@ def test_saved_metadata_text_is_the_json_encoders(tmp_path) -> None:
 
 def test_array_layouts_are_kept_while_shapes_and_dtypes_stay(tmp_path) -> None:
     tree = {f"w{i}": np.full((i + 1, 2), i, np.float32) for i in range(6)}
-    structure = _tree.flatten(tree).structure
+    structure = tree_room.flatten(tree).structure
     cp.save_pytree(tmp_path / "a", tree)
     plan = structure.derived[("array_layouts", "numpy")]
     _save_and_check(tmp_path / "b", {k: v + 1 for k, v in tree.items()})
@@ -309,14 +309,14 @@ def test_jax_array_layouts_follow_shape_changes(tmp_path) -> None:
 
 
 def test_the_database_layout_is_kept_while_the_arrays_keep_their_sizes(tmp_path) -> None:
-    from checkpointables_pytree import _write
+    from checkpointables_pytree import io
 
     def tree_of(step: int, big: int = 4096) -> dict[str, np.ndarray]:
         # Values in data files (over 1 KiB) and inline in the b-tree.
         return {"big": np.arange(big) + step, "small": np.arange(3.0) + step, "mid": np.ones(600)}
 
     def kept_layout(tree):
-        return _tree.flatten(tree).structure.derived[_write._DATABASE_LAYOUT][1]
+        return tree_room.flatten(tree).structure.derived[io.DATABASE_LAYOUT][1]
 
     _save_and_check(tmp_path / "a", tree_of(0))
     first = kept_layout(tree_of(0))

@@ -5,27 +5,27 @@ from __future__ import annotations
 import json
 
 import pytest
-from checkpointables_pytree import _tree
-from checkpointables_pytree._tree_metadata import Entry, TreeMetadata
+from checkpointables_pytree import tree
+from checkpointables_pytree.tree import Entry, TreeMetadata
 
 
 def _entries() -> list[Entry]:
     return [
         Entry(
             names=("params", "dense", "kernel"),
-            key_types=(_tree.DICT,) * 3,
+            key_types=(tree.DICT,) * 3,
             value_type="jax.Array",
             write_shape=(4, 2),
             extra={"shape": [4, 2], "dtype": "float32", "one_chunk_shards": True, "crc32": [7]},
         ),
         Entry(
             names=("layers", "0", 'quote"d \\ ünïcode'),
-            key_types=(_tree.DICT, _tree.SEQUENCE, _tree.DICT),
+            key_types=(tree.DICT, tree.SEQUENCE, tree.DICT),
             value_type="np.ndarray",
             extra={"nested": {"a": [1.5, None, "x"]}, "nan": float("nan"), "flag": False},
         ),
-        Entry(names=("step",), key_types=(_tree.DICT,), value_type="scalar"),
-        Entry(names=("empty",), key_types=(_tree.DICT,), value_type="dict", skip_deserialize=True),
+        Entry(names=("step",), key_types=(tree.DICT,), value_type="scalar"),
+        Entry(names=("empty",), key_types=(tree.DICT,), value_type="dict", skip_deserialize=True),
     ]
 
 
@@ -45,6 +45,6 @@ def test_text_is_the_json_encoders(monkeypatch, c_encoder) -> None:
 
 
 def test_an_unencodable_extra_raises_type_error() -> None:
-    entry = Entry(names=("x",), key_types=(_tree.DICT,), value_type="scalar", extra={"o": object()})
+    entry = Entry(names=("x",), key_types=(tree.DICT,), value_type="scalar", extra={"o": object()})
     with pytest.raises(TypeError, match="not JSON serializable"):
         TreeMetadata(entries=[entry]).to_json_text()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _ts_futures
+from checkpointables_pytree import storage
 
 
 def _complete_later(promises: list[ts.Promise], values: list[object]) -> threading.Thread:
@@ -34,7 +34,7 @@ def test_results_come_in_order_whatever_order_the_futures_finish_in() -> None:
     thread = _complete_later([p for p, _ in pairs], list(range(5)))
     futures = [pairs[0][1], done_future, *(f for _, f in pairs[1:])]
     try:
-        assert asyncio.run(_ts_futures.wait_all(futures)) == [0, "ready", 1, 2, 3, 4]
+        assert asyncio.run(storage.wait_all(futures)) == [0, "ready", 1, 2, 3, 4]
     finally:
         thread.join()
 
@@ -44,7 +44,7 @@ def test_the_first_failure_in_order_is_raised_once_all_are_done() -> None:
     thread = _complete_later([p for p, _ in pairs], [ValueError("first"), 1, KeyError("second")])
     try:
         with pytest.raises(ValueError, match="first"):
-            asyncio.run(_ts_futures.wait_all([f for _, f in pairs]))
+            asyncio.run(storage.wait_all([f for _, f in pairs]))
         assert all(f.done() for _, f in pairs)
     finally:
         thread.join()
@@ -52,13 +52,13 @@ def test_the_first_failure_in_order_is_raised_once_all_are_done() -> None:
 
 def test_real_opens_and_nothing_at_all() -> None:
     async def main() -> list[object]:
-        assert await _ts_futures.wait_all([]) == []
+        assert await storage.wait_all([]) == []
         spec = {
             "driver": "zarr3",
             "kvstore": "memory://",
             "metadata": {"shape": [4], "data_type": "int32"},
         }
-        return await _ts_futures.wait_all([ts.open(spec, create=True) for _ in range(3)])
+        return await storage.wait_all([ts.open(spec, create=True) for _ in range(3)])
 
     stores = asyncio.run(main())
     assert [s.shape for s in stores] == [(4,)] * 3

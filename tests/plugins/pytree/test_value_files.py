@@ -11,8 +11,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import _ocdbt
-from checkpointables_pytree import _ocdbt_index as _value_files
+from checkpointables_pytree import ocdbt
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -28,7 +27,7 @@ def _kvstore(directory, config=None):
     return ts.KvStore.open(spec).result()
 
 
-def _bytes_at(location: _value_files.ValueLocation) -> bytes:
+def _bytes_at(location: ocdbt.ValueLocation) -> bytes:
     with open(location.file, "rb") as f:
         f.seek(location.offset)
         return f.read(location.length)
@@ -43,7 +42,7 @@ def test_locations_in_a_deep_btree_hold_exactly_the_values(tmp_path) -> None:
         for key, value in values.items():
             store.with_transaction(transaction)[key] = value
     wanted = [*values, "absent/key"]
-    found = asyncio.run(_value_files.locate(tmp_path, wanted))
+    found = asyncio.run(ocdbt.locate(tmp_path, wanted))
     assert set(found) == set(values) - {"tiny"}  # Inline and missing keys have no location.
     for key, location in found.items():
         assert _bytes_at(location) == values[key], key
@@ -54,10 +53,8 @@ def test_locations_follow_merged_databases(tmp_path) -> None:
     config = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
     _kvstore(tmp_path, config)["a/c/0"] = b"a" * 5000
     _kvstore(tmp_path / "ocdbt.process_1", config)["b/c/0"] = b"b" * 6000
-    _ocdbt.merge_into(
-        epath.Path(tmp_path), [_ocdbt.Source(epath.Path(tmp_path / "ocdbt.process_1"))]
-    )
-    found = asyncio.run(_value_files.locate(tmp_path, ["a/c/0", "b/c/0"]))
+    ocdbt.merge_into(epath.Path(tmp_path), [ocdbt.Source(epath.Path(tmp_path / "ocdbt.process_1"))])
+    found = asyncio.run(ocdbt.locate(tmp_path, ["a/c/0", "b/c/0"]))
     assert "ocdbt.process_1" in found["b/c/0"].file
     assert _bytes_at(found["a/c/0"]) == b"a" * 5000
     assert _bytes_at(found["b/c/0"]) == b"b" * 6000
@@ -69,7 +66,7 @@ def test_one_index_serves_several_lookups_and_bytes_keys(tmp_path) -> None:
     with ts.Transaction() as transaction:
         for key, value in values.items():
             store.with_transaction(transaction)[key] = value
-    index = _value_files.DatabaseIndex(tmp_path)
+    index = ocdbt.DatabaseIndex(tmp_path)
     index.prefetch()
     index.prefetch()  # Once only.
     keys = list(values)
@@ -93,12 +90,12 @@ def test_one_index_serves_several_lookups_and_bytes_keys(tmp_path) -> None:
     ],
 )
 def test_unusable_locations_are_refused(text) -> None:
-    assert _value_files.parse_location(text, "/ckpt/pytree") is None
+    assert ocdbt.parse_location(text, "/ckpt/pytree") is None
 
 
 def test_parsed_location() -> None:
-    parsed = _value_files.parse_location("value:ocdbt.process_1/:d/abc:24:1000", "/ckpt/pytree")
-    assert parsed == _value_files.ValueLocation("/ckpt/pytree/ocdbt.process_1/d/abc", 24, 1000)
+    parsed = ocdbt.parse_location("value:ocdbt.process_1/:d/abc:24:1000", "/ckpt/pytree")
+    assert parsed == ocdbt.ValueLocation("/ckpt/pytree/ocdbt.process_1/d/abc", 24, 1000)
 
 
 def _sharded(shape, spec, mesh_shape=(4, 2)):

@@ -19,14 +19,14 @@ import checkpointables as cp
 import jax
 import numpy as np
 import pytest
-from checkpointables_pytree import _driver_writes, _ocdbt_index, _write
+from checkpointables_pytree import io, ocdbt
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 
 from .damage import flip
 
 # Three groups' worth of large arrays (each just over a group), and small ones.
-BIG_ELEMENTS = _driver_writes.LARGE_GROUP_BYTES // 4 + 1024
+BIG_ELEMENTS = ocdbt.LARGE_GROUP_BYTES // 4 + 1024
 
 
 def _tree() -> dict:
@@ -66,7 +66,7 @@ def saved(tmp_path_factory):
 
 def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     path, tree = saved
-    writers = sorted(p.name for p in (path / "pytree").glob(_driver_writes.WRITER_PREFIX + "*"))
+    writers = sorted(p.name for p in (path / "pytree").glob(ocdbt.WRITER_PREFIX + "*"))
     assert len(writers) == 3, writers
     # The pytree's own database holds every key; the writers' data files hold the big chunks.
     found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
@@ -74,8 +74,8 @@ def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     _assert_equal(cp.load_pytree(path), tree)
 
 
-def _locate(directory, keys) -> dict[str, _ocdbt_index.ValueLocation]:
-    return cp._asyncio.run_sync(_ocdbt_index.locate(directory, keys))
+def _locate(directory, keys) -> dict[str, ocdbt.ValueLocation]:
+    return cp._asyncio.run_sync(ocdbt.locate(directory, keys))
 
 
 # Orbax warns when it restores a jax.Array from the `_sharding` file.
@@ -108,7 +108,7 @@ def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) ->
         cp.partial.save(root, {"params": tree["params"]})
         cp.partial.save(root, {"embed": tree["embed"], "bias": tree["bias"], "step": tree["step"]})
     cp.partial.finalize(root)
-    writers = f"{cp.partial.SOURCE_PREFIX}*/**/{_driver_writes.WRITER_PREFIX}*"
+    writers = f"{cp.partial.SOURCE_PREFIX}*/**/{ocdbt.WRITER_PREFIX}*"
     assert list((root / "pytree").glob(writers))
     _assert_equal(cp.load_pytree(root), tree)
     _assert_equal(ocp_v1.load(root), tree)
@@ -118,9 +118,9 @@ def test_plain_large_arrays_are_written_without_the_driver(tmp_path) -> None:
     # On a local disk plain arrays up to DIRECT_BYTES go to the database's own data files.
     path = tmp_path / "c"
     tree = _tree()
-    tree["params"] = {k: v[: _write.DIRECT_BYTES // 4] for k, v in tree["params"].items()}
+    tree["params"] = {k: v[: io.DIRECT_BYTES // 4] for k, v in tree["params"].items()}
     cp.save_pytree(path, tree)
-    assert not list((path / "pytree").glob(_driver_writes.WRITER_PREFIX + "*"))
+    assert not list((path / "pytree").glob(ocdbt.WRITER_PREFIX + "*"))
     found = _locate(path / "pytree", [f"params.w{i}/c/0" for i in range(3)])
     assert {location.file.split("/")[-2] for location in found.values()} == {"d"}
     handler = cp.handlers.get("pytree")()

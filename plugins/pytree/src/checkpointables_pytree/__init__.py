@@ -16,13 +16,21 @@ what ``cp.pytree_metadata`` returns.
 
 from __future__ import annotations
 
-from checkpointables_pytree._array_handlers import ArrayLeafHandler, NumpyLeafHandler
 from checkpointables_pytree._handler import PyTreeHandler
-from checkpointables_pytree._keys import AbstractPRNGKey, PRNGKeyLeafHandler, PRNGKeyMetadata
-from checkpointables_pytree._leaf_common import choose_inner_chunk_shape
-from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
-from checkpointables_pytree._scalar_handler import ScalarLeafHandler
-from checkpointables_pytree._text_handlers import BytesLeafHandler, StringLeafHandler
+from checkpointables_pytree.leaves import (
+    AbstractPRNGKey,
+    ArrayLeafHandler,
+    ArrayMetadata,
+    BytesLeafHandler,
+    NumpyLeafHandler,
+    NumpyMetadata,
+    PRNGKeyLeafHandler,
+    PRNGKeyMetadata,
+    ScalarLeafHandler,
+    StorageMetadata,
+    StringLeafHandler,
+    choose_inner_chunk_shape,
+)
 
 __all__ = [
     # The checkpointable handler.

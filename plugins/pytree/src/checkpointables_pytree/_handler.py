@@ -23,19 +23,12 @@ from checkpointables import execution
 from checkpointables.serialization import LeafHandlerRegistry, StandardLeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import (
-    _errors,
-    _keys,
-    _multiprocess,
-    _ocdbt,
-    _ocdbt_index,
-    _tree,
-    _tree_metadata,
-    _verify,
-)
+from checkpointables_pytree import _verify, io, ocdbt, storage
+from checkpointables_pytree import leaves as leaves_room
+from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree._load_plan import LoadPlan, is_skip
 from checkpointables_pytree._save_plan import EntryCache, group_leaves, saved_tree_metadata
-from checkpointables_pytree._session import (
+from checkpointables_pytree.leaves import (
     LoadSession,
     PyTreeDeserializationContext,
     PyTreeSerializationContext,
@@ -107,7 +100,7 @@ def _discard_unstarted(awaitables: Sequence[Any]) -> None:
 async def _write(
     directory: cp.path.PathAwaitingCreation,
     session: SaveSession,
-    metadata: Callable[[], _tree_metadata.TreeMetadata],
+    metadata: Callable[[], tree_room.TreeMetadata],
     awaitables: Sequence[Any],
 ) -> None:
     """The background of a save: the arrays, the leaf handlers' awaitables and the tree's files.
@@ -122,7 +115,7 @@ async def _write(
             tree = metadata()
         await _write_all(directory, session, tree, awaitables)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
-        translated = _errors.write_error(e, f"the pytree in {directory.path}")
+        translated = storage.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
             raise
         raise translated from e
@@ -131,7 +124,7 @@ async def _write(
 async def _write_all(
     directory: cp.path.PathAwaitingCreation,
     session: SaveSession,
-    tree: _tree_metadata.TreeMetadata,
+    tree: tree_room.TreeMetadata,
     awaitables: Sequence[Any],
 ) -> None:
     # The tree's own files are written while the arrays are committed.
@@ -144,18 +137,18 @@ async def _write_all(
             if session.primary:
                 if session.strings:
                     tree.strings_crc32c = crc32c.crc32c(session.strings_text().encode())
-                _tree_metadata.write_tree_metadata(path, tree)
+                tree_room.write_tree_metadata(path, tree)
     finally:
         await asyncio.gather(arrays, others)
     if cp.multihost.process_count() > 1 and not session.writer.empty:
         # Durable before this process reports that it finished writing.
-        await asyncio.to_thread(_multiprocess.flush_database, _ocdbt.database_directory(path))
+        await asyncio.to_thread(io.flush_database, ocdbt.database_directory(path))
 
 
-def _read_tree_metadata(directory: epath.Path) -> _tree_metadata.TreeMetadata:
+def _read_tree_metadata(directory: epath.Path) -> tree_room.TreeMetadata:
     """``_METADATA``, with the PRNG keys of a tree Orbax wrote marked as ours are."""
-    tree = _tree_metadata.read_tree_metadata(directory)
-    _keys.mark_orbax_keys(tree, directory)
+    tree = tree_room.read_tree_metadata(directory)
+    leaves_room.mark_orbax_keys(tree, directory)
     return tree
 
 
@@ -179,17 +172,17 @@ class PyTreeHandler:
     """
 
     def __init__(self) -> None:
-        self._last_flat: tuple[Any, _tree.Flat] | None = None
+        self._last_flat: tuple[Any, tree_room.Flat] | None = None
         self._last_abstract: tuple[Any, Any] | None = None
 
     # -- Resolution ---------------------------------------------------------------------
 
-    def _flatten(self, tree: Any) -> _tree.Flat:
+    def _flatten(self, tree: Any) -> tree_room.Flat:
         # Resolution calls is_handleable and then save on the same instance:
         # flatten the tree once for both.
         if self._last_flat is not None and self._last_flat[0] is tree:
             return self._last_flat[1]
-        flat = _tree.flatten(tree)
+        flat = tree_room.flatten(tree)
         self._last_flat = (tree, flat)
         return flat
 
@@ -199,7 +192,7 @@ class PyTreeHandler:
         if all(lookup(t) for t in set(map(type, flat.values))):
             return []
         return [
-            f"{_tree.keystr(leaf.names, leaf.key_types)} ({_errors.describe_type(leaf.value)})"
+            f"{tree_room.keystr(leaf.names, leaf.key_types)} ({storage.describe_type(leaf.value)})"
             for leaf in flat.leaves
             if lookup(type(leaf.value)) is None
         ]
@@ -218,7 +211,7 @@ class PyTreeHandler:
         if not bad:
             return None
         return (
-            f"no leaf handler accepts the leaves {_errors.listing(bad)}. Convert them to arrays, "
+            f"no leaf handler accepts the leaves {storage.listing(bad)}. Convert them to arrays, "
             "scalars or strings, or add a leaf handler for their type "
             "(cp.serialization.StandardLeafHandlerRegistry"
             f"().add(...) in cp.options.PyTreeOptions(leaf_handler_registry=...))"
@@ -240,13 +233,13 @@ class PyTreeHandler:
     def _flatten_abstract(self, abstract: Any) -> Any:
         # Resolution calls is_abstract_handleable and then load on the same instance.
         if self._last_abstract is None or self._last_abstract[0] is not abstract:
-            self._last_abstract = (abstract, _tree.flatten_abstract(abstract))
+            self._last_abstract = (abstract, tree_room.flatten_abstract(abstract))
         return self._last_abstract[1]
 
     @staticmethod
     def recognizes(directory: epath.Path) -> bool:
         """Whether ``directory`` holds a pytree (has ``_METADATA``); for untyped checkpoints."""
-        return cp.storage.exists(epath.Path(directory) / _tree_metadata.METADATA_FILE)
+        return cp.storage.exists(epath.Path(directory) / tree_room.METADATA_FILE)
 
     # -- Saving -------------------------------------------------------------------------------
 
@@ -293,8 +286,8 @@ class PyTreeHandler:
         """
         if cp.multihost.process_count() > 1:
             context = cp.context.get_context()
-            with _errors.object_store_failures(directory, "Merging the databases of"):
-                await asyncio.to_thread(_multiprocess.merge_process_databases, directory, context)
+            with storage.object_store_failures(directory, "Merging the databases of"):
+                await asyncio.to_thread(io.merge_process_databases, directory, context)
 
     # -- Loading --------------------------------------------------------------------------------
 
@@ -318,7 +311,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = _ocdbt_index.OpenedDatabase.start(directory)
+        opened = ocdbt.OpenedDatabase.start(directory)
         tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
@@ -394,6 +387,6 @@ class PyTreeHandler:
         ``target`` and stay there: no array data is copied, the merged database
         refers to theirs. Later sources replace earlier ones' keys.
         """
-        from checkpointables_pytree import _partial  # Only partial saves need it.
+        from checkpointables_pytree import _partial
 
         _partial.merge_partial_saves(sources, target)

@@ -18,10 +18,9 @@ import numpy as np
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _rebuild, _tree, _tree_metadata
-from checkpointables_pytree._errors import describe_type, listing
-from checkpointables_pytree._keys import AbstractPRNGKey
-from checkpointables_pytree._session import NamedDeserializationParam
+from checkpointables_pytree import tree as tree_room
+from checkpointables_pytree.leaves import AbstractPRNGKey, NamedDeserializationParam
+from checkpointables_pytree.storage import describe_type, listing
 
 __all__ = ["LoadPlan", "is_skip"]
 
@@ -37,11 +36,11 @@ _VALUE_TYPES = "value types"  # tree.derived's key of the value types a tree rec
 _RECIPE = "recipe"  # tree.derived's key of the slots it was made for and the Recipe.
 
 
-def _value_types(tree: _tree_metadata.TreeMetadata) -> tuple[str, ...]:
+def _value_types(tree: tree_room.TreeMetadata) -> tuple[str, ...]:
     """Every value type the entries record (their own ones too), in a fixed order."""
     types = {e.value_type for e in tree.entries}
     if tree.own_value_types:
-        own = (e.extra.get(_tree_metadata.OWN_VALUE_TYPE) for e in tree.entries)
+        own = (e.extra.get(tree_room.OWN_VALUE_TYPE) for e in tree.entries)
         types.update(t for t in own if isinstance(t, str))
     return tuple(sorted(types))
 
@@ -146,7 +145,7 @@ class LoadPlan:
 
     @classmethod
     def without_abstract(
-        cls, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
+        cls, tree: tree_room.TreeMetadata, registry: LeafHandlerRegistry
     ) -> LoadPlan:
         """Every recorded leaf, read as saved.
 
@@ -172,18 +171,16 @@ class LoadPlan:
         return plan
 
     @classmethod
-    def _recorded(
-        cls, tree: _tree_metadata.TreeMetadata, handlers: dict[str, type | None]
-    ) -> LoadPlan:
+    def _recorded(cls, tree: tree_room.TreeMetadata, handlers: dict[str, type | None]) -> LoadPlan:
         """The plan of ``without_abstract``, with each value type's leaf handler."""
         plan = cls()
         unknown: dict[str, list[str]] = {}
         slots, values = plan.slots, plan.values
-        jax_keypath, own_value_types = _tree.jax_keypath, tree.own_value_types
+        jax_keypath, own_value_types = tree_room.jax_keypath, tree.own_value_types
         for entry in tree.entries:
             names, value_type = entry.names, entry.value_type
             slots.append((names, entry.key_types))
-            if entry.skip_deserialize and value_type in _tree.EMPTY_TYPES:
+            if entry.skip_deserialize and value_type in tree_room.EMPTY_TYPES:
                 plan.empties.append((len(values), value_type))
                 values.append(None)
                 continue
@@ -191,7 +188,7 @@ class LoadPlan:
                 values.append(cp.PLACEHOLDER)
                 continue
             values.append(None)
-            own = entry.extra.get(_tree_metadata.OWN_VALUE_TYPE) if own_value_types else None
+            own = entry.extra.get(tree_room.OWN_VALUE_TYPE) if own_value_types else None
             own = own if isinstance(own, str) else None
             # A leaf's own value type unknown here falls back to its Orbax value type.
             handler = (own and handlers.get(own)) or handlers.get(value_type)
@@ -208,7 +205,7 @@ class LoadPlan:
     @classmethod
     def with_abstract(
         cls,
-        tree: _tree_metadata.TreeMetadata,
+        tree: tree_room.TreeMetadata,
         abstract: Any,
         registry: LeafHandlerRegistry,
         *,
@@ -223,14 +220,14 @@ class LoadPlan:
             abstract tree leaves out are fine).
         """
         plan = cls()
-        leaves, plan.treedef = flat if flat is not None else _tree.flatten_abstract(abstract)
+        leaves, plan.treedef = flat if flat is not None else tree_room.flatten_abstract(abstract)
         stored, inner = _stored_and_inner(tree)
         mismatch = _Mismatch()
         used: set[tuple[str, ...]] = set()
         skipped: set[tuple[str, ...]] = set()
         handler_of = _abstract_handlers(registry)
         for keypath, leaf in leaves:
-            names = _tree.key_names(keypath)
+            names = tree_room.key_names(keypath)
             plan.values.append(leaf)
             if is_skip(leaf):
                 if names in stored or names in inner:
@@ -253,7 +250,7 @@ class LoadPlan:
         mismatch.raise_if_any(partial=partial, where=where)
         return plan
 
-    def build(self, tree: _tree_metadata.TreeMetadata, where: epath.Path) -> Any:
+    def build(self, tree: tree_room.TreeMetadata, where: epath.Path) -> Any:
         """The result tree: the abstract tree's structure, or the recorded one."""
         if self.treedef is not None:
             return jax.tree_util.tree_unflatten(self.treedef, self.values)
@@ -262,11 +259,11 @@ class LoadPlan:
         # The structure depends only on the _METADATA text: worked out once, then replayed.
         recipe = tree.derived.get(_RECIPE)
         if recipe is None or recipe[0] is not self.slots:
-            made = _rebuild.Recipe.of(
+            made = tree_room.Recipe.of(
                 self.slots,
                 tree.tuple_paths,
                 on_conflict=lambda message: cp.errors.MetadataError(
-                    f"{where / _tree_metadata.METADATA_FILE} is malformed: {message}."
+                    f"{where / tree_room.METADATA_FILE} is malformed: {message}."
                 ),
             )
             recipe = tree.derived[_RECIPE] = (self.slots, made)
@@ -279,10 +276,10 @@ def _shown(keypath: tuple[Any, ...]) -> str:
 
 
 def _stored_and_inner(
-    tree: _tree_metadata.TreeMetadata,
-) -> tuple[dict[tuple[str, ...], _tree_metadata.Entry], frozenset[tuple[str, ...]]]:
+    tree: tree_room.TreeMetadata,
+) -> tuple[dict[tuple[str, ...], tree_room.Entry], frozenset[tuple[str, ...]]]:
     """The entries by key names, and every proper prefix of them (made once per text)."""
-    entries = _tree_metadata.entries_by_names(tree)
+    entries = tree_room.entries_by_names(tree)
     inner = tree.derived.get("inner")
     if inner is None:
         inner = tree.derived["inner"] = frozenset(
@@ -326,7 +323,7 @@ def _abstract_handlers(registry: LeafHandlerRegistry) -> Callable[[Any], type | 
 
 
 def _no_leaf_stored(
-    shown: str, entry: _tree_metadata.Entry | None, is_subtree: bool, mismatch: _Mismatch
+    shown: str, entry: tree_room.Entry | None, is_subtree: bool, mismatch: _Mismatch
 ) -> None:
     """Records why an abstract leaf has no stored leaf: a subtree, an empty node, or nothing."""
     if is_subtree:
@@ -340,7 +337,7 @@ def _no_leaf_stored(
 
 
 def _left_out(
-    tree: _tree_metadata.TreeMetadata,
+    tree: tree_room.TreeMetadata,
     abstract: Any,
     used: set[tuple[str, ...]],
     skipped: set[tuple[str, ...]],
@@ -355,7 +352,7 @@ def _left_out(
             continue
         # An empty node (optax.EmptyState(), an empty dataclass) has no leaf in the
         # abstract tree's flattening: look for it there.
-        if entry.is_empty_node and _tree.has_empty_node(abstract, names):
+        if entry.is_empty_node and tree_room.has_empty_node(abstract, names):
             continue
         missing.append(entry.keystr)
     return missing

@@ -33,8 +33,9 @@ import checkpointables as cp
 import crc32c
 from etils import epath
 
-from checkpointables_pytree import _ocdbt, _sharding, _tree_metadata
-from checkpointables_pytree._session import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
+from checkpointables_pytree import ocdbt
+from checkpointables_pytree import tree as tree_room
+from checkpointables_pytree.leaves import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
 
 __all__ = ["merge_partial_saves", "plan_merge", "Winner"]
 
@@ -43,8 +44,8 @@ _DATA_DIR = "d"
 # Files this module rebuilds, and databases it leaves alone: never custom leaf files.
 _MANAGED = frozenset(
     {
-        _tree_metadata.METADATA_FILE,
-        _sharding.SHARDING_FILE,
+        tree_room.METADATA_FILE,
+        tree_room.SHARDING_FILE,
         STRINGS_FILE,
         ARRAY_METADATAS_DIR,
         _MANIFEST,
@@ -66,7 +67,7 @@ _RECOMPUTED_FIELDS = (
 class Winner:
     """A recorded entry that survives the merge, and the source it comes from."""
 
-    entry: _tree_metadata.Entry
+    entry: tree_room.Entry
     source: int
 
 
@@ -106,7 +107,7 @@ def _insert(root: _Node, winner: Winner, tuple_paths: frozenset[tuple[str, ...]]
 
 
 def plan_merge(
-    trees: Sequence[_tree_metadata.TreeMetadata],
+    trees: Sequence[tree_room.TreeMetadata],
 ) -> tuple[dict[tuple[str, ...], Winner], frozenset[tuple[str, ...]]]:
     """The surviving entries (by key names) and the tuple containers of the merged tree.
 
@@ -172,7 +173,7 @@ def _owner(name: str, storage_names: Sequence[str]) -> str | None:
 
 def _custom_files(
     sources: Sequence[epath.Path],
-    trees: Sequence[_tree_metadata.TreeMetadata],
+    trees: Sequence[tree_room.TreeMetadata],
     won: Sequence[set[str]],
     target: epath.Path,
 ) -> None:
@@ -227,9 +228,9 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     if not sources:
         raise ValueError(f"Nothing to merge into {target}: no partial saves were given.")
     sources = [epath.Path(s) for s in sources]
-    trees = [_tree_metadata.read_tree_metadata(s) for s in sources]
+    trees = [tree_room.read_tree_metadata(s) for s in sources]
     winners, tuples = plan_merge(trees)
-    merged = _tree_metadata.TreeMetadata(
+    merged = tree_room.TreeMetadata(
         entries=sorted((w.entry for w in winners.values()), key=lambda e: e.names),
         tuple_paths=tuples,
         extra={k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS},
@@ -245,12 +246,12 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     _array_metadatas(sources, won, target)
     _custom_files(sources, trees, won, target)
     # Last: a pytree directory counts as one once it has _METADATA.
-    _tree_metadata.write_tree_metadata(target, merged)
+    tree_room.write_tree_metadata(target, merged)
 
 
 def _merge_databases(
     sources: Sequence[epath.Path],
-    trees: Sequence[_tree_metadata.TreeMetadata],
+    trees: Sequence[tree_room.TreeMetadata],
     won: Sequence[set[str]],
     target: epath.Path,
 ) -> None:
@@ -262,16 +263,16 @@ def _merge_databases(
         stored = {trees[index].storage_name(e.names) for e in trees[index].entries}
         # A source that wins all its leaves is merged whole: one range, not one per leaf.
         prefixes = None if won[index] >= stored else tuple(sorted(f"{n}/" for n in won[index]))
-        merge_sources.append(_ocdbt.Source(directory, prefixes))
+        merge_sources.append(ocdbt.Source(directory, prefixes))
     if merge_sources:
-        _ocdbt.merge_into(target, merge_sources)
+        ocdbt.merge_into(target, merge_sources)
 
 
 def _merge_strings_and_shardings(
     sources: Sequence[epath.Path],
     won: Sequence[set[str]],
     target: epath.Path,
-    merged: _tree_metadata.TreeMetadata,
+    merged: tree_room.TreeMetadata,
 ) -> None:
     """Writes ``_strings.json`` (its checksum into ``merged``) and ``_sharding`` of the winners."""
     strings: dict[str, Any] = {}
@@ -281,9 +282,9 @@ def _merge_strings_and_shardings(
             continue
         source_strings = _read_json(directory / STRINGS_FILE) or {}
         strings.update({k: v for k, v in source_strings.items() if k in won[index]})
-        records = _sharding.read_sharding_file(directory)
+        records = tree_room.read_sharding_file(directory)
         for name in won[index]:
-            record = records.get(_sharding.file_key(name))
+            record = records.get(tree_room.file_key(name))
             if record is not None:
                 shardings[name] = record
     if strings:
@@ -291,4 +292,4 @@ def _merge_strings_and_shardings(
         write_text(target / STRINGS_FILE, text)
         merged.strings_crc32c = crc32c.crc32c(text.encode())
     if shardings:
-        _sharding.write_sharding_file(target, shardings)
+        tree_room.write_sharding_file(target, shardings)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import checkpointables as cp
@@ -13,18 +12,15 @@ import jax
 from checkpointables.serialization import (
     LeafEntry,
     LeafHandlerRegistry,
-    SerializationParam,
 )
 
-from checkpointables_pytree import _tree, _tree_metadata, _zarr3
-from checkpointables_pytree._errors import describe_type, listing
-from checkpointables_pytree._session import NamedSerializationParam, SaveSession
-from checkpointables_pytree._tree_metadata import OWN_VALUE_TYPE
+from checkpointables_pytree import tree
+from checkpointables_pytree.leaves import ArrayRecords, LeafGroup, SaveSession
+from checkpointables_pytree.storage import describe_type, listing
+from checkpointables_pytree.tree import OWN_VALUE_TYPE
 
 __all__ = [
-    "ArrayRecords",
     "EntryCache",
-    "LeafGroup",
     "Groups",
     "group_leaves",
     "saved_tree_metadata",
@@ -46,62 +42,11 @@ class EntryCache:
             return entry
 
 
-class ArrayRecords(Protocol):
-    """The ``_METADATA`` records of the arrays of a group scheduled at once
-    (``_array_layouts.ArrayLayouts``), one per leaf of the group."""
-
-    layouts: list[_zarr3.ZarrLayout]
-    records: list[dict[str, Any]]  # Shared by arrays of one layout: never changed.
-    write_shapes: bool  # Whether entries record the write shape (the chunk shape).
-    texts: dict[Any, list[str]]  # Their text, per value type (kept by ``saved_tree_metadata``).
-
-
-class LeafGroup(Sequence[SerializationParam[Any]]):
-    """The leaves of a save one leaf handler takes: its ``params``, made when first read.
-
-    The standard handlers read ``values`` in the blocking phase and the params in
-    the background one: an async save's caller waits for no per-leaf object.
-    """
-
-    def __init__(self, flat: _tree.Flat, indices: Sequence[int], entries: dict[type, Any]) -> None:
-        self.flat = flat
-        self.indices = indices
-        self.entries = entries  # Leaf type -> registry entry.
-        # Set by a standard array handler that scheduled the group at once: the records
-        # of its leaves for the _METADATA (else they are in the session's ``extras``).
-        self.layouts: ArrayRecords | None = None
-
-    @functools.cached_property
-    def values(self) -> list[Any]:
-        """The leaves' values."""
-        values = self.flat.values
-        return values if len(self.indices) == len(values) else [values[i] for i in self.indices]
-
-    @functools.cached_property
-    def params(self) -> list[NamedSerializationParam]:
-        """The leaves as ``SerializationParam``\\ s (with their storage names)."""
-        s = self.flat.structure
-        names = s.storage_names
-        return [
-            NamedSerializationParam(keypath=s.keypaths[i], value=v, storage_name=names[i])
-            for i, v in zip(self.indices, self.values, strict=True)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.params[index]
-
-    def __iter__(self) -> Iterator[SerializationParam[Any]]:
-        return iter(self.params)
-
-
 # Leaf handler class -> its leaves.
 Groups = dict[type, LeafGroup]
 
 
-def group_leaves(flat: _tree.Flat, lookup: EntryCache, where: Any) -> Groups:
+def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     """The leaves of ``flat`` grouped by leaf handler (one lookup per leaf type).
 
     Raises (naming ``where``):
@@ -166,7 +111,7 @@ class _Template:
     tuple_paths: frozenset[tuple[str, ...]]
 
 
-def _template(structure: _tree.Structure) -> _Template:
+def _template(structure: tree.Structure) -> _Template:
     """The ``_METADATA`` template of ``structure``, made by its first save."""
     template = structure.derived.get("metadata_template")
     if template is not None:
@@ -174,36 +119,34 @@ def _template(structure: _tree.Structure) -> _Template:
     records = list(zip(structure.names, structure.key_types, strict=True))
     kinds: list[str | None] = [None] * len(records)
     for path, kind in structure.empty:
-        records.append((_tree.key_names(path), tuple(_tree.key_type(k) for k in path)))
+        records.append((tree.key_names(path), tuple(tree.key_type(k) for k in path)))
         kinds.append(kind)
     order = sorted(range(len(records)), key=lambda k: records[k][0])
     places = [0] * len(order)
     for place, k in enumerate(order):
         places[k] = place
-    encode = _tree_metadata.compact_encoder()
+    encode = tree.compact_encoder()
     key_texts: dict[tuple[str, int], str] = {}
-    heads = [_tree_metadata.entry_head(*records[k], key_texts) for k in order]
+    heads = [tree.entry_head(*records[k], key_texts) for k in order]
     heads[1:] = ["," + head for head in heads[1:]]
     template = structure.derived["metadata_template"] = _Template(
         heads=heads,
         places=places[: len(structure.names)],
         tails=[
-            None
-            if kinds[k] is None
-            else _tree_metadata.entry_tail(kinds[k], True, None, None, encode)
+            None if kinds[k] is None else tree.entry_tail(kinds[k], True, None, None, encode)
             for k in order
         ],
-        tuple_paths=frozenset(_tree.key_names(p) for p in structure.tuples),
+        tuple_paths=frozenset(tree.key_names(p) for p in structure.tuples),
     )
     return template
 
 
 def saved_tree_metadata(
     groups: Groups,
-    flat: _tree.Flat,
+    flat: tree.Flat,
     session: SaveSession,
     registry: LeafHandlerRegistry,
-) -> _tree_metadata.TreeMetadata:
+) -> tree.TreeMetadata:
     """The ``_METADATA`` of a save: an entry per leaf (in ``groups``) and per empty node.
 
     Its text is the structure's template (``_template``) filled in with each
@@ -214,7 +157,7 @@ def saved_tree_metadata(
     tails = list(template.tails)
     places, names = template.places, flat.structure.storage_names
     write_shapes, extras = session.write_shapes, session.extras
-    encode = _tree_metadata.compact_encoder()
+    encode = tree.compact_encoder()
     # Per (registration, record, write shape): the text. Records are alive (in the session)
     # while this runs, so their ids name them.
     texts: dict[tuple[int, int, Any], str] = {}
@@ -237,13 +180,13 @@ def saved_tree_metadata(
             if text is None:
                 own_type = own_types[id(entry)]
                 if own_type is not None:
-                    extra = {**(extra or {}), _tree_metadata.OWN_VALUE_TYPE: own_type}
-                text = texts[key] = _tree_metadata.entry_tail(
+                    extra = {**(extra or {}), tree.OWN_VALUE_TYPE: own_type}
+                text = texts[key] = tree.entry_tail(
                     entry.typestr, False, write_shape, extra, encode
                 )
             tails[places[i]] = text
     pieces = itertools.chain.from_iterable(zip(template.heads, tails, strict=True))
-    return _tree_metadata.TreeMetadata(
+    return tree.TreeMetadata(
         entries=[],
         tuple_paths=template.tuple_paths,
         own_value_types=any(t is not None for t in own_types.values()),
@@ -283,7 +226,7 @@ def _planned_texts(
             if text is None:
                 extra = record if own_type is None else {**record, OWN_VALUE_TYPE: own_type}
                 write_shape = layout.chunk_shape if plan.write_shapes else None
-                text = by_record[id(record)] = _tree_metadata.entry_tail(
+                text = by_record[id(record)] = tree.entry_tail(
                     value_type, False, write_shape, extra, encode
                 )
             texts.append(text)

@@ -27,19 +27,11 @@ import tensorstore as ts
 from checkpointables.serialization import LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import (
-    _array_reads,
-    _errors,
-    _ocdbt,
-    _read,
-    _sharding,
-    _tree_metadata,
-    _zarr3,
-)
-from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._leaf_common import ARRAY_VALUE_TYPES, SCALAR, STRING
+from checkpointables_pytree import io, ocdbt, storage, zarr3
+from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree._load_plan import LoadPlan
-from checkpointables_pytree._session import LoadSession
+from checkpointables_pytree.io import ArrayRead
+from checkpointables_pytree.leaves import ARRAY_VALUE_TYPES, SCALAR, STRING, LoadSession
 
 __all__ = ["verify_pytree"]
 
@@ -47,15 +39,15 @@ __all__ = ["verify_pytree"]
 BATCH_BYTES = 32 << 20
 
 
-def _problem(entry: _tree_metadata.Entry, error: BaseException) -> str:
+def _problem(entry: tree_room.Entry, error: BaseException) -> str:
     return f"{entry.keystr}: {error}"
 
 
 async def _check_zarr_metadata(
-    session: LoadSession, entries: Sequence[_tree_metadata.Entry]
+    session: LoadSession, entries: Sequence[tree_room.Entry]
 ) -> list[str]:
     """Compares each batched array's ``zarr.json`` with the one this library writes for it."""
-    kvstore = await _ocdbt.open_kvstore(session.directory, _ocdbt.make_context())
+    kvstore = await ocdbt.open_kvstore(session.directory, ocdbt.make_context())
     names = [session.tree.storage_name(e.names) for e in entries]
     futures = [kvstore.read(f"{n}/zarr.json") for n in names]
     problems = []
@@ -65,9 +57,9 @@ async def _check_zarr_metadata(
         try:
             value = (await future).value
         except Exception as e:
-            problems.append(_problem(entry, _errors.storage_error("its zarr.json", e)))
+            problems.append(_problem(entry, storage.storage_error("its zarr.json", e)))
             continue
-        if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+        if value != zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
             problems.append(
                 f"{entry.keystr}: its zarr.json is missing or "
                 "damaged (other tools cannot read the array)"
@@ -75,19 +67,19 @@ async def _check_zarr_metadata(
     return problems
 
 
-async def _check_batch(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
+async def _check_batch(session: LoadSession, entries: Sequence[tree_room.Entry]) -> list[str]:
     problems = await _check_zarr_metadata(session, entries)
     return problems + await _check_chunks(session, entries)
 
 
 def _check_loadable(
-    directory: epath.Path, tree: _tree_metadata.TreeMetadata, registry: LeafHandlerRegistry
+    directory: epath.Path, tree: tree_room.TreeMetadata, registry: LeafHandlerRegistry
 ) -> list[str]:
     """What a load without an abstract tree refuses before reading any array."""
     try:
         plan = LoadPlan.without_abstract(tree, registry)
         plan.build(tree, directory)
-        _sharding.read_sharding_file(directory)
+        tree_room.read_sharding_file(directory)
     except cp.errors.CheckpointError as e:
         return [str(e)]
     return []
@@ -114,10 +106,10 @@ async def _check_array_set(session: LoadSession) -> list[str]:
     if not session.tree.use_ocdbt:
         return []
     try:
-        kvstore = await _ocdbt.open_kvstore(session.directory, _ocdbt.make_context())
+        kvstore = await ocdbt.open_kvstore(session.directory, ocdbt.make_context())
         keys = await kvstore.list()
     except Exception as e:
-        return [str(_errors.storage_error(f"the database of {session.directory}", e))]
+        return [str(storage.storage_error(f"the database of {session.directory}", e))]
     suffix = b"/zarr.json" if session.tree.use_zarr3 else b"/.zarray"
     stored = {k[: -len(suffix)].decode(errors="replace") for k in keys if k.endswith(suffix)}
     listed = {session.tree.storage_name(e.names) for e in session.tree.entries}
@@ -126,14 +118,14 @@ async def _check_array_set(session: LoadSession) -> list[str]:
         return []
     shown = ", ".join(repr(n) for n in unlisted[:10]) + (" ..." if len(unlisted) > 10 else "")
     return [
-        f"{session.directory / _tree_metadata.METADATA_FILE} does not list {len(unlisted)} "
+        f"{session.directory / tree_room.METADATA_FILE} does not list {len(unlisted)} "
         f"array(s) the database holds ({shown}): a load would leave them out. The metadata "
         f"lost entries; restore the checkpoint from a copy."
     ]
 
 
-async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.Entry]) -> list[str]:
-    reader = _read.Reader(session.directory)
+async def _check_chunks(session: LoadSession, entries: Sequence[tree_room.Entry]) -> list[str]:
+    reader = io.Reader(session.directory)
     reader.add_all(
         [
             ArrayRead(
@@ -158,14 +150,14 @@ async def _check_chunks(session: LoadSession, entries: Sequence[_tree_metadata.E
     return []
 
 
-async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) -> list[str]:
+async def _check_with_driver(session: LoadSession, entry: tree_room.Entry) -> list[str]:
     name = session.tree.storage_name(entry.names)
-    spec = _read.Reader(
+    spec = io.Reader(
         session.directory, ocdbt=session.tree.use_ocdbt, zarr3=session.tree.use_zarr3
     ).array_spec(name)
     spec["fill_missing_data_reads"] = False
     try:
-        store = await ts.open(spec, context=_ocdbt.make_context(), open=True)
+        store = await ts.open(spec, context=ocdbt.make_context(), open=True)
         shape = tuple(int(s) for s in store.shape)
         stored = session.stored_array(entry)
         if stored is not None and (shape, store.dtype.numpy_dtype) != (stored.shape, stored.dtype):
@@ -175,7 +167,7 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
             int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
         )
         chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
-        memory = _array_reads.physical_memory_bytes()
+        memory = io.physical_memory_bytes()
         if memory and chunk_bytes > memory:
             return [
                 f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
@@ -190,7 +182,7 @@ async def _check_with_driver(session: LoadSession, entry: _tree_metadata.Entry) 
             )
             await (store[region].read() if region else store.read())
     except Exception as e:
-        return [_problem(entry, _errors.storage_error(f"array {name!r}", e))]
+        return [_problem(entry, storage.storage_error(f"array {name!r}", e))]
     return []
 
 
@@ -201,7 +193,7 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     handlers own their files.
     """
     try:
-        tree = _tree_metadata.read_tree_metadata(directory)
+        tree = tree_room.read_tree_metadata(directory)
     except cp.errors.CheckpointError as e:
         return [str(e)]
     session = LoadSession(directory, tree, cp.context.get_context())
@@ -209,7 +201,7 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     if problems:
         return problems  # Reading chunks by a layout that cannot be trusted proves nothing.
     problems += await _check_array_set(session)
-    batch: list[_tree_metadata.Entry] = []
+    batch: list[tree_room.Entry] = []
     batch_bytes = 0
     for entry in tree.entries:
         if entry.value_type not in ARRAY_VALUE_TYPES:

@@ -16,18 +16,24 @@ import jax
 import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
-from checkpointables_pytree import _kvstore_storage, _object_store
-from checkpointables_pytree._array_handlers import ArrayLeafHandler, NumpyLeafHandler
+from checkpointables_pytree import storage
 from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
-from checkpointables_pytree._keys import (
+from checkpointables_pytree.leaves import (
+    BYTES,
+    JAX_ARRAY,
+    NUMPY_ARRAY,
     PRNG_KEY,
+    SCALAR,
+    STRING,
     AbstractPRNGKey,
+    ArrayLeafHandler,
+    BytesLeafHandler,
+    NumpyLeafHandler,
     PRNGKeyLeafHandler,
+    ScalarLeafHandler,
+    StringLeafHandler,
     key_array_type,
 )
-from checkpointables_pytree._leaf_common import BYTES, JAX_ARRAY, NUMPY_ARRAY, SCALAR, STRING
-from checkpointables_pytree._scalar_handler import ScalarLeafHandler
-from checkpointables_pytree._text_handlers import BytesLeafHandler, StringLeafHandler
 
 PRIORITY = 90
 
@@ -69,5 +75,5 @@ def register_leaf_handlers(register: Any) -> None:
 @cp.hookimpl
 def register_storage(register: Any) -> None:
     """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
-    for scheme in _object_store.SCHEMES:
-        register(scheme, _kvstore_storage.storage_for)
+    for scheme in storage.SCHEMES:
+        register(scheme, storage.storage_for)

@@ -22,11 +22,11 @@ import checkpointables as cp
 import jax
 import numpy as np
 
-from checkpointables_pytree import _sharding, _zarr3
-from checkpointables_pytree._leaf_common import LeafLabel, storage_dtype, unsupported
-from checkpointables_pytree._save_plan import LeafGroup
-from checkpointables_pytree._session import SaveSession
-from checkpointables_pytree._zarr3 import ArrayWrite
+from checkpointables_pytree import tree, zarr3
+from checkpointables_pytree.leaves._common import LeafLabel, storage_dtype, unsupported
+from checkpointables_pytree.leaves._groups import LeafGroup
+from checkpointables_pytree.leaves._session import SaveSession
+from checkpointables_pytree.zarr3 import ArrayWrite
 
 __all__ = [
     "ArrayLayouts",
@@ -71,14 +71,14 @@ class ArrayLayouts:
         self.compression = compression
         # Whether the arrays' _METADATA entries record their write shape (the chunk shape).
         self.write_shapes = write_shapes
-        self.layouts: list[_zarr3.ZarrLayout] = []
+        self.layouts: list[zarr3.ZarrLayout] = []
         self.records: list[dict[str, Any]] = []
         # What _save_plan renders of the records, per value type: made once, like the rest.
         self.texts: dict[Any, list[str]] = {}
         shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         for i, shape, dtype in zip(indices, shapes, dtypes, strict=True):
-            chunk_shape = shape if 0 not in shape else _zarr3.default_chunk_shape(shape)
-            layout = _zarr3.ZarrLayout(names[i], shape, dtype, chunk_shape)
+            chunk_shape = shape if 0 not in shape else zarr3.default_chunk_shape(shape)
+            layout = zarr3.ZarrLayout(names[i], shape, dtype, chunk_shape)
             key = (layout.shape, dtype, layout.chunk_shape)
             record = shared.get(key)
             if record is None:
@@ -250,7 +250,7 @@ def schedule_jax_group(
     for layout, record, sharding in zip(plan.layouts, plan.records, shardings, strict=True):
         description = described.get(id(sharding), _UNSEEN)
         if description is _UNSEEN:
-            description = described[id(sharding)] = _sharding.describe(sharding)
+            description = described[id(sharding)] = tree.describe(sharding)
         if description is not None:
             records[layout.name] = description  # type: ignore[assignment]
         chunk_shape = record["chunk_shape"]  # A list: shared, only encoded.

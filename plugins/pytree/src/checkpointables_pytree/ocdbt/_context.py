@@ -20,7 +20,7 @@ import checkpointables as cp
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _object_store
+from checkpointables_pytree import storage
 
 __all__ = [
     "MANIFEST_FILE",
@@ -50,7 +50,7 @@ def make_context(ocdbt_cache_bytes: int = OCDBT_CACHE_BYTES) -> ts.Context:
     return ts.Context(
         {
             # Object stores: the request concurrency and retries of cp.options.StorageOptions.
-            **_object_store.context_resources(),
+            **storage.context_resources(),
             "file_io_concurrency": {"limit": 128},
             # Files are flushed once, by the commit that fsyncs the whole checkpoint.
             "file_io_sync": False,
@@ -70,7 +70,7 @@ def location_spec(directory: epath.PathLike) -> dict[str, Any]:
     """The kvstore spec of a directory itself (keys are file names relative to it)."""
     text = os.fspath(directory)
     if not is_local(text):  # s3://..., gs://...: configured as cp.options.StorageOptions says.
-        return _object_store.kvstore_spec(text)
+        return storage.kvstore_spec(text)
     return {"driver": "file", "path": text.rstrip("/") + "/"}
 
 

@@ -28,10 +28,11 @@ from checkpointables.serialization import (
     SerializationParam,
 )
 
-from checkpointables_pytree import _tree, _tree_metadata, _zarr3
-from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._session import LoadSession, SaveSession
-from checkpointables_pytree._zarr3 import ArrayWrite, zarr_shape_dtype
+from checkpointables_pytree import tree as tree_room
+from checkpointables_pytree import zarr3
+from checkpointables_pytree.io import ArrayRead
+from checkpointables_pytree.leaves._session import LoadSession, SaveSession
+from checkpointables_pytree.zarr3 import ArrayWrite, zarr_shape_dtype
 
 __all__ = [
     "JAX_ARRAY",
@@ -60,7 +61,8 @@ ARRAY_VALUE_TYPES = frozenset({JAX_ARRAY, NUMPY_ARRAY, SCALAR, BYTES})
 
 
 def _what(keypath: Sequence[Any]) -> str:
-    return f"leaf {_tree.keystr(_tree.key_names(keypath), [_tree.key_type(k) for k in keypath])}"
+    names = tree_room.key_names(keypath)
+    return f"leaf {tree_room.keystr(names, [tree_room.key_type(k) for k in keypath])}"
 
 
 class LeafLabel:
@@ -83,7 +85,7 @@ def unsupported(keypath: Sequence[Any], value: Any, why: str) -> cp.errors.NoHan
     )
 
 
-def check_stored_type(entry: _tree_metadata.Entry, allowed: frozenset[str], wanted: str) -> None:
+def check_stored_type(entry: tree_room.Entry, allowed: frozenset[str], wanted: str) -> None:
     """Raises unless the leaf was saved as one of ``allowed`` (so it can load as ``wanted``)."""
     if entry.value_type not in allowed:
         raise cp.errors.TreeMismatchError(
@@ -115,7 +117,7 @@ def load_session(
     session = getattr(ctx, "session", None)
     if session is not None:
         return session, False
-    tree = _tree_metadata.read_tree_metadata(ctx.parent_dir)
+    tree = tree_room.read_tree_metadata(ctx.parent_dir)
     return LoadSession(ctx.parent_dir, tree, cp.context.get_context(handler._context)), True
 
 
@@ -166,7 +168,7 @@ def storage_dtype(
             value,
             f"its dtype {dtype} has no NumPy equivalent; register a leaf handler for it",
         ) from None
-    if _zarr3.zarr_dtype_name(target) is None:
+    if zarr3.zarr_dtype_name(target) is None:
         raise unsupported(
             keypath,
             value,
@@ -238,7 +240,7 @@ def schedule_array(
         )
         if inner == chunk_shape:
             inner = None
-    layout, recorded = _zarr3.planned_layout(param.name, shape, dtype, chunk_shape)
+    layout, recorded = zarr3.planned_layout(param.name, shape, dtype, chunk_shape)
     recorded["one_chunk_shards"] = inner is None and not compression
     if extra:
         recorded.update(extra)
@@ -367,7 +369,7 @@ class ZarrLeafHandler(StandardLeafHandler):
         """The ``ArrayRead`` of one leaf, added to the session's reader."""
         return self._schedule_reads(session, [param])[0]
 
-    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+    def _read_target(self, entry: tree_room.Entry, abstract: Any, stored: Any) -> ReadTarget:
         raise NotImplementedError
 
     async def metadata(
@@ -383,7 +385,5 @@ class ZarrLeafHandler(StandardLeafHandler):
             for p, layout in zip(params, layouts, strict=True)
         ]
 
-    def _describe(
-        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
-    ) -> Any:
+    def _describe(self, session: LoadSession, entry: tree_room.Entry, layout: StoredLayout) -> Any:
         raise NotImplementedError

@@ -20,7 +20,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from checkpointables_pytree import _ocdbt
+from checkpointables_pytree.ocdbt import _context
 
 __all__ = [
     "MAX_INLINE_VALUE_BYTES",
@@ -36,8 +36,8 @@ __all__ = [
     "size",
 ]
 
-MAX_INLINE_VALUE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_inline_value_bytes"]
-MAX_NODE_BYTES: int = _ocdbt.OCDBT_CONFIG["max_decoded_node_bytes"]
+MAX_INLINE_VALUE_BYTES: int = _context.OCDBT_CONFIG["max_inline_value_bytes"]
+MAX_NODE_BYTES: int = _context.OCDBT_CONFIG["max_decoded_node_bytes"]
 _MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_NODE_MAGIC = 0x0CDB20DE
 _VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default.

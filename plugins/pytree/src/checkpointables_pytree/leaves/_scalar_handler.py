@@ -9,9 +9,9 @@ import checkpointables as cp
 import numpy as np
 from checkpointables.serialization import SerializationParam
 
-from checkpointables_pytree import _tree_metadata
-from checkpointables_pytree._array_reads import StoredArray
-from checkpointables_pytree._leaf_common import (
+from checkpointables_pytree import tree
+from checkpointables_pytree.io import StoredArray
+from checkpointables_pytree.leaves._common import (
     ReadTarget,
     StoredLayout,
     ZarrLeafHandler,
@@ -20,7 +20,7 @@ from checkpointables_pytree._leaf_common import (
     storage_options,
     unsupported,
 )
-from checkpointables_pytree._session import LoadSession, SaveSession
+from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["ScalarLeafHandler"]
 
@@ -62,7 +62,7 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
     return dtype.type
 
 
-def _to_scalar(array: np.ndarray, scalar_type: Any, entry: _tree_metadata.Entry) -> Any:
+def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry) -> Any:
     if scalar_type is None:  # Decided by the stored dtype, now that it is read.
         scalar_type = _scalar_type(None, array.dtype)
     if array.size != 1:
@@ -117,7 +117,7 @@ class ScalarLeafHandler(ZarrLeafHandler):
             )
 
     def _read_target(
-        self, entry: _tree_metadata.Entry, abstract: Any, stored: StoredArray | None
+        self, entry: tree.Entry, abstract: Any, stored: StoredArray | None
     ) -> ReadTarget:
         if isinstance(abstract, type):
             scalar_type = abstract
@@ -129,7 +129,5 @@ class ScalarLeafHandler(ZarrLeafHandler):
             scalar_type = None
         return ReadTarget(lambda pieces: _to_scalar(pieces[0], scalar_type, entry))
 
-    def _describe(
-        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
-    ) -> Any:
+    def _describe(self, session: LoadSession, entry: tree.Entry, layout: StoredLayout) -> Any:
         return _scalar_type(entry.extra.get("scalar_type"), layout.dtype)(0)

@@ -15,7 +15,7 @@ from typing import Any
 import checkpointables as cp
 import tensorstore as ts
 
-from checkpointables_pytree._object_store import (
+from checkpointables_pytree.storage._object_store import (
     S3Settings,
     bucket_and_key,
     context_resources,

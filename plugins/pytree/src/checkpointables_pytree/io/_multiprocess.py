@@ -30,7 +30,7 @@ import checkpointables as cp
 import jax
 from etils import epath
 
-from checkpointables_pytree import _ocdbt
+from checkpointables_pytree import ocdbt
 
 __all__ = [
     "PROCESS_DATABASE_PREFIX",
@@ -130,7 +130,7 @@ def merge_process_databases(pytree_directory: epath.Path, context: cp.Context) -
     """
     sources = _sources(pytree_directory, context)
     if sources:
-        _ocdbt.merge_into(pytree_directory, [_ocdbt.Source(d) for d in sources])
+        ocdbt.merge_into(pytree_directory, [ocdbt.Source(d) for d in sources])
     return len(sources)
 
 

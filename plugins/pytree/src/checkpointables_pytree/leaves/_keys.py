@@ -34,10 +34,11 @@ from checkpointables.serialization import (
 )
 from etils import epath
 
-from checkpointables_pytree import _multiprocess, _sharding, _tree_metadata
-from checkpointables_pytree._array_handlers import ArrayLeafHandler
-from checkpointables_pytree._array_reads import StoredArray
-from checkpointables_pytree._leaf_common import (
+from checkpointables_pytree import io
+from checkpointables_pytree import tree as tree_room
+from checkpointables_pytree.io import StoredArray
+from checkpointables_pytree.leaves._array_handlers import ArrayLeafHandler
+from checkpointables_pytree.leaves._common import (
     JAX_ARRAY,
     StoredLayout,
     finish_load,
@@ -45,8 +46,8 @@ from checkpointables_pytree._leaf_common import (
     storage_options,
     unsupported,
 )
-from checkpointables_pytree._leaf_metadata import ArrayMetadata, StorageMetadata
-from checkpointables_pytree._session import ARRAY_METADATAS_DIR, LoadSession, SaveSession
+from checkpointables_pytree.leaves._metadata import ArrayMetadata, StorageMetadata
+from checkpointables_pytree.leaves._session import ARRAY_METADATAS_DIR, LoadSession, SaveSession
 
 __all__ = [
     "PRNG_KEY",
@@ -194,7 +195,7 @@ class PRNGKeyMetadata(ArrayMetadata):
     def sharding(self) -> jax.sharding.Sharding | None:
         """The saved sharding on this process's devices, or ``None`` if they differ."""
         if self._sharding is ...:
-            physical = _sharding.rebuild(self.sharding_metadata)
+            physical = tree_room.rebuild(self.sharding_metadata)
             self._sharding = _logical_sharding(physical, len(self.shape))
         return self._sharding  # type: ignore[no-any-return]
 
@@ -223,7 +224,7 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
     ) -> None:
         impls = [self._impl_name(p) for p in params]  # Every leaf checked before any is planned.
         data = [dataclasses.replace(p, value=jax.random.key_data(p.value)) for p in params]
-        lacking = _multiprocess.arrays_the_primary_lacks(
+        lacking = io.arrays_the_primary_lacks(
             {p.name: p.value for p in data}, session.directory, session.context
         )
         for param, physical, impl in zip(params, data, impls, strict=True):
@@ -282,7 +283,7 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
 
     @staticmethod
     def _plan_key(
-        entry: _tree_metadata.Entry, abstract: Any, stored: StoredArray | None
+        entry: tree_room.Entry, abstract: Any, stored: StoredArray | None
     ) -> tuple[_KeyRead, Any]:
         """How a key leaf is read, and the abstract leaf of its key data (``None``: as stored)."""
         recorded = entry.extra.get(RANDOM_KEY_IMPL)
@@ -310,7 +311,7 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         return _KeyRead(impl, sharding if physical_sharding is None else None), physical
 
     def _describe(
-        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+        self, session: LoadSession, entry: tree_room.Entry, layout: StoredLayout
     ) -> PRNGKeyMetadata:
         """Shape, implementation and recorded sharding of a stored key array."""
         impl = entry.extra.get(RANDOM_KEY_IMPL)
@@ -323,9 +324,7 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         )
 
 
-def _impl_of_key_data(
-    entry: _tree_metadata.Entry, abstract: Any, stored: StoredArray | None
-) -> str:
+def _impl_of_key_data(entry: tree_room.Entry, abstract: Any, stored: StoredArray | None) -> str:
     """The implementation to wrap a plain stored array with: the key data of ``abstract``'s keys.
 
     Raises:
@@ -345,7 +344,7 @@ def _impl_of_key_data(
     )
 
 
-def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) -> None:
+def mark_orbax_keys(tree: tree_room.TreeMetadata, directory: epath.Path) -> None:
     """Marks the key arrays of a tree Orbax wrote as we mark ours (in their ``_METADATA`` fields).
 
     Orbax names a key array's implementation only in ``array_metadatas/``;
@@ -363,7 +362,7 @@ def mark_orbax_keys(tree: _tree_metadata.TreeMetadata, directory: epath.Path) ->
             entry.extra = {
                 **entry.extra,
                 RANDOM_KEY_IMPL: impl,
-                _tree_metadata.OWN_VALUE_TYPE: PRNG_KEY,
+                tree_room.OWN_VALUE_TYPE: PRNG_KEY,
             }
             tree.own_value_types = True
 

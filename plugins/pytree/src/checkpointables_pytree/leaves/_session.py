@@ -25,18 +25,9 @@ import crc32c
 import numpy as np
 from etils import epath
 
-from checkpointables_pytree import (
-    _errors,
-    _ocdbt,
-    _ocdbt_index,
-    _read,
-    _sharding,
-    _tree,
-    _tree_metadata,
-    _zarr3,
-)
-from checkpointables_pytree._array_reads import StoredArray, chunk_keys
-from checkpointables_pytree._write import Writer
+from checkpointables_pytree import io, ocdbt, storage, zarr3
+from checkpointables_pytree import tree as tree_room
+from checkpointables_pytree.io import StoredArray, Writer, chunk_keys
 
 __all__ = [
     "NamedSerializationParam",
@@ -135,7 +126,7 @@ class SaveSession:
         if self.strings and primary:
             write_text(directory / STRINGS_FILE, self.strings_text())
         if self.shardings and primary:
-            _sharding.write_sharding_file(directory, self.shardings)
+            tree_room.write_sharding_file(directory, self.shardings)
         if self.array_metadatas:
             cp.storage.make_dirs(directory / ARRAY_METADATAS_DIR)
             write_text(
@@ -190,7 +181,7 @@ _UNKNOWN = object()  # Not looked up yet.
 class Leaf(NamedTuple):
     """What a load needs of a recorded leaf (``LoadSession.leaf``)."""
 
-    entry: _tree_metadata.Entry
+    entry: tree_room.Entry
     name: str  # Of its array in the database.
     stored: StoredArray | None  # Its recorded layout, if any.
     keys: tuple[bytes, ...] | None  # Of its shards in the database (``None``: not known yet).
@@ -202,15 +193,15 @@ class LoadSession:
     def __init__(
         self,
         directory: epath.Path,
-        tree: _tree_metadata.TreeMetadata,
+        tree: tree_room.TreeMetadata,
         context: cp.Context,
-        opened: _ocdbt_index.OpenedDatabase | None = None,
+        opened: ocdbt.OpenedDatabase | None = None,
     ) -> None:
         self.directory = directory
         self.tree = tree
         self.context = context
         self.allow_resize = bool(context.array_options.enable_padding_and_truncation)
-        self.reader = _read.Reader(
+        self.reader = io.Reader(
             directory,
             ocdbt=tree.use_ocdbt,
             zarr3=tree.use_zarr3,
@@ -222,7 +213,7 @@ class LoadSession:
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived
-        self.entries = _tree_metadata.entries_by_names(tree)
+        self.entries = tree_room.entries_by_names(tree)
         self._names: dict[tuple[str, ...], str] = derived.setdefault("storage_names", {})
         self._direct_layout = bool(tree.use_ocdbt and tree.use_zarr3)
         self._stored: dict[tuple[str, ...], StoredArray | None] = derived.setdefault("stored", {})
@@ -233,10 +224,10 @@ class LoadSession:
 
     def info(
         self, keypath: Sequence[Any], names: tuple[str, ...] | None = None
-    ) -> tuple[_tree_metadata.Entry, str]:
+    ) -> tuple[tree_room.Entry, str]:
         """A leaf's recorded entry and storage name (``names``: its key names, if known)."""
         if names is None:
-            names = _tree.key_names(keypath)
+            names = tree_room.key_names(keypath)
         name = self._names.get(names)
         if name is None:
             name = self._names[names] = self.tree.storage_name(names)
@@ -246,7 +237,7 @@ class LoadSession:
         """A leaf's entry, storage name and recorded layout, in one look-up (``names``: its
         key names, if known); what a load of many small arrays asks of each leaf."""
         if names is None:
-            names = _tree.key_names(keypath)
+            names = tree_room.key_names(keypath)
         leaf = self._leaves.get(names)
         if leaf is None:
             entry, name = self.info(keypath, names)
@@ -256,22 +247,22 @@ class LoadSession:
             leaf = self._leaves[names] = Leaf(entry, name, stored, keys)
         return leaf
 
-    def entry(self, keypath: Sequence[Any]) -> _tree_metadata.Entry:
+    def entry(self, keypath: Sequence[Any]) -> tree_room.Entry:
         """The recorded entry of a leaf."""
-        return self.entries[_tree.key_names(keypath)]
+        return self.entries[tree_room.key_names(keypath)]
 
     def storage_name(self, keypath: Sequence[Any]) -> str:
         """The name a leaf's array is stored under."""
-        return self.tree.storage_name(_tree.key_names(keypath))
+        return self.tree.storage_name(tree_room.key_names(keypath))
 
-    def stored_array(self, entry: _tree_metadata.Entry) -> StoredArray | None:
+    def stored_array(self, entry: tree_room.Entry) -> StoredArray | None:
         """The layout this library recorded for an array leaf, or ``None``."""
         stored = self._stored.get(entry.names, _UNKNOWN)
         if stored is _UNKNOWN:
             stored = self._stored[entry.names] = self._stored_array(entry)
         return stored  # type: ignore[return-value]
 
-    def _stored_array(self, entry: _tree_metadata.Entry) -> StoredArray | None:
+    def _stored_array(self, entry: tree_room.Entry) -> StoredArray | None:
         extra = entry.extra
         try:
             dtype_name = extra["dtype"]
@@ -284,7 +275,7 @@ class LoadSession:
         shape = self._dimensions(entry, "shape", recorded_shape, 0)
         chunks = extra.get("chunk_shape")
         if chunks is None:
-            chunk_shape = _zarr3.default_chunk_shape(shape)
+            chunk_shape = zarr3.default_chunk_shape(shape)
         elif chunks == recorded_shape:  # The usual small array: one chunk.
             chunk_shape = shape
         else:
@@ -297,14 +288,14 @@ class LoadSession:
             shape, dtype, chunk_shape, self._direct_layout and bool(extra.get("one_chunk_shards"))
         )
 
-    def _malformed(self, entry: _tree_metadata.Entry, problem: str) -> cp.errors.MetadataError:
+    def _malformed(self, entry: tree_room.Entry, problem: str) -> cp.errors.MetadataError:
         return cp.errors.MetadataError(
-            f"{self.directory / _tree_metadata.METADATA_FILE} is malformed: {entry.keystr}: "
+            f"{self.directory / tree_room.METADATA_FILE} is malformed: {entry.keystr}: "
             f"{problem}. The pytree's metadata is damaged; restore the checkpoint from a copy."
         )
 
     def _dimensions(
-        self, entry: _tree_metadata.Entry, field: str, recorded: Any, least: int
+        self, entry: tree_room.Entry, field: str, recorded: Any, least: int
     ) -> tuple[int, ...]:
         """A recorded shape: a list of integers of at least ``least``, else an error."""
         # C-level checks only: a load of many small arrays makes this call for each.
@@ -325,20 +316,20 @@ class LoadSession:
             try:
                 raw = cp.metadata_checksums.read_file(path)
             except FileNotFoundError:
-                raise _errors.integrity_error(
+                raise storage.integrity_error(
                     f"{path}", "the file holding the tree's string leaves is missing"
                 ) from None
             expected = self.tree.strings_crc32c
             if expected is not None and crc32c.crc32c(raw) != expected:
-                raise _errors.integrity_error(f"{path}", "its CRC-32C checksum does not match")
+                raise storage.integrity_error(f"{path}", "its CRC-32C checksum does not match")
             self._strings = cp.safe_json.loads_object(raw, source=path)
         return self._strings
 
     def sharding_record(self, storage_name: str) -> dict[str, Any] | None:
         """The recorded sharding of a ``jax.Array`` leaf, if any."""
         if self._shardings is None:
-            self._shardings = _sharding.read_sharding_file(self.directory)
-        return self._shardings.get(_sharding.file_key(storage_name))
+            self._shardings = tree_room.read_sharding_file(self.directory)
+        return self._shardings.get(tree_room.file_key(storage_name))
 
     async def zarr_metadata(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """``zarr.json`` (v3) or ``.zarray`` (v2) of arrays with no recorded layout, in a batch."""
@@ -346,7 +337,7 @@ class LoadSession:
         if wanted:
             file = "zarr.json" if self.tree.use_zarr3 else ".zarray"
             if self.tree.use_ocdbt:
-                kvstore = await _ocdbt.open_kvstore(self.directory, _ocdbt.make_context())
+                kvstore = await ocdbt.open_kvstore(self.directory, ocdbt.make_context())
                 futures = [kvstore.read(f"{n}/{file}") for n in wanted]
                 values = [(await f).value for f in futures]
             else:
@@ -358,7 +349,7 @@ class LoadSession:
                         values.append(b"")
             for name, value in zip(wanted, values, strict=True):
                 if not value:
-                    raise _errors.integrity_error(f"array {name!r}", f"its {file} is missing")
+                    raise storage.integrity_error(f"array {name!r}", f"its {file} is missing")
                 self._zarr_metadata[name] = cp.safe_json.loads_object(
                     value, source=f"the {file} of array {name!r} in {self.directory}"
                 )
@@ -375,4 +366,4 @@ def _dtype(name: str) -> np.dtype | None:
         dtype = np.dtype(name)
     except TypeError:
         return None
-    return dtype if _zarr3.zarr_dtype_name(dtype) == name else None
+    return dtype if zarr3.zarr_dtype_name(dtype) == name else None

@@ -27,11 +27,11 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from checkpointables_pytree import _ocdbt_format
+from checkpointables_pytree.ocdbt import _format
 
 __all__ = ["LeafNode", "decode", "decoded", "read", "split_location", "value_of"]
 
-_MAGIC = _ocdbt_format.BTREE_NODE_MAGIC
+_MAGIC = _format.BTREE_NODE_MAGIC
 _HEADER = struct.Struct("<Q")  # The node's length, after the big-endian magic.
 _VARINT_BYTES = 9  # 63 bits: offsets and lengths of files; longer ones are damage.
 # The nodes decoded last, with their bytes (treat them as immutable): a checkpoint loaded

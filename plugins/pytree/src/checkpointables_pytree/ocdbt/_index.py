@@ -38,9 +38,10 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _btree_nodes, _local_reads, _ocdbt
-from checkpointables_pytree._local_reads import ValueLocation
-from checkpointables_pytree._tree_metadata import METADATA_FILE
+from checkpointables_pytree import storage
+from checkpointables_pytree.ocdbt import _btree_nodes, _context
+from checkpointables_pytree.storage import ValueLocation
+from checkpointables_pytree.tree import METADATA_FILE
 
 __all__ = [
     "DatabaseIndex",
@@ -96,7 +97,7 @@ class DatabaseIndex:
         self._start: concurrent.futures.Future[tuple[Any, Any]] | None = None
         self._nodes: dict[str, Any] = {}
         self._plain = False  # Whether the manifest says its nodes are uncompressed.
-        self._local = _ocdbt.is_local(self.root)
+        self._local = _context.is_local(self.root)
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -114,7 +115,7 @@ class DatabaseIndex:
 
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
-        base = ts.KvStore.open(_ocdbt.location_spec(self.root)).result()
+        base = ts.KvStore.open(_context.location_spec(self.root)).result()
         manifest = dump(base)
         versions = manifest.get("versions") or []
         if not versions:
@@ -144,7 +145,7 @@ class DatabaseIndex:
     def _node_bytes(self, base: Any, location: str) -> bytes:
         """The bytes of a node (``b""``: missing); a local database's are read directly."""
         where = parse_location(location, self.root, "btreenode") if self._local else None
-        data = None if where is None else _local_reads.read_range(*where)
+        data = None if where is None else storage.read_range(*where)
         if data is None:
             data = _btree_nodes.value_of(_btree_nodes.read(base, location).result())
         return data
@@ -367,13 +368,13 @@ class OpenedDatabase:
         Anything unusual is left to the reads, which report it.
         """
         root = os.fspath(directory)
-        if not _ocdbt.is_local(root) or not os.path.exists(
-            os.path.join(root, _ocdbt.MANIFEST_FILE)
+        if not _context.is_local(root) or not os.path.exists(
+            os.path.join(root, _context.MANIFEST_FILE)
         ):
             return None
-        context = _ocdbt.make_context()
+        context = _context.make_context()
         try:
-            kvstore = _ocdbt.open_kvstore(directory, context).result()
+            kvstore = _context.open_kvstore(directory, context).result()
         except ValueError:  # TensorStore's errors: the reads report them, naming the leaf.
             return None
         opened = cls(directory, context, kvstore)

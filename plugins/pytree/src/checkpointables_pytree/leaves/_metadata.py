@@ -17,7 +17,7 @@ import attrs
 import jax
 import numpy as np
 
-from checkpointables_pytree import _sharding
+from checkpointables_pytree import tree
 
 __all__ = ["StorageMetadata", "ArrayMetadata", "NumpyMetadata"]
 
@@ -86,7 +86,7 @@ class ArrayMetadata(_ArrayLike):
     def sharding(self) -> jax.sharding.Sharding | None:
         """The saved sharding on this process's devices, or ``None`` if they differ."""
         if self._sharding is ...:
-            self._sharding = _sharding.rebuild(self.sharding_metadata)
+            self._sharding = tree.rebuild(self.sharding_metadata)
         return self._sharding
 
     def to_shape_dtype_struct(self) -> jax.ShapeDtypeStruct:

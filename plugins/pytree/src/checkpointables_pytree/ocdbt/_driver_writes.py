@@ -17,9 +17,10 @@ from typing import Any
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _ocdbt, _ts_futures
-from checkpointables_pytree._ts_futures import ByteLimiter
-from checkpointables_pytree._zarr3 import ArrayWrite
+from checkpointables_pytree import storage
+from checkpointables_pytree.ocdbt import _context
+from checkpointables_pytree.storage import ByteLimiter
+from checkpointables_pytree.zarr3 import ArrayWrite
 
 __all__ = ["DriverWrites", "LARGE_GROUP_BYTES", "WRITER_PREFIX"]
 
@@ -61,7 +62,7 @@ class DriverWrites:
         writers = _writer_databases(database, len(groups))
         stores = {}
         for writer in writers:
-            stores[writer] = await _ocdbt.open_kvstore(writer, context, create=True)
+            stores[writer] = await _context.open_kvstore(writer, context, create=True)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         committed = [asyncio.get_running_loop().create_future() for _ in groups]
         tasks = [
@@ -116,7 +117,7 @@ class DriverWrites:
             committed.set_result(False)  # Nothing to merge: this task reports the failure.
             raise
         committed.set_result(True)
-        await asyncio.to_thread(_ocdbt.flush_data_files, database, self._flushed)
+        await asyncio.to_thread(_context.flush_data_files, database, self._flushed)
 
     async def _commit_large(
         self,
@@ -132,7 +133,7 @@ class DriverWrites:
         transaction = ts.Transaction() if len(items) > 1 or after is not None else None
         # Opened all at once, before waiting for the byte limit (an open holds no data),
         # from parsed specs and an open kvstore: a JSON spec costs twice as much.
-        stores = await _ts_futures.wait_all(
+        stores = await storage.wait_all(
             [
                 ts.open(
                     self._zarr3_spec(item),
@@ -155,9 +156,9 @@ class DriverWrites:
                 for index, data in item.chunks
             ]
             if transaction is None:
-                await _ts_futures.wait_all(futures)
+                await storage.wait_all(futures)
             else:
-                await _ts_futures.wait_all([f.copy for f in futures])
+                await storage.wait_all([f.copy for f in futures])
                 if after is not None:
                     await asyncio.wait([after])
                     if after.exception() is not None:
@@ -167,7 +168,7 @@ class DriverWrites:
 
 def _writer_databases(database: epath.Path, groups: int) -> list[epath.Path]:
     """The databases that ``groups`` groups of large arrays are committed to."""
-    writers = WRITERS if _ocdbt.is_local(database) else REMOTE_WRITERS
+    writers = WRITERS if _context.is_local(database) else REMOTE_WRITERS
     if groups < 2 or writers < 2:
         return [database]
     return [database / f"{WRITER_PREFIX}{i}" for i in range(min(writers, groups))]
@@ -184,8 +185,8 @@ async def _merge_when(
     done = await asyncio.gather(*committed)
     await asyncio.wait([database_written])  # If it failed, its own task reports it.
     if all(done) and not database_written.exception():  # Else that failure is reported.
-        sources = [_ocdbt.Source(w) for w in writers]
-        await asyncio.to_thread(_ocdbt.merge_into, database, sources)
+        sources = [_context.Source(w) for w in writers]
+        await asyncio.to_thread(_context.merge_into, database, sources)
 
 
 def _batches(items: Sequence[ArrayWrite], budget: int) -> list[list[ArrayWrite]]:

@@ -38,9 +38,9 @@ import tensorstore as ts
 from checkpointables import execution
 from etils import epath
 
-from checkpointables_pytree import _direct_database, _driver_writes, _errors, _ocdbt, _zarr3
-from checkpointables_pytree._ts_futures import settle
-from checkpointables_pytree._zarr3 import ArrayWrite
+from checkpointables_pytree import ocdbt, storage, zarr3
+from checkpointables_pytree.storage import settle
+from checkpointables_pytree.zarr3 import ArrayWrite
 
 __all__ = ["Writer", "DIRECT_BYTES"]
 
@@ -62,7 +62,7 @@ REMOTE_DATA_FILE_BYTES = 16 << 20
 # while they are encoded (a call's Python costs more than 64 KiB of checksum).
 DEFERRED_CRC_BYTES = 64 << 10
 
-_DATABASE_LAYOUT = "database layout"  # The structure cache's key of the last layout.
+DATABASE_LAYOUT = "database layout"  # The structure cache's key of the last layout.
 _LAYOUT = operator.attrgetter("layout")
 _WRITE_METADATA = operator.attrgetter("write_metadata")
 _CHUNKS = operator.attrgetter("chunks")
@@ -99,11 +99,11 @@ class Writer:
         """
         if not self._items:
             return
-        with _errors.object_store_failures(self._directory.path, "Writing the arrays to"):
+        with storage.object_store_failures(self._directory.path, "Writing the arrays to"):
             root = await self._directory.await_creation()
-            database = _ocdbt.database_directory(root)
-            context = _ocdbt.make_context(_ocdbt.SAVE_OCDBT_CACHE_BYTES)
-            local = _ocdbt.is_local(database)
+            database = ocdbt.database_directory(root)
+            context = ocdbt.make_context(ocdbt.SAVE_OCDBT_CACHE_BYTES)
+            local = ocdbt.is_local(database)
             limit = DIRECT_BYTES if local else REMOTE_DIRECT_BYTES
             here, driver = [], []
             for item in self._items:
@@ -112,7 +112,7 @@ class Writer:
             tasks = [written]
             try:
                 # TensorStore's threads encode those arrays while this thread encodes these.
-                large = _driver_writes.DriverWrites()
+                large = ocdbt.DriverWrites()
                 tasks += await large.start(driver, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -133,7 +133,7 @@ class Writer:
         encoded, the b-tree once all are, in a file of its own. The manifest is
         written last.
         """
-        files = await _direct_database.DatabaseFiles.open(database, context)
+        files = await ocdbt.DatabaseFiles.open(database, context)
         layout = self._database_layout(here, driver, files.local)
         if layout is None:
             return
@@ -157,7 +157,7 @@ class Writer:
             writes.append(files.start(btree, flush=layout.data_files > 0))
             await asyncio.gather(*writes)
             # The checkpoint's commit flushes the manifest with its other files.
-            manifest_file = _direct_database.DataFile(_ocdbt.MANIFEST_FILE, [manifest])
+            manifest_file = ocdbt.DataFile(ocdbt.MANIFEST_FILE, [manifest])
             await files.start(manifest_file, flush=False)
         except BaseException:
             await settle(writes)
@@ -165,7 +165,7 @@ class Writer:
 
     def _database_layout(
         self, here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite], local: bool
-    ) -> _direct_database.DatabaseLayout | None:
+    ) -> ocdbt.DatabaseLayout | None:
         """The layout of the database of ``here`` and ``driver`` (``None`` if it has no key):
         kept with the tree's structure, and made again when the arrays' layouts, the chunks
         this process writes or the storage differ from the last save's."""
@@ -177,7 +177,7 @@ class Writer:
             list(map(_WRITE_METADATA, items)),
             [c[0][0] if len(c) == 1 else [i for i, _ in c] for c in map(_CHUNKS, here)],
         )
-        kept = self._structure_cache.get(_DATABASE_LAYOUT)
+        kept = self._structure_cache.get(DATABASE_LAYOUT)
         if kept is not None and kept[0] == signature:
             return kept[1]  # type: ignore[no-any-return]
         keys, lengths, fixed = _database_keys(here, driver)
@@ -186,8 +186,8 @@ class Writer:
             sizes = {"file_bytes": DATA_FILE_BYTES, "first_file_bytes": FIRST_DATA_FILE_BYTES}
             if not local:
                 sizes = {"file_bytes": REMOTE_DATA_FILE_BYTES}
-            layout = _direct_database.DatabaseLayout(keys, lengths, fixed, **sizes)
-        self._structure_cache[_DATABASE_LAYOUT] = (signature, layout)
+            layout = ocdbt.DatabaseLayout(keys, lengths, fixed, **sizes)
+        self._structure_cache[DATABASE_LAYOUT] = (signature, layout)
         return layout
 
 
@@ -205,8 +205,8 @@ def _database_keys(
             fixed.append(text)
     for item in here:
         for index, _ in item.chunks:
-            keys.append(_zarr3.chunk_key(item.layout.name, index))
-            lengths.append(item.layout.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES)
+            keys.append(zarr3.chunk_key(item.layout.name, index))
+            lengths.append(item.layout.chunk_nbytes + zarr3.SHARD_TRAILER_BYTES)
             fixed.append(None)
     return keys, lengths, fixed
 
@@ -219,7 +219,7 @@ def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any
     next's encoding. A small one's is computed here: in the writing thread its Python
     would wait for the GIL this thread holds.
     """
-    deferred, end, full_chunk = _direct_database.Deferred, _shard_end, _zarr3.full_chunk
+    deferred, end, full_chunk = ocdbt.Deferred, _shard_end, zarr3.full_chunk
     for item in items:
         layout = item.layout
         for _, data in item.chunks:
@@ -229,4 +229,4 @@ def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any
 
 def _shard_end(chunk: np.ndarray) -> bytes:
     """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
-    return crc32c.crc32c(chunk).to_bytes(4, "little") + _zarr3.shard_trailer(chunk.nbytes)
+    return crc32c.crc32c(chunk).to_bytes(4, "little") + zarr3.shard_trailer(chunk.nbytes)

@@ -29,7 +29,7 @@ from typing import Any
 import checkpointables as cp
 from etils import epath
 
-from checkpointables_pytree import _tree
+from checkpointables_pytree.tree import _keypaths
 
 __all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
 
@@ -38,7 +38,7 @@ EXTRA = "checkpointables"
 # A leaf's own value type, recorded (under EXTRA) where its Orbax value_type is one a more
 # general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
 OWN_VALUE_TYPE = "value_type"
-_KEY_TYPES = frozenset({_tree.SEQUENCE, _tree.DICT})
+_KEY_TYPES = frozenset({_keypaths.SEQUENCE, _keypaths.DICT})
 FORMAT_VERSION = 1
 
 
@@ -56,12 +56,12 @@ class Entry:
     @property
     def is_empty_node(self) -> bool:
         """Whether this records an empty container or ``None`` rather than a leaf."""
-        return self.skip_deserialize and self.value_type in _tree.EMPTY_TYPES
+        return self.skip_deserialize and self.value_type in _keypaths.EMPTY_TYPES
 
     @property
     def keystr(self) -> str:
         """The key path as users write it."""
-        return _tree.keystr(self.names, self.key_types)
+        return _keypaths.keystr(self.names, self.key_types)
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON value (its map key is ``str(self.names)``)."""
@@ -213,7 +213,7 @@ def _key_type_text(key_type: Any) -> str:
     return f',"key_type":{_ENCODER.encode(key_type)}}}'
 
 
-_KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_tree.SEQUENCE, _tree.DICT)}
+_KEY_TYPE_TEXT = {t: _key_type_text(t) for t in (_keypaths.SEQUENCE, _keypaths.DICT)}
 
 
 def entries_by_names(tree: TreeMetadata) -> dict[tuple[str, ...], Entry]:
@@ -260,8 +260,8 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
             path,
             f"entry {_shown(key)} has a malformed key (its key type is not 1 or 2)",
         )
-    if _tree.SEQUENCE in key_types and not all(  # Checked only for trees with lists.
-        n.isdecimal() for n, t in zip(names, key_types, strict=True) if t == _tree.SEQUENCE
+    if _keypaths.SEQUENCE in key_types and not all(  # Checked only for trees with lists.
+        n.isdecimal() for n, t in zip(names, key_types, strict=True) if t == _keypaths.SEQUENCE
     ):
         raise _bad(path, f"entry {_shown(key)} has a sequence key that is not an index")
     if not isinstance(value_type, str):
@@ -301,7 +301,7 @@ def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     """
     parsed = _PARSED.get(text)
     if parsed is None:
-        parsed = _parse_tree_metadata(path, text)
+        parsed = parse_tree_metadata_uncached(path, text)
         if not parsed.escaped_names:
             # Not ours: its use_ocdbt may come from the directory rather than the text.
             return parsed
@@ -312,7 +312,7 @@ def parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
     return dataclasses.replace(parsed, extra=dict(parsed.extra))
 
 
-def _parse_tree_metadata(path: epath.Path, text: str | bytes) -> TreeMetadata:
+def parse_tree_metadata_uncached(path: epath.Path, text: str | bytes) -> TreeMetadata:
     document = cp.safe_json.loads(text, source=path)
     if not isinstance(document, Mapping) or not isinstance(document.get("tree_metadata"), Mapping):
         raise _bad(path, "expected a JSON object with a 'tree_metadata' object")

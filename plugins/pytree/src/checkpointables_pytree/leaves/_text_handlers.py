@@ -14,8 +14,8 @@ from checkpointables.serialization import (
     SerializationParam,
 )
 
-from checkpointables_pytree import _errors, _tree_metadata, _zarr3
-from checkpointables_pytree._leaf_common import (
+from checkpointables_pytree import storage, tree, zarr3
+from checkpointables_pytree.leaves._common import (
     STRING,
     ReadTarget,
     StandardLeafHandler,
@@ -26,7 +26,7 @@ from checkpointables_pytree._leaf_common import (
     save_session,
     schedule_array,
 )
-from checkpointables_pytree._session import SaveSession
+from checkpointables_pytree.leaves._session import SaveSession
 
 __all__ = ["StringLeafHandler", "BytesLeafHandler"]
 
@@ -59,7 +59,7 @@ class StringLeafHandler(StandardLeafHandler):
             for param in params:
                 name = session.storage_name(param.keypath)
                 if name not in strings:
-                    raise _errors.integrity_error(
+                    raise storage.integrity_error(
                         session.entry(param.keypath).keystr,
                         f"it is missing from {session.directory / '_strings.json'}",
                     )
@@ -100,12 +100,12 @@ class BytesLeafHandler(ZarrLeafHandler):
                 param,
                 shape=shape,
                 dtype=np.dtype(np.uint8),
-                chunk_shape=_zarr3.default_chunk_shape(shape),
+                chunk_shape=zarr3.default_chunk_shape(shape),
                 chunks=[((0,), data)] if data.size else [],
                 storage=cp.options.ArrayStorageOptions(),
             )
 
-    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+    def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         return ReadTarget(_to_bytes)
 
     async def metadata(

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import checkpointables as cp
 import numpy as np
 
-from checkpointables_pytree import _errors, _zarr3
-from checkpointables_pytree._buffers import aligned_empty
+from checkpointables_pytree import storage, zarr3
+from checkpointables_pytree.storage import aligned_empty
 
 __all__ = [
     "ArrayRead",
@@ -79,7 +79,7 @@ class StoredArray:
     def chunk_indices(self) -> list[tuple[int, ...]]:
         """Every chunk index, in C order (computed once: reads ask for them several times)."""
         if self._chunk_indices is None:
-            self._chunk_indices = _zarr3.all_chunk_indices(self.shape, self.chunk_shape)
+            self._chunk_indices = zarr3.all_chunk_indices(self.shape, self.chunk_shape)
         return self._chunk_indices
 
 
@@ -168,8 +168,8 @@ def chunk_keys(name: str, stored: StoredArray | None) -> tuple[bytes, ...]:
     if stored is None:
         return ()
     if stored.single_chunk:
-        return (_zarr3.chunk_key(name, (0,) * len(stored.shape)).encode(),)
-    return tuple(_zarr3.chunk_key(name, i).encode() for i in stored.chunk_indices)
+        return (zarr3.chunk_key(name, (0,) * len(stored.shape)).encode(),)
+    return tuple(zarr3.chunk_key(name, i).encode() for i in stored.chunk_indices)
 
 
 def check_shape(read: ArrayRead, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -288,7 +288,7 @@ async def read_region(
     try:
         data = await store[source].read() if source else await store.read()
     except ValueError as e:
-        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
     if data.shape != region_shape(region):
         padded = np.zeros(region_shape(region), dtype=data.dtype)
         padded[destination] = data
@@ -309,7 +309,7 @@ def assemble(read: ArrayRead, chunks: list[memoryview]) -> np.ndarray:
     if stored.single_chunk:
         # A read-only view when TensorStore read the value: conversions copy or make it writable.
         return np.frombuffer(chunks[0], dtype=stored.dtype).reshape(stored.shape)
-    layout = _zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
+    layout = zarr3.ZarrLayout(read.name, stored.shape, stored.dtype, stored.chunk_shape)
     full = aligned_empty(stored.nbytes).view(stored.dtype).reshape(stored.shape)
     for index, data in zip(stored.chunk_indices, chunks, strict=True):
         chunk = np.frombuffer(data, dtype=stored.dtype).reshape(stored.chunk_shape)
@@ -322,7 +322,7 @@ def check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dt
     """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
     stored = read.stored
     if stored is not None and (shape != stored.shape or dtype != stored.dtype):
-        raise _errors.integrity_error(
+        raise storage.integrity_error(
             f"{read.what} (array {read.name!r})",
             f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
             f"shape {stored.shape} and dtype {stored.dtype}",

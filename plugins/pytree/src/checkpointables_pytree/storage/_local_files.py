@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from checkpointables_pytree._buffers import Slab
+from checkpointables_pytree.storage._buffers import Slab
 
 __all__ = ["OpenFiles", "ValueLocation", "read_into", "read_range", "read_values"]
 

@@ -36,11 +36,11 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from checkpointables_pytree import _ocdbt, _ocdbt_format
+from checkpointables_pytree.ocdbt import _context, _format
 
 __all__ = ["DataFile", "DatabaseFiles", "DatabaseLayout", "Deferred", "MAX_INLINE_VALUE_BYTES"]
 
-MAX_INLINE_VALUE_BYTES = _ocdbt_format.MAX_INLINE_VALUE_BYTES
+MAX_INLINE_VALUE_BYTES = _format.MAX_INLINE_VALUE_BYTES
 _IOV_MAX = 1024  # Buffers per os.writev (Linux's limit).
 
 Buffer = Any  # bytes, a 1-D np.uint8 array, or a Deferred (giving bytes).
@@ -107,7 +107,7 @@ class DatabaseLayout:
         *,
         file_bytes: int,
         first_file_bytes: int | None = None,
-        max_node_bytes: int = _ocdbt_format.MAX_NODE_BYTES,
+        max_node_bytes: int = _format.MAX_NODE_BYTES,
     ) -> None:
         variable = itertools.count()
         values = [next(variable) if f is None else f for f in fixed]
@@ -115,7 +115,7 @@ class DatabaseLayout:
         # The b-tree's file: the last; its name's place in the table is the same each time.
         self.data_files = len(self._files)
         names = [name.encode() for name in self.file_names()]
-        self._table_bytes = len(_ocdbt_format.file_table(names))
+        self._table_bytes = len(_format.file_table(names))
         self._leaves, self._root = self._btree(
             [k.encode() for k in keys], lengths, places, max_node_bytes
         )
@@ -165,24 +165,24 @@ class DatabaseLayout:
         fixed_bytes = 1 + self._table_bytes  # The height, the file table.
         budget = max_node_bytes - fixed_bytes - 64  # 64: the node's header and counts.
         leaves, sizes, counts, indirect_bytes = [], [], [], []
-        for begin, end in _ocdbt_format.leaf_ranges(keys, inline_bytes, budget):
-            body = _ocdbt_format.leaf_body(keys[begin:end], lengths[begin:end], places[begin:end])
+        for begin, end in _format.leaf_ranges(keys, inline_bytes, budget):
+            body = _format.leaf_body(keys[begin:end], lengths[begin:end], places[begin:end])
             leaves.append(_joined_runs(body))
             # Its bytes: the encoding and fixed values, then the variable values inline.
             variable = zip(places[begin:end], lengths[begin:end], strict=True)
             body_bytes = sum(len(p) for p in body if type(p) is bytes)
             body_bytes += sum(n for p, n in variable if type(p) is int)
-            sizes.append(_ocdbt_format.framed_size(fixed_bytes + body_bytes))
+            sizes.append(_format.framed_size(fixed_bytes + body_bytes))
             counts.append(end - begin)
             lengths_in_files = np.asarray(lengths[begin:end], np.int64)[indirect[begin:end]]
             indirect_bytes.append(int(lengths_in_files.sum()))
         if len(leaves) == 1:
             return leaves, (None, 0, sizes[0], 0, [counts[0], sizes[0], indirect_bytes[0]])
         first_keys = [keys[begin] for begin in itertools.accumulate([0, *counts[:-1]])]
-        root = _ocdbt_format.interior_body(
+        root = _format.interior_body(
             first_keys, sizes, counts, indirect_bytes, (self.data_files, 0)
         )
-        length = _ocdbt_format.framed_size(fixed_bytes + len(root))
+        length = _format.framed_size(fixed_bytes + len(root))
         statistics = [len(keys), sum(sizes) + length, sum(indirect_bytes)]
         return leaves, (root, sum(sizes), length, 1, statistics)
 
@@ -208,15 +208,15 @@ class DatabaseLayout:
     ) -> tuple[DataFile, bytes]:
         """The b-tree's file (the last of ``names``) with ``values`` (inline ones are bytes
         or arrays, never ``Deferred``), and the manifest's bytes."""
-        table = _ocdbt_format.file_table([name.encode() for name in names])
-        magic = _ocdbt_format.BTREE_NODE_MAGIC
+        table = _format.file_table([name.encode() for name in names])
+        magic = _format.BTREE_NODE_MAGIC
         parts: list[Buffer] = []
         for recipe in self._leaves:
-            parts += _ocdbt_format.framed(magic, [b"\x00", table, *_filled(recipe, values)])
+            parts += _format.framed(magic, [b"\x00", table, *_filled(recipe, values)])
         root, offset, length, height, statistics = self._root
         if root is not None:
-            parts += _ocdbt_format.framed(magic, [b"\x01", table, root])
-        manifest = _ocdbt_format.manifest(names[-1], offset, length, height, statistics)
+            parts += _format.framed(magic, [b"\x01", table, root])
+        manifest = _format.manifest(names[-1], offset, length, height, statistics)
         return DataFile(names[-1], parts), manifest
 
 
@@ -251,9 +251,9 @@ class DatabaseFiles:
     @classmethod
     async def open(cls, database: epath.Path, context: ts.Context) -> DatabaseFiles:
         """The files of ``database``."""
-        if _ocdbt.is_local(database):
+        if _context.is_local(database):
             return cls(database, None)
-        spec = _ocdbt.location_spec(database)
+        spec = _context.location_spec(database)
         return cls(database, await ts.KvStore.open(spec, context=context))
 
     @property
@@ -268,7 +268,7 @@ class DatabaseFiles:
         loop = asyncio.get_running_loop()
         if self._store is None:
             directory = os.fspath(self._database)
-            return loop.run_in_executor(None, _write_local_file, directory, file, flush)
+            return loop.run_in_executor(None, write_local_file, directory, file, flush)
         return asyncio.ensure_future(_put(self._store, file))
 
 
@@ -280,7 +280,7 @@ async def _put(store: ts.KvStore, file: DataFile) -> None:
     await put
 
 
-def _write_local_file(directory: str, file: DataFile, flush: bool) -> None:
+def write_local_file(directory: str, file: DataFile, flush: bool) -> None:
     """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``)."""
     path = os.path.join(directory, file.name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -304,10 +304,10 @@ def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
         group = parts[begin : begin + _IOV_MAX]
         written = os.writev(fd, group)
         if written != sum(map(len, group)):  # len: bytes, or 1-D uint8 arrays.
-            _write_rest(fd, group, written)
+            write_rest(fd, group, written)
 
 
-def _write_rest(fd: int, parts: Sequence[Buffer], written: int) -> None:
+def write_rest(fd: int, parts: Sequence[Buffer], written: int) -> None:
     """Writes what a short ``os.writev`` of ``parts`` left (``written`` bytes were)."""
     views = [memoryview(p).cast("B") for p in parts]
     start = 0

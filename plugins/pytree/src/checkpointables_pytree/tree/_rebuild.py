@@ -12,7 +12,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpointables_pytree._tree import DICT, SEQUENCE, keystr
+from checkpointables_pytree.tree._keypaths import DICT, SEQUENCE, keystr
 
 __all__ = ["Recipe", "unflatten"]
 

@@ -32,8 +32,8 @@ import attrs
 import checkpointables as cp
 import numpy as np
 
-from checkpointables_pytree._buffers import Slab
-from checkpointables_pytree._ocdbt_index import DatabaseIndex, ValueLocation
+from checkpointables_pytree.ocdbt import DatabaseIndex, ValueLocation
+from checkpointables_pytree.storage import Slab
 
 __all__ = ["read_values"]
 

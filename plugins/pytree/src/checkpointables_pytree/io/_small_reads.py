@@ -28,11 +28,10 @@ from typing import Any, NamedTuple, TypeVar
 import crc32c
 import numpy as np
 
-from checkpointables_pytree import _errors, _zarr3
-from checkpointables_pytree._array_reads import ArrayRead
-from checkpointables_pytree._buffers import ALIGNMENT, aligned_empty
-from checkpointables_pytree._local_reads import OpenFiles, read_into
-from checkpointables_pytree._ocdbt_index import ValueLocation
+from checkpointables_pytree import storage, zarr3
+from checkpointables_pytree.io._array_reads import ArrayRead
+from checkpointables_pytree.ocdbt import ValueLocation
+from checkpointables_pytree.storage import ALIGNMENT, OpenFiles, aligned_empty, read_into
 
 __all__ = [
     "MIN_BUFFER_BYTES",
@@ -42,7 +41,7 @@ __all__ = [
     "in_groups",
     "layout_error",
     "groups",
-    "read",
+    "read_small",
     "split",
 ]
 
@@ -56,7 +55,7 @@ MIN_BUFFER_BYTES = 4 << 20
 # with the gaps between them).
 _VALUES_PER_CALL = 256
 _GAP_BYTES = 64 << 10  # Read through gaps this small between two values of one file.
-_TRAILER = _zarr3.SHARD_TRAILER_BYTES
+_TRAILER = zarr3.SHARD_TRAILER_BYTES
 _SCRATCH = memoryview(bytearray(_GAP_BYTES))  # Gaps land here (threads share it: never read).
 T = TypeVar("T")
 
@@ -124,7 +123,7 @@ def groups(small: list[Small], budget: int) -> list[list[Small]]:
     return in_groups(small, list(map(_SIZE, small)), budget)
 
 
-def read(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[np.ndarray] | None:
+def read_small(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[np.ndarray] | None:
     """The arrays of ``smalls``, in order, in one buffer, checked (``verify``: their CRC-32Cs
     too); ``None`` if a file cannot be read as the b-tree says. Runs in the calling thread.
 
@@ -225,27 +224,27 @@ def _check(
     first = smalls[int(np.argmax(bad))].read
     stored = first.stored
     assert stored is not None
-    key = _zarr3.chunk_key(first.name, stored.chunk_indices[0])
+    key = zarr3.chunk_key(first.name, stored.chunk_indices[0])
     position = order.index(int(np.argmax(bad)))
     data_end = int(places[position] + nbytes[position])
     trailer = bytes(buffer[data_end + 4 : data_end + _TRAILER])
-    if trailer != _zarr3.shard_trailer(stored.chunk_nbytes):
+    if trailer != zarr3.shard_trailer(stored.chunk_nbytes):
         raise layout_error(first, key)
     raise checksum_error(first)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # Loads of one structure ask for the same sizes.
 def _index_checksum(nbytes: int) -> int:
-    return int.from_bytes(_zarr3.shard_trailer(nbytes)[-4:], "little")
+    return int.from_bytes(zarr3.shard_trailer(nbytes)[-4:], "little")
 
 
 def layout_error(
     read: ArrayRead, key: str, problem: str = "does not have the layout that was written"
 ) -> Exception:
     """The error for a shard that is missing or not laid out as this library writes them."""
-    return _errors.integrity_error(read.what, f"chunk {key} {problem}")
+    return storage.integrity_error(read.what, f"chunk {key} {problem}")
 
 
 def checksum_error(read: ArrayRead) -> Exception:
     """The error for a shard whose data does not match its CRC-32C."""
-    return _errors.integrity_error(read.what, "a chunk's CRC-32C does not match its data")
+    return storage.integrity_error(read.what, "a chunk's CRC-32C does not match its data")

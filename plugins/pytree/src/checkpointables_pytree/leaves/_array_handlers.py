@@ -14,8 +14,9 @@ import jax
 import numpy as np
 from checkpointables.serialization import SerializationParam
 
-from checkpointables_pytree import _array_layouts, _multiprocess, _sharding, _tree_metadata, _zarr3
-from checkpointables_pytree._leaf_common import (
+from checkpointables_pytree import io, tree, zarr3
+from checkpointables_pytree.leaves import _array_layouts
+from checkpointables_pytree.leaves._common import (
     ReadTarget,
     StoredLayout,
     ZarrLeafHandler,
@@ -24,9 +25,9 @@ from checkpointables_pytree._leaf_common import (
     storage_options,
     unsupported,
 )
-from checkpointables_pytree._leaf_metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
-from checkpointables_pytree._save_plan import LeafGroup
-from checkpointables_pytree._session import LoadSession, SaveSession
+from checkpointables_pytree.leaves._groups import LeafGroup
+from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["ArrayLeafHandler", "NumpyLeafHandler"]
 
@@ -120,7 +121,7 @@ def _host_shards(
         # blocking phase of a save of many single-device arrays).
         data = np.asarray(array)
         return shape, [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
-    shards = _multiprocess.shards_to_write(array, context, primary_lacks=primary_lacks)
+    shards = io.shards_to_write(array, context, primary_lacks=primary_lacks)
     try:
         chunk_shape = tuple(int(s) for s in array.sharding.shard_shape(array.shape))
     except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
@@ -193,7 +194,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
             hosted = self._snapshot_local(session, params, values, shardings)
             session.defer(functools.partial(self._record_all, session, params, shardings, hosted))
             return
-        lacking = _multiprocess.arrays_the_primary_lacks(
+        lacking = io.arrays_the_primary_lacks(
             {p.name: p.value for p in params}, session.directory, session.context
         )
         snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
@@ -236,7 +237,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
         dtype = storage_dtype(param.keypath, array, array.dtype, storage)
         shape = tuple(int(s) for s in array.shape)
         if math.prod(shape) == 0:
-            chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
+            chunk_shape, chunks = zarr3.default_chunk_shape(shape), []
         else:
             chunk_shape, chunks = _host_shards(array, dtype, session.context, primary_lacks)
         return _Snapshot(storage, dtype, shape, chunk_shape, chunks, array.sharding)
@@ -265,7 +266,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
             ]
         storage = session.array_options.storage_options
         for dtype in {h.dtype for h in hosted if type(h) is np.ndarray}:
-            if storage.dtype is None and _zarr3.zarr_dtype_name(dtype) is not None:
+            if storage.dtype is None and zarr3.zarr_dtype_name(dtype) is not None:
                 continue
             # A cast, or an error naming the first such leaf.
             i = next(i for i, h in enumerate(hosted) if type(h) is np.ndarray and h.dtype == dtype)
@@ -294,7 +295,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
                 shape = item.shape
                 data = item if item.dtype == dtype else item.astype(dtype)
                 if 0 in shape:
-                    chunk_shape, chunks = _zarr3.default_chunk_shape(shape), []
+                    chunk_shape, chunks = zarr3.default_chunk_shape(shape), []
                 else:
                     chunk_shape, chunks = shape, [((0,) * len(shape), data)]
                 item = _Snapshot(storage, dtype, shape, chunk_shape, chunks, sharding)
@@ -322,7 +323,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
         )
         name = param.name
         session.write_shapes[name] = chunk_shape
-        record = _sharding.describe(snapshot.sharding)
+        record = tree.describe(snapshot.sharding)
         if record is not None:
             session.shardings[name] = record
         session.array_metadatas.append(
@@ -334,14 +335,14 @@ class ArrayLeafHandler(ZarrLeafHandler):
             }
         )
 
-    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+    def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         shape, dtype, sharding = _target_of(abstract)
         if sharding is not None and shape is not None:
             return _sharded_read(shape, dtype, sharding)
         return ReadTarget(_OnDefaultDevice(dtype), shape)
 
     def _describe(
-        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+        self, session: LoadSession, entry: tree.Entry, layout: StoredLayout
     ) -> ArrayMetadata:
         """Shape, dtype and recorded sharding of a stored array."""
         return ArrayMetadata(
@@ -381,19 +382,19 @@ class NumpyLeafHandler(ZarrLeafHandler):
                 param,
                 shape=shape,
                 dtype=dtype,
-                chunk_shape=shape if 0 not in shape else _zarr3.default_chunk_shape(shape),
+                chunk_shape=shape if 0 not in shape else zarr3.default_chunk_shape(shape),
                 chunks=chunks,
                 storage=storage,
             )
 
-    def _read_target(self, entry: _tree_metadata.Entry, abstract: Any, stored: Any) -> ReadTarget:
+    def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         if abstract is None:
             return _AS_STORED
         shape, dtype, _ = _target_of(abstract)
         return ReadTarget(functools.partial(_numpy_result, dtype=dtype), shape)
 
     def _describe(
-        self, session: LoadSession, entry: _tree_metadata.Entry, layout: StoredLayout
+        self, session: LoadSession, entry: tree.Entry, layout: StoredLayout
     ) -> NumpyMetadata:
         """Shape and dtype of a stored array."""
         return NumpyMetadata(layout.shape, layout.dtype, StorageMetadata(layout.chunk_shape))

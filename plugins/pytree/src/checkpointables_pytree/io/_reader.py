@@ -37,16 +37,11 @@ import tensorstore as ts
 from checkpointables import execution
 from etils import epath
 
-from checkpointables_pytree import (
-    _errors,
-    _local_reads,
-    _ocdbt,
-    _ocdbt_index,
-    _remote_reads,
-    _small_reads,
-    _zarr3,
-)
-from checkpointables_pytree._array_reads import (
+from checkpointables_pytree import ocdbt as ocdbt_room
+from checkpointables_pytree import storage
+from checkpointables_pytree import zarr3 as zarr3_room
+from checkpointables_pytree.io import _remote_reads, _small_reads
+from checkpointables_pytree.io._array_reads import (
     ArrayRead,
     assemble,
     check_against_metadata,
@@ -60,12 +55,12 @@ from checkpointables_pytree._array_reads import (
     tiling_box,
     within,
 )
-from checkpointables_pytree._ts_futures import ByteLimiter, settle
+from checkpointables_pytree.storage import ByteLimiter, settle
 
 __all__ = ["Reader", "read_values"]
 
 _recorded_crc = struct.Struct("<I").unpack_from  # A shard's CRC-32C follows its data.
-_trailer = _zarr3.shard_trailer
+_trailer = zarr3_room.shard_trailer
 _Keyed = tuple[ArrayRead, tuple[bytes, ...]]  # A read and the keys of its shards.
 _NBYTES = operator.attrgetter("stored.nbytes")  # Of a read's stored array.
 
@@ -114,7 +109,7 @@ class Reader:
         ocdbt: bool = True,
         zarr3: bool = True,
         verify: bool = True,
-        opened: _ocdbt_index.OpenedDatabase | None = None,
+        opened: ocdbt_room.OpenedDatabase | None = None,
         cross_check: bool = False,
     ) -> None:
         self._directory = directory
@@ -122,20 +117,20 @@ class Reader:
         self._cross_check = cross_check
         self._ocdbt = ocdbt
         self._zarr3 = zarr3
-        self._local = _ocdbt.is_local(directory)
+        self._local = ocdbt_room.is_local(directory)
         # False skips the CRC-32Cs checked here (the zarr3 driver always checks its own).
         self._verify = verify
         self._reads: list[ArrayRead] = []
         self._index = self._opened.index if self._opened is not None else None
         if self._index is None and ocdbt:
-            self._index = _ocdbt_index.DatabaseIndex(directory)
+            self._index = ocdbt_room.DatabaseIndex(directory)
 
     def array_spec(self, name: str) -> dict[str, Any]:
         """The zarr spec of array ``name`` (for the driver)."""
         if self._ocdbt:
-            kvstore: Any = _ocdbt.kvstore_spec(self._directory, path=name + "/")
+            kvstore: Any = ocdbt_room.kvstore_spec(self._directory, path=name + "/")
         else:  # Orbax's use_ocdbt=False layout: one directory per array.
-            kvstore = _ocdbt.location_spec(self._directory / name)
+            kvstore = ocdbt_room.location_spec(self._directory / name)
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 
     def add_all(self, reads: Sequence[ArrayRead]) -> None:
@@ -154,7 +149,7 @@ class Reader:
         """Reads every scheduled array and converts it."""
         if not self._reads:
             return
-        context = self._opened.context if self._opened is not None else _ocdbt.make_context()
+        context = self._opened.context if self._opened is not None else ocdbt_room.make_context()
         whole: list[ArrayRead] = []
         driver: list[ArrayRead] = []
         for read in self._reads:
@@ -173,9 +168,9 @@ class Reader:
         if self._opened is not None:
             return self._opened.kvstore
         try:
-            return await _ocdbt.open_kvstore(self._directory, context)
+            return await ocdbt_room.open_kvstore(self._directory, context)
         except ValueError as e:
-            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+            raise storage.storage_error(f"the arrays of {self._directory}", e) from e
 
     async def _read_whole(self, reads: Sequence[ArrayRead], context: ts.Context) -> None:
         """Reads, checks and converts arrays stored as plain shards, group by group."""
@@ -190,7 +185,7 @@ class Reader:
             small, pairs = _small_reads.split(reads, keys, found)
         else:
             small, pairs = [], list(zip(reads, keys, strict=True))
-        groups: list[Any] = _groups(pairs, found, READ_THREADS)
+        groups: list[Any] = read_groups(pairs, found, READ_THREADS)
         groups += _small_groups(small, READ_THREADS)
         threads = asyncio.Semaphore(READ_THREADS)
         # Ranged GETs in flight, sized by the load's bytes (object stores only: a sum per leaf).
@@ -198,7 +193,7 @@ class Reader:
             1 if self._local else _remote_reads.requests_in_flight(_nbytes(r for r, _ in pairs))
         )
         requests = asyncio.Semaphore(in_flight)
-        files = _local_reads.OpenFiles()
+        files = storage.OpenFiles()
 
         async def one(group: list[Any]) -> None:
             async with threads if self._local else contextlib.nullcontext():
@@ -221,10 +216,10 @@ class Reader:
         finally:
             files.close()
 
-    def _finish_small(self, group: list[_small_reads.Small], files: _local_reads.OpenFiles) -> bool:
+    def _finish_small(self, group: list[_small_reads.Small], files: storage.OpenFiles) -> bool:
         """Reads, checks and converts a group of small arrays; ``False`` if a file fell short."""
         with execution.paused_gc():
-            arrays = _small_reads.read(files, group, self._verify)
+            arrays = _small_reads.read_small(files, group, self._verify)
             if arrays is None:
                 return False
             convert_all([(s.read, [a]) for s, a in zip(group, arrays, strict=True)])
@@ -232,7 +227,7 @@ class Reader:
 
     async def _locate(
         self, keys: Sequence[bytes], largest: int
-    ) -> dict[bytes, bytes | _ocdbt_index.ValueLocation]:
+    ) -> dict[bytes, bytes | ocdbt_room.ValueLocation]:
         """Inline values and value locations from the b-tree: ``{}`` where not worth it
         (``largest``: the bytes of the largest array read)."""
         if self._index is None or (
@@ -250,13 +245,13 @@ class Reader:
         group: Sequence[_Keyed],
         found: dict[bytes, Any],
         requests: asyncio.Semaphore,
-        files: _local_reads.OpenFiles,
+        files: storage.OpenFiles,
     ) -> list[Any]:
         """The shard values of ``group``, in order: the fast paths', then TensorStore's."""
         values: list[Any] = []
-        get, location = found.get, _ocdbt_index.ValueLocation
+        get, location = found.get, ocdbt_room.ValueLocation
         for read, keys in group:
-            size = read.stored.chunk_nbytes + _zarr3.SHARD_TRAILER_BYTES  # type: ignore[union-attr]
+            size = read.stored.chunk_nbytes + zarr3_room.SHARD_TRAILER_BYTES  # type: ignore[union-attr]
             for key in keys:
                 value = get(key)
                 # Only values of the size recorded are read here: a damaged b-tree may claim
@@ -266,7 +261,7 @@ class Reader:
         if any(located):
             assert self._index is not None
             if self._local:
-                read = await asyncio.to_thread(_local_reads.read_values, files, located)
+                read = await asyncio.to_thread(storage.read_values, files, located)
             else:
                 read = await _remote_reads.read_values(self._index, located, requests)
             values = [v if r is None else r for v, r in zip(values, read, strict=True)]
@@ -306,10 +301,10 @@ class Reader:
         """The data of the ``n``-th shard value of ``read``, once its layout and CRC-32C check."""
         nbytes = read.stored.chunk_nbytes  # type: ignore[union-attr]
         view = memoryview(value)
-        if len(view) != nbytes + _zarr3.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != _trailer(
+        if len(view) != nbytes + zarr3_room.SHARD_TRAILER_BYTES or view[nbytes + 4 :] != _trailer(
             nbytes
         ):
-            key = _zarr3.chunk_key(read.name, read.stored.chunk_indices[n])  # type: ignore[union-attr]
+            key = zarr3_room.chunk_key(read.name, read.stored.chunk_indices[n])  # type: ignore[union-attr]
             if not len(view):
                 raise _small_reads.layout_error(read, key, "is missing")
             raise _small_reads.layout_error(read, key)
@@ -323,12 +318,12 @@ class Reader:
         try:
             values = await read_values(kvstore, [f"{r.name}/zarr.json" for r in reads])
         except ValueError as e:
-            raise _errors.storage_error(f"the arrays of {self._directory}", e) from e
+            raise storage.storage_error(f"the arrays of {self._directory}", e) from e
         for read, value in zip(reads, values, strict=True):
             stored = read.stored
             assert stored is not None
-            if value != _zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
-                raise _errors.integrity_error(
+            if value != zarr3_room.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+                raise storage.integrity_error(
                     f"{read.what} (array {read.name!r})",
                     "its zarr.json does not describe the shape and dtype _METADATA records",
                 )
@@ -341,7 +336,7 @@ class Reader:
         try:
             store = await ts.open(spec, context=context, open=True)
         except ValueError as e:
-            raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+            raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
         stored_shape = tuple(int(s) for s in store.shape)
         dtype = store.dtype.numpy_dtype
         check_against_metadata(read, stored_shape, dtype)
@@ -365,15 +360,17 @@ async def _read_one(kvstore: ts.KvStore, key: str, read: ArrayRead) -> bytes:
     try:
         return (await kvstore.read(key)).value
     except ValueError as e:
-        raise _errors.storage_error(f"{read.what} (array {read.name!r})", e) from e
+        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
 
 
-def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> list[list[_Keyed]]:
+def read_groups(
+    pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int
+) -> list[list[_Keyed]]:
     """Reads in the order of their first shard in the files, cut into groups of similar size."""
 
     def where(pair: _Keyed) -> tuple[int, str, int]:
         location = found.get(pair[1][0]) if pair[1] else None
-        if type(location) is _ocdbt_index.ValueLocation:
+        if type(location) is ocdbt_room.ValueLocation:
             return (0, location.file, location.offset)
         return (1, "", 0)
 
@@ -385,7 +382,7 @@ def _groups(pairs: Sequence[_Keyed], found: dict[bytes, Any], threads: int) -> l
 def _small_groups(small: list[_small_reads.Small], threads: int) -> list[list[_small_reads.Small]]:
     """Small reads in groups of similar size, each at most one buffer of ``SLAB_BYTES``."""
     total = sum(s.size for s in small)
-    budget = max(_small_reads.MIN_BUFFER_BYTES, _budget(total, _local_reads.SLAB_BYTES, threads))
+    budget = max(_small_reads.MIN_BUFFER_BYTES, _budget(total, storage.SLAB_BYTES, threads))
     return _small_reads.groups(small, budget)
 
 

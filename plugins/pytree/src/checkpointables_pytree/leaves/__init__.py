@@ -1,0 +1,70 @@
+"""TODO room docstring."""
+
+from checkpointables_pytree.leaves._array_handlers import ArrayLeafHandler, NumpyLeafHandler
+from checkpointables_pytree.leaves._common import (
+    ARRAY_VALUE_TYPES,
+    BYTES,
+    JAX_ARRAY,
+    NUMPY_ARRAY,
+    SCALAR,
+    STRING,
+    choose_inner_chunk_shape,
+)
+from checkpointables_pytree.leaves._groups import ArrayRecords, LeafGroup
+from checkpointables_pytree.leaves._keys import (
+    PRNG_KEY,
+    AbstractPRNGKey,
+    PRNGKeyLeafHandler,
+    PRNGKeyMetadata,
+    key_array_type,
+    mark_orbax_keys,
+)
+from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._scalar_handler import ScalarLeafHandler
+from checkpointables_pytree.leaves._session import (
+    ARRAY_METADATAS_DIR,
+    STRINGS_FILE,
+    LoadSession,
+    NamedDeserializationParam,
+    NamedSerializationParam,
+    PyTreeDeserializationContext,
+    PyTreeSerializationContext,
+    SaveSession,
+    write_text,
+)
+from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
+
+__all__ = [
+    "ArrayLeafHandler",
+    "NumpyLeafHandler",
+    "ARRAY_VALUE_TYPES",
+    "BYTES",
+    "JAX_ARRAY",
+    "NUMPY_ARRAY",
+    "SCALAR",
+    "STRING",
+    "choose_inner_chunk_shape",
+    "ArrayRecords",
+    "LeafGroup",
+    "AbstractPRNGKey",
+    "PRNGKeyLeafHandler",
+    "PRNGKeyMetadata",
+    "PRNG_KEY",
+    "key_array_type",
+    "mark_orbax_keys",
+    "ArrayMetadata",
+    "NumpyMetadata",
+    "StorageMetadata",
+    "ScalarLeafHandler",
+    "ARRAY_METADATAS_DIR",
+    "LoadSession",
+    "NamedDeserializationParam",
+    "NamedSerializationParam",
+    "PyTreeDeserializationContext",
+    "PyTreeSerializationContext",
+    "STRINGS_FILE",
+    "SaveSession",
+    "write_text",
+    "BytesLeafHandler",
+    "StringLeafHandler",
+]
