@@ -1,5 +1,5 @@
 """The shape of the code: no import cycle inside a distribution, no function over 60 lines,
-no module of the pytree plugin over 400.
+and the pytree plugin's rooms importing one another one way only, through public names.
 
 All read the source with the standard library's ``ast`` (nothing is imported).
 An import cycle means two modules can only be understood together; a long
@@ -22,8 +22,24 @@ SOURCES = {
     "example_plugin": ROOT / "tests" / "example_plugin" / "src",
 }
 MAX_FUNCTION_LINES = 60
-# Modules of the pytree plugin stay short enough to read in one sitting (issue 19).
-MAX_MODULE_LINES = {"pytree": 400}
+PYTREE = "checkpointables_pytree"
+# The pytree plugin's rooms (subpackages along the data's path) and the rooms each may
+# import. The package's top modules (the handler, the plans, partial saves, verify) may
+# import every room; no room imports a top module. See plugins/pytree/README.md.
+PYTREE_ROOMS: dict[str, set[str]] = {
+    "tree": set(),
+    "zarr3": set(),
+    "storage": set(),
+    "ocdbt": {"storage", "zarr3"},
+    "io": {"ocdbt", "storage", "zarr3"},
+    "leaves": {"io", "ocdbt", "storage", "tree", "zarr3"},
+}
+# Internals patched by tests where their callers look them up (a counter, a range size).
+PRIVATE_IMPORTS_ALLOWED = {
+    "tests/integration/object_store/test_ranged_reads.py": {f"{PYTREE}.io._remote_reads"},
+    "tests/plugins/pytree/test_small_reads.py": {f"{PYTREE}.io._small_reads"},
+    "bench/phases.py": {f"{PYTREE}.ocdbt._database_writer", f"{PYTREE}.tree._metadata_file"},
+}
 
 
 def _modules(source: Path) -> dict[str, Path]:
@@ -111,12 +127,75 @@ def test_no_function_is_longer_than_the_limit(distribution: str) -> None:
     assert long == []
 
 
-@pytest.mark.parametrize("distribution", sorted(MAX_MODULE_LINES))
-def test_no_module_is_longer_than_the_limit(distribution: str) -> None:
-    limit = MAX_MODULE_LINES[distribution]
-    long = [
-        f"{path.name}: {n} lines"
-        for path in sorted(SOURCES[distribution].rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > limit
+def _room(module: str) -> str | None:
+    """The pytree room of ``module`` ("" for the package's top modules, None outside)."""
+    parts = module.split(".")
+    if parts[0] != PYTREE:
+        return None
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PYTREE_ROOMS) else ""
+
+
+def _room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between rooms that go against ``PYTREE_ROOMS`` or reach a private module."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = _room(module)
+        for other in sorted(imported):
+            there = _room(other)
+            if there is None or there == here:
+                continue
+            if here != "" and there not in PYTREE_ROOMS[here]:
+                found.append(
+                    f"{module} imports {other}: {here or 'top'} may not import {there or 'top'}"
+                )
+            elif there != "" and other != f"{PYTREE}.{there}":
+                found.append(f"{module} imports {other}: import the room's public names instead")
+    return found
+
+
+def test_pytree_rooms_import_one_way_through_public_names() -> None:
+    modules = _modules(SOURCES["pytree"])
+    graph = {m: _imported(m, p, modules) for m, p in modules.items()}
+    assert {_room(m) for m in modules} == {"", *PYTREE_ROOMS}
+    assert _room_violations(graph) == []
+
+
+def test_the_room_checker_finds_wrong_ways_and_private_reaches() -> None:
+    graph = {
+        f"{PYTREE}.ocdbt._index": {f"{PYTREE}.leaves", f"{PYTREE}.storage"},
+        f"{PYTREE}.io._reader": {f"{PYTREE}.ocdbt._index", f"{PYTREE}._handler"},
+        f"{PYTREE}._handler": {f"{PYTREE}.io._reader", f"{PYTREE}.leaves"},
+    }
+    assert _room_violations(graph) == [
+        f"{PYTREE}._handler imports {PYTREE}.io._reader: import the room's public names instead",
+        f"{PYTREE}.io._reader imports {PYTREE}._handler: io may not import top",
+        f"{PYTREE}.io._reader imports {PYTREE}.ocdbt._index: import the room's public names instead",
+        f"{PYTREE}.ocdbt._index imports {PYTREE}.leaves: ocdbt may not import leaves",
     ]
-    assert long == []
+
+
+@pytest.mark.parametrize("room", sorted(PYTREE_ROOMS))
+def test_each_room_says_its_job_and_what_it_offers(room: str) -> None:
+    init = SOURCES["pytree"] / PYTREE / room / "__init__.py"
+    module = ast.parse(init.read_text())
+    assert len(ast.get_docstring(module) or "") > 200, f"{room}/__init__.py: say the room's job"
+    offered = [
+        ast.literal_eval(node.value)
+        for node in module.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+    ]
+    assert offered and all(not name.startswith("_") for name in offered[0]), offered
+
+
+def test_tests_and_bench_use_the_rooms_public_names() -> None:
+    reaching = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        where = str(path.relative_to(ROOT))
+        allowed = PRIVATE_IMPORTS_ALLOWED.get(where, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PYTREE):
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+                private = {t for t in targets if any(p.startswith("_") for p in t.split(".")[1:])}
+                private -= {t for t in private if _room(t) == "" and t.count(".") == 1}
+                reaching += [f"{where}: {t}" for t in sorted(private - allowed)]
+    assert reaching == []

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import inspect
 import itertools
+import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -311,7 +312,7 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = ocdbt.OpenedDatabase.start(directory)
+        opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
         tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
@@ -390,3 +391,12 @@ class PyTreeHandler:
         from checkpointables_pytree import _partial
 
         _partial.merge_partial_saves(sources, target)
+
+
+def _many_leaves(directory: epath.Path) -> bool:
+    """Whether the ``_METADATA`` in ``directory`` records many leaves (by its size)."""
+    try:
+        size = os.stat(os.path.join(directory, tree_room.METADATA_FILE)).st_size
+    except OSError:
+        return False  # No _METADATA: reading it reports that.
+    return size > ocdbt.PREFETCH_METADATA_BYTES

@@ -1,4 +1,19 @@
-"""TODO room docstring."""
+"""The writer and the reader: every array of one save, or of one load, moved in one run.
+
+* ``Writer``: leaf handlers ``add`` an ``ArrayWrite`` per array; ``run``
+  encodes plain arrays into the pytree's database (``ocdbt.DatabaseFiles``)
+  and hands the others to the zarr3 driver (``ocdbt.DriverWrites``).
+* ``Reader``: leaf handlers ``add_all`` an ``ArrayRead`` per array; ``run``
+  reads plain shards in bulk (located by ``ocdbt.DatabaseIndex``, read by
+  ``storage``'s local files or few ranged GETs, checked against their
+  CRC-32C), small arrays many at a time (``read_small``), and the rest
+  through TensorStore's zarr3 driver.
+* Multi-process saves: which shards this process writes
+  (``shards_to_write``), and the merge of the per-process databases
+  (``merge_process_databases``).
+
+It imports ``ocdbt``, ``storage`` and ``zarr3``; the leaves' sessions drive it.
+"""
 
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,

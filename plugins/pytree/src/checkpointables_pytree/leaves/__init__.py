@@ -1,4 +1,16 @@
-"""TODO room docstring."""
+"""The leaf handlers (arrays, typed PRNG keys, scalars, ``str``, ``bytes``) and their sessions.
+
+``SaveSession`` and ``LoadSession`` are what one save or load shares between
+the standard leaf handlers: the writer or reader, the ``_METADATA`` records,
+the strings file. A save hands each handler its leaves as one ``LeafGroup``;
+the array handlers plan the zarr3 layouts once per tree structure
+(``_array_layouts``) and add every array to the session's writer; a load's
+handlers add ``ArrayRead``s to its reader and build their leaves from what is
+read. ``ArrayMetadata`` and friends are what ``cp.pytree_metadata`` returns.
+
+It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; the
+package's top modules (``PyTreeHandler``, the save and load plans) use it.
+"""
 
 from checkpointables_pytree.leaves._array_handlers import ArrayLeafHandler, NumpyLeafHandler
 from checkpointables_pytree.leaves._common import (

@@ -1,4 +1,35 @@
-"""TODO room docstring."""
+"""The OCDBT key-value database of a pytree directory, in TensorStore's format: one room.
+
+Every array of a pytree is a set of keys of one OCDBT database (Orbax's
+layout). What this room does itself, and what it leaves to TensorStore:
+
+* **Written here** (the fast path of a save, ``DatabaseFiles``,
+  ``DatabaseLayout``): a *new* database that no one else writes, with one
+  version: data files ``d/<32 hex digits>`` written from the arrays' own
+  memory, values of at most ``MAX_INLINE_VALUE_BYTES`` inline in the leaf
+  nodes, uncompressed b-tree nodes (leaves, and one interior node when there
+  are several), and a manifest of the single-file kind, all encoded by
+  ``_format`` from TensorStore's "ocdbt Key-Value Store driver" / "Storage
+  format" documentation.
+* **Read here** (the fast path of a load, ``DatabaseIndex``): the manifest and
+  *uncompressed* b-tree nodes, decoded column by column (``decode``), to find
+  where each value lies so that values are read in bulk (``storage`` and the
+  reader's small and remote reads).
+* **Left to TensorStore**: every database it or Orbax wrote (zstd-compressed
+  nodes are handed to ``ts.ocdbt.dump``; any node we cannot vouch for to the
+  kvstore), arrays written through the zarr3 driver (``DriverWrites``: large,
+  compressed, finely chunked or int4 arrays, in transactions of their own
+  writers), merges of databases (``merge_into``: ``experimental_copy_range_to``
+  in one atomic transaction), and every read the fast path declines.
+
+The fast path can be turned off per save and per load (``docs/pytree.md``);
+then TensorStore writes and reads every key. It is held to TensorStore by
+tests: TensorStore's ``ocdbt`` and ``zarr3`` drivers and ``ts.ocdbt.dump`` read
+what ``DatabaseFiles`` writes bit-exact, TensorStore commits on top of it, and
+the index decodes what TensorStore writes or declines it
+(``tests/plugins/pytree/test_ocdbt_conformance.py``). It imports ``storage``
+and ``zarr3`` only.
+"""
 
 from checkpointables_pytree.ocdbt._btree_nodes import LeafNode, decode, decoded, split_location
 from checkpointables_pytree.ocdbt._context import (

@@ -41,7 +41,6 @@ from etils import epath
 from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _btree_nodes, _context
 from checkpointables_pytree.storage import ValueLocation
-from checkpointables_pytree.tree import METADATA_FILE
 
 __all__ = [
     "DatabaseIndex",
@@ -53,7 +52,8 @@ __all__ = [
     "leaks",
 ]
 
-# A _METADATA of more than this (about 100 leaves) starts a load's index early.
+# A pytree whose _METADATA holds more than this (about 100 leaves) has many values:
+# its load starts reading the index early (``OpenedDatabase.start``'s ``many_values``).
 PREFETCH_METADATA_BYTES = 32 << 10
 
 
@@ -347,12 +347,12 @@ async def dump_async(base: ts.KvStore, location: str | None = None) -> Any:
 class OpenedDatabase:
     """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
 
-    For a tree of a few leaves, ``start`` issues one read, which brings the
+    For a database of a few values, ``start`` issues one read, which brings the
     manifest and the b-tree's root into the context's cache while this thread
-    plans the reads (that waiting was a fifth of the load). For a tree of many
-    leaves (a ``_METADATA`` over ``PREFETCH_METADATA_BYTES``) it starts
-    reading where the values are (``index``) instead: they are read without
-    the kvstore, whose decoding of the root would only take cores.
+    plans the reads (that waiting was a fifth of the load). For one of many
+    values (``many_values``) it starts reading where the values are (``index``)
+    instead: they are read without the kvstore, whose decoding of the root would
+    only take cores.
     """
 
     def __init__(self, directory: epath.Path, context: ts.Context, kvstore: ts.KvStore) -> None:
@@ -362,10 +362,12 @@ class OpenedDatabase:
         self.warming: Any = None  # Held: TensorStore may cancel a dropped read.
 
     @classmethod
-    def start(cls, directory: epath.Path) -> OpenedDatabase | None:
+    def start(cls, directory: epath.Path, *, many_values: bool) -> OpenedDatabase | None:
         """Opens the local OCDBT database in ``directory``; ``None`` if there is none.
 
-        Anything unusual is left to the reads, which report it.
+        ``many_values``: the database holds many values (the caller knows from its own
+        files), so the index is prefetched instead of a warming read. Anything unusual
+        is left to the reads, which report it.
         """
         root = os.fspath(directory)
         if not _context.is_local(root) or not os.path.exists(
@@ -378,11 +380,7 @@ class OpenedDatabase:
         except ValueError:  # TensorStore's errors: the reads report them, naming the leaf.
             return None
         opened = cls(directory, context, kvstore)
-        try:
-            many = os.stat(os.path.join(root, METADATA_FILE)).st_size > PREFETCH_METADATA_BYTES
-        except OSError:
-            many = False  # No _METADATA: reading it reports that.
-        if many:
+        if many_values:
             opened.index.prefetch()
         else:
             opened.warming = kvstore.read("")

@@ -1,4 +1,20 @@
-"""TODO room docstring."""
+"""Where a checkpoint's bytes live and how they are reached, below any format.
+
+* object stores (``s3://``, ``gs://``): TensorStore kvstore specs and context
+  resources from the user's configuration (``kvstore_spec``,
+  ``context_resources``), and the ``cp.storage`` backend for those schemes
+  (``storage_for``), registered by ``plugin.py``;
+* local files read without TensorStore (``OpenFiles``, ``read_values``,
+  ``read_into``: ``preadv`` into the arrays' own memory) and the aligned
+  buffers they fill (``Slab``, ``aligned_empty``);
+* waiting for many TensorStore futures from an event loop (``wait_all``,
+  ``settle``, ``ByteLimiter``);
+* TensorStore's failures turned into the library's documented errors
+  (``storage_error``, ``integrity_error``, ``object_store_failures``).
+
+It imports nothing of the plugin's; the OCDBT room and the writer and reader
+build on it.
+"""
 
 from checkpointables_pytree.storage._backend import storage_for
 from checkpointables_pytree.storage._buffers import ALIGNMENT, Slab, aligned_empty

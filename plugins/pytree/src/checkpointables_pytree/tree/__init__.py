@@ -1,4 +1,14 @@
-"""TODO room docstring."""
+"""What a checkpoint says about the tree: its key paths, its ``_METADATA`` and its ``_sharding``.
+
+A save flattens a pytree into key paths and leaves (``flatten``, with the
+structure cached per tree definition in ``Structure``), records every key
+path, key type and value type in ``_METADATA`` (``write_tree_metadata``) and
+every ``jax.Array``'s sharding in ``_sharding``; a load parses them
+(``read_tree_metadata``, ``read_sharding_file``) and rebuilds nested dicts,
+lists and tuples from the recorded key paths (``unflatten``), all in Orbax's
+format. Nothing here reads or writes an array: this room imports nothing of
+the plugin's, and every other room may import it.
+"""
 
 from checkpointables_pytree.tree._keypaths import (
     DICT,

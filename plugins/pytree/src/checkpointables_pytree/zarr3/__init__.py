@@ -1,4 +1,13 @@
-"""TODO room docstring."""
+"""The zarr v3 encoding of arrays, as Orbax (through TensorStore's zarr3 driver) stores them.
+
+An array is a ``zarr.json`` (``zarr_json``: shape, dtype, chunk grid and
+codecs) and one key per chunk (``chunk_key``), each a sharding-codec shard:
+the chunk's bytes, their CRC-32C, then the shard index and its CRC-32C
+(``encode_shard``, ``shard_trailer``). ``ZarrLayout`` is one array's planned
+layout and ``ArrayWrite`` what a save hands the writer for it. Pure
+encoding: no I/O, nothing of the plugin imported, so the writer, the reader
+and the OCDBT room share one definition of the bytes.
+"""
 
 from checkpointables_pytree.zarr3._encoding import (
     SHARD_TRAILER_BYTES,
