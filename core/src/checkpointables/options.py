@@ -10,10 +10,14 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+
+# Set to 0 (or false / off) to turn ``ArrayOptions.ocdbt_fast_path`` off by default.
+FAST_PATH_ENVIRONMENT_VARIABLE = "CHECKPOINTABLES_OCDBT_FAST_PATH"
 
 __all__ = [
     "AsyncOptions",
@@ -92,6 +96,11 @@ class ArrayStorageOptions:
     shard_axes: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
+def _fast_path_default() -> bool:
+    value = os.environ.get(FAST_PATH_ENVIRONMENT_VARIABLE, "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
 @attrs.frozen
 class ArrayOptions:
     """Options for arrays in pytrees.
@@ -108,6 +117,13 @@ class ArrayOptions:
       verify_checksums: check every chunk on load, against the checksum
         recorded at save time or the chunk's own CRC-32C. Turning it off
         saves CPU time on trusted storage; damage then goes unnoticed.
+      ocdbt_fast_path: the pytree plugin writes and reads the OCDBT database
+        of plain arrays itself, in TensorStore's format (about half the CPU of
+        a small-tree save, twice the speed of a small-tree load). ``False``
+        makes TensorStore write and read every key, as Orbax does: the same
+        checkpoint, byte for byte readable by both. The default is ``True``
+        unless the environment variable ``CHECKPOINTABLES_OCDBT_FAST_PATH``
+        is ``0``, ``false`` or ``off``.
     """
 
     storage_options: ArrayStorageOptions = ArrayStorageOptions()
@@ -117,6 +133,7 @@ class ArrayOptions:
     use_compression: bool = False
     enable_padding_and_truncation: bool = False
     verify_checksums: bool = True
+    ocdbt_fast_path: bool = attrs.field(factory=lambda: _fast_path_default())
 
 
 @attrs.frozen

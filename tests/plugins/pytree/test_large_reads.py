@@ -11,6 +11,9 @@ from checkpointables_pytree.io import ArrayRead, StoredArray
 
 from .opens import load_recording_opens
 
+# Tests of the OCDBT fast path itself: on even where CI turns it off.
+pytestmark = pytest.mark.fast_path
+
 _RNG = np.random.default_rng(11)
 
 

@@ -19,6 +19,9 @@ from checkpointables_pytree.ocdbt import ValueLocation
 from .damage import flip
 from .test_btree_nodes import _uncompressed_copy
 
+# Tests of the OCDBT fast path itself: on even where CI turns it off.
+pytestmark = pytest.mark.fast_path
+
 _RNG = np.random.default_rng(11)
 # Shapes and dtypes of many kinds, on both sides of OCDBT's 1 KiB inline limit.
 _DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.bool_, np.float16, np.complex64]

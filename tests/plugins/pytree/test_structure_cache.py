@@ -308,6 +308,7 @@ def test_jax_array_layouts_follow_shape_changes(tmp_path) -> None:
     assert _metadata_text(tmp_path / "d") == _metadata_text(tmp_path / "a")
 
 
+@pytest.mark.fast_path
 def test_the_database_layout_is_kept_while_the_arrays_keep_their_sizes(tmp_path) -> None:
     from checkpointables_pytree import io
 

@@ -17,6 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .opens import load_recording_opens
 
+# Tests of the OCDBT fast path itself: on even where CI turns it off.
+pytestmark = pytest.mark.fast_path
+
 _RNG = np.random.default_rng(7)
 
 

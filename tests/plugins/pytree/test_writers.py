@@ -47,10 +47,12 @@ def _assert_equal(loaded, expected) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# Arrays over 8 MiB are split in inner chunks: the zarr3 driver writes them.
+# Arrays over 8 MiB are split in inner chunks: the zarr3 driver writes them (the others go
+# into the database the fast path writes, whose count of writers the tests check).
 INNER_CHUNKS = cp.Context(
     array_options=cp.options.ArrayOptions(
-        storage_options=cp.options.ArrayStorageOptions(chunk_byte_size=8 << 20)
+        storage_options=cp.options.ArrayStorageOptions(chunk_byte_size=8 << 20),
+        ocdbt_fast_path=True,
     )
 )
 
@@ -64,6 +66,7 @@ def saved(tmp_path_factory):
     return path, tree
 
 
+@pytest.mark.fast_path
 def test_groups_are_committed_by_several_writers_and_merged(saved) -> None:
     path, tree = saved
     writers = sorted(p.name for p in (path / "pytree").glob(ocdbt.WRITER_PREFIX + "*"))
@@ -114,6 +117,7 @@ def test_partial_saves_of_large_arrays_finalize_into_one_checkpoint(tmp_path) ->
     _assert_equal(ocp_v1.load(root), tree)
 
 
+@pytest.mark.fast_path
 def test_plain_large_arrays_are_written_without_the_driver(tmp_path) -> None:
     # On a local disk plain arrays up to DIRECT_BYTES go to the database's own data files.
     path = tmp_path / "c"

@@ -312,7 +312,9 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
+        opened = None
+        if context.array_options.ocdbt_fast_path:
+            opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
         tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:

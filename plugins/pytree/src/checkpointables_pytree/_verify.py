@@ -125,7 +125,7 @@ async def _check_array_set(session: LoadSession) -> list[str]:
 
 
 async def _check_chunks(session: LoadSession, entries: Sequence[tree_room.Entry]) -> list[str]:
-    reader = io.Reader(session.directory)
+    reader = io.Reader(session.directory, fast_path=session.context.array_options.ocdbt_fast_path)
     reader.add_all(
         [
             ArrayRead(

@@ -111,9 +111,16 @@ class Reader:
         verify: bool = True,
         opened: ocdbt_room.OpenedDatabase | None = None,
         cross_check: bool = False,
+        fast_path: bool = True,
     ) -> None:
+        """A reader of the arrays in ``directory``.
+
+        ``fast_path``: locate values with our own b-tree index and read them from
+        the files ourselves; ``False`` leaves every key to TensorStore's kvstore
+        (read in batches) and zarr3 driver.
+        """
         self._directory = directory
-        self._opened = opened if ocdbt else None
+        self._opened = opened if ocdbt and fast_path else None
         self._cross_check = cross_check
         self._ocdbt = ocdbt
         self._zarr3 = zarr3
@@ -122,7 +129,7 @@ class Reader:
         self._verify = verify
         self._reads: list[ArrayRead] = []
         self._index = self._opened.index if self._opened is not None else None
-        if self._index is None and ocdbt:
+        if self._index is None and ocdbt and fast_path:
             self._index = ocdbt_room.DatabaseIndex(directory)
 
     def array_spec(self, name: str) -> dict[str, Any]:

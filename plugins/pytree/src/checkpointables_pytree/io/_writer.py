@@ -75,10 +75,18 @@ class Writer:
         self,
         directory: cp.path.PathAwaitingCreation,
         structure_cache: dict[Any, Any] | None = None,
+        *,
+        fast_path: bool = True,
     ) -> None:
         """A writer into ``directory``; what depends only on the tree's structure is kept
-        in ``structure_cache`` (``_tree.Structure.derived``) for the next save."""
+        in ``structure_cache`` (``tree.Structure.derived``) for the next save.
+
+        ``fast_path``: plain arrays go into a database written here
+        (``ocdbt.DatabaseFiles``); ``False`` hands every array to TensorStore's zarr3
+        driver, which writes their ``zarr.json`` and the database itself.
+        """
         self._directory = directory
+        self._fast_path = fast_path
         self._items: list[ArrayWrite] = []
         self._structure_cache = structure_cache if structure_cache is not None else {}
 
@@ -107,12 +115,13 @@ class Writer:
             limit = DIRECT_BYTES if local else REMOTE_DIRECT_BYTES
             here, driver = [], []
             for item in self._items:
-                (here if item.plain and item.largest <= limit else driver).append(item)
+                fast = self._fast_path and item.plain and item.largest <= limit
+                (here if fast else driver).append(item)
             written = asyncio.ensure_future(self._write_database(database, context, here, driver))
             tasks = [written]
             try:
                 # TensorStore's threads encode those arrays while this thread encodes these.
-                large = ocdbt.DriverWrites()
+                large = ocdbt.DriverWrites(write_metadata=not self._fast_path)
                 tasks += await large.start(driver, database, context, written)
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -131,8 +140,10 @@ class Writer:
 
         Each data file is written (and flushed) as soon as its arrays are
         encoded, the b-tree once all are, in a file of its own. The manifest is
-        written last.
+        written last. Without the fast path TensorStore writes all of it.
         """
+        if not self._fast_path:
+            return
         files = await ocdbt.DatabaseFiles.open(database, context)
         layout = self._database_layout(here, driver, files.local)
         if layout is None:

@@ -82,7 +82,9 @@ class SaveSession:
             directory=directory,
             context=context,
             caller_waits=caller_waits(),
-            writer=Writer(directory, structure_cache),
+            writer=Writer(
+                directory, structure_cache, fast_path=context.array_options.ocdbt_fast_path
+            ),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
             array_options=context.array_options,
@@ -210,6 +212,7 @@ class LoadSession:
             # Layouts recorded in an unchecksummed _METADATA (written by an earlier version)
             # must agree with the arrays' own zarr.json.
             cross_check=not tree.checksum_recorded,
+            fast_path=context.array_options.ocdbt_fast_path,
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived

@@ -42,7 +42,10 @@ WRITER_PREFIX = "ocdbt.writer_"
 class DriverWrites:
     """The arrays of one save written through the zarr3 driver."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_metadata: bool = False) -> None:
+        """``write_metadata``: the driver writes the ``zarr.json`` of the arrays that
+        record it (else the caller's own database holds them)."""
+        self._write_metadata = write_metadata
         self._flushed: set[str] = set()
         self._specs: dict[tuple[Any, ...], ts.Spec] = {}
         # The pytree's database, and the writing of it that its commits wait for.
@@ -97,6 +100,13 @@ class DriverWrites:
             )
         return spec
 
+    def _metadata_options(self, item: ArrayWrite) -> dict[str, bool]:
+        """How ``ts.open`` treats the array's ``zarr.json``: written by the caller's own
+        database (assumed here), or created here (with the array's first chunks)."""
+        if self._write_metadata and item.write_metadata:
+            return {"create": True}
+        return {"assume_metadata": True}
+
     async def _write_large(
         self,
         items: Sequence[ArrayWrite],
@@ -138,8 +148,7 @@ class DriverWrites:
                 ts.open(
                     self._zarr3_spec(item),
                     kvstore=base / (item.layout.name + "/"),
-                    # zarr.json is in the database _write_database writes.
-                    assume_metadata=True,
+                    **self._metadata_options(item),
                     context=context,
                     transaction=transaction,
                 )
