@@ -166,10 +166,11 @@ def test_the_room_checker_finds_wrong_ways_and_private_reaches() -> None:
         f"{PYTREE}.io._reader": {f"{PYTREE}.ocdbt._index", f"{PYTREE}._handler"},
         f"{PYTREE}._handler": {f"{PYTREE}.io._reader", f"{PYTREE}.leaves"},
     }
+    public = "import the room's public names instead"
     assert _room_violations(graph) == [
-        f"{PYTREE}._handler imports {PYTREE}.io._reader: import the room's public names instead",
+        f"{PYTREE}._handler imports {PYTREE}.io._reader: {public}",
         f"{PYTREE}.io._reader imports {PYTREE}._handler: io may not import top",
-        f"{PYTREE}.io._reader imports {PYTREE}.ocdbt._index: import the room's public names instead",
+        f"{PYTREE}.io._reader imports {PYTREE}.ocdbt._index: {public}",
         f"{PYTREE}.ocdbt._index imports {PYTREE}.leaves: ocdbt may not import leaves",
     ]
 
