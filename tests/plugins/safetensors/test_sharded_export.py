@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 from checkpointables import cli
-from checkpointables_safetensors import export_checkpoint, save_pytree
+from checkpointables_safetensors import export_checkpoint, parse_size, save_pytree
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -176,7 +176,7 @@ def test_cli_export_of_mixed_dtypes_then_import_round_trips(tmp_path, capsys, si
     out = tmp_path / "hf"
     assert cli.main(["export", str(tmp_path / "ckpt"), str(out), "--max-shard-size", size]) == 0
     assert f"wrote {len(flat(state))} tensors" in capsys.readouterr().out
-    _check_files(str(out), cli_limit(size), flat(state))
+    _check_files(str(out), parse_size(size), flat(state))
     assert cli.main(["import", str(out), str(tmp_path / "back")]) == 0
     back = flat(cp.load_pytree(tmp_path / "back"))
     assert sorted(back) == sorted(flat(state))
@@ -184,10 +184,3 @@ def test_cli_export_of_mixed_dtypes_then_import_round_trips(tmp_path, capsys, si
     assert cp.pytree_metadata(tmp_path / "back").custom_metadata["safetensors_metadata"] == {
         "format": "pt"
     }
-
-
-def cli_limit(size: str) -> int:
-    """Bytes of a ``--max-shard-size`` value."""
-    from checkpointables_safetensors import parse_size
-
-    return parse_size(size)
