@@ -27,7 +27,7 @@ from checkpointables_safetensors._writer import (
     DEFAULT_MAX_SHARD_SIZE,
     Output,
     TensorEntry,
-    write_order,
+    plan_shards,
     write_safetensors,
 )
 
@@ -149,9 +149,13 @@ def _arrays_from_checkpoint(
         del loaded
 
 
-def _in_write_order(leaves: Sequence[_Leaf], max_shard_size: int) -> list[_Leaf]:
+def _plan(
+    leaves: Sequence[_Leaf], max_shard_size: int
+) -> tuple[list[list[TensorEntry]], list[_Leaf]]:
+    """The files to write (``plan_shards``), and the leaves in the order they are written."""
+    shards = plan_shards([leaf.entry for leaf in leaves], max_shard_size)
     by_name = {leaf.entry.name: leaf for leaf in leaves}
-    return [by_name[e.name] for e in write_order([leaf.entry for leaf in leaves], max_shard_size)]
+    return shards, [by_name[e.name] for shard in shards for e in shard]
 
 
 def export_checkpoint(
@@ -177,7 +181,7 @@ def export_checkpoint(
     """
     meta = cp.pytree_metadata(checkpoint)
     leaves, skipped, treedef, count = _leaves(meta.metadata, subtree)
-    leaves = _in_write_order(leaves, max_shard_size)
+    shards, leaves = _plan(leaves, max_shard_size)
     imported = (meta.custom_metadata or {}).get(IMPORTED_METADATA_KEY)
     header = {**FORMAT_METADATA, **(imported if isinstance(imported, dict) else {})}
     header.update(metadata or {})
@@ -185,9 +189,8 @@ def export_checkpoint(
     with cp.progress.bytes_progress(total, "export"):
         files = write_safetensors(
             Output.at(out),
-            [leaf.entry for leaf in leaves],
+            shards,
             _arrays_from_checkpoint(checkpoint, leaves, treedef, count, batch_bytes),
-            max_shard_size=max_shard_size,
             metadata=header,
             overwrite=overwrite,
         )
@@ -209,14 +212,13 @@ def save_pytree(
         save_pytree("finetuned/", {"model": params})   # finetuned/model.safetensors
     """
     leaves, skipped, _, _ = _leaves(pytree, None)
-    leaves = _in_write_order(leaves, max_shard_size)
+    shards, leaves = _plan(leaves, max_shard_size)
     flat = jax.tree_util.tree_leaves(pytree, is_leaf=lambda x: x is None)
     arrays = (np.asarray(flat[leaf.position], dtype=leaf.entry.dtype) for leaf in leaves)
     files = write_safetensors(
         Output.at(out),
-        [leaf.entry for leaf in leaves],
+        shards,
         arrays,
-        max_shard_size=max_shard_size,
         metadata={**FORMAT_METADATA, **(metadata or {})},
         overwrite=overwrite,
     )

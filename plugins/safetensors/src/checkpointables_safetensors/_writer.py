@@ -120,9 +120,14 @@ def parse_size(text: str | int) -> int:
 
 
 def plan_shards(entries: Sequence[TensorEntry], max_shard_size: int) -> list[list[TensorEntry]]:
-    """Cuts ``entries`` (in order) into files of at most ``max_shard_size`` bytes of data.
+    """The files to write ``entries`` (in tree order) as: each a list in the order of its data.
 
-    A tensor larger than the limit gets a file of its own, as on the Hub.
+    Files take the entries in order, each filled until the next entry would
+    take it over ``max_shard_size`` bytes of data; a tensor larger than the
+    limit gets a file of its own, as on the Hub. In a file, larger items come
+    first (so each is aligned), in tree order otherwise. Give the result to
+    ``write_safetensors`` as it is: the cut is made once, on the tree order,
+    so reordering a file's data cannot move a tensor to another file.
     """
     shards: list[list[TensorEntry]] = [[]]
     size = 0
@@ -132,12 +137,8 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_size: int) -> list[lis
             size = 0
         shards[-1].append(entry)
         size += entry.nbytes
-    return shards
-
-
-def data_order(entries: Sequence[TensorEntry]) -> list[TensorEntry]:
-    """The order of the tensors' data in a file: larger items first, so each is aligned."""
-    return sorted(entries, key=lambda e: -e.dtype.itemsize)  # Stable: tree order otherwise.
+    # sorted() is stable: tree order among items of one size.
+    return [sorted(shard, key=lambda e: -e.dtype.itemsize) for shard in shards]
 
 
 def _header(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -> bytes:
@@ -196,23 +197,22 @@ def _write_file(
 
 def write_safetensors(
     output: Output,
-    entries: Sequence[TensorEntry],
+    shards: Sequence[Sequence[TensorEntry]],
     arrays: Iterable[np.ndarray],
     *,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
 ) -> list[str]:
-    """Writes ``entries`` as one file or Hub-style shards with an index; returns the paths.
+    """Writes the files of a ``plan_shards`` plan, Hub-style with an index if several.
 
-    ``arrays`` yields each entry's array in *write order*: the order of
-    ``write_order(...)`` for the same arguments, so a caller can stream them.
+    Returns the paths written. ``arrays`` yields each entry's array in the
+    order of ``shards``, files first then entries, so a caller can stream them.
 
     Raises:
       FileExistsError: a file to write exists and ``overwrite`` is false.
       ValueError: an array does not match its entry, or a dtype safetensors cannot hold.
     """
-    shards = [data_order(s) for s in plan_shards(entries, max_shard_size)]
+    entries = [e for shard in shards for e in shard]
     names = output.file_names(len(shards))
     finals = [os.path.join(output.directory, n) for n in names]
     if len(shards) > 1:
@@ -250,8 +250,3 @@ def write_safetensors(
             if os.path.exists(temporary):
                 os.remove(temporary)
     return finals
-
-
-def write_order(entries: Sequence[TensorEntry], max_shard_size: int) -> list[TensorEntry]:
-    """The order in which ``write_safetensors`` consumes the arrays of ``entries``."""
-    return [e for shard in plan_shards(entries, max_shard_size) for e in data_order(shard)]
