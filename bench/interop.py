@@ -149,13 +149,13 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         os.remove(probe)
     gc.collect()
     time.sleep(0.1)
-    baseline = memory._status_kib("VmRSS") * 1024
-    exact = memory._reset_high_water_mark()
-    with memory._Sampler() as sampler:
+    baseline = memory.status_kib("VmRSS") * 1024
+    exact = memory.reset_high_water_mark()
+    with memory.Sampler() as sampler:
         start = time.perf_counter()
         loaded = load(args["library"], args["path"], args["mesh"])
         seconds = time.perf_counter() - start
-    peak = max(memory._status_kib("VmHWM") * 1024 if exact else 0, sampler.peak)
+    peak = max(memory.status_kib("VmHWM") * 1024 if exact else 0, sampler.peak)
     result_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded))
     return {
         "growth": peak - baseline,

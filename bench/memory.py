@@ -7,7 +7,9 @@ saves), then records the resident set size, resets the kernel's high-water
 mark (``/proc/self/clear_refs`` "5") and runs the operation. Growth is the
 high-water mark (``VmHWM``) minus the starting ``VmRSS``; a thread sampling
 RSS every 5 ms is the fallback where the reset is not allowed. The child
-prints one JSON line.
+prints one JSON line. ``measure_here`` is that child's measurement, which
+``bench.object_store`` runs for its cases in children of its own, so this
+module knows nothing of object stores.
 
 ``repeated_loads`` measures something else: whether memory stays flat when
 the same checkpoint of many small arrays is loaded again and again (a server
@@ -26,8 +28,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.cases import Case
+    from bench.libraries import Library
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OPS = ("save", "save_async", "load")
@@ -36,7 +43,8 @@ REPEATED_LOADS = 8
 WARM_UP_LOADS = 2
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
+    """The number of kiB of ``field`` (``VmRSS``, ``VmHWM``) in ``/proc/self/status``."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -44,7 +52,7 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _reset_high_water_mark() -> bool:
+def reset_high_water_mark() -> bool:
     """Resets ``VmHWM`` to the current RSS; ``False`` if the kernel does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -52,10 +60,10 @@ def _reset_high_water_mark() -> bool:
     except OSError:
         return False
     # A reset high-water mark sits at the current RSS (give or take a few pages).
-    return _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024
+    return status_kib("VmHWM") <= status_kib("VmRSS") + 1024
 
 
-class _Sampler:
+class Sampler:
     """Samples RSS every 5 ms in a thread and keeps the maximum."""
 
     def __init__(self) -> None:
@@ -70,7 +78,7 @@ class _Sampler:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, self._process.memory_info().rss)
 
-    def __enter__(self) -> _Sampler:
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -81,20 +89,38 @@ class _Sampler:
 
 
 def child(args: dict[str, Any]) -> dict[str, Any]:
-    """Runs one measurement in this (fresh) process and returns the numbers."""
+    """Runs one measurement of a local case in this (fresh) process and returns the numbers."""
     from bench import cases, libraries
 
-    op = args["op"]
-    if args.get("store") == "s3":  # An object-store case (bench.object_store), on its server.
-        from bench import object_store
+    return measure_here(
+        libraries.all_libraries([args["library"]])[0],
+        cases.get_case(args["case"]),
+        args["op"],
+        args["path"],
+        args["scale"],
+        probe_dir=libraries.scratch_dir(args["tmp_root"]),
+        remove=libraries.remove,
+    )
 
-        case = next(c for c in object_store.CASES if c.name == args["case"])
-        library: libraries.Library = object_store.CheckpointablesS3()
-        probe_dir, remove = f"{args['path']}-warm-up", object_store.delete
-    else:
-        case = cases.get_case(args["case"])
-        library = libraries.all_libraries([args["library"]])[0]
-        probe_dir, remove = libraries.scratch_dir(args["tmp_root"]), libraries.remove
+
+def measure_here(
+    library: Library,
+    case: Case,
+    op: str,
+    path: str,
+    scale: float,
+    probe_dir: str,
+    remove: Callable[[str], None],
+) -> dict[str, Any]:
+    """Peak RSS growth of one ``op`` of ``library`` on ``case``, measured in this process.
+
+    Call it in a fresh interpreter (the child of ``run_child``): it first saves
+    and loads a tiny tree under ``probe_dir`` (deleted with ``remove``), so
+    imports, thread pools and one-time caches are not counted. ``path`` is
+    where a save writes, or the checkpoint a load reads. Object-store cases
+    (``bench.object_store``) call it with their own library and storage.
+    """
+    from bench import cases, libraries
 
     # Warm-up on a tiny tree: imports, thread pools, JIT caches are not what we measure.
     try:
@@ -110,24 +136,24 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         remove(probe_dir)
     del probe
 
-    tree = case.tree(args["scale"])
+    tree = case.tree(scale)
     spec = libraries.tree_spec(tree)  # The raw and safetensors loaders need shapes and dtypes.
     if op == "load":
         tree = None  # Freed before the baseline: a load starts from nothing.
     gc.collect()
     time.sleep(0.1)  # Let freed memory settle before the baseline.
-    baseline = _status_kib("VmRSS") * 1024
-    exact = _reset_high_water_mark()
-    with _Sampler() as sampler:
+    baseline = status_kib("VmRSS") * 1024
+    exact = reset_high_water_mark()
+    with Sampler() as sampler:
         start = time.perf_counter()
         if op == "save":
-            library.save(args["path"], tree, spec)
+            library.save(path, tree, spec)
         elif op == "save_async":
-            library.save_async(args["path"], tree, spec).result()
+            library.save_async(path, tree, spec).result()
         else:
-            result = library.load(args["path"], spec)  # Kept alive until the peak is read.
+            result = library.load(path, spec)  # Kept alive until the peak is read.
         seconds = time.perf_counter() - start
-    peak = max(_status_kib("VmHWM") * 1024 if exact else 0, sampler.peak)
+    peak = max(status_kib("VmHWM") * 1024 if exact else 0, sampler.peak)
     if op == "load":
         del result
     return {
@@ -146,7 +172,7 @@ def _trimmed_rss() -> int:
     gc.collect()
     with contextlib.suppress(OSError):  # Not glibc: RSS then includes malloc's free lists.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status_kib("VmRSS") * 1024
+    return status_kib("VmRSS") * 1024
 
 
 def repeated_loads_child(args: dict[str, Any]) -> dict[str, Any]:

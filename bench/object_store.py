@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -245,20 +246,30 @@ def _count(server: LocalS3, lib: libraries.Library, tree: Any, root: str) -> dic
 
 
 def _memory_fresh(case: Case, scale: float, root: str, size: int) -> dict[str, Any]:
-    """Peak RSS growth of one save and one load, each in a fresh process after a tiny save
-    and load on the server, as ``bench.memory`` measures the local cases (what the targets
-    use: the in-process numbers also hold what earlier cases left in malloc's heaps)."""
+    """Peak RSS growth of one save and one load, each in a fresh process (``child``) after a
+    tiny save and load on the server, as ``bench.memory`` measures the local cases (what the
+    targets use: the in-process numbers also hold what earlier cases left in malloc's heaps)."""
     path = f"{root}/memory-fresh"
     out: dict[str, Any] = {}
     try:
         for op in ("save", "load"):
-            args = {"case": case.name, "scale": scale, "op": op, "path": path, "store": "s3"}
-            numbers = memory.run_child("bench.memory", args, f"checkpointables {op} on S3")
+            args = {"case": case.name, "scale": scale, "op": op, "path": path}
+            numbers = memory.run_child("bench.object_store", args, f"checkpointables {op} on S3")
             growth = numbers["growth"]
             out[op] = {"growth": growth, "fraction": growth / size, "method": numbers["method"]}
     finally:
         delete(path)
     return out
+
+
+def child(args: dict[str, Any]) -> dict[str, Any]:
+    """One memory measurement in this fresh process (``python -m bench.object_store '<json>'``):
+    ``memory.measure_here`` with checkpointables on the server the parent started."""
+    case = next(c for c in CASES if c.name == args["case"])
+    path = args["path"]
+    return memory.measure_here(
+        CheckpointablesS3(), case, args["op"], path, args["scale"], f"{path}-warm-up", delete
+    )
 
 
 def _memory(lib: libraries.Library, tree: Any, root: str, size: int) -> dict[str, Any]:
@@ -270,11 +281,11 @@ def _memory(lib: libraries.Library, tree: Any, root: str, size: int) -> dict[str
         for op, call in _operations(lib, path, tree, spec):
             gc.collect()
             timing.release_malloc_cache()
-            before = memory._status_kib("VmRSS")
-            if not memory._reset_high_water_mark():
+            before = memory.status_kib("VmRSS")
+            if not memory.reset_high_water_mark():
                 return {"error": "this kernel does not allow resetting VmHWM"}
             result = call()
-            growth = (memory._status_kib("VmHWM") - before) * 1024
+            growth = (memory.status_kib("VmHWM") - before) * 1024
             del result
             out[op] = {"growth": growth, "fraction": growth / size, "method": "VmHWM"}
     finally:
@@ -376,3 +387,7 @@ def failed(document: dict[str, Any]) -> bool:
         if "error" in (case["memory"] or {}).get(report.SUBJECT, {}):
             return True
     return False
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))

@@ -110,6 +110,13 @@ def test_no_import_cycle(distribution: str) -> None:
     assert _cycles(graph) == []
 
 
+def test_the_benchmark_has_no_import_cycle() -> None:
+    # bench/ is a package at the repository root, run with ``python -m bench.<tool>``.
+    modules = {".".join(filter(None, ("bench", m))): p for m, p in _modules(ROOT / "bench").items()}
+    graph = {m: _imported(m, p, modules) for m, p in modules.items()}
+    assert _cycles(graph) == []
+
+
 def test_the_cycle_finder_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
