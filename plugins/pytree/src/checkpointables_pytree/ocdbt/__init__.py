@@ -16,7 +16,8 @@ layout). What this room does itself, and what it leaves to TensorStore:
   where each value lies so that values are read in bulk (``storage`` and the
   reader's small and remote reads).
 * **Left to TensorStore**: every database it or Orbax wrote (zstd-compressed
-  nodes are handed to ``ts.ocdbt.dump``; any node we cannot vouch for to the
+  nodes are handed to ``ts.ocdbt.dump``, at most once per node while its results
+  leak; any node we cannot vouch for to the
   kvstore), arrays written through the zarr3 driver (``DriverWrites``: large,
   compressed, finely chunked or int4 arrays, in transactions of their own
   writers), merges of databases (``merge_into``: ``experimental_copy_range_to``
@@ -59,14 +60,13 @@ from checkpointables_pytree.ocdbt._driver_writes import (
     WRITER_PREFIX,
     DriverWrites,
 )
+from checkpointables_pytree.ocdbt._dumps import CACHED_DUMPS, dump, dump_leaks
 from checkpointables_pytree.ocdbt._format import MAX_NODE_BYTES
 from checkpointables_pytree.ocdbt._index import (
     PREFETCH_METADATA_BYTES,
     DatabaseIndex,
     OpenedDatabase,
     ValueLocation,
-    dump,
-    leaks,
     locate,
     parse_location,
 )
@@ -102,8 +102,9 @@ __all__ = [
     "OpenedDatabase",
     "PREFETCH_METADATA_BYTES",
     "ValueLocation",
+    "CACHED_DUMPS",
     "dump",
-    "leaks",
+    "dump_leaks",
     "locate",
     "parse_location",
 ]

@@ -8,29 +8,20 @@ nodes that hold the wanted keys, so that values can be read in bulk: by
 ``_local_reads`` with ``preadv``, by ``_remote_reads`` in few ranged GETs.
 Uncompressed nodes (what the manifest's configuration says this library
 writes) are decoded by ``_btree_nodes``; compressed ones (Orbax's,
-TensorStore's default) by ``ts.ocdbt.dump``, which also reads the manifest.
-
-``ts.ocdbt.dump`` (TensorStore 0.1.86, the newest release at the time of
-writing) leaks: it builds its result with ``PyDict_SetItem`` on references it
-then releases instead of dropping, so every key and value keeps one
-reference too many (a load of 10,000 small arrays lost 13 MiB for good).
-``_dump`` hands them back, after a probe at first use confirms this
-TensorStore leaks (a fixed one is left alone).
+TensorStore's default) by ``ts.ocdbt.dump`` (``_dumps``: at most once per
+node, as its results leak), which also reads the manifest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import collections
 import concurrent.futures
 import contextvars
-import ctypes
 import functools
 import itertools
 import operator
 import os
-import sys
 from collections.abc import Collection
 from typing import Any
 
@@ -40,6 +31,7 @@ from etils import epath
 
 from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _btree_nodes, _context
+from checkpointables_pytree.ocdbt._dumps import dump, dump_async
 from checkpointables_pytree.storage import ValueLocation
 
 __all__ = [
@@ -48,8 +40,6 @@ __all__ = [
     "ValueLocation",
     "parse_location",
     "locate",
-    "dump",
-    "leaks",
 ]
 
 # A pytree whose _METADATA holds more than this (about 100 leaves) has many values:
@@ -116,7 +106,7 @@ class DatabaseIndex:
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
         base = ts.KvStore.open(_context.location_spec(self.root)).result()
-        manifest = dump(base)
+        manifest = dump(base, key=self._manifest_key())
         versions = manifest.get("versions") or []
         if not versions:
             return base, None
@@ -130,7 +120,7 @@ class DatabaseIndex:
             node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
                 return base, (location, node)
-        return base, (location, dump(base, location))
+        return base, (location, dump(base, location, key=(self.root, location)))
 
     async def node(self, location: str) -> Any:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
@@ -140,7 +130,18 @@ class DatabaseIndex:
             node = _btree_nodes.decoded(data, location)
             if node is not None:
                 return node
-        return await dump_async(base, location)
+        return await dump_async(base, location, key=(self.root, location))
+
+    def _manifest_key(self) -> tuple[Any, ...] | None:
+        """What identifies the manifest's content: a local file's identity, size and time
+        (an object store's is not known without a request: ``None``, dumped each time)."""
+        if not self._local:
+            return None
+        try:
+            stat = os.stat(os.path.join(self.root, _context.MANIFEST_FILE))
+        except OSError:
+            return None
+        return (self.root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
     def _node_bytes(self, base: Any, location: str) -> bytes:
         """The bytes of a node (``b""``: missing); a local database's are read directly."""
@@ -279,69 +280,6 @@ async def locate(
     index = directory if isinstance(directory, DatabaseIndex) else DatabaseIndex(directory)
     found = await index.find(keys)
     return {k.decode(): v for k, v in found.items() if isinstance(v, ValueLocation)}
-
-
-# -- ts.ocdbt.dump without its leak ---------------------------------------------------------
-
-_decref = ctypes.pythonapi.Py_DecRef
-_decref.argtypes = [ctypes.py_object]
-_decref.restype = None
-_IS_DICT = frozenset({dict}).__contains__
-_IS_LIST = frozenset({list}).__contains__
-_IS_CONTAINER = frozenset({dict, list}).__contains__
-
-
-@functools.cache
-def leaks() -> bool:
-    """Whether this TensorStore's ``ts.ocdbt.dump`` results hold a reference too many."""
-    try:
-        store = ts.KvStore.open({"driver": "ocdbt", "base": "memory://"}).result()
-        store.write("probe", b"probe value").result()
-        manifest = ts.ocdbt.dump(store.base).result()
-    except ValueError:  # TensorStore's errors: no probe, no correction (a leak beats a crash).
-        return False
-    control: dict[str, Any] = {"versions": []}
-    expected = sys.getrefcount(control["versions"])
-    return sys.getrefcount(manifest["versions"]) == expected + 1
-
-
-def _give_back(result: Any) -> Any:
-    """Drops the reference too many of every dict key and value in ``result``.
-
-    Nodes hold thousands of entries: they are handed to ``Py_DecRef`` by
-    C-level iteration (``map``, ``compress``), not one Python statement each.
-    """
-    stack = [result]
-    while stack:
-        node = stack.pop()
-        dicts = [node] if type(node) is dict else _dicts_in(node, stack)
-        values = list(itertools.chain.from_iterable(map(dict.values, dicts)))
-        # Each dict still holds its keys and values: nothing is freed here.
-        keys = itertools.chain.from_iterable(dicts)
-        collections.deque(map(_decref, itertools.chain(keys, values)), maxlen=0)
-        stack.extend(itertools.compress(values, map(_IS_CONTAINER, map(type, values))))
-    return result
-
-
-def _dicts_in(items: list[Any], stack: list[Any]) -> list[dict[Any, Any]]:
-    """The dicts among ``items``; its lists go onto ``stack``."""
-    kinds = list(map(type, items))
-    if kinds.count(dict) == len(kinds):  # A node's entries (or nothing).
-        return items
-    stack.extend(itertools.compress(items, map(_IS_LIST, kinds)))
-    return list(itertools.compress(items, map(_IS_DICT, kinds)))
-
-
-def dump(base: ts.KvStore, location: str | None = None) -> Any:
-    """``ts.ocdbt.dump(base, location).result()``, without its leak."""
-    result = ts.ocdbt.dump(base, location).result()
-    return _give_back(result) if leaks() else result
-
-
-async def dump_async(base: ts.KvStore, location: str | None = None) -> Any:
-    """``await ts.ocdbt.dump(base, location)``, without its leak."""
-    result = await ts.ocdbt.dump(base, location)
-    return _give_back(result) if leaks() else result
 
 
 class OpenedDatabase:
