@@ -57,9 +57,17 @@ def writes_shared_values(context: cp.Context) -> bool:
 
 
 def arrays_the_primary_lacks(
-    arrays: Mapping[str, jax.Array], directory: cp.path.PathAwaitingCreation, context: cp.Context
+    arrays: Mapping[str, jax.Array],
+    directory: cp.path.PathAwaitingCreation,
+    context: cp.Context,
+    *,
+    asker: str,
 ) -> frozenset[str]:
     """The names of the arrays of which the primary host holds no shard.
+
+    ``asker`` names the caller (e.g. the leaf handler's class): every process
+    asks once per save and per asker, in the same order; one save may ask for
+    several handlers' arrays (a tree of ``jax.Array``\\ s and PRNG keys).
 
     On its own, a process cannot tell a process-local array (every process has
     its own; the primary's is saved) from a global array whose devices all
@@ -74,7 +82,7 @@ def arrays_the_primary_lacks(
         lacking = json.dumps(sorted(n for n, a in arrays.items() if not a.addressable_shards))
     # The temporary directory's name is unique to this save and the same on every process.
     published = cp.multihost.broadcast_from_primary(
-        f"pytree/{directory.path}/lacking", lacking, context=context
+        f"pytree/{directory.path}/lacking/{asker}", lacking, context=context
     )
     return frozenset(json.loads(published))
 

@@ -195,7 +195,10 @@ class ArrayLeafHandler(ZarrLeafHandler):
             session.defer(functools.partial(self._record_all, session, params, shardings, hosted))
             return
         lacking = io.arrays_the_primary_lacks(
-            {p.name: p.value for p in params}, session.directory, session.context
+            {p.name: p.value for p in params},
+            session.directory,
+            session.context,
+            asker=type(self).__qualname__,
         )
         snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
         shardings = [s.sharding for s in snapshots]

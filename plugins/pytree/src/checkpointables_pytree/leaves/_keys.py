@@ -225,7 +225,10 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         impls = [self._impl_name(p) for p in params]  # Every leaf checked before any is planned.
         data = [dataclasses.replace(p, value=jax.random.key_data(p.value)) for p in params]
         lacking = io.arrays_the_primary_lacks(
-            {p.name: p.value for p in data}, session.directory, session.context
+            {p.name: p.value for p in data},
+            session.directory,
+            session.context,
+            asker=type(self).__qualname__,
         )
         for param, physical, impl in zip(params, data, impls, strict=True):
             # The saved dtype is the key data's, whatever the save's storage options say.
