@@ -176,7 +176,7 @@ _FINALIZE_POINTS = {
         {"pytree/partial-000001", "pytree/partial-000002", "pytree/partial-000003/pytree"},
     ),
     "database-merged": (
-        ("checkpointables_pytree._ocdbt", "merge_into", 1, True),
+        ("checkpointables_pytree.ocdbt", "merge_into", 1, True),
         {"pytree/manifest.ocdbt"},
     ),
     # The 4th: each of the three saves recorded its own first.

@@ -485,7 +485,7 @@ def test_partial_saves_by_two_processes(tmp_path) -> None:
 SEVERAL_WRITERS_BODY = """
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from checkpointables_pytree import _driver_writes
+from checkpointables_pytree import ocdbt
 columns = ocdbt.LARGE_GROUP_BYTES // 4 + 1024
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
 tree = {}

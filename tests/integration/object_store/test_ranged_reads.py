@@ -7,11 +7,13 @@ import concurrent.futures
 import checkpointables as cp
 import jax
 import numpy as np
+import pytest
 
 # The read-size knob and the copying thread are internals: patched where they live.
 from checkpointables_pytree.io import _remote_reads
 
 
+@pytest.mark.fast_path  # Ranged GETs located by our own index.
 def test_ranges_cutting_and_sharing_arrays_load_bit_for_bit_in_concurrent_loads(
     bucket, monkeypatch
 ) -> None:

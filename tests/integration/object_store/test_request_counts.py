@@ -32,6 +32,7 @@ def _counts(proxy: S3Proxy, path: str, tree: dict) -> tuple[int, int, int]:
     return saved.total, saved.requests["PUT"], loaded.total
 
 
+@pytest.mark.fast_path  # The database written and read in few requests by the fast path.
 def test_thousands_of_small_arrays_cost_a_few_requests(s3, proxy) -> None:
     bucket = f"s3://{s3.new_bucket()}"
     rng = np.random.default_rng(0)

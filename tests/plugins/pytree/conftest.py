@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import attrs
-import checkpointables as cp
 import jax
 import numpy as np
 import pytest
@@ -15,22 +13,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "fast_path: tests of the OCDBT fast path itself (run with it on, always)"
     )
-
-
-@pytest.fixture(autouse=True)
-def _fast_path_where_tested(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Turns the OCDBT fast path on for tests marked ``fast_path``, even in CI's second run
-    of these tests with ``CHECKPOINTABLES_OCDBT_FAST_PATH=0``."""
-    if request.node.get_closest_marker("fast_path") is None:
-        yield
-        return
-    monkeypatch.setenv(cp.options.FAST_PATH_ENVIRONMENT_VARIABLE, "1")
-    before = cp.context.get_context().array_options  # The global default.
-    cp.configure(array_options=attrs.evolve(before, ocdbt_fast_path=True))
-    try:
-        yield
-    finally:
-        cp.configure(array_options=before)
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
