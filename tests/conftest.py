@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import attrs
 import checkpointables as cp
 import pytest
+from checkpointables_pytree import FAST_PATH_ENVIRONMENT_VARIABLE
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +20,7 @@ def _fast_path_where_tested(request: pytest.FixtureRequest, monkeypatch: pytest.
     if request.node.get_closest_marker("fast_path") is None:
         yield
         return
-    monkeypatch.setenv(cp.options.FAST_PATH_ENVIRONMENT_VARIABLE, "1")
+    monkeypatch.setenv(FAST_PATH_ENVIRONMENT_VARIABLE, "1")
     before = cp.context.get_context().array_options  # The global default.
     cp.configure(array_options=attrs.evolve(before, ocdbt_fast_path=True))
     try:

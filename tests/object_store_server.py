@@ -104,6 +104,9 @@ class Counts:
     bytes_sent: collections.Counter[str] = attrs.field(factory=collections.Counter)
     bytes_received: collections.Counter[str] = attrs.field(factory=collections.Counter)
     faults: int = 0
+    # Who signed the requests: ``"<access key id> <region>"`` from each request's SigV4
+    # ``Authorization`` header, or ``"anonymous"``.
+    signers: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
     @property
     def total(self) -> int:
@@ -157,9 +160,12 @@ class S3Proxy:
             roll -= share
         return "forward"
 
-    def _record(self, method: str, sent: int, received: int, fault: bool) -> None:
+    def _record(
+        self, method: str, sent: int, received: int, fault: bool, signer: str = "anonymous"
+    ) -> None:
         """Counts one request (a GET with ``list-type`` in its query is a ``LIST``)."""
         with self._lock:
+            self.counts.signers[signer] += 1
             self.counts.requests[method] += 1
             self.counts.bytes_sent[method] += sent
             self.counts.bytes_received[method] += received
@@ -190,12 +196,13 @@ class S3Proxy:
                 body = self._body()
                 action = proxy._decide()
                 kind = "LIST" if "list-type=" in self.path else self.command
+                signer = _signer(self.headers.get("Authorization", ""))
                 if action == "drop_before":
-                    proxy._record(kind, len(body), 0, True)
+                    proxy._record(kind, len(body), 0, True, signer)
                     self._drop()
                     return
                 if action == "fail_before":
-                    proxy._record(kind, len(body), 0, True)
+                    proxy._record(kind, len(body), 0, True, signer)
                     self._answer(503, _SLOW_DOWN, {"Content-Type": "application/xml"})
                     return
                 connection = http.client.HTTPConnection(proxy._target, timeout=120)
@@ -214,7 +221,7 @@ class S3Proxy:
                     kept = {k: v for k, v in response.getheaders() if k.lower() not in dropped}
                 finally:
                     connection.close()
-                proxy._record(kind, len(body), len(data), action == "drop_after")
+                proxy._record(kind, len(body), len(data), action == "drop_after", signer)
                 if action == "drop_after":
                     self._drop()
                     return
@@ -240,6 +247,16 @@ class S3Proxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         return Handler
+
+
+def _signer(authorization: str) -> str:
+    """``"<access key id> <region>"`` of a SigV4 ``Authorization`` header (``Credential=
+    KEY/DATE/REGION/s3/aws4_request``), or ``"anonymous"`` without one."""
+    _, found, rest = authorization.partition("Credential=")
+    if not found:
+        return "anonymous"
+    key_id, _, date_region = rest.split(",")[0].partition("/")
+    return f"{key_id} {date_region.split('/')[1]}"
 
 
 _SLOW_DOWN = (

@@ -209,18 +209,18 @@ def test_killed_during_finalize(tmp_path, point, more) -> None:
     assert cli_main(["verify", str(path)]) == 0
 
 
-def test_sessions_of_earlier_versions_still_finalize(tmp_path) -> None:
-    """An earlier version committed saves as ``pending-<seq>/`` and moved their pytrees to
-    ``pytree/ocdbt.partial_<seq>/`` (their metadata folded into the session's)."""
+def test_folders_of_unreleased_layouts_are_not_partial_saves(tmp_path) -> None:
+    """Folders named as no released version names partial saves (``pending-<seq>/``,
+    ``pytree/ocdbt.partial_<seq>/``) are leftovers: ``finalize`` removes them."""
     path = tmp_path / "ckpt"
     session = cp.partial.session_path(path)
-    cp.save_pytree(tmp_path / "folded", part(0), custom_metadata={"by": 0, "keep": 0})
+    cp.save_pytree(tmp_path / "old", part(0))
     (session / "pytree").mkdir(parents=True)
-    os.rename(tmp_path / "folded" / "pytree", session / "pytree" / "ocdbt.partial_000001")
-    os.rename(tmp_path / "folded" / "_CHECKPOINT_METADATA", session / "_CHECKPOINT_METADATA")
-    cp.save_pytree(session / "pending-000002", part(1), custom_metadata={"by": 1})
+    os.rename(tmp_path / "old" / "pytree", session / "pytree" / "ocdbt.partial_000001")
+    cp.save_pytree(session / "pending-000002", part(1))
+    with pytest.raises(cp.errors.CheckpointNotFoundError, match="No committed partial save"):
+        cp.partial.finalize(path)
     cp.partial.save(path, part(2))
     cp.partial.finalize(path)
-    _assert_holds(path, [0, 1, 2])
-    assert cp.pytree_metadata(path).custom_metadata == {"by": 1, "keep": 0}
-    assert cli_main(["verify", str(path)]) == 0
+    _assert_holds(path, [2])
+    assert not [n for n in os.listdir(path / "pytree") if n.startswith("ocdbt.partial_")]

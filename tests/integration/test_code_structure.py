@@ -10,6 +10,7 @@ these pass; never raise the limit.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,33 @@ def test_tests_and_bench_use_the_rooms_public_names() -> None:
                 private -= {t for t in private if _room(t) == "" and t.count(".") == 1}
                 reaching += [f"{where}: {t}" for t in sorted(private - allowed)]
     assert reaching == []
+
+
+def _strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module, docstrings left out (prose may name anything)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]
+
+
+def test_core_names_no_file_of_the_pytree_plugin() -> None:
+    """Core asks the pytree handler (``cp.protocols.Recognizing``) whether a directory holds a
+    pytree; the plugin's files (``_METADATA``, ``ocdbt.*`` folders) are the plugin's business."""
+    plugin_file = re.compile(r"(?<![A-Z_])_METADATA\b|ocdbt")
+    found = []
+    for module, path in sorted(_modules(SOURCES["core"]).items()):
+        for node in _strings(ast.parse(path.read_text())):
+            if plugin_file.search(node.value):
+                found.append(f"{module} ({path.name}:{node.lineno}): {node.value!r}")
+    assert found == []

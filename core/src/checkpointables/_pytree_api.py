@@ -16,19 +16,18 @@ from checkpointables import (
     layout,
     metadata_checksums,
     readers,
-    storage,
 )
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context, get_context
 from checkpointables.handlers._resolution import install_hint
 from checkpointables.path._parse import as_path
+from checkpointables.protocols import Recognizing
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
 # Tried in this order when no name is given; then any other pytree present.
 PREFERRED_NAMES = ("pytree", "state")
-TREE_METADATA_FILE = "_METADATA"
 
 
 def pytree_registration() -> handlers.HandlerRegistration:
@@ -40,6 +39,16 @@ def pytree_registration() -> handlers.HandlerRegistration:
         "Saving and loading pytrees needs the pytree plugin, which is not installed or failed "
         "to load (see `checkpointables plugins`): pip install checkpointables-pytree."
     )
+
+
+def holds_pytree(directory: epath.Path) -> bool:
+    """Whether the pytree handler recognizes ``directory`` as its own (``cp.protocols.
+    Recognizing``; core knows nothing of its files); false without the pytree plugin."""
+    try:
+        handler_cls = pytree_registration().handler_cls
+    except errors.MissingHandlerError:
+        return False
+    return issubclass(handler_cls, Recognizing) and bool(handler_cls.recognizes(directory))
 
 
 def pytree_item(checkpointable_name: str, pytree: Any) -> dict[str, Any]:
@@ -104,9 +113,7 @@ def find_pytree(
                 f"{available}."
             )
         return checkpointable_name, path / checkpointable_name
-    if isinstance(meta.get("item_handlers"), str) or (
-        not typestrs and storage.exists(path / TREE_METADATA_FILE)
-    ):
+    if isinstance(meta.get("item_handlers"), str) or (not typestrs and holds_pytree(path)):
         return DEFAULT_NAME, path  # A flat (Orbax V0) checkpoint: the pytree is the root.
     try:
         registration: handlers.HandlerRegistration | None = pytree_registration()
@@ -117,7 +124,7 @@ def find_pytree(
         recorded = typestrs.get(name)
         if recorded is not None and registration is not None:
             return registration.matches_typestr(recorded)
-        return storage.exists(path / name / TREE_METADATA_FILE)
+        return holds_pytree(path / name)
 
     ordered = [n for n in PREFERRED_NAMES if n in available] + [
         n for n in available if n not in PREFERRED_NAMES
@@ -126,6 +133,8 @@ def find_pytree(
         if is_pytree(name):
             return name, path / name
     _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
+    if registration is None:  # Without the plugin, nothing can tell its directories.
+        pytree_registration()
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
         f"or use cp.load_checkpointables."

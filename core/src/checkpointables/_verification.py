@@ -22,10 +22,9 @@ from checkpointables import (
     layout,
     metadata_checksums,
     progress,
-    storage,
 )
 from checkpointables._asyncio import run_sync
-from checkpointables._pytree_api import TREE_METADATA_FILE
+from checkpointables._pytree_api import holds_pytree
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import get_context
 from checkpointables.path._parse import as_path
@@ -138,7 +137,7 @@ def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
         return [*findings, Finding("checkpoint", str(e))]
     typestrs = _loading.recorded_typestrs(meta)
     flat = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
-    if flat is not None or (not typestrs and storage.exists(path / TREE_METADATA_FILE)):
+    if flat is not None or (not typestrs and holds_pytree(path)):
         return [*findings, *_item_findings("<root>", path, flat)]  # Orbax V0's flat layout.
     for name in layout.checkpointable_directories(path, typestrs):
         findings += _item_findings(name, path / name, typestrs.get(name))

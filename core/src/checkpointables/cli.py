@@ -47,6 +47,8 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    command {command.name}: {command.help}")
         for storage in info.storages:
             print(f"    storage {storage.scheme}://")
+        for option in info.options:
+            print(f"    options {option.keyword}: {handlers.typestr(option.options_cls)}")
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")

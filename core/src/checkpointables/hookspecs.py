@@ -121,3 +121,32 @@ def register_storage(register: Callable[..., Any]) -> None:
     Returns:
       Nothing.
     """
+
+
+@hookspec
+def register_options(register: Callable[..., Any]) -> None:
+    """Adds option classes to ``cp.Context`` and ``cp.configure``, each under a keyword.
+
+    Settings that only a plugin uses belong to it (as fsspec hands storage
+    options to the backend that owns them): the pytree plugin registers
+    ``array_options`` and ``storage_options`` this way. Called once per plugin
+    when plugins are discovered: never at ``import checkpointables``, but when a
+    keyword core does not know is passed to ``cp.Context(...)`` or
+    ``cp.configure(...)``, when such a keyword is read (``context.<keyword>``),
+    or when ``cp.options.<Name>`` names no class of core's.
+
+    Args:
+      register: call it as ``register(keyword, options_cls, *, parts=())``. ``keyword`` is an
+        identifier ending in ``_options`` that core and earlier plugins (by
+        name) did not take; ``options_cls`` is a class constructible with no
+        arguments (that instance is the default) whose instances are
+        immutable (e.g. ``attrs.frozen``). Then ``cp.Context(keyword=...)``
+        accepts its instances, ``context.<keyword>`` and
+        ``context.options(options_cls)`` return the one in force, and
+        ``cp.options.<class name>`` is the class. ``parts`` are classes its
+        fields take (e.g. ``ArrayStorageOptions`` inside ``ArrayOptions``),
+        also offered as ``cp.options.<class name>``.
+
+    Returns:
+      Nothing.
+    """

@@ -6,28 +6,30 @@ Example::
 
     with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
         cp.save_pytree(path, state)
+
+Core defines the options core reads (``BUILTIN``). Settings only a plugin
+reads are the plugin's own classes, added through the ``register_options``
+hook; they are found here by name too: ``cp.options.ArrayOptions``,
+``cp.options.ArrayStorageOptions`` and ``cp.options.StorageOptions`` are the
+pytree plugin's (TensorStore and S3 settings), looked up when first used.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-# Set to 0 (or false / off) to turn ``ArrayOptions.ocdbt_fast_path`` off by default.
-FAST_PATH_ENVIRONMENT_VARIABLE = "CHECKPOINTABLES_OCDBT_FAST_PATH"
+from checkpointables import plugins
 
 __all__ = [
     "AsyncOptions",
     "MultiprocessingOptions",
     "FileOptions",
-    "ArrayStorageOptions",
-    "ArrayOptions",
     "PyTreeOptions",
     "CheckpointablesOptions",
-    "StorageOptions",
+    "BUILTIN",
 ]
 
 
@@ -80,63 +82,6 @@ class FileOptions:
 
 
 @attrs.frozen
-class ArrayStorageOptions:
-    """How one array is laid out on disk.
-
-    Attributes:
-      dtype: store the array in this dtype (cast on save); ``None`` keeps it.
-      chunk_byte_size: split each written shard into chunks of at most this many
-        bytes, so that partial reads touch less data; ``None`` writes one chunk
-        per shard.
-      shard_axes: axes to split first when choosing chunks.
-    """
-
-    dtype: Any = None
-    chunk_byte_size: int | None = None
-    shard_axes: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-
-
-def _fast_path_default() -> bool:
-    value = os.environ.get(FAST_PATH_ENVIRONMENT_VARIABLE, "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
-
-
-@attrs.frozen
-class ArrayOptions:
-    """Options for arrays in pytrees.
-
-    Attributes:
-      storage_options: the layout used for every array, unless
-        ``storage_options_creator`` returns something else for a key path.
-      storage_options_creator: called as ``creator(key_path, value)`` for each
-        array leaf; returns ``ArrayStorageOptions`` or ``None`` to keep the
-        global ones.
-      use_compression: compress chunks with zstd (smaller, slower).
-      enable_padding_and_truncation: on load, a requested shape that differs
-        from the stored one pads with zeros or truncates instead of raising.
-      verify_checksums: check every chunk on load, against the checksum
-        recorded at save time or the chunk's own CRC-32C. Turning it off
-        saves CPU time on trusted storage; damage then goes unnoticed.
-      ocdbt_fast_path: the pytree plugin writes and reads the OCDBT database
-        of plain arrays itself, in TensorStore's format (about half the CPU of
-        a small-tree save, twice the speed of a small-tree load). ``False``
-        makes TensorStore write and read every key, as Orbax does: the same
-        checkpoint, byte for byte readable by both. The default is ``True``
-        unless the environment variable ``CHECKPOINTABLES_OCDBT_FAST_PATH``
-        is ``0``, ``false`` or ``off``.
-    """
-
-    storage_options: ArrayStorageOptions = ArrayStorageOptions()
-    storage_options_creator: Callable[[tuple[Any, ...], Any], ArrayStorageOptions | None] | None = (
-        None
-    )
-    use_compression: bool = False
-    enable_padding_and_truncation: bool = False
-    verify_checksums: bool = True
-    ocdbt_fast_path: bool = attrs.field(factory=lambda: _fast_path_default())
-
-
-@attrs.frozen
 class PyTreeOptions:
     """Options for pytree checkpointables.
 
@@ -177,58 +122,27 @@ class CheckpointablesOptions:
         return cls(handlers=handlers)
 
 
-def _positive_or_none(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"StorageOptions.{attribute.name} must be an int >= 1, got {value!r}.")
+BUILTIN: dict[str, type] = {
+    "async_options": AsyncOptions,
+    "multiprocessing_options": MultiprocessingOptions,
+    "file_options": FileOptions,
+    "pytree_options": PyTreeOptions,
+    "checkpointables_options": CheckpointablesOptions,
+}
+"""Core's option classes by keyword of ``cp.Context`` / ``cp.configure``; plugins add theirs."""
 
 
-@attrs.frozen
-class StorageOptions:
-    """How object stores (``s3://``, ``gs://``) are reached; local paths ignore them.
-
-    Every field left at ``None`` comes from the standard configuration, as
-    boto3 and the AWS CLI read it: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
-    ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
-    ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` with
-    ``~/.aws/config`` and ``~/.aws/credentials``, then the instance's role.
-    See ``docs/object-stores.md``.
-
-    Example (an S3-compatible server, e.g. MinIO)::
-
-        cp.configure(storage_options=cp.options.StorageOptions(
-            endpoint="http://minio.internal:9000", region="us-east-1"))
-
-    Attributes:
-      endpoint: the URL of an S3-compatible server (``http://host:port``);
-        requests then use path-style addressing (``endpoint/bucket/key``).
-      region: the AWS region of the bucket.
-      profile: a profile of ``~/.aws/config`` and ``~/.aws/credentials``.
-      access_key_id, secret_access_key, session_token: explicit credentials
-        (both of the first two, or neither).
-      anonymous: send unsigned requests (public buckets).
-      request_concurrency: at most this many HTTP requests at once (S3 and
-        GCS; TensorStore's default is 32).
-      request_retries: how often a failed request is retried (TensorStore's
-        default is 32, with exponential backoff).
-    """
-
-    endpoint: str | None = None
-    region: str | None = None
-    profile: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = attrs.field(default=None, repr=False)
-    session_token: str | None = attrs.field(default=None, repr=False)
-    anonymous: bool = False
-    request_concurrency: int | None = attrs.field(default=None, validator=_positive_or_none)
-    request_retries: int | None = attrs.field(default=None, validator=_positive_or_none)
-
-    def __attrs_post_init__(self) -> None:
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError(
-                "StorageOptions needs both access_key_id and secret_access_key, or neither."
-            )
-        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(
-                f"StorageOptions.endpoint must be an http:// or https:// URL, got "
-                f"{self.endpoint!r}."
-            )
+def __getattr__(name: str) -> type:
+    """An option class a plugin registered, by class name (e.g. ``StorageOptions``)."""
+    if name.startswith("__"):  # Probes such as __path__ or __wrapped__ are not option classes.
+        raise AttributeError(name)
+    for registration in plugins.option_registrations():
+        for cls in (registration.options_cls, *registration.parts):
+            if cls.__name__ == name:
+                return cls
+    raise AttributeError(
+        f"module 'checkpointables.options' has no attribute {name!r}: neither core nor any "
+        f"installed plugin registers an option class of that name (`checkpointables plugins` "
+        f"lists the plugins' options; ArrayOptions, ArrayStorageOptions and StorageOptions need "
+        f"the pytree plugin: pip install checkpointables-pytree)."
+    )

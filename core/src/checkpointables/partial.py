@@ -27,8 +27,6 @@ references theirs: no array data is copied, and they stay where they are),
 and commits the session as ``path`` like any save (a rename of the session
 directory, or the marker written last). Every step can be repeated, so a
 ``finalize`` interrupted at any point is resumed by calling it again.
-Sessions written by earlier versions (``pending-<seq>/`` saves, and pytree
-directories already moved to ``pytree/ocdbt.partial_<seq>/``) still finalize.
 """
 
 from __future__ import annotations
@@ -46,12 +44,7 @@ from etils import epath
 
 from checkpointables import _commit, _leftovers, _saving, errors, layout, multihost, storage
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, synchronous
-from checkpointables._pytree_api import (
-    DEFAULT_NAME,
-    TREE_METADATA_FILE,
-    pytree_item,
-    pytree_registration,
-)
+from checkpointables._pytree_api import DEFAULT_NAME, pytree_item, pytree_registration
 from checkpointables.checkpoint_metadata import (
     CHECKPOINT_METADATA_FILE,
     checkpoint_metadata_json,
@@ -66,10 +59,7 @@ SESSION_SUFFIX = ".partial_save"
 # A committed partial save inside the session's pytree directory (the core's own name).
 SOURCE_PREFIX = "partial-"
 _STAGED = "staged-"
-# Also the names of earlier versions: ``pending-`` saves and already moved ``ocdbt.partial_``
-# pytree directories, so that their sessions still finalize.
-_SEQUENCE = re.compile(r"^(?:staged-|pending-|partial-|ocdbt\.partial_)(\d+)")
-_OLD_PENDING = "pending-"
+_SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
 
 
 def session_path(path: epath.PathLike) -> epath.Path:
@@ -243,21 +233,19 @@ def finalize(path: epath.PathLike) -> None:
 
 @attrs.frozen
 class _Source:
-    """A committed partial save: its pytree directory, and its ``_CHECKPOINT_METADATA``
-    (``None`` for a pytree directory an earlier version moved, whose metadata is the
-    session's)."""
+    """A committed partial save: its pytree directory, and its ``_CHECKPOINT_METADATA``."""
 
     pytree: epath.Path
-    meta: dict[str, Any] | None
+    meta: dict[str, Any]
 
 
 def _finalize(path: epath.Path, session: epath.Path) -> None:
     """The primary host's ``finalize``: clean, merge, commit (each step repeatable)."""
     target = _commit.target_for(path, session, overwrite=False)
-    folded = _adopt_earlier_layout(path, session)
+    _check_session_exists(path, session)
     sources = _committed_sources(path, session)
     target.claim()
-    meta = _merged_metadata(folded, sources)
+    meta = _merged_metadata(sources)
     _merge_pytrees([s.pytree for s in sources], session / DEFAULT_NAME)
     text = checkpoint_metadata_json(
         item_handlers={DEFAULT_NAME: pytree_registration().typestr},
@@ -268,24 +256,12 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
     target.publish({layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path))
 
 
-def _adopt_earlier_layout(path: epath.Path, session: epath.Path) -> dict[str, Any] | None:
-    """Moves the committed ``pending-`` saves of an earlier version's session into place;
-    returns the metadata that version folded into the session's ``_CHECKPOINT_METADATA``."""
-    if not _commit.uses_rename(session):
-        return None
-    if not session.is_dir():
+def _check_session_exists(path: epath.Path, session: epath.Path) -> None:
+    if _commit.uses_rename(session) and not session.is_dir():
         raise errors.CheckpointNotFoundError(
             f"No partial save session for {path}: {session} does not exist. Call "
             f"cp.partial.save({str(path)!r}, ...) first."
         )
-    for name in _names(session):
-        if name.startswith(_OLD_PENDING) and (session / name / DEFAULT_NAME).exists():
-            number = name[len(_OLD_PENDING) :]
-            _promote(session / name, session / DEFAULT_NAME / f"{SOURCE_PREFIX}{number}")
-    try:
-        return read_checkpoint_metadata(session)
-    except FileNotFoundError:
-        return None
 
 
 def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
@@ -302,8 +278,6 @@ def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
             sources[sequence] = _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
         elif sequence is not None and not _commit.uses_rename(source):
             _leftovers.remove_unfinished(source)  # An interrupted save: it never happened.
-        elif sequence is not None and (source / TREE_METADATA_FILE).exists():
-            sources[sequence] = _Source(source, None)  # Moved by an earlier version.
         else:
             storage.remove_tree(source)
     if not sources:
@@ -324,12 +298,10 @@ def _merge_json(base: Any, update: Any) -> Any:
     return update
 
 
-def _merged_metadata(folded: Mapping[str, Any] | None, sources: list[_Source]) -> dict[str, Any]:
+def _merged_metadata(sources: list[_Source]) -> dict[str, Any]:
     """The custom metadata (merged, later saves win) and first start time of the saves."""
     meta: dict[str, Any] = {"custom_metadata": {}, "init_timestamp_nsecs": None}
-    for saved in [folded] + [s.meta for s in sources]:
-        if saved is None:
-            continue
+    for saved in (s.meta for s in sources):
         meta["custom_metadata"] = _merge_json(
             meta["custom_metadata"], saved.get("custom_metadata") or {}
         )

@@ -40,6 +40,8 @@ __all__ = [
     "command_registrations",
     "StorageRegistration",
     "storage_factories",
+    "OptionRegistration",
+    "option_registrations",
 ]
 
 ENTRY_POINT_GROUP = "checkpointables"
@@ -117,6 +119,19 @@ class StorageRegistration:
 
 
 @attrs.frozen
+class OptionRegistration:
+    """An option class a plugin adds to ``cp.Context`` (``register_options``), under a keyword."""
+
+    keyword: str
+    options_cls: type
+    default: Any  # ``options_cls()``: in force until a context or ``cp.configure`` sets one.
+    plugin: str
+    # Classes the option class's fields take (e.g. ``ArrayStorageOptions``), also offered
+    # as ``cp.options.<name>``.
+    parts: tuple[type, ...] = ()
+
+
+@attrs.frozen
 class PluginInfo:
     """What :func:`list_plugins` reports about one entry point."""
 
@@ -131,6 +146,7 @@ class PluginInfo:
     readers: tuple[ReaderRegistration, ...] = ()
     commands: tuple[CommandRegistration, ...] = ()
     storages: tuple[StorageRegistration, ...] = ()
+    options: tuple[OptionRegistration, ...] = ()
 
 
 def _default_handler_name(handler_cls: type) -> str:
@@ -212,6 +228,31 @@ def make_command_registration(
     return CommandRegistration(name, run, help, add_arguments, plugin)
 
 
+def make_option_registration(
+    keyword: str, options_cls: type, *, plugin: str, parts: Iterable[type] = ()
+) -> OptionRegistration:
+    """Validates a ``register(...)`` call of ``register_options``."""
+    if not (isinstance(keyword, str) and keyword.isidentifier() and keyword.endswith("_options")):
+        raise TypeError(
+            f"register_options' register() takes a keyword like 'tracing_options' (an "
+            f"identifier ending in _options), got {keyword!r}."
+        )
+    parts = tuple(parts)
+    if not all(isinstance(c, type) for c in (options_cls, *parts)):
+        raise TypeError(
+            f"register_options' register() takes an option class (and classes as parts), got "
+            f"{options_cls!r} and {parts!r}; pass the classes, not instances."
+        )
+    try:
+        default = options_cls()
+    except Exception as e:
+        raise TypeError(
+            f"Option class {typestr_of(options_cls)} ({keyword}) must be constructible with no "
+            f"arguments (its defaults are the defaults): {e}"
+        ) from e
+    return OptionRegistration(keyword, options_cls, default, plugin, parts)
+
+
 def _disabled_names() -> set[str]:
     raw = os.environ.get(DISABLE_ENV_VAR, "")
     return {part.strip() for part in raw.split(",") if part.strip()}
@@ -225,6 +266,7 @@ class _Discovery:
     readers: tuple[ReaderRegistration, ...] = ()
     commands: tuple[CommandRegistration, ...] = ()
     storages: tuple[StorageRegistration, ...] = ()
+    options: tuple[OptionRegistration, ...] = ()
 
 
 @attrs.define
@@ -236,6 +278,7 @@ class _Registered:
     readers: list[ReaderRegistration] = attrs.Factory(list)
     commands: list[CommandRegistration] = attrs.Factory(list)
     storages: list[StorageRegistration] = attrs.Factory(list)
+    options: list[OptionRegistration] = attrs.Factory(list)
 
     def extend(self, other: _Registered) -> None:
         """Adds what ``other`` registered to this."""
@@ -244,6 +287,7 @@ class _Registered:
         self.readers += other.readers
         self.commands += other.commands
         self.storages += other.storages
+        self.options += other.options
 
 
 def _entry_points() -> list[importlib_metadata.EntryPoint]:
@@ -274,10 +318,26 @@ def _sort_handlers(registrations: Iterable[HandlerRegistration]) -> tuple[Handle
     return tuple(sorted(registrations, key=lambda r: r.sort_key))
 
 
+def _check_clashes(registered: _Registered, earlier: _Registered) -> None:
+    """Raises if a plugin takes a handler name or option keyword an earlier plugin took."""
+    for h in registered.handlers:
+        other = next((o for o in earlier.handlers if o.name == h.name), None)
+        if other is not None and other.handler_cls is not h.handler_cls:
+            raise ValueError(
+                f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
+                f"{other.plugin!r}; pass register(..., name=...) to choose another"
+            )
+    for o in registered.options:
+        taken = next((e for e in earlier.options if e.keyword == o.keyword), None)
+        if taken is not None:
+            raise ValueError(
+                f"option keyword {o.keyword!r} is already registered by plugin {taken.plugin!r} "
+                f"(for {typestr_of(taken.options_cls)}); register another keyword"
+            )
+
+
 def _load_plugin(
-    ep: importlib_metadata.EntryPoint,
-    manager: pluggy.PluginManager,
-    taken_names: dict[str, HandlerRegistration],
+    ep: importlib_metadata.EntryPoint, manager: pluggy.PluginManager, earlier: _Registered
 ) -> _Registered:
     """Imports one plugin and calls its hooks; raises if anything about it is wrong."""
     manager.register(ep.load(), name=ep.name)
@@ -310,24 +370,22 @@ def _load_plugin(
             )
         return StorageRegistration(scheme, factory, ep.name)
 
+    def make_options(keyword: str, options_cls: type, **kwargs: Any) -> OptionRegistration:
+        return make_option_registration(keyword, options_cls, plugin=ep.name, **kwargs)
+
     hooks: list[tuple[Any, Callable[..., Any], list[Any]]] = [
         (manager.hook.register_checkpointable_handlers, make_handler, registered.handlers),
         (manager.hook.register_leaf_handlers, make_leaf, registered.leaves),
         (manager.hook.register_pytree_readers, make_reader, registered.readers),
         (manager.hook.register_commands, make_command, registered.commands),
         (manager.hook.register_storage, make_storage, registered.storages),
+        (manager.hook.register_options, make_options, registered.options),
     ]
     for hook, make, into in hooks:
         for impl in hook.get_hookimpls():
             if impl.plugin_name == ep.name:
                 into += _collect(impl.function, make)
-    for h in registered.handlers:
-        other = taken_names.get(h.name)
-        if other is not None and other.handler_cls is not h.handler_cls:
-            raise ValueError(
-                f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
-                f"{other.plugin!r}; pass register(..., name=...) to choose another"
-            )
+    _check_clashes(registered, earlier)
     return registered
 
 
@@ -350,6 +408,7 @@ def _plugin_info(
         readers=tuple(registered.readers if registered else ()),
         commands=tuple(registered.commands if registered else ()),
         storages=tuple(registered.storages if registered else ()),
+        options=tuple(registered.options if registered else ()),
     )
 
 
@@ -368,13 +427,12 @@ def discover(
     manager.add_hookspecs(hookspecs)
     infos: list[PluginInfo] = []
     everything = _Registered()
-    taken_names: dict[str, HandlerRegistration] = {}
     for ep in eps:
         if ep.name in disabled:
             infos.append(_plugin_info(ep, "disabled", f"disabled by {DISABLE_ENV_VAR}"))
             continue
         try:
-            registered = _load_plugin(ep, manager, taken_names)
+            registered = _load_plugin(ep, manager, everything)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
@@ -390,8 +448,6 @@ def discover(
             )
             infos.append(_plugin_info(ep, "failed", message))
             continue
-        for h in registered.handlers:
-            taken_names.setdefault(h.name, h)
         everything.extend(registered)
         infos.append(_plugin_info(ep, "loaded", None, registered))
     return _Discovery(
@@ -401,18 +457,30 @@ def discover(
         readers=tuple(sorted(everything.readers, key=lambda r: r.sort_key)),
         commands=tuple(everything.commands),
         storages=tuple(everything.storages),
+        options=tuple(everything.options),
     )
 
 
 _lock = threading.RLock()
 _cached: _Discovery | None = None
+_discovering = False
 
 
 def _discovery() -> _Discovery:
-    global _cached
+    global _cached, _discovering
     with _lock:
         if _cached is None:
-            _cached = discover()
+            if _discovering:  # Only this thread can be here: it holds the lock.
+                raise RuntimeError(
+                    "A plugin looked up what plugins register (a handler, an option class such "
+                    "as cp.options.StorageOptions, ...) while plugins were being discovered: at "
+                    "import or in a hook. Look it up later, or import the class from its plugin."
+                )
+            _discovering = True
+            try:
+                _cached = discover()
+            finally:
+                _discovering = False
         return _cached
 
 
@@ -446,6 +514,11 @@ def reader_registrations() -> tuple[ReaderRegistration, ...]:
 def command_registrations() -> tuple[CommandRegistration, ...]:
     """Subcommands of ``checkpointables`` registered by plugins, in plugin-name order."""
     return _discovery().commands
+
+
+def option_registrations() -> tuple[OptionRegistration, ...]:
+    """Option classes registered by plugins (``register_options``), in plugin-name order."""
+    return _discovery().options
 
 
 def storage_factories() -> dict[str, Callable[..., Any]]:

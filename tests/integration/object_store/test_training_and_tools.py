@@ -72,12 +72,12 @@ def test_partial_saves_then_finalize(s3, bucket) -> None:
     cp.partial.save(path, {"params": {"layer1": np.arange(4.0)}}, custom_metadata={"by": "parts"})
     assert not cp.is_checkpoint(path)  # Nothing counts before finalize.
     # A partial save that was interrupted is dropped by finalize.
-    plant_unfinished(s3, f"{path}/pytree/ocdbt.partial_000099", pid=dead_pid())
+    plant_unfinished(s3, f"{path}/pytree/partial-000099", pid=dead_pid())
     cp.partial.finalize(path)
     loaded = cp.load_pytree(path)
     assert_equal(loaded, {"params": {"layer0": np.arange(3), "layer1": np.arange(4.0)}})
     assert cp.pytree_metadata(path).custom_metadata == {"by": "parts"}
-    assert not any(k.startswith("pytree/ocdbt.partial_000099") for k in keys(s3, path))
+    assert not any(k.startswith("pytree/partial-000099") for k in keys(s3, path))
     with pytest.raises(FileExistsError, match="finished checkpoint"):
         cp.partial.save(path, {"more": 1})
 

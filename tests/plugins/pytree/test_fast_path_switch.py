@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from checkpointables.cli import main as cli_main
-from checkpointables_pytree import ocdbt
+from checkpointables_pytree import FAST_PATH_ENVIRONMENT_VARIABLE, ocdbt
 
 OFF = cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=False))
 ON = cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True))
@@ -91,7 +91,7 @@ def test_orbax_loads_what_tensorstore_wrote_with_the_fast_path_off(tmp_path) -> 
 
 
 def test_the_environment_variable_turns_it_off(monkeypatch) -> None:
-    monkeypatch.setenv(cp.options.FAST_PATH_ENVIRONMENT_VARIABLE, "0")
+    monkeypatch.setenv(FAST_PATH_ENVIRONMENT_VARIABLE, "0")
     assert cp.options.ArrayOptions().ocdbt_fast_path is False
-    monkeypatch.setenv(cp.options.FAST_PATH_ENVIRONMENT_VARIABLE, "1")
+    monkeypatch.setenv(FAST_PATH_ENVIRONMENT_VARIABLE, "1")
     assert cp.options.ArrayOptions().ocdbt_fast_path is True

@@ -10,17 +10,25 @@ point ``pytree`` (module ``checkpointables_pytree.plugin``); use it through
     state = cp.load_pytree(path)                                  # as saved, on any machine
     state = cp.load_pytree(path, cp.pytree_metadata(path).metadata)
 
-The classes here are for plugin authors and for ``isinstance`` checks on
-what ``cp.pytree_metadata`` returns.
+The classes here are for plugin authors, for ``isinstance`` checks on what
+``cp.pytree_metadata`` returns, and the plugin's options (TensorStore and S3
+settings), which ``cp.Context`` takes as ``array_options`` and
+``storage_options``::
+
+    with cp.Context(array_options=cp.options.ArrayOptions(use_compression=True)):
+        cp.save_pytree(path, state)
 """
 
 from __future__ import annotations
 
 from checkpointables_pytree._handler import PyTreeHandler
 from checkpointables_pytree.leaves import (
+    FAST_PATH_ENVIRONMENT_VARIABLE,
     AbstractPRNGKey,
     ArrayLeafHandler,
     ArrayMetadata,
+    ArrayOptions,
+    ArrayStorageOptions,
     BytesLeafHandler,
     NumpyLeafHandler,
     NumpyMetadata,
@@ -31,6 +39,7 @@ from checkpointables_pytree.leaves import (
     StringLeafHandler,
     choose_inner_chunk_shape,
 )
+from checkpointables_pytree.storage import StorageOptions
 
 __all__ = [
     # The checkpointable handler.
@@ -51,4 +60,11 @@ __all__ = [
     "StorageMetadata",
     # Storage helpers.
     "choose_inner_chunk_shape",
+    # The plugin's options (cp.Context keywords array_options and storage_options; also
+    # cp.options.ArrayOptions, cp.options.ArrayStorageOptions, cp.options.StorageOptions).
+    "ArrayOptions",
+    "ArrayStorageOptions",
+    "StorageOptions",
+    # Set to 0 to turn ArrayOptions.ocdbt_fast_path off by default.
+    "FAST_PATH_ENVIRONMENT_VARIABLE",
 ]

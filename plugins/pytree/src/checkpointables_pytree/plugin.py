@@ -2,7 +2,9 @@
 
 It registers ``PyTreeHandler`` under the name ``pytree`` at priority 90, after
 the JSON handler (60), so plain JSON-like objects stay human-readable and
-everything holding arrays comes here, and the standard leaf handlers.
+everything holding arrays comes here, the standard leaf handlers, the
+``s3://`` and ``gs://`` storage, and its options (``array_options``,
+``storage_options``).
 Checkpoints record Orbax's typestr for it, so Orbax reads them with its own
 handler; Orbax V0's typestrs are secondary typestrs, so its checkpoints load too.
 """
@@ -16,7 +18,7 @@ import jax
 import numpy as np
 from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
-from checkpointables_pytree import storage
+from checkpointables_pytree import leaves, storage
 from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
 from checkpointables_pytree.leaves import (
     BYTES,
@@ -77,3 +79,11 @@ def register_storage(register: Any) -> None:
     """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
     for scheme in storage.SCHEMES:
         register(scheme, storage.storage_for)
+
+
+@cp.hookimpl
+def register_options(register: Any) -> None:
+    """Adds the plugin's settings to ``cp.Context``: ``array_options`` (zarr3 chunks, zstd,
+    checksums) and ``storage_options`` (S3 and GCS through TensorStore)."""
+    register("array_options", leaves.ArrayOptions, parts=(leaves.ArrayStorageOptions,))
+    register("storage_options", storage.StorageOptions)

@@ -7,6 +7,8 @@ the array handlers plan the zarr3 layouts once per tree structure
 (``_array_layouts``) and add every array to the session's writer; a load's
 handlers add ``ArrayRead``s to its reader and build their leaves from what is
 read. ``ArrayMetadata`` and friends are what ``cp.pytree_metadata`` returns.
+``ArrayOptions`` and ``ArrayStorageOptions`` are how they store arrays (the
+``array_options`` of ``cp.Context``, registered by ``plugin.py``).
 
 It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; the
 package's top modules (``PyTreeHandler``, the save and load plans) use it.
@@ -32,6 +34,11 @@ from checkpointables_pytree.leaves._keys import (
     mark_orbax_keys,
 )
 from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._options import (
+    FAST_PATH_ENVIRONMENT_VARIABLE,
+    ArrayOptions,
+    ArrayStorageOptions,
+)
 from checkpointables_pytree.leaves._scalar_handler import ScalarLeafHandler
 from checkpointables_pytree.leaves._session import (
     ARRAY_METADATAS_DIR,
@@ -47,6 +54,9 @@ from checkpointables_pytree.leaves._session import (
 from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
 
 __all__ = [
+    "ArrayOptions",
+    "FAST_PATH_ENVIRONMENT_VARIABLE",
+    "ArrayStorageOptions",
     "ArrayLeafHandler",
     "NumpyLeafHandler",
     "ARRAY_VALUE_TYPES",

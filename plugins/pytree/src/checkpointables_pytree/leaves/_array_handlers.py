@@ -27,6 +27,7 @@ from checkpointables_pytree.leaves._common import (
 )
 from checkpointables_pytree.leaves._groups import LeafGroup
 from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["ArrayLeafHandler", "NumpyLeafHandler"]
@@ -164,7 +165,7 @@ def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
 class _Snapshot:
     """One array of a save as the blocking phase leaves it: checked, its shards on host."""
 
-    storage: cp.options.ArrayStorageOptions
+    storage: ArrayStorageOptions
     dtype: np.dtype
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
@@ -210,7 +211,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
         param: SerializationParam[jax.Array],
         *,
         primary_lacks: bool,
-        storage: cp.options.ArrayStorageOptions | None = None,
+        storage: ArrayStorageOptions | None = None,
         ext_metadata: dict[str, Any] | None = None,
     ) -> None:
         """Schedules one array's shards; ``storage`` overrides the save's storage options.
@@ -227,7 +228,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
         param: SerializationParam[jax.Array],
         *,
         primary_lacks: bool,
-        storage: cp.options.ArrayStorageOptions | None = None,
+        storage: ArrayStorageOptions | None = None,
     ) -> _Snapshot:
         """Checks one array and copies the shards this process writes to host."""
         array = param.value

@@ -18,13 +18,13 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import checkpointables as cp
 import jax
 import numpy as np
 
 from checkpointables_pytree import tree, zarr3
 from checkpointables_pytree.leaves._common import LeafLabel, storage_dtype, unsupported
 from checkpointables_pytree.leaves._groups import LeafGroup
+from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import SaveSession
 from checkpointables_pytree.zarr3 import ArrayWrite
 
@@ -163,7 +163,7 @@ def in_bulk(session: SaveSession, params: Any) -> bool:
 
 
 def numpy_storage_dtype(
-    keypath: Sequence[Any], array: Any, dtype: np.dtype, storage: cp.options.ArrayStorageOptions
+    keypath: Sequence[Any], array: Any, dtype: np.dtype, storage: ArrayStorageOptions
 ) -> np.dtype:
     """The dtype a NumPy array of ``dtype`` is stored in; an error naming ``keypath`` if none."""
     if dtype.kind in "OUS":
@@ -212,7 +212,7 @@ def _stored_dtypes(
     session: SaveSession,
     group: LeafGroup,
     arrays: Sequence[Any],
-    check: Callable[[Sequence[Any], Any, np.dtype, cp.options.ArrayStorageOptions], np.dtype],
+    check: Callable[[Sequence[Any], Any, np.dtype, ArrayStorageOptions], np.dtype],
 ) -> tuple[list[np.dtype], bool]:
     """The dtype each of ``arrays`` is stored in (``check`` runs once per dtype; its errors
     name the first leaf of that dtype), and whether any differs from the array's own."""

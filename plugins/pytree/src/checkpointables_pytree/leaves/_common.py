@@ -31,6 +31,7 @@ from checkpointables.serialization import (
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree import zarr3
 from checkpointables_pytree.io import ArrayRead
+from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 from checkpointables_pytree.zarr3 import ArrayWrite, zarr_shape_dtype
 
@@ -139,14 +140,14 @@ async def finish_load(session: LoadSession, private: bool, reads: list[ArrayRead
 
 def storage_options(
     session: SaveSession, keypath: Sequence[Any], value: Any
-) -> cp.options.ArrayStorageOptions:
+) -> ArrayStorageOptions:
     """The storage options of one leaf, from the save's array options."""
     options = session.array_options
     creator = options.storage_options_creator
     if creator is not None:
         chosen = creator(tuple(keypath), value)
         if chosen is not None:
-            if not isinstance(chosen, cp.options.ArrayStorageOptions):
+            if not isinstance(chosen, ArrayStorageOptions):
                 raise cp.errors.InvalidArgumentTypeError(
                     "storage_options_creator returned "
                     f"{type(chosen).__name__} for {_what(keypath)}; "
@@ -157,7 +158,7 @@ def storage_options(
 
 
 def storage_dtype(
-    keypath: Sequence[Any], value: Any, dtype: Any, storage: cp.options.ArrayStorageOptions
+    keypath: Sequence[Any], value: Any, dtype: Any, storage: ArrayStorageOptions
 ) -> np.dtype:
     """The dtype a leaf is stored in: the storage options', else its own (if zarr3 has it)."""
     try:
@@ -220,7 +221,7 @@ def schedule_array(
     dtype: np.dtype,
     chunk_shape: tuple[int, ...],
     chunks: list[tuple[tuple[int, ...], np.ndarray]],
-    storage: cp.options.ArrayStorageOptions,
+    storage: ArrayStorageOptions,
     extra: dict[str, Any] | None = None,
     held_by_every_process: bool = True,
 ) -> None:

@@ -20,6 +20,7 @@ from checkpointables_pytree.leaves._common import (
     storage_options,
     unsupported,
 )
+from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["ScalarLeafHandler"]
@@ -112,7 +113,7 @@ class ScalarLeafHandler(ZarrLeafHandler):
                 dtype=dtype,
                 chunk_shape=(),
                 chunks=[((), array.astype(dtype, copy=False))],
-                storage=cp.options.ArrayStorageOptions(),
+                storage=ArrayStorageOptions(),
                 extra={"scalar_type": _scalar_type_name(value)},
             )
 

@@ -28,6 +28,7 @@ from etils import epath
 from checkpointables_pytree import io, ocdbt, storage, zarr3
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree.io import StoredArray, Writer, chunk_keys
+from checkpointables_pytree.leaves._options import ArrayOptions
 
 __all__ = [
     "NamedSerializationParam",
@@ -61,9 +62,7 @@ class SaveSession:
     # Looked up once per save rather than once per leaf.
     primary: bool = True
     compression: bool = False
-    array_options: cp.options.ArrayOptions = dataclasses.field(
-        default_factory=cp.options.ArrayOptions
-    )
+    array_options: ArrayOptions = dataclasses.field(default_factory=ArrayOptions)
     # Work the leaf handlers left for the background phase (``defer``), done by ``plan``.
     deferred: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 

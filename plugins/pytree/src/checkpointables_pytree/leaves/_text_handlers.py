@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-import checkpointables as cp
 import numpy as np
 from checkpointables.serialization import (
     DeserializationContext,
@@ -26,6 +25,7 @@ from checkpointables_pytree.leaves._common import (
     save_session,
     schedule_array,
 )
+from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import SaveSession
 
 __all__ = ["StringLeafHandler", "BytesLeafHandler"]
@@ -102,7 +102,7 @@ class BytesLeafHandler(ZarrLeafHandler):
                 dtype=np.dtype(np.uint8),
                 chunk_shape=zarr3.default_chunk_shape(shape),
                 chunks=[((0,), data)] if data.size else [],
-                storage=cp.options.ArrayStorageOptions(),
+                storage=ArrayStorageOptions(),
             )
 
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:

@@ -1,7 +1,7 @@
 """Where a checkpoint's bytes live and how they are reached, below any format.
 
 * object stores (``s3://``, ``gs://``): TensorStore kvstore specs and context
-  resources from the user's configuration (``kvstore_spec``,
+  resources from the user's configuration (``StorageOptions``, ``kvstore_spec``,
   ``context_resources``), and the ``cp.storage`` backend for those schemes
   (``storage_for``), registered by ``plugin.py``;
 * local files read without TensorStore (``OpenFiles``, ``read_values``,
@@ -40,9 +40,11 @@ from checkpointables_pytree.storage._object_store import (
     kvstore_spec,
     s3_settings,
 )
+from checkpointables_pytree.storage._options import StorageOptions
 from checkpointables_pytree.storage._ts_futures import ByteLimiter, settle, wait_all
 
 __all__ = [
+    "StorageOptions",
     "storage_for",
     "ALIGNMENT",
     "Slab",

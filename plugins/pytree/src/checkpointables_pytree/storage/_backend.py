@@ -22,6 +22,7 @@ from checkpointables_pytree.storage._object_store import (
     kvstore_spec,
     s3_settings,
 )
+from checkpointables_pytree.storage._options import StorageOptions
 
 __all__ = ["KvStoreStorage", "storage_for"]
 
@@ -60,7 +61,7 @@ class KvStoreStorage:
 
     atomic_rename = False
 
-    def __init__(self, options: cp.options.StorageOptions, settings: S3Settings) -> None:
+    def __init__(self, options: StorageOptions, settings: S3Settings) -> None:
         self._settings = settings
         self._context = ts.Context(context_resources(options))
         self._stores: dict[tuple[str, str], ts.KvStore] = {}

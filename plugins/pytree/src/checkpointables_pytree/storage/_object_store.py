@@ -5,28 +5,34 @@ spec of a location, used for the arrays (the OCDBT database) of a pytree
 saved there, and ``_kvstore_storage.KvStoreStorage`` (the ``cp.storage.Storage``
 of these schemes, for every other file) opens its stores with it.
 
-S3 is configured as boto3 and the AWS CLI are: ``cp.options.StorageOptions``
-fields first, then ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``,
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the
-profile's ``region`` / ``endpoint_url`` / ``services`` entries in
-``~/.aws/config``, and finally the instance's or container's role.
-TensorStore's own ``s3://`` URL form reads none of the endpoint settings,
-so every setting is translated into the spec here.
+S3 is configured as the AWS CLI is, ``StorageOptions`` fields first. The AWS
+configuration files are read by botocore's loader (the ``s3`` extra installs
+it), never by hand: the profile in force (``AWS_DEFAULT_PROFILE`` /
+``AWS_PROFILE``), the files (``AWS_CONFIG_FILE``,
+``AWS_SHARED_CREDENTIALS_FILE``, ``~/.aws``), the profile's ``region``, its
+``services`` section's ``s3`` ``endpoint_url`` or its own ``endpoint_url``,
+and ``ignore_configured_endpoint_urls``. The credentials are TensorStore's
+own providers (``environment``, ``profile`` with both files named, since it
+finds neither alone, then the instance's or container's role), chosen in the
+AWS CLI's order. TensorStore's ``s3://`` URL form reads none of the endpoint
+settings, so every setting is translated into the spec here.
 """
 
 from __future__ import annotations
 
 import atexit
-import configparser
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
+import warnings
 from typing import Any
 
 import attrs
 import checkpointables as cp
+
+from checkpointables_pytree.storage._options import StorageOptions
 
 __all__ = [
     "SCHEMES",
@@ -38,7 +44,8 @@ __all__ = [
 ]
 
 SCHEMES = ("s3", "gs")
-_TRUE = ("1", "true", "yes")
+# A profile holding any of these gives credentials (TensorStore's profile provider reads them).
+_CREDENTIAL_KEYS = ("aws_access_key_id", "role_arn", "credential_process")
 
 
 # -- Configuration ------------------------------------------------------------------------------
@@ -55,71 +62,136 @@ class S3Settings:
     credentials_key: tuple[Any, ...] = ()
 
 
-def _config_path(variable: str, default: str) -> str:
-    return os.path.expanduser(os.environ.get(variable) or default)
+@attrs.frozen
+class AwsConfig:
+    """What the AWS configuration says about one profile, as the AWS CLI reads it."""
+
+    profile: str | None  # Named by the options or the environment; None: ``default``.
+    config_file: str
+    credentials_file: str
+    region: str | None  # ``AWS_DEFAULT_REGION``, else the profile's.
+    endpoint_url: str | None  # The profile's services section's ``s3``, else its own.
+    ignore_configured_endpoints: bool
+    has_credentials: bool  # The profile in force holds keys, a role or a process.
 
 
-def _profile_name(options: cp.options.StorageOptions) -> str:
-    return (
-        options.profile
-        or os.environ.get("AWS_PROFILE")
-        or os.environ.get("AWS_DEFAULT_PROFILE")
-        or "default"
+_FILE_VARIABLES = ("config_file", "credentials_file")
+
+
+def _aws_config_from_botocore(profile: str | None) -> AwsConfig:
+    """The configuration as botocore (the AWS CLI's loader) reads it."""
+    import botocore.exceptions
+    import botocore.session
+
+    session = botocore.session.Session(profile=profile)
+    files = [os.path.expanduser(session.get_config_variable(n)) for n in _FILE_VARIABLES]
+    try:
+        scoped = session.get_scoped_config()
+        services = session.full_config.get("services", {})
+        if "services" in scoped and scoped["services"] not in services:
+            raise botocore.exceptions.InvalidConfigError(
+                error_msg=f"its services section {scoped['services']!r} does not exist"
+            )
+    except botocore.exceptions.BotoCoreError as e:  # A missing profile, an unparsable file.
+        raise cp.errors.StorageError(
+            f"The AWS configuration ({files[0]}, {files[1]}) cannot be used: {e}. Fix the "
+            f"files, or choose another profile (AWS_PROFILE, StorageOptions(profile=...))."
+        ) from None
+    s3 = services[scoped["services"]].get("s3", {}) if "services" in scoped else {}
+    return AwsConfig(
+        profile=session.get_config_variable("profile"),
+        config_file=files[0],
+        credentials_file=files[1],
+        region=session.get_config_variable("region"),
+        endpoint_url=s3.get("endpoint_url") or scoped.get("endpoint_url"),
+        ignore_configured_endpoints=bool(
+            session.get_config_variable("ignore_configured_endpoint_urls")
+        ),
+        has_credentials=any(scoped.get(k) for k in _CREDENTIAL_KEYS),
     )
 
 
-def _nested(value: str) -> dict[str, str]:
-    """The ``key = value`` lines of a nested section (``s3 =\\n  endpoint_url = ...``)."""
-    found = {}
-    for line in value.splitlines():
-        key, sep, rest = line.partition("=")
-        if sep:
-            found[key.strip()] = rest.strip()
+_warned_without_botocore = False
+
+
+def _aws_config_without_botocore(profile: str | None) -> AwsConfig:
+    """Only the environment, without botocore: the files' settings cannot be read."""
+    global _warned_without_botocore
+    env = os.environ
+    files = [
+        os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config"),
+        os.path.expanduser(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"),
+    ]
+    if os.path.exists(files[0]) and not _warned_without_botocore:
+        _warned_without_botocore = True
+        warnings.warn(
+            f"{files[0]} exists but botocore is not installed, so its regions and endpoints "
+            f"are not read (profiles' credentials still are). pip install "
+            f"'checkpointables[s3]' to read it as the AWS CLI does.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return AwsConfig(
+        profile=profile or env.get("AWS_DEFAULT_PROFILE") or env.get("AWS_PROFILE") or None,
+        config_file=files[0],
+        credentials_file=files[1],
+        region=env.get("AWS_DEFAULT_REGION") or None,
+        endpoint_url=None,
+        ignore_configured_endpoints=False,
+        has_credentials=os.path.exists(files[1]),  # Presumably a [default] profile.
+    )
+
+
+_configs: dict[tuple[Any, ...], AwsConfig] = {}
+_configs_lock = threading.Lock()
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    with contextlib.suppress(OSError):
+        status = os.stat(os.path.expanduser(path))
+        return (status.st_mtime_ns, status.st_size)
+    return None
+
+
+def aws_config(profile: str | None = None) -> AwsConfig:
+    """The AWS configuration of ``profile`` (default: the environment's), read again only
+    when an ``AWS_*`` variable, ``HOME`` or one of the files changed."""
+    env = os.environ
+    key = (
+        profile,
+        tuple(sorted((k, v) for k, v in env.items() if k.startswith("AWS_") or k == "HOME")),
+        _stat(env.get("AWS_CONFIG_FILE") or "~/.aws/config"),
+        _stat(env.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"),
+    )
+    with _configs_lock:
+        found = _configs.get(key)
+    if found is None:
+        try:
+            import botocore  # noqa: F401  (only whether it is installed)
+        except ImportError:
+            found = _aws_config_without_botocore(profile)
+        else:
+            found = _aws_config_from_botocore(profile)
+        with _configs_lock:
+            if len(_configs) >= 16:  # Bounded: environments come and go in tests.
+                _configs.clear()
+            _configs[key] = found
     return found
 
 
-def _profile_config(profile: str) -> dict[str, str]:
-    """``region`` and the S3 ``endpoint_url`` of a profile of ``~/.aws/config``."""
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read(_config_path("AWS_CONFIG_FILE", "~/.aws/config"), encoding="utf-8")
-    except configparser.Error:
-        return {}  # Unreadable: boto3 would fail too; the requests will say what is missing.
-    section = "default" if profile == "default" else f"profile {profile}"
-    if not parser.has_section(section):
-        return {}
-    values = dict(parser.items(section))
-    result = {k: v for k, v in values.items() if k in ("region", "endpoint_url")}
-    s3 = _nested(values.get("s3", ""))
-    services = values.get("services")
-    if services and parser.has_section(f"services {services}"):
-        s3 = {**s3, **_nested(parser.get(f"services {services}", "s3", fallback=""))}
-    if "endpoint_url" in s3:
-        result["endpoint_url"] = s3["endpoint_url"]
-    return result
-
-
-def _endpoint(options: cp.options.StorageOptions, profile: dict[str, str]) -> str | None:
+def _endpoint(options: StorageOptions, config: AwsConfig) -> str | None:
     if options.endpoint:
         return options.endpoint
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() in _TRUE:
+    if config.ignore_configured_endpoints:
         return None
-    return (
-        os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-        or profile.get("endpoint_url")
-        or None
-    )
+    env = os.environ
+    return env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or config.endpoint_url
 
 
-def _region(options: cp.options.StorageOptions, profile: dict[str, str]) -> str | None:
-    return (
-        options.region
-        or os.environ.get("AWS_REGION")
-        or os.environ.get("AWS_DEFAULT_REGION")
-        or profile.get("region")
-        or None
-    )
+def _region(options: StorageOptions, config: AwsConfig) -> str | None:
+    # AWS_REGION first, as the AWS CLI v2 and the other SDKs read it (botocore reads only
+    # AWS_DEFAULT_REGION, then the profile's).
+    return options.region or os.environ.get("AWS_REGION") or config.region or None
 
 
 _private_lock = threading.Lock()
@@ -145,62 +217,69 @@ def _private_file(text: str) -> str:
         return path
 
 
-def _profile_spec(profile: str, credentials_file: str | None = None) -> dict[str, Any]:
+def _profile_spec(
+    profile: str, config: AwsConfig, credentials_file: str | None = None
+) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """TensorStore's ``profile`` credentials, with both files named (it finds neither alone).
 
     A file that does not exist is replaced by an empty one.
     """
     files = {
-        "credentials_file": credentials_file
-        or _config_path("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
-        "config_file": _config_path("AWS_CONFIG_FILE", "~/.aws/config"),
+        "credentials_file": credentials_file or config.credentials_file,
+        "config_file": config.config_file,
     }
     for key, path in files.items():
         if not os.path.exists(path):
             files[key] = _private_file("")
-    return {"type": "profile", "profile": profile, **files}
+    return {"type": "profile", "profile": profile, **files}, ("profile", profile, *files.values())
 
 
-def _credentials(options: cp.options.StorageOptions) -> tuple[dict[str, Any], tuple[Any, ...]]:
-    """TensorStore's ``aws_credentials`` for these options and this environment."""
+def _explicit_keys(
+    options: StorageOptions, config: AwsConfig
+) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    lines = ["[checkpointables]", f"aws_access_key_id = {options.access_key_id}"]
+    lines.append(f"aws_secret_access_key = {options.secret_access_key}")
+    if options.session_token:
+        lines.append(f"aws_session_token = {options.session_token}")
+    path = _private_file("\n".join(lines) + "\n")
+    return _profile_spec("checkpointables", config, path)
+
+
+def _credentials(
+    options: StorageOptions, config: AwsConfig
+) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """TensorStore's ``aws_credentials``, in the AWS CLI's order: the options, the
+    environment's keys, a named profile, the default profile, then web identity, a
+    container's or the instance's role."""
+    env = os.environ
     if options.anonymous:
         return {"type": "anonymous"}, ("anonymous",)
     if options.access_key_id is not None and options.secret_access_key is not None:
-        lines = ["[checkpointables]", f"aws_access_key_id = {options.access_key_id}"]
-        lines.append(f"aws_secret_access_key = {options.secret_access_key}")
-        if options.session_token:
-            lines.append(f"aws_session_token = {options.session_token}")
-        path = _private_file("\n".join(lines) + "\n")
-        return _profile_spec("checkpointables", path), ("static", path)
+        return _explicit_keys(options, config)
     if options.profile:
-        return _profile_spec(options.profile), ("profile", options.profile)
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return _profile_spec(options.profile, config)
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         return {"type": "environment"}, ("environment",)
-    if os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"):
-        name = _profile_name(options)
-        return _profile_spec(name), ("profile", name)
-    files = [
-        _config_path("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
-        _config_path("AWS_CONFIG_FILE", "~/.aws/config"),
-    ]
-    if any(os.path.exists(f) for f in files) or os.environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
-        return {"type": "default"}, ("default",)  # Profiles, web identity, containers, instances.
-    if os.environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or os.environ.get(
+    if config.profile or config.has_credentials:
+        return _profile_spec(config.profile or "default", config)
+    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
+        return {"type": "default"}, ("default",)  # Web identity (EKS), then containers, instances.
+    if env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get(
         "AWS_CONTAINER_CREDENTIALS_FULL_URI"
     ):
         return {"type": "ecs"}, ("ecs",)
-    # No configuration at all: only an EC2 instance's role can help. (The default chain
-    # would also try the files that do not exist, and log an error for each.)
+    # Nothing configured: only an EC2 instance's role can help. (The default chain would
+    # also try the profile files, and log an error for each.)
     return {"type": "imds"}, ("imds",)
 
 
-def s3_settings(options: cp.options.StorageOptions | None = None) -> S3Settings:
+def s3_settings(options: StorageOptions | None = None) -> S3Settings:
     """The S3 settings in force (``options`` default to the context's)."""
     if options is None:
-        options = cp.context.get_context().storage_options
-    profile = _profile_config(_profile_name(options))
-    credentials, key = _credentials(options)
-    return S3Settings(_endpoint(options, profile), _region(options, profile), credentials, key)
+        options = cp.context.get_context().options(StorageOptions)
+    config = aws_config(options.profile)
+    credentials, key = _credentials(options, config)
+    return S3Settings(_endpoint(options, config), _region(options, config), credentials, key)
 
 
 def bucket_and_key(url: str) -> tuple[str, str, str]:
@@ -239,10 +318,10 @@ def kvstore_spec(url: str, settings: S3Settings | None = None) -> dict[str, Any]
     return spec
 
 
-def context_resources(options: cp.options.StorageOptions | None = None) -> dict[str, Any]:
+def context_resources(options: StorageOptions | None = None) -> dict[str, Any]:
     """TensorStore context resources for the request concurrency and retries of the options."""
     if options is None:
-        options = cp.context.get_context().storage_options
+        options = cp.context.get_context().options(StorageOptions)
     resources: dict[str, Any] = {}
     for prefix in ("s3", "gcs"):
         if options.request_concurrency is not None:
