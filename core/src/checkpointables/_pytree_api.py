@@ -19,7 +19,7 @@ from checkpointables import (
     storage,
 )
 from checkpointables._asyncio import AsyncResponse, synchronous
-from checkpointables.checkpoint_metadata import CheckpointMetadata
+from checkpointables.checkpoint_metadata import CheckpointMetadata, recorded_distribution
 from checkpointables.context import Context, get_context
 from checkpointables.handlers._resolution import install_hint
 from checkpointables.path._parse import as_path
@@ -125,7 +125,7 @@ def find_pytree(
     for name in ordered:
         if is_pytree(name):
             return name, path / name
-    _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
+    _raise_if_saved_by_a_missing_handler(path, meta, ordered)
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
         f"or use cp.load_checkpointables."
@@ -141,7 +141,7 @@ def _no_name_for_readers(path: epath.PathLike, checkpointable_name: str | None) 
 
 
 def _raise_if_saved_by_a_missing_handler(
-    path: epath.Path, typestrs: Mapping[str, str], names: list[str]
+    path: epath.Path, meta: Mapping[str, Any], names: list[str]
 ) -> None:
     """Raises ``MissingHandlerError`` when one of ``names`` was saved by an unregistered handler.
 
@@ -149,13 +149,15 @@ def _raise_if_saved_by_a_missing_handler(
     typestr (and the plugin to install) rather than saying there is no pytree.
     """
     registered = handlers.registered_handlers()
+    typestrs = _loading.recorded_typestrs(meta)
     for name in names:
         recorded = typestrs.get(name)
         if recorded is not None and not any(r.matches_typestr(recorded) for r in registered):
+            hint = install_hint(recorded, recorded_distribution(meta, name))
             raise errors.MissingHandlerError(
                 f"Checkpoint {path} holds no pytree this installation can read: checkpointable "
                 f"{name!r} was saved by handler {recorded!r}, which is not registered here."
-                f"{install_hint(recorded)} Install the plugin that provides it, or pass "
+                f"{hint} Install the plugin that provides it, or pass "
                 "checkpointable_name=... to load another checkpointable."
             )
 
@@ -225,4 +227,7 @@ def pytree_metadata(
     with context:
         name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
     recorded = opened.typestr(name, directory) or pytree_registration().typestr
-    return opened.metadata_of(_loading.item_metadata(directory, name, recorded, context))
+    distribution = opened.distribution(name)
+    return opened.metadata_of(
+        _loading.item_metadata(directory, name, recorded, context, distribution)
+    )

@@ -259,11 +259,14 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
     target.claim()
     meta = _merged_metadata(folded, sources)
     _merge_pytrees([s.pytree for s in sources], session / DEFAULT_NAME)
+    registration = pytree_registration()
+    dist = registration.distribution
     text = checkpoint_metadata_json(
-        item_handlers={DEFAULT_NAME: pytree_registration().typestr},
+        item_handlers={DEFAULT_NAME: registration.typestr},
         custom_metadata=meta["custom_metadata"],
         init_timestamp_nsecs=meta["init_timestamp_nsecs"] or time.time_ns(),
         commit_timestamp_nsecs=time.time_ns(),
+        distributions={DEFAULT_NAME: (dist, registration.version)} if dist else None,
     )
     target.publish({layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path))
 
