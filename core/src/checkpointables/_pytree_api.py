@@ -26,7 +26,8 @@ from checkpointables.path._parse import as_path
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
-# Tried in this order when no name is given; then any other pytree present.
+# Tried in this order when no name is given; then the only other pytree present (with
+# several others, the caller must name one: picking one would be a guess).
 PREFERRED_NAMES = ("pytree", "state")
 TREE_METADATA_FILE = "_METADATA"
 
@@ -93,7 +94,14 @@ def save_pytree(
 def find_pytree(
     path: epath.Path, meta: Mapping[str, Any], checkpointable_name: str | None
 ) -> tuple[str, epath.Path]:
-    """The name and directory of the pytree to load from checkpoint ``path``."""
+    """The name and directory of the pytree to load from checkpoint ``path``.
+
+    With no ``checkpointable_name``: a flat (Orbax V0) checkpoint's root; else the
+    pytree named ``pytree``, else ``state``, else the only pytree present.
+
+    Raises:
+      cp.errors.InvalidArgumentError: several pytrees, none of the preferred names.
+    """
     typestrs = _loading.recorded_typestrs(meta)
     available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
@@ -119,12 +127,21 @@ def find_pytree(
             return registration.matches_typestr(recorded)
         return storage.exists(path / name / TREE_METADATA_FILE)
 
+    for name in PREFERRED_NAMES:
+        if name in available and is_pytree(name):
+            return name, path / name
+    others = [n for n in available if n not in PREFERRED_NAMES and is_pytree(n)]
+    if len(others) == 1:
+        return others[0], path / others[0]
+    if others:
+        raise errors.InvalidArgumentError(
+            f"Checkpoint {path} holds several pytrees, {others}, and none named "
+            f"{' or '.join(map(repr, PREFERRED_NAMES))}: pass checkpointable_name=... to say "
+            f"which to load, or load them all with cp.load_checkpointables."
+        )
     ordered = [n for n in PREFERRED_NAMES if n in available] + [
         n for n in available if n not in PREFERRED_NAMES
     ]
-    for name in ordered:
-        if is_pytree(name):
-            return name, path / name
     _raise_if_saved_by_a_missing_handler(path, meta, ordered)
     raise _loading.CheckpointableNotFoundError(
         f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
