@@ -78,7 +78,8 @@ _CHILD = _PART + textwrap.dedent(
 )
 
 
-def _kill_child(tmp_path, saves, *, hang=None, finalize=False) -> None:
+def _start_child(tmp_path, saves, *, hang=None, finalize=False) -> subprocess.Popen:
+    """Starts the child; returns once it sleeps at its point (it is then killed if that fails)."""
     ready = tmp_path / "ready"
     spec = {
         "path": str(tmp_path / "ckpt"),
@@ -94,10 +95,22 @@ def _kill_child(tmp_path, saves, *, hang=None, finalize=False) -> None:
             assert proc.poll() is None, "the child died before reaching the kill point"
             assert time.monotonic() < deadline, "the child never reached the kill point"
             time.sleep(0.02)
+    except BaseException:
+        _kill(proc)
+        raise
+    ready.unlink()
+    return proc
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(30)
-    ready.unlink()
+
+
+def _kill_child(tmp_path, saves, *, hang=None, finalize=False) -> None:
+    _kill(_start_child(tmp_path, saves, hang=hang, finalize=finalize))
 
 
 def _merged(indices):
@@ -163,6 +176,44 @@ def test_killed_during_a_save(tmp_path, hang) -> None:
     cp.partial.save(path, part(2))
     cp.partial.finalize(path)
     _assert_holds(path, [0, 2])  # The interrupted save did not happen; the others did.
+
+
+_INTERRUPTED = [
+    ("checkpointables.layout", "commit", 2, False),
+    ("checkpointables.partial", "_promote", 2, False),
+]
+
+
+@pytest.mark.parametrize("hang", _INTERRUPTED, ids=["before-commit", "before-promotion"])
+def test_the_next_save_removes_what_a_killed_session_left(tmp_path, hang) -> None:
+    path = tmp_path / "ckpt"
+    session = cp.partial.session_path(path)
+    _kill_child(tmp_path, [0, 1], hang=list(hang))
+    assert any(n.startswith("staged-000002") for n in os.listdir(session))
+    cp.partial.save(path, part(2))  # A new session on the path: it resumes the dead one.
+    assert sorted(os.listdir(session)) == ["pytree"]  # Only committed saves remain.
+    assert sorted(os.listdir(session / "pytree")) == ["partial-000001", "partial-000003"]
+    cp.partial.finalize(path)
+    _assert_holds(path, [0, 2])
+
+
+@pytest.mark.parametrize("hang", _INTERRUPTED, ids=["before-commit", "before-promotion"])
+def test_a_live_sessions_save_is_never_removed(tmp_path, hang) -> None:
+    path = tmp_path / "ckpt"
+    session = cp.partial.session_path(path)
+    child = _start_child(tmp_path, [0, 1], hang=list(hang))
+    try:
+        held = sorted(os.listdir(session))
+        assert any(n.startswith("staged-000002") for n in held)
+        cp.partial.save(path, part(2))  # Another writer's running save is left alone...
+        assert set(held) <= set(os.listdir(session))
+        with pytest.raises(cp.errors.CheckpointExistsError, match="still writing"):
+            cp.partial.finalize(path)  # ... and finalize refuses to drop or publish it.
+        assert set(held) <= set(os.listdir(session)) and not path.exists()
+    finally:
+        _kill(child)
+    cp.partial.finalize(path)  # Its process is gone: what it left is removed.
+    _assert_holds(path, [0, 2])
 
 
 # In the child, `_promote` is called once per save (calls 1-3); finalize then

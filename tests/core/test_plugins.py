@@ -163,3 +163,29 @@ def test_register_handler_and_get(tmp_path) -> None:
         cp.handlers.get("pair")
     with pytest.raises(cp.errors.MissingHandlerError, match="pip install checkpointables-proto"):
         cp.handlers.get("checkpointables_proto.SomethingHandler")
+
+
+def test_registering_again_with_another_priority_warns() -> None:
+    class TwiceHandler:
+        async def save(self, directory, checkpointable): ...
+        async def load(self, directory, abstract_checkpointable=None): ...
+        async def metadata(self, directory): ...
+        def is_handleable(self, obj):
+            return False
+
+        def is_abstract_handleable(self, abstract):
+            return None
+
+    cp.handlers.register_handler(TwiceHandler, priority=30)
+    try:
+        cp.handlers.register_handler(TwiceHandler, priority=30)  # The same: silent.
+        with pytest.warns(UserWarning, match="already called with priority 30.*priority 5"):
+            cp.handlers.register_handler(TwiceHandler, priority=5)
+        priorities = [
+            r.priority for r in cp.handlers.registered_handlers() if r.handler_cls is TwiceHandler
+        ]
+        assert priorities == [5]
+        cp.handlers.unregister_handler(TwiceHandler)
+        cp.handlers.register_handler(TwiceHandler, priority=40)  # Changed on purpose: silent.
+    finally:
+        cp.handlers.unregister_handler(TwiceHandler)

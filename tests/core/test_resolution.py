@@ -189,3 +189,41 @@ def test_registration_rejects_non_handlers() -> None:
         make_handler_registration(int, plugin="test")
     with pytest.raises(TypeError, match="pass the class"):
         make_handler_registration(IntHandler(), plugin="test")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "distribution",
+    [
+        "--index-url=http://evil.example",
+        "good; rm -rf ~",
+        "two words",
+        "",
+        "x" * 200,
+        "name\nnewline",
+        42,
+        None,
+    ],
+)
+def test_a_crafted_recorded_distribution_is_never_suggested(distribution) -> None:
+    from checkpointables.checkpoint_metadata import recorded_distribution
+
+    meta = {"checkpointables_handler_distributions": {"x": {"distribution": distribution}}}
+    assert recorded_distribution(meta, "x") is None
+    regs = [reg(IntHandler, 10)]
+    with pytest.raises(cp.errors.MissingHandlerError) as info:
+        cp.handlers.resolve_for_load(
+            regs,
+            name="x",
+            recorded_typestr="someone.Else",
+            distribution=recorded_distribution(meta, "x"),
+        )
+    assert "pip install" not in str(info.value)
+
+
+def test_our_typestrs_name_our_distribution_whatever_the_checkpoint_records() -> None:
+    hint = cp.handlers.install_hint(
+        "checkpointables_proto.ProtoHandler", ("some-other-package", "6.6.6")
+    )
+    assert "pip install checkpointables-proto" in hint and "some-other-package" not in hint
+    third_party = cp.handlers.install_hint("their_module.Handler", ("their-package", "1.2"))
+    assert "pip install 'their-package==1.2'" in third_party

@@ -325,3 +325,35 @@ def test_load_pytree_async_callbacks_fire(tmp_path) -> None:
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("pytrees", "others", "expected"),
+    [
+        (["model"], [], "model"),  # The only pytree: loaded, as documented.
+        (["model"], ["extra"], "model"),
+        (["model", "pytree"], [], "pytree"),
+        (["model", "state"], ["extra"], "state"),
+        (["pytree", "state"], [], "pytree"),
+        (["ema", "model"], [], None),  # Several, none preferred: which one is a guess.
+        (["a", "b", "c"], ["pytree"], None),  # "pytree" is JSON here, not a pytree.
+    ],
+)
+def test_load_pytree_without_a_name_follows_the_documented_rule(
+    tmp_path, pytrees, others, expected
+) -> None:
+    import numpy as np
+
+    items = {name: {"w": np.full(2, i, np.float32)} for i, name in enumerate(pytrees)}
+    items |= {name: {"json": name} for name in others}
+    cp.save_checkpointables(tmp_path / "c", items)
+    if expected is None:
+        with pytest.raises(cp.errors.InvalidArgumentError, match="several pytrees") as info:
+            cp.load_pytree(tmp_path / "c")
+        assert all(repr(n) in str(info.value) for n in pytrees)
+        assert "checkpointable_name=" in str(info.value)
+        with pytest.raises(cp.errors.InvalidArgumentError, match="several pytrees"):
+            cp.pytree_metadata(tmp_path / "c")
+        return
+    loaded = cp.load_pytree(tmp_path / "c")
+    assert loaded["w"][0] == pytrees.index(expected)

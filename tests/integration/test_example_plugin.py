@@ -6,6 +6,7 @@ entry point brings in its handlers.
 
 from __future__ import annotations
 
+import json
 import re
 
 import checkpointables as cp
@@ -48,6 +49,72 @@ def test_missing_json_plugin_names_distribution(tmp_path) -> None:
     cp.save_checkpointables(tmp_path / "c", {"extra": {"a": 1}})
     message = missing_handler_message(tmp_path / "c", ["json", "pytree"])
     assert "pip install checkpointables-json" in message
+
+
+def test_missing_third_party_plugin_names_the_recorded_distribution(tmp_path) -> None:
+    from checkpointables_example_point import Point
+
+    cp.save_checkpointables(tmp_path / "c", {"p": Point(1, 2), "other": {"a": 1}})
+    meta = json.loads((tmp_path / "c" / "_CHECKPOINT_METADATA").read_text())
+    recorded = meta["checkpointables_handler_distributions"]
+    assert recorded["p"] == {"distribution": "checkpointables-example-point", "version": "0.1.0"}
+    assert recorded["other"]["distribution"] == "checkpointables-json"
+    assert cp.load_checkpointables(tmp_path / "c")["other"] == {"a": 1}
+    assert cp.checkpointables_metadata(tmp_path / "c").custom_metadata == {}  # Not leaked there.
+    message = missing_handler_message(tmp_path / "c", ["example-point"])
+    assert "checkpointables_example_point.PointHandler" in message
+    assert "pip install 'checkpointables-example-point==0.1.0'" in message
+
+
+@pytest.mark.parametrize(
+    ("save", "disabled", "plugin"),
+    [
+        (
+            '{"p": __import__("checkpointables_example_point").Point(1, 2)}',
+            "example-point",
+            "example-point",
+        ),
+        ('{"extra": {"a": 1}}', "json,pytree", "json"),
+        ('{"dataset": iter(__import__("grain").MapDataset.range(4))}', "grain", "grain"),
+    ],
+    ids=["third-party", "json", "grain"],
+)
+def test_disabled_plugin_is_named_as_disabled_not_to_install(
+    tmp_path, save, disabled, plugin
+) -> None:
+    path = str(tmp_path / "c")
+    saved = run_python(f"import checkpointables as cp; cp.save_checkpointables({path!r}, {save})")
+    assert saved.returncode == 0, saved.stderr
+    code = f"""
+import checkpointables as cp
+try:
+    cp.load_checkpointables({path!r})
+except cp.errors.MissingHandlerError as e:
+    print(e)
+"""
+    message = run_python(code, CHECKPOINTABLES_DISABLE_PLUGINS=disabled).stdout
+    assert f"plugin {plugin!r}" in message
+    assert "disabled by CHECKPOINTABLES_DISABLE_PLUGINS" in message
+    assert "pip install" not in message
+
+
+def test_orbax_loads_checkpoints_that_record_distributions(tmp_path) -> None:
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import v1 as ocp_v1
+
+    tree = {"w": np.arange(6.0).reshape(2, 3), "step": 3}
+    cp.save_checkpointables(tmp_path / "c", {"pytree": tree, "extra": {"a": 1}})
+    cp.save_pytree(tmp_path / "p", tree)
+    for path in (tmp_path / "c", tmp_path / "p"):
+        meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+        assert "checkpointables_handler_distributions" in meta
+    loaded = ocp_v1.load_checkpointables(tmp_path / "c")
+    assert loaded["extra"] == {"a": 1}
+    np.testing.assert_array_equal(loaded["pytree"]["w"], tree["w"])
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "p" / "pytree")
+    np.testing.assert_array_equal(restored["w"], tree["w"])
 
 
 class TestExamplePointConformance(HandlerConformance):

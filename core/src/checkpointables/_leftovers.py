@@ -44,6 +44,7 @@ __all__ = [
     "read_record",
     "abandoned_entries",
     "abandoned_prefixes",
+    "is_over",
     "remove",
     "remove_unfinished",
 ]
@@ -71,7 +72,7 @@ def this_host() -> str:
     return socket.gethostname()
 
 
-def _is_over(started_ns: int, pid: int, host: str, timeout_secs: float, now_ns: int) -> bool:
+def is_over(started_ns: int, pid: int, host: str, timeout_secs: float, now_ns: int) -> bool:
     """The rule of the module's docstring: too old, or its single-process job's process is gone."""
     if now_ns - started_ns > timeout_secs * 1e9:
         return True
@@ -134,7 +135,7 @@ class SaveRecord:
         """Whether the save or deletion it describes is provably over (a deletion is always
         resumable: deleting twice is harmless)."""
         now_ns = time.time_ns() if now_ns is None else now_ns
-        return self.deleting or _is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
+        return self.deleting or is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
 
 
 def _join(path: epath.PathLike, name: str) -> str:
@@ -161,7 +162,7 @@ def is_abandoned(name: str, *, timeout_secs: float, now_ns: int | None = None) -
         return False
     _, created_ns, pid = parsed
     now_ns = time.time_ns() if now_ns is None else now_ns
-    return _is_over(created_ns, pid, this_host(), timeout_secs, now_ns)
+    return is_over(created_ns, pid, this_host(), timeout_secs, now_ns)
 
 
 def remove_unfinished(path: epath.PathLike) -> None:

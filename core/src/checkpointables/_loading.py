@@ -40,6 +40,7 @@ from checkpointables.checkpoint_metadata import (
     CHECKPOINT_METADATA_FILE,
     CheckpointMetadata,
     read_checkpoint_metadata,
+    recorded_distribution,
 )
 from checkpointables.context import Context, get_context
 from checkpointables.path._parse import as_path
@@ -76,6 +77,10 @@ class Opened:
         if isinstance(item_handlers, str):
             return item_handlers if directory == self.path else None
         return recorded_typestrs(self.meta).get(name)
+
+    def distribution(self, name: str) -> tuple[str, str | None] | None:
+        """The ``(distribution, version)`` recorded for the plugin that saved ``name``."""
+        return recorded_distribution(self.meta, name)
 
     def metadata_of(self, value: Any) -> CheckpointMetadata[Any]:
         """``value`` with the timestamps and custom metadata of the checkpoint."""
@@ -132,9 +137,15 @@ def _recognizers(directory: epath.Path) -> dict[str, bool]:
 
 
 def resolve_load_handler(
-    directory: epath.Path, name: str, recorded: str | None, abstract: Any, context: Context
+    directory: epath.Path,
+    name: str,
+    recorded: str | None,
+    abstract: Any,
+    context: Context,
+    distribution: tuple[str, str | None] | None = None,
 ) -> Any:
-    """The handler instance that loads checkpointable ``name`` from ``directory``."""
+    """The handler instance that loads checkpointable ``name`` from ``directory``
+    (``distribution``: the one recorded for it, named if its handler is missing)."""
     forced = context.checkpointables_options.handlers.get(name)
     _, instance = handlers.resolve_for_load(
         handlers.registered_handlers(),
@@ -143,6 +154,7 @@ def resolve_load_handler(
         abstract=abstract,
         forced=None if forced is None else handlers.get(forced),
         recognizers=_recognizers(directory) if recorded is None else None,
+        distribution=distribution,
     )
     return instance
 
@@ -212,8 +224,8 @@ def _blocking_phase(opened: Opened, items: Items, context: Context) -> list[Any]
     async def blocking() -> list[Any]:
         awaitables = []
         for name, (directory, abstract) in items.items():
-            recorded = opened.typestr(name, directory)
-            handler = resolve_load_handler(directory, name, recorded, abstract, context)
+            recorded, dist = opened.typestr(name, directory), opened.distribution(name)
+            handler = resolve_load_handler(directory, name, recorded, abstract, context, dist)
             awaitables.append(_named(name, directory, handler.load(directory, abstract)))
         return await gather_awaitables(awaitables)
 
@@ -298,9 +310,15 @@ def load_checkpointables(
     """
 
 
-def item_metadata(directory: epath.Path, name: str, recorded: str | None, context: Context) -> Any:
+def item_metadata(
+    directory: epath.Path,
+    name: str,
+    recorded: str | None,
+    context: Context,
+    distribution: tuple[str, str | None] | None = None,
+) -> Any:
     """The abstract form of one checkpointable, from its handler."""
-    instance = resolve_load_handler(directory, name, recorded, None, context)
+    instance = resolve_load_handler(directory, name, recorded, None, context, distribution)
     with context:
         return run_sync(instance.metadata(directory))
 
@@ -318,5 +336,8 @@ def checkpointables_metadata(path: epath.PathLike) -> CheckpointMetadata[dict[st
     opened = open_for_load(path, context)
     items = _chosen(opened, context, lambda opened: _requested(opened, None))
     return opened.metadata_of(
-        {n: item_metadata(d, n, opened.typestr(n, d), context) for n, (d, _) in items.items()}
+        {
+            n: item_metadata(d, n, opened.typestr(n, d), context, opened.distribution(n))
+            for n, (d, _) in items.items()
+        }
     )

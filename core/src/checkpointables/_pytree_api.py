@@ -18,7 +18,7 @@ from checkpointables import (
     readers,
 )
 from checkpointables._asyncio import AsyncResponse, synchronous
-from checkpointables.checkpoint_metadata import CheckpointMetadata
+from checkpointables.checkpoint_metadata import CheckpointMetadata, recorded_distribution
 from checkpointables.context import Context, get_context
 from checkpointables.handlers._resolution import install_hint
 from checkpointables.path._parse import as_path
@@ -26,7 +26,8 @@ from checkpointables.protocols import Recognizing
 
 PYTREE_HANDLER_NAME = "pytree"
 DEFAULT_NAME = "pytree"
-# Tried in this order when no name is given; then any other pytree present.
+# Tried in this order when no name is given; then the only other pytree present (with
+# several others, the caller must name one: picking one would be a guess).
 PREFERRED_NAMES = ("pytree", "state")
 
 
@@ -102,7 +103,14 @@ def save_pytree(
 def find_pytree(
     path: epath.Path, meta: Mapping[str, Any], checkpointable_name: str | None
 ) -> tuple[str, epath.Path]:
-    """The name and directory of the pytree to load from checkpoint ``path``."""
+    """The name and directory of the pytree to load from checkpoint ``path``.
+
+    With no ``checkpointable_name``: a flat (Orbax V0) checkpoint's root; else the
+    pytree named ``pytree``, else ``state``, else the only pytree present.
+
+    Raises:
+      cp.errors.InvalidArgumentError: several pytrees, none of the preferred names.
+    """
     typestrs = _loading.recorded_typestrs(meta)
     available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
@@ -126,13 +134,22 @@ def find_pytree(
             return registration.matches_typestr(recorded)
         return holds_pytree(path / name)
 
+    for name in PREFERRED_NAMES:
+        if name in available and is_pytree(name):
+            return name, path / name
+    others = [n for n in available if n not in PREFERRED_NAMES and is_pytree(n)]
+    if len(others) == 1:
+        return others[0], path / others[0]
+    if others:
+        raise errors.InvalidArgumentError(
+            f"Checkpoint {path} holds several pytrees, {others}, and none named "
+            f"{' or '.join(map(repr, PREFERRED_NAMES))}: pass checkpointable_name=... to say "
+            f"which to load, or load them all with cp.load_checkpointables."
+        )
     ordered = [n for n in PREFERRED_NAMES if n in available] + [
         n for n in available if n not in PREFERRED_NAMES
     ]
-    for name in ordered:
-        if is_pytree(name):
-            return name, path / name
-    _raise_if_saved_by_a_missing_handler(path, typestrs, ordered)
+    _raise_if_saved_by_a_missing_handler(path, meta, ordered)
     if registration is None:  # Without the plugin, nothing can tell its directories.
         pytree_registration()
     raise _loading.CheckpointableNotFoundError(
@@ -150,7 +167,7 @@ def _no_name_for_readers(path: epath.PathLike, checkpointable_name: str | None) 
 
 
 def _raise_if_saved_by_a_missing_handler(
-    path: epath.Path, typestrs: Mapping[str, str], names: list[str]
+    path: epath.Path, meta: Mapping[str, Any], names: list[str]
 ) -> None:
     """Raises ``MissingHandlerError`` when one of ``names`` was saved by an unregistered handler.
 
@@ -158,13 +175,15 @@ def _raise_if_saved_by_a_missing_handler(
     typestr (and the plugin to install) rather than saying there is no pytree.
     """
     registered = handlers.registered_handlers()
+    typestrs = _loading.recorded_typestrs(meta)
     for name in names:
         recorded = typestrs.get(name)
         if recorded is not None and not any(r.matches_typestr(recorded) for r in registered):
+            hint = install_hint(recorded, recorded_distribution(meta, name))
             raise errors.MissingHandlerError(
                 f"Checkpoint {path} holds no pytree this installation can read: checkpointable "
                 f"{name!r} was saved by handler {recorded!r}, which is not registered here."
-                f"{install_hint(recorded)} Install the plugin that provides it, or pass "
+                f"{hint} Install the plugin that provides it, or pass "
                 "checkpointable_name=... to load another checkpointable."
             )
 
@@ -234,4 +253,7 @@ def pytree_metadata(
     with context:
         name, directory = find_pytree(opened.path, opened.meta, checkpointable_name)
     recorded = opened.typestr(name, directory) or pytree_registration().typestr
-    return opened.metadata_of(_loading.item_metadata(directory, name, recorded, context))
+    distribution = opened.distribution(name)
+    return opened.metadata_of(
+        _loading.item_metadata(directory, name, recorded, context, distribution)
+    )

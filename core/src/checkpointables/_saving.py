@@ -86,6 +86,7 @@ class _Checked:
     path: epath.Path
     checkpointables: Mapping[str, Any]
     handlers: dict[str, tuple[str, Any]]  # name -> (typestr, handler instance)
+    distributions: dict[str, tuple[str, str | None]]  # name -> its handler's plugin's distribution
     custom_metadata: dict[str, Any]
     metrics: dict[str, Any]
     context: Context
@@ -122,6 +123,20 @@ def resolve_save_handlers(
     return chosen
 
 
+def handler_distributions(
+    chosen: Mapping[str, tuple[str, Any]],
+) -> dict[str, tuple[str, str | None]]:
+    """Maps each name to the ``(distribution, version)`` that installed the plugin of its
+    handler, for those that one did (not ``register_handler``'s)."""
+    by_class = {r.handler_cls: r for r in handlers.registered_handlers()}
+    result = {}
+    for name, (_, instance) in chosen.items():
+        registration = by_class.get(type(instance))
+        if registration is not None and registration.distribution is not None:
+            result[name] = (registration.distribution, registration.version)
+    return result
+
+
 def _validate(request: SaveRequest) -> _Checked:
     """Checks everything that can be checked before anything is written."""
     context = get_context(request.context)
@@ -132,12 +147,14 @@ def _validate(request: SaveRequest) -> _Checked:
         raise errors.InvalidArgumentError(
             f"{path} has a temporary directory's name; choose another path."
         )
+    chosen = resolve_save_handlers(request.checkpointables, context, request.forced_handlers)
     return _Checked(
         path=path,
         checkpointables=request.checkpointables,
         custom_metadata=json_or_raise(request.custom_metadata, "custom_metadata"),
         metrics=json_or_raise(request.metrics, "metrics"),
-        handlers=resolve_save_handlers(request.checkpointables, context, request.forced_handlers),
+        handlers=chosen,
+        distributions=handler_distributions(chosen),
         context=context,
         primary=multihost.is_primary_host(context),
         # Every process must write to the same place: the primary names it.
@@ -228,6 +245,7 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
         metrics=save.metrics,
         init_timestamp_nsecs=save.init_ns,
         commit_timestamp_nsecs=time.time_ns(),
+        distributions=save.distributions,
     )
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
     target.publish(files, _commit.marker(save.path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -11,10 +12,23 @@ from etils import epath
 
 from checkpointables import errors, metadata_checksums, safe_json
 
-__all__ = ["CheckpointMetadata", "CHECKPOINT_METADATA_FILE", "read_checkpoint_metadata"]
+__all__ = [
+    "CheckpointMetadata",
+    "CHECKPOINT_METADATA_FILE",
+    "DISTRIBUTIONS_FIELD",
+    "read_checkpoint_metadata",
+    "recorded_distribution",
+]
 
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
+# Our own field: name -> {"distribution": ..., "version": ...} of the plugin whose handler saved
+# it. Orbax ignores it for loading (it moves unknown top-level keys into custom_metadata).
+DISTRIBUTIONS_FIELD = "checkpointables_handler_distributions"
 T = TypeVar("T")
+# What a distribution name and a version may look like (PEP 508 names; PEP 440-ish versions):
+# a recorded value that is not one is never shown, since errors suggest installing it.
+_DISTRIBUTION_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,98}[A-Za-z0-9])?$")
+_VERSION = re.compile(r"^[A-Za-z0-9.+!_-]{1,64}$")
 
 # Field order as Orbax writes it, so that files compare equal across tools.
 _KNOWN_FIELDS = (
@@ -24,6 +38,7 @@ _KNOWN_FIELDS = (
     "init_timestamp_nsecs",
     "commit_timestamp_nsecs",
     "custom_metadata",
+    DISTRIBUTIONS_FIELD,
 )
 
 
@@ -81,20 +96,44 @@ def checkpoint_metadata_json(
     init_timestamp_nsecs: int,
     commit_timestamp_nsecs: int,
     metrics: Mapping[str, Any] | None = None,
+    distributions: Mapping[str, tuple[str, str | None]] | None = None,
 ) -> str:
-    """The text of a ``_CHECKPOINT_METADATA`` file, in Orbax's field order."""
-    return json.dumps(
-        {
-            "item_handlers": dict(item_handlers)
-            if isinstance(item_handlers, Mapping)
-            else item_handlers,
-            "metrics": dict(metrics or {}),
-            "performance_metrics": {},
-            "init_timestamp_nsecs": init_timestamp_nsecs,
-            "commit_timestamp_nsecs": commit_timestamp_nsecs,
-            "custom_metadata": dict(custom_metadata or {}),
+    """The text of a ``_CHECKPOINT_METADATA`` file, in Orbax's field order.
+
+    ``distributions`` maps checkpointable names to the ``(name, version)`` of the
+    distribution whose plugin saved them; recorded (after Orbax's fields) if not empty.
+    """
+    handlers = dict(item_handlers) if isinstance(item_handlers, Mapping) else item_handlers
+    fields: dict[str, Any] = {
+        "item_handlers": handlers,
+        "metrics": dict(metrics or {}),
+        "performance_metrics": {},
+        "init_timestamp_nsecs": init_timestamp_nsecs,
+        "commit_timestamp_nsecs": commit_timestamp_nsecs,
+        "custom_metadata": dict(custom_metadata or {}),
+    }
+    if distributions:
+        fields[DISTRIBUTIONS_FIELD] = {
+            name: {"distribution": dist, "version": version}
+            for name, (dist, version) in distributions.items()
         }
-    )
+    return json.dumps(fields)
+
+
+def recorded_distribution(meta: Mapping[str, Any], name: str) -> tuple[str, str | None] | None:
+    """The ``(distribution, version)`` recorded for checkpointable ``name`` in the parsed
+    metadata ``meta``, or ``None`` if none is, or if it does not look like one (a hint
+    only: a damaged or crafted value is ignored, never shown)."""
+    recorded = meta.get(DISTRIBUTIONS_FIELD)
+    entry = recorded.get(name) if isinstance(recorded, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    dist, version = entry.get("distribution"), entry.get("version")
+    if not isinstance(dist, str) or not _DISTRIBUTION_NAME.match(dist):
+        return None
+    if not isinstance(version, str) or not _VERSION.match(version):
+        version = None
+    return dist, version
 
 
 def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:

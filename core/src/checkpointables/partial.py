@@ -20,7 +20,10 @@ written by the normal save path, at ``<session>/pytree/partial-<seq>/``:
   of the calls;
 - on an object store it is written in place, and its own marker commits it.
 
-``finalize`` drops what interrupted saves left, merges the committed saves'
+A staged save's name records its writer (``staged-<seq>-<start ns>-<pid>``):
+each ``save`` removes those whose process is gone (``_leftovers``' rule), and
+``finalize`` drops what interrupted saves left but refuses while another live
+process's save is among it. ``finalize`` then merges the committed saves'
 custom metadata, asks the pytree handler (``cp.protocols.Mergeable``) to build
 ``<session>/pytree/`` from their pytree directories (its database only
 references theirs: no array data is copied, and they stay where they are),
@@ -50,6 +53,7 @@ from checkpointables.checkpoint_metadata import (
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
+from checkpointables.context import get_context
 from checkpointables.path._parse import as_path
 from checkpointables.protocols import Mergeable
 
@@ -60,6 +64,8 @@ SESSION_SUFFIX = ".partial_save"
 SOURCE_PREFIX = "partial-"
 _STAGED = "staged-"
 _SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
+# A staged save records who writes it: ``staged-<seq>-<start ns>-<pid>`` (the primary host's).
+_STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)$")
 
 
 def session_path(path: epath.PathLike) -> epath.Path:
@@ -100,17 +106,49 @@ def _sequence(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _next_sequence(session: epath.Path, state: _SessionState, operation: str) -> int:
-    """A number no save of the session used, not even one that failed (the same on every
-    process)."""
+def _next_sequence(session: epath.Path, state: _SessionState, operation: str) -> tuple[int, str]:
+    """A number no save of the session used, not even one that failed, and who writes the
+    save (``<start ns>-<pid>`` of the primary host): the same on every process."""
     used = [state.last_sequence]
     if multihost.is_primary_host():
         names = _names(session) + _names(session / DEFAULT_NAME)
         used += [s for s in map(_sequence, names) if s is not None]
-    state.last_sequence = int(
-        multihost.broadcast_from_primary(f"{operation}/seq", str(max(used) + 1))
-    )
-    return state.last_sequence
+    chosen = f"{max(used) + 1} {time.time_ns()}-{os.getpid()}"
+    sequence, writer = multihost.broadcast_from_primary(f"{operation}/seq", chosen).split()
+    state.last_sequence = int(sequence)
+    return state.last_sequence, writer
+
+
+def _writer(name: str) -> tuple[int, int] | None:
+    """``(start ns, pid)`` of the process that writes session entry ``name`` (a staged save,
+    or a save's temporary directory), or ``None`` if its name records none."""
+    match = _STAGED_WRITER.match(name)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    parsed = layout.parse_temporary_name(name)
+    return None if parsed is None else (parsed[1], parsed[2])
+
+
+def _writer_gone(name: str, *, own_done: bool) -> bool | None:
+    """Whether the writer of session entry ``name`` is provably gone (``_leftovers``' rule:
+    its process is gone, or it is older than the save timeout); ``own_done`` answers for
+    this process's own entries. ``None``: the name records no writer."""
+    writer = _writer(name)
+    if writer is None:
+        return None
+    started_ns, pid = writer
+    if pid == os.getpid():
+        return own_done
+    timeout = get_context().async_options.timeout_secs
+    return _leftovers.is_over(started_ns, pid, _leftovers.this_host(), timeout, time.time_ns())
+
+
+def _remove_dead_writers(session: epath.Path) -> None:
+    """Removes what the saves of processes now gone left in a local session: staged saves
+    never promoted, temporary directories. Their committed saves stay (they resume)."""
+    for name in _names(session):
+        if _writer_gone(name, own_done=False):
+            storage.remove_tree(session / name)
 
 
 def _check_not_finished(path: epath.Path) -> None:
@@ -156,10 +194,12 @@ def save_async(
     state = _state(session)
     with state.lock:
         operation = f"partial/{multihost.next_operation_id()}"
-        sequence = _next_sequence(session, state, operation)
+        sequence, writer = _next_sequence(session, state, operation)
         target = session / DEFAULT_NAME / f"{SOURCE_PREFIX}{sequence:06d}"
         in_place = not _commit.uses_rename(path)  # Committed where finalize needs it.
-        staged = target if in_place else session / f"{_STAGED}{sequence:06d}"
+        staged = target if in_place else session / f"{_STAGED}{sequence:06d}-{writer}"
+        if multihost.is_primary_host() and not in_place:
+            _remove_dead_writers(session)
         try:
             forced = {DEFAULT_NAME: pytree_registration().handler_cls}
             inner = _saving.start(
@@ -210,7 +250,8 @@ def finalize(path: epath.PathLike) -> None:
     checkpoint's database refers to the partial saves' data files.
 
     Raises:
-      FileExistsError: ``path`` already holds a checkpoint (or anything else).
+      FileExistsError: ``path`` already holds a checkpoint (or anything else), or
+        another process, still alive, is writing a partial save of ``path``.
       FileNotFoundError: no partial save of ``path`` was committed.
     """
     path = as_path(path)
@@ -247,11 +288,14 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
     target.claim()
     meta = _merged_metadata(sources)
     _merge_pytrees([s.pytree for s in sources], session / DEFAULT_NAME)
+    registration = pytree_registration()
+    dist = registration.distribution
     text = checkpoint_metadata_json(
-        item_handlers={DEFAULT_NAME: pytree_registration().typestr},
+        item_handlers={DEFAULT_NAME: registration.typestr},
         custom_metadata=meta["custom_metadata"],
         init_timestamp_nsecs=meta["init_timestamp_nsecs"] or time.time_ns(),
         commit_timestamp_nsecs=time.time_ns(),
+        distributions={DEFAULT_NAME: (dist, registration.version)} if dist else None,
     )
     target.publish({layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path))
 
@@ -266,10 +310,14 @@ def _check_session_exists(path: epath.Path, session: epath.Path) -> None:
 
 def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
     """The committed partial saves, oldest first; removes everything else in the session
-    (interrupted saves never happened; what an interrupted finalize built is built again)."""
-    for name in _names(session):
-        if name != DEFAULT_NAME:
-            storage.remove_tree(session / name)
+    (interrupted saves never happened; what an interrupted finalize built is built again),
+    unless a save of another process, still running, is among it."""
+    names = [n for n in _names(session) if n != DEFAULT_NAME]
+    running = [n for n in names if _writer_gone(n, own_done=True) is False]
+    if running:
+        raise _still_running(path, session / running[0])
+    for name in names:
+        storage.remove_tree(session / name)
     pytree_dir = session / DEFAULT_NAME
     sources: dict[int, _Source] = {}
     for name in _names(pytree_dir):
@@ -277,6 +325,8 @@ def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
         if sequence is not None and layout.is_checkpoint(source):
             sources[sequence] = _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
         elif sequence is not None and not _commit.uses_rename(source):
+            if _record_running(_leftovers.read_record(source)):
+                raise _still_running(path, source)
             _leftovers.remove_unfinished(source)  # An interrupted save: it never happened.
         else:
             storage.remove_tree(source)
@@ -286,6 +336,23 @@ def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
             f"made). Call cp.partial.save({str(path)!r}, ...) first."
         )
     return [sources[s] for s in sorted(sources)]
+
+
+def _record_running(record: _leftovers.SaveRecord | None) -> bool:
+    """Whether an unfinished object-store partial save may still be running elsewhere."""
+    if record is None or (record.pid == os.getpid() and record.host == _leftovers.this_host()):
+        return False  # No record proves nothing runs; this process's own saves are done.
+    timeout = get_context().async_options.timeout_secs
+    return not record.is_abandoned(timeout_secs=timeout)
+
+
+def _still_running(path: epath.Path, entry: epath.Path) -> errors.CheckpointExistsError:
+    return errors.CheckpointExistsError(
+        f"Cannot finalize {path}: {entry} is a partial save that another process is still "
+        f"writing (its process is alive and it started less than AsyncOptions.timeout_secs "
+        f"ago). Wait for that process's partial saves to finish (their responses' result()), "
+        f"then call finalize again."
+    )
 
 
 def _merge_json(base: Any, update: Any) -> Any:

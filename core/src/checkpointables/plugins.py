@@ -61,6 +61,10 @@ class HandlerRegistration:
     secondary_typestrs: tuple[str, ...]
     checkpointable_name: str | None
     plugin: str
+    # The distribution (name, version) that installed the plugin; recorded in checkpoints
+    # so that a load without the plugin can say what to install. None for register_handler.
+    distribution: str | None = None
+    version: str | None = None
 
     @property
     def sort_key(self) -> tuple[int, str]:
@@ -343,8 +347,11 @@ def _load_plugin(
     manager.register(ep.load(), name=ep.name)
     registered = _Registered()
 
+    distribution, version = distribution_of(ep)
+
     def make_handler(cls: type, **kwargs: Any) -> HandlerRegistration:
-        return make_handler_registration(cls, plugin=ep.name, **kwargs)
+        registration = make_handler_registration(cls, plugin=ep.name, **kwargs)
+        return attrs.evolve(registration, distribution=distribution, version=version)
 
     def make_leaf(
         leaf_type: type,
@@ -389,18 +396,26 @@ def _load_plugin(
     return registered
 
 
+def distribution_of(ep: importlib_metadata.EntryPoint) -> tuple[str | None, str | None]:
+    """The name and version of the distribution that installed entry point ``ep``."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], dist.version
+
+
 def _plugin_info(
     ep: importlib_metadata.EntryPoint,
     status: Literal["loaded", "disabled", "failed"],
     error: str | None = None,
     registered: _Registered | None = None,
 ) -> PluginInfo:
-    dist = getattr(ep, "dist", None)
+    distribution, version = distribution_of(ep)
     return PluginInfo(
         name=ep.name,
         value=ep.value,
-        distribution=dist.metadata["Name"] if dist is not None else None,
-        version=dist.version if dist is not None else None,
+        distribution=distribution,
+        version=version,
         status=status,
         error=error,
         handlers=_sort_handlers(registered.handlers if registered else ()),

@@ -82,6 +82,26 @@ def test_partial_saves_then_finalize(s3, bucket) -> None:
         cp.partial.save(path, {"more": 1})
 
 
+def test_finalize_never_drops_a_partial_save_still_running(s3, bucket) -> None:
+    import subprocess
+    import sys
+
+    path = f"{bucket}/assembled"
+    cp.partial.save(path, {"params": {"layer0": np.arange(3)}})
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:  # A save of that (live) process, not committed yet.
+        plant_unfinished(s3, f"{path}/pytree/partial-000099", pid=writer.pid)
+        with pytest.raises(cp.errors.CheckpointExistsError, match="still writing"):
+            cp.partial.finalize(path)
+        assert "pytree/partial-000099/pytree/d/junk" in keys(s3, path)
+    finally:
+        writer.kill()
+        writer.wait(30)
+    cp.partial.finalize(path)  # Its process is gone: the save never happened.
+    assert_equal(cp.load_pytree(path), {"params": {"layer0": np.arange(3)}})
+    assert not any(k.startswith("pytree/partial-000099") for k in keys(s3, path))
+
+
 def test_inspect_and_verify(s3, bucket, capsys) -> None:
     path = f"{bucket}/ckpt"
     cp.save_pytree(path, tree(5))

@@ -249,3 +249,21 @@ def test_untyped_checkpoint_is_recognized_by_its_files(tmp_path) -> None:
     fresh = iter(map_pipeline())
     cp.load_checkpointables(tmp_path / "c", {"dataset": fresh})
     assert take(fresh, 3) == take(it, 3)
+
+
+def test_a_dataset_iterator_state_does_not_record_the_seed(tmp_path) -> None:
+    """As docs/grain.md says: a dataset iterator's state is a position only, so another
+    seed's pipeline takes it without error and yields its own elements. If Grain starts
+    recording seeds (this test fails), the plugin can check them and the page must say so."""
+
+    def pipeline(seed):
+        return grain.MapDataset.range(40).shuffle(seed=seed).to_iter_dataset().batch(4)
+
+    it = iter(pipeline(1))
+    take(it, 3)
+    cp.save_checkpointables(tmp_path / "c", {"dataset": it})
+    other = cp.load_checkpointables(tmp_path / "c", {"dataset": iter(pipeline(2))})["dataset"]
+    same = cp.load_checkpointables(tmp_path / "c", {"dataset": iter(pipeline(1))})["dataset"]
+    expected = take(it, 2)
+    assert take(same, 2) == expected
+    assert take(other, 2) != expected

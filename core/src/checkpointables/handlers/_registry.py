@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from checkpointables import errors, plugins
 from checkpointables.handlers._resolution import install_hint
+from checkpointables.protocols import typestr as handlers_typestr
 
 H = TypeVar("H", bound=type)
 
@@ -38,8 +40,10 @@ def register_handler(
       typestr: what checkpoints record for this handler; defaults to the
         class's ``module.qualname``.
 
-    Registering the same class again replaces its earlier registration. A
-    name that a plugin also uses refers to this handler in ``get`` from now on.
+    Registering the same class again replaces its earlier registration, with
+    a ``UserWarning`` if that changes its priority (two parts of a program
+    disagreeing on it; ``unregister_handler`` first to change it on purpose).
+    A name that a plugin also uses refers to this handler in ``get`` from now on.
     """
     registration = plugins.make_handler_registration(
         handler_cls,
@@ -51,7 +55,18 @@ def register_handler(
         typestr=typestr,
     )
     with _lock:
+        earlier = _user_registrations.get(handler_cls)
         _user_registrations[handler_cls] = registration
+    if earlier is not None and earlier.priority != registration.priority:
+        warnings.warn(
+            f"cp.handlers.register_handler({handlers_typestr(handler_cls)}) was already called "
+            f"with priority {earlier.priority}; this call replaces it with priority "
+            f"{registration.priority}, which changes the order save resolution tries handlers in. "
+            f"If that is meant, call cp.handlers.unregister_handler first; otherwise pass the "
+            f"same priority.",
+            UserWarning,
+            stacklevel=2,
+        )
     return handler_cls
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from checkpointables import errors
-from checkpointables.plugins import HandlerRegistration
+from checkpointables import errors, plugins
+from checkpointables.plugins import HandlerRegistration, PluginInfo
 from checkpointables.protocols import ExplainsUnhandleable
 
 # Typestr prefixes of handlers shipped by known distributions: for the
@@ -27,15 +28,70 @@ _KNOWN_DISTRIBUTIONS: tuple[tuple[str, str], ...] = (
 )
 
 
-def install_hint(recorded_typestr: str) -> str:
-    """A sentence telling which distribution provides a typestr, or ``""``."""
+def _canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _known_distribution(recorded_typestr: str) -> str | None:
     for prefix, distribution in _KNOWN_DISTRIBUTIONS:
         if recorded_typestr.startswith(prefix):
+            return distribution
+    return None
+
+
+def _unavailable_plugin(recorded_typestr: str, distribution: str | None) -> PluginInfo | None:
+    """The installed plugin that would provide the typestr but is disabled or failed to load:
+    the one of the distribution, or the one whose module the typestr is in."""
+    for info in plugins.list_plugins():
+        if info.status == "loaded":
+            continue
+        same_distribution = (
+            distribution is not None
+            and info.distribution is not None
+            and _canonical(info.distribution) == _canonical(distribution)
+        )
+        module = info.value.partition(":")[0]
+        if same_distribution or recorded_typestr.startswith(module + "."):
+            return info
+    return None
+
+
+def install_hint(recorded_typestr: str, distribution: tuple[str, str | None] | None = None) -> str:
+    """A sentence telling what provides a typestr and what to do, or ``""``.
+
+    ``distribution`` is the ``(name, version)`` the checkpoint recorded for the
+    plugin that saved it. A plugin that is installed but disabled (by
+    ``CHECKPOINTABLES_DISABLE_PLUGINS``) or failed to load is named as such;
+    otherwise the distribution to install: ours by the typestr, a third party's
+    as the checkpoint recorded it.
+    """
+    known = _known_distribution(recorded_typestr)
+    # Our own typestrs name our distribution, whatever a (maybe crafted) checkpoint says.
+    name, version = (known, None) if known else (distribution or (None, None))
+    unavailable = _unavailable_plugin(recorded_typestr, name)
+    if unavailable is not None:
+        origin = f" of {unavailable.distribution}" if unavailable.distribution else ""
+        if unavailable.status == "disabled":
             return (
-                f" It is provided by the {distribution} plugin: "
-                f"pip install {distribution}, then run again."
+                f" It is provided by plugin {unavailable.name!r}{origin}, which is installed but "
+                f"disabled by {plugins.DISABLE_ENV_VAR}: remove {unavailable.name!r} from that "
+                f"environment variable, then run again."
             )
-    return ""
+        return (
+            f" It is provided by plugin {unavailable.name!r}{origin}, which is installed but "
+            f"failed to load ({unavailable.error}): fix or reinstall it (`checkpointables "
+            f"plugins` shows the error), then run again."
+        )
+    if known:
+        return f" It is provided by the {known} plugin: pip install {known}, then run again."
+    if name is None:
+        return ""
+    pinned = f"{name}=={version}" if version else name
+    return (
+        f" The checkpoint records that it was saved by a plugin of the distribution {name}"
+        f"{f' {version}' if version else ''}: if you trust it, pip install '{pinned}' (or a later "
+        f"version), then run again."
+    )
 
 
 def _describe(registrations: Sequence[HandlerRegistration]) -> str:
@@ -121,7 +177,12 @@ def _redirect(
     return None
 
 
-def _missing(registrations: Sequence[HandlerRegistration], name: str, recorded: str | None) -> str:
+def _missing(
+    registrations: Sequence[HandlerRegistration],
+    name: str,
+    recorded: str | None,
+    distribution: tuple[str, str | None] | None,
+) -> str:
     """Why no handler loads checkpointable ``name``, and what to do."""
     if recorded is None:
         return (
@@ -131,7 +192,8 @@ def _missing(registrations: Sequence[HandlerRegistration], name: str, recorded: 
         )
     return (
         f"Checkpointable {name!r} was saved by handler {recorded!r}, which is not "
-        f"registered here (registered: {_describe(registrations)}).{install_hint(recorded)}"
+        f"registered here (registered: {_describe(registrations)})."
+        f"{install_hint(recorded, distribution)}"
     )
 
 
@@ -143,6 +205,7 @@ def resolve_for_load(
     abstract: Any = None,
     forced: type | None = None,
     recognizers: Mapping[str, bool] | None = None,
+    distribution: tuple[str, str | None] | None = None,
 ) -> tuple[HandlerRegistration | None, Any]:
     """Chooses the handler that loads checkpointable ``name``.
 
@@ -156,7 +219,9 @@ def resolve_for_load(
        ``recognizers`` says recognizes the directory.
 
     Typestrs are only compared with registered handlers: nothing named in a
-    checkpoint is ever imported.
+    checkpoint is ever imported. ``distribution``, the ``(name, version)`` the
+    checkpoint recorded for the handler's plugin, only words the error when none is
+    registered.
     """
     if forced is not None:
         match = next((r for r in registrations if r.handler_cls is forced), None)
@@ -183,4 +248,4 @@ def resolve_for_load(
         for r in registrations:
             if recognizers.get(r.name):
                 return r, r.handler_cls()
-    raise errors.MissingHandlerError(_missing(registrations, name, recorded))
+    raise errors.MissingHandlerError(_missing(registrations, name, recorded, distribution))
