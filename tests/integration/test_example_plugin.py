@@ -198,3 +198,24 @@ def test_checkpoints_are_never_given_to_readers(tmp_path) -> None:
     (tmp_path / "x.other").write_text("{}")
     with pytest.raises(cp.errors.NotACheckpointError):
         cp.load_pytree(tmp_path / "x.other")
+
+
+def test_a_leaf_of_a_disabled_plugin_names_the_plugin(tmp_path) -> None:
+    # A pytree leaf (not a whole item) saved by the example plugin's leaf handler.
+    path = str(tmp_path / "c")
+    saved = run_python(
+        "import checkpointables as cp, numpy as np\n"
+        "from checkpointables_example_point import Point\n"
+        f"cp.save_pytree({path!r}, {{'p': Point(1, 2), 'w': np.ones(3)}})"
+    )
+    assert saved.returncode == 0, saved.stderr
+    code = f"""
+import checkpointables as cp
+try:
+    cp.load_pytree({path!r})
+except cp.errors.MissingHandlerError as e:
+    print(e)
+"""
+    message = run_python(code, CHECKPOINTABLES_DISABLE_PLUGINS="example-point").stdout
+    assert "['p']" in message and "plugin 'example-point'" in message, message
+    assert "disabled by CHECKPOINTABLES_DISABLE_PLUGINS" in message

@@ -61,14 +61,15 @@ def is_skip(abstract: Any) -> bool:
 
 def _missing_handlers(unknown: dict[str, list[str]]) -> cp.errors.MissingHandlerError:
     described = "; ".join(f"{t!r} for {listing(paths)}" for t, paths in unknown.items())
+    # Where a disabled or broken plugin provides a value type, the hint says so.
+    hints = "".join(dict.fromkeys(cp.handlers.install_hint(t) for t in unknown))
     return cp.errors.MissingHandlerError(
         "No leaf handler registered here reads the "
         f"value types {described}. They were saved by "
         "custom leaf handlers: pass a registry "
         "holding them, e.g. cp.Context(pytree_options="
         "cp.options.PyTreeOptions(leaf_handler_registry=registry)), "
-        "or skip those leaves with "
-        f"cp.PLACEHOLDER in an abstract tree."
+        f"or skip those leaves with cp.PLACEHOLDER in an abstract tree.{hints}"
     )
 
 
