@@ -132,6 +132,14 @@ def _commit_file(path: str) -> str:
     return f"{path.rstrip('/')}/{name}"
 
 
+def _refuse_irregular_marker(marker: str) -> None:
+    try:
+        problem = storage.not_a_regular_file(marker, os.stat(marker).st_mode)
+    except OSError:
+        return  # A dangling link: the file is missing, as the caller says.
+    raise errors.NotACheckpointError(f"Not a checkpoint this library reads: {problem}")
+
+
 def validate_checkpoint_directory(path: epath.Path) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -156,6 +164,8 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         raise errors.CheckpointNotFoundError(
             f"No checkpoint at {path}: the path does not exist (nothing is stored there)."
         )
+    if os.path.basename(_commit_file(text)) in names and storage.is_local(text):
+        _refuse_irregular_marker(_commit_file(text))  # There, but not as a regular file.
     hint = ""
     if any(store.is_file(_commit_file(f"{text.rstrip('/')}/{n}")) for n in names[:8]):
         hint = " It looks like a root of several checkpoints: load one of its steps."

@@ -14,6 +14,7 @@ from checkpointables_pytree import _local_reads, _small_reads, _zarr3
 from checkpointables_pytree._array_reads import ArrayRead, StoredArray
 from checkpointables_pytree._ocdbt_index import ValueLocation
 
+from ...special_files import bounded
 from .damage import flip
 from .test_btree_nodes import _uncompressed_copy
 
@@ -127,3 +128,23 @@ def test_arrays_share_buffers_of_bounded_size(saved) -> None:
     owners = {id(a.base): a.base for a in loaded.values() if a.base is not None}
     assert len(owners) < len(loaded) / 2
     assert all(o.nbytes <= _local_reads.SLAB_BYTES + 64 for o in owners.values())
+
+
+def test_a_data_file_swapped_for_a_pipe_after_the_load_began_is_refused(tmp_path) -> None:
+    """The check of the whole checkpoint at the start of a load cannot see a later swap: the
+    reads that open data files themselves refuse a pipe too, instead of blocking."""
+    pipe = tmp_path / "d" / "data"
+    pipe.parent.mkdir()
+    os.mkfifo(pipe)
+    files = _local_reads.OpenFiles()
+    calls = {
+        "read_range": lambda: _local_reads.read_range(os.fspath(pipe), 0, 8),
+        "read_values": lambda: _local_reads.read_values(files, [ValueLocation(str(pipe), 0, 8)]),
+    }
+    try:
+        for name, call in calls.items():
+            _, outcome = bounded(call, tmp_path)
+            assert isinstance(outcome, cp.errors.IntegrityError), (name, outcome)
+            assert f"{pipe} is a named pipe" in str(outcome)
+    finally:
+        files.close()
