@@ -180,11 +180,18 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
 
     On an object store: whether it has its commit marker (one request).
+
+    Raises:
+      cp.errors.StorageError: the object store cannot be reached or refuses the
+        request (no network, no credentials): the answer is unknown, and a
+        ``False`` would send a training job back to step 0.
     """
     path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
     text = os.fspath(path)
     try:
         return not is_temporary_path(text) and storage.is_file(_commit_file(text))
+    except errors.StorageError:
+        raise
     except OSError:
         return False
 

@@ -35,6 +35,7 @@ __all__ = [
     "kvstore_spec",
     "context_resources",
     "bucket_and_key",
+    "google_credentials_hint",
 ]
 
 SCHEMES = ("s3", "gs")
@@ -192,6 +193,29 @@ def _credentials(options: cp.options.StorageOptions) -> tuple[dict[str, Any], tu
     # No configuration at all: only an EC2 instance's role can help. (The default chain
     # would also try the files that do not exist, and log an error for each.)
     return {"type": "imds"}, ("imds",)
+
+
+def google_credentials_hint() -> str:
+    """What to configure for ``gs://``, as the end of a sentence (``" (...)"``).
+
+    TensorStore finds Google credentials as the Google Cloud libraries do
+    (``GOOGLE_APPLICATION_CREDENTIALS``, then gcloud's application default
+    credentials, then a Google Cloud VM's service account) and, finding
+    none, sends its requests without credentials.
+    """
+    configured = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if configured:
+        return f" (GOOGLE_APPLICATION_CREDENTIALS names {configured})"
+    gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+    adc = os.path.join(gcloud, "application_default_credentials.json")
+    if os.path.exists(adc):
+        return f" ({adc}, from `gcloud auth application-default login`)"
+    return (
+        f": none were found (GOOGLE_APPLICATION_CREDENTIALS is not set and {adc} does not "
+        f"exist), so unless this is a Google Cloud VM with a service account, requests go "
+        f"without credentials. Set GOOGLE_APPLICATION_CREDENTIALS to a service account's key "
+        f"file, or run `gcloud auth application-default login`"
+    )
 
 
 def s3_settings(options: cp.options.StorageOptions | None = None) -> S3Settings:
