@@ -127,7 +127,7 @@ def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
         return [Finding("checkpoint", str(e))]
     try:
         _confinement.check_contained(path)
-    except errors.OutsideCheckpointError as e:
+    except (errors.OutsideCheckpointError, errors.IntegrityError) as e:
         return [Finding("checkpoint", str(e))]  # Nothing more is read from it.
     findings = _checksum_findings(path)
     try:

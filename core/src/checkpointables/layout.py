@@ -132,6 +132,14 @@ def _commit_file(path: str) -> str:
     return f"{path.rstrip('/')}/{name}"
 
 
+def _refuse_irregular_marker(marker: str) -> None:
+    try:
+        problem = storage.not_a_regular_file(marker, os.stat(marker).st_mode)
+    except OSError:
+        return  # A dangling link: the file is missing, as the caller says.
+    raise errors.NotACheckpointError(f"Not a checkpoint this library reads: {problem}")
+
+
 def validate_checkpoint_directory(path: epath.Path) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -156,6 +164,8 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         raise errors.CheckpointNotFoundError(
             f"No checkpoint at {path}: the path does not exist (nothing is stored there)."
         )
+    if os.path.basename(_commit_file(text)) in names and storage.is_local(text):
+        _refuse_irregular_marker(_commit_file(text))  # There, but not as a regular file.
     hint = ""
     if any(store.is_file(_commit_file(f"{text.rstrip('/')}/{n}")) for n in names[:8]):
         hint = " It looks like a root of several checkpoints: load one of its steps."
@@ -170,11 +180,18 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
 
     On an object store: whether it has its commit marker (one request).
+
+    Raises:
+      cp.errors.StorageError: the object store cannot be reached or refuses the
+        request (no network, no credentials): the answer is unknown, and a
+        ``False`` would send a training job back to step 0.
     """
     path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
     text = os.fspath(path)
     try:
         return not is_temporary_path(text) and storage.is_file(_commit_file(text))
+    except errors.StorageError:
+        raise
     except OSError:
         return False
 

@@ -237,11 +237,12 @@ def _look_for_table(directory: str) -> _Table | None:
         cached = _tables.get(path)
     if cached is not None and cached[0] == identity:
         return cached[1]
-    if not stat.S_ISREG(status.st_mode):
+    if stat.S_ISLNK(status.st_mode):
         raise errors.OutsideCheckpointError(
-            f"{path} is not a regular file; a checkpoint's checksums must be stored in it."
+            f"{path} is a symbolic link; a checkpoint's checksums must be stored in it, not "
+            f"elsewhere. Replace the link by the file it points to."
         )
-    with open(path, "rb") as f:
+    with open(storage.open_regular_file(path), "rb") as f:  # Never a pipe: it would block.
         table = _Table(path, f.read())
     with _tables_lock:
         if len(_tables) >= _CACHED_TABLES:

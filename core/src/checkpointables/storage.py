@@ -22,6 +22,11 @@ Plugins that write files should use the functions of this module rather than
     async def load(self, directory, abstract=None):
         text = cp.storage.read_text(directory / "point.json")
 
+Local reads accept regular files only: a named pipe, a socket, a device or a
+directory where a file is expected raises ``cp.errors.IntegrityError`` at
+once instead of blocking forever. Code that opens a checkpoint's files
+itself (``os.open``, for ``pread``) uses ``open_regular_file`` for the same.
+
 A backend is registered by a plugin hook::
 
     @cp.hookimpl
@@ -36,8 +41,10 @@ picks the protocol.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -60,6 +67,8 @@ __all__ = [
     "key",
     "read_bytes",
     "read_text",
+    "open_regular_file",
+    "not_a_regular_file",
     "write_bytes",
     "write_text",
     "exists",
@@ -99,7 +108,8 @@ class Storage(Protocol):
     atomic_rename: bool
 
     def read_bytes(self, path: str) -> bytes:
-        """The contents of a file. Raises ``FileNotFoundError`` if there is none."""
+        """The contents of a file. Raises ``FileNotFoundError`` if there is none (and, for a
+        local path that is not a regular file, ``cp.errors.IntegrityError``)."""
         ...
 
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
@@ -154,8 +164,8 @@ class LocalStorage:
     atomic_rename = True
 
     def read_bytes(self, path: str) -> bytes:
-        """The contents of a file."""
-        with open(path, "rb") as f:
+        """The contents of a regular file (anything else: ``cp.errors.IntegrityError``)."""
+        with open(open_regular_file(path), "rb") as f:
             return f.read()
 
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
@@ -209,6 +219,66 @@ class LocalStorage:
 
 _LOCAL = LocalStorage()
 
+_KINDS = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def not_a_regular_file(path: os.PathLike[str] | str, mode: int) -> errors.IntegrityError:
+    """The error for ``path``, found to be no regular file (``mode``: its ``st_mode``)."""
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return errors.IntegrityError(
+        f"{os.fspath(path)} is {kind}, where a regular file was expected; nothing was read "
+        f"from it (reading a pipe or a device can wait forever). The files of a checkpoint are "
+        f"regular files: it was damaged or tampered with. Replace it with the file it stands "
+        f"for (restore the checkpoint from a copy), or load an older checkpoint."
+    )
+
+
+def open_regular_file(path: os.PathLike[str] | str) -> int:
+    """A descriptor of the local regular file at ``path``, open for reading; close it with
+    ``os.close``. Symbolic links are followed.
+
+    Anything else is refused at once, before a byte is read: a named pipe
+    (FIFO), whose ``open()`` would wait forever for a writer, a socket, a
+    device, a directory. The file is opened without waiting and checked
+    through the descriptor (``fstat``), so it cannot be swapped for a pipe
+    between the check and the read. Read every file of a checkpoint that you
+    open yourself (rather than through ``read_bytes``) with it::
+
+        fd = cp.storage.open_regular_file(directory / "table.bin")
+        try:
+            header = os.pread(fd, 64, 0)
+        finally:
+            os.close(fd)
+
+    Raises:
+      FileNotFoundError: nothing is at ``path`` (other ``OSError``s as ``os.open``).
+      cp.errors.IntegrityError: what is at ``path`` is not a regular file.
+    """
+    text = os.fspath(path)
+    try:
+        # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer.
+        fd = os.open(text, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: a socket, or a device with nothing behind it.
+            raise
+        raise not_a_regular_file(text, os.stat(text).st_mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_a_regular_file(text, mode)
+        # Reads then block as usual (regular files ignore the flag on Linux; not everywhere).
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
 
 def scheme_of(path: os.PathLike[str] | str) -> str | None:
     """The URL scheme of ``path`` (``"s3"``, ``"gs"``), or ``None`` for a local path."""
@@ -257,12 +327,18 @@ def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> St
 
 
 def read_bytes(path: os.PathLike[str] | str) -> bytes:
-    """The contents of a file, local or remote. Raises ``FileNotFoundError``."""
+    """The contents of a file, local or remote.
+
+    Raises:
+      FileNotFoundError: there is no file at ``path``.
+      cp.errors.IntegrityError: a local ``path`` is not a regular file (a named
+        pipe, a directory, ...; see ``open_regular_file``).
+    """
     return for_path(path).read_bytes(os.fspath(path))
 
 
 def read_text(path: os.PathLike[str] | str) -> str:
-    """The text (UTF-8) of a file, local or remote. Raises ``FileNotFoundError``."""
+    """The text (UTF-8) of a file, local or remote; raises as ``read_bytes``."""
     return read_bytes(path).decode("utf-8")
 
 

@@ -16,6 +16,7 @@ from checkpointables_pytree import io, storage, zarr3
 from checkpointables_pytree.io import ArrayRead, StoredArray, _small_reads
 from checkpointables_pytree.ocdbt import ValueLocation
 
+from ...special_files import bounded
 from .damage import flip
 from .test_btree_nodes import _uncompressed_copy
 
@@ -132,3 +133,23 @@ def test_arrays_share_buffers_of_bounded_size(saved) -> None:
     owners = {id(a.base): a.base for a in loaded.values() if a.base is not None}
     assert len(owners) < len(loaded) / 2
     assert all(o.nbytes <= storage.SLAB_BYTES + 64 for o in owners.values())
+
+
+def test_a_data_file_swapped_for_a_pipe_after_the_load_began_is_refused(tmp_path) -> None:
+    """The check of the whole checkpoint at the start of a load cannot see a later swap: the
+    reads that open data files themselves refuse a pipe too, instead of blocking."""
+    pipe = tmp_path / "d" / "data"
+    pipe.parent.mkdir()
+    os.mkfifo(pipe)
+    files = storage.OpenFiles()
+    calls = {
+        "read_range": lambda: storage.read_range(os.fspath(pipe), 0, 8),
+        "read_values": lambda: storage.read_values(files, [ValueLocation(str(pipe), 0, 8)]),
+    }
+    try:
+        for name, call in calls.items():
+            _, outcome = bounded(call, tmp_path)
+            assert isinstance(outcome, cp.errors.IntegrityError), (name, outcome)
+            assert f"{pipe} is a named pipe" in str(outcome)
+    finally:
+        files.close()

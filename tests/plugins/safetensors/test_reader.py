@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ...special_files import KINDS, bounded, replace_with
 from .files import BF16, model_tensors, random_bits, same_bits, write_sharded
 
 
@@ -236,6 +237,21 @@ def test_damaged_index_and_missing_files(tmp_path) -> None:
         cp.load_pytree(index)
     with pytest.raises(FileNotFoundError):
         cp.load_pytree(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("replaced", ["model-00002-of-00002.safetensors", "index"])
+def test_a_pipe_for_a_file_of_a_set_is_refused_at_once(tmp_path, replaced, kind) -> None:
+    index = write_sharded(tmp_path / "hub", model_tensors())
+    file = index if replaced == "index" else os.fspath(tmp_path / "hub" / replaced)
+    replace_with(file, kind)
+    for call in (cp.load_pytree, cp.pytree_metadata):
+        for path in (index, tmp_path / "hub"):
+            _, outcome = bounded(lambda call=call, path=path: call(path), tmp_path)
+            if replaced == "index" and path != index:
+                continue  # The directory holds no index file then: the shards alone load.
+            assert isinstance(outcome, cp.errors.CheckpointError), outcome
+            assert os.path.basename(file) in str(outcome)
 
 
 def test_a_checkpoint_named_like_safetensors_is_still_a_checkpoint(tmp_path) -> None:

@@ -117,10 +117,14 @@ def code_of(dtype: np.dtype) -> str:
 
 
 def safe_open(file: str) -> Any:
-    """``safetensors.safe_open(file)`` for NumPy, its errors as ``cp.errors.MetadataError``."""
+    """``safetensors.safe_open(file)`` for NumPy, its errors as ``cp.errors.MetadataError``
+    (``cp.errors.IntegrityError`` if ``file`` is not a regular file)."""
     from safetensors import SafetensorError
     from safetensors import safe_open as package_safe_open
 
+    # The package opens the file itself: refuse a pipe (its open would block) or a directory
+    # first. (A file swapped for a pipe after this check is not caught.)
+    os.close(cp.storage.open_regular_file(file))
     try:
         return package_safe_open(file, framework="numpy")
     except SafetensorError as e:
@@ -184,7 +188,7 @@ def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:
 
 def _read_index(index: str) -> dict[str, str]:
     try:
-        with open(index) as f:
+        with open(cp.storage.open_regular_file(index), encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and os.path.basename(v) == v
@@ -229,7 +233,7 @@ def open_tensor_set(path: epath.PathLike) -> TensorSet:
     tensors: dict[str, StoredTensor] = {}
     metadata: dict[str, str] = {}
     for file in files:
-        if not os.path.isfile(file):
+        if not os.path.exists(file):  # Not a regular file: refused by safe_open, saying so.
             raise FileNotFoundError(f"{path} names {file}, which does not exist.")
         found, file_metadata = _read_header(file)
         metadata.update(file_metadata)

@@ -7,9 +7,7 @@ files, listing, deleting, the commit marker); the plugin registers it for
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import checkpointables as cp
@@ -19,6 +17,7 @@ from checkpointables_pytree.storage._object_store import (
     S3Settings,
     bucket_and_key,
     context_resources,
+    google_credentials_hint,
     kvstore_spec,
     s3_settings,
 )
@@ -27,21 +26,41 @@ from checkpointables_pytree.storage._options import StorageOptions
 __all__ = ["KvStoreStorage", "storage_for"]
 
 
-def _failure(action: str, url: str, error: BaseException) -> cp.errors.StorageError:
-    return cp.errors.StorageError(
-        f"{action} {url} failed: {error}. Check the path, the credentials and the endpoint "
-        f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
-        f"failed transiently were already retried."
+_NO_AWS_CREDENTIALS = (
+    " (none are configured, so only an EC2 instance's role was tried: set AWS_ACCESS_KEY_ID "
+    "and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or pass them in cp.options.StorageOptions)"
+)
+
+
+def _what_to_check(url: str, settings: S3Settings) -> str:
+    if url.startswith("gs://"):
+        return f"the network and the Google credentials{google_credentials_hint()}"
+    unconfigured = _NO_AWS_CREDENTIALS if settings.credentials_key == ("imds",) else ""
+    return (
+        f"the path, the credentials{unconfigured} and the endpoint (cp.options.StorageOptions, "
+        f"or the AWS_* environment variables)"
     )
 
 
-@contextlib.contextmanager
-def _failing(action: str, url: str) -> Iterator[None]:
-    """Raises what fails inside as a ``StorageError`` saying what to check."""
+def _answer(future: Any, action: str, url: str, storage: KvStoreStorage) -> Any:
+    """The result of TensorStore's ``future`` within the options' timeout, retries included
+    (TensorStore alone retries an unreachable host for many minutes); else it is cancelled."""
+    timeout = storage.timeout_secs
     try:
-        yield
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise cp.errors.StorageError(
+            f"{action} {url} got no answer within {timeout:g} s "
+            f"(cp.options.StorageOptions.request_timeout_secs). Check "
+            f"{_what_to_check(url, storage.settings)}."
+        ) from None
     except Exception as e:
-        raise _failure(action, url, e) from e
+        raise cp.errors.StorageError(
+            f"{action} {url} failed: {str(e).rstrip('.')}. Check "
+            f"{_what_to_check(url, storage.settings)}; "
+            f"requests that failed transiently were already retried."
+        ) from e
 
 
 def _prefix_range(key: str) -> tuple[str, ts.KvStore.KeyRange]:
@@ -57,12 +76,18 @@ class KvStoreStorage:
 
     Writes are whole objects (one PUT each); there are no directories, so
     ``make_dirs`` does nothing and a "directory" is every key under a prefix.
+
+    Attributes:
+      settings: where S3 requests go, and with which credentials.
+      timeout_secs: the longest one operation may take, retries included
+        (``StorageOptions.request_timeout_secs``).
     """
 
     atomic_rename = False
 
     def __init__(self, options: StorageOptions, settings: S3Settings) -> None:
-        self._settings = settings
+        self.settings = settings
+        self.timeout_secs = options.request_timeout_secs
         self._context = ts.Context(context_resources(options))
         self._stores: dict[tuple[str, str], ts.KvStore] = {}
         self._lock = threading.Lock()
@@ -72,24 +97,22 @@ class KvStoreStorage:
         with self._lock:
             store = self._stores.get((scheme, bucket))
             if store is None:
-                spec = kvstore_spec(f"{scheme}://{bucket}", self._settings)
-                with _failing("Opening", f"{scheme}://{bucket}"):
-                    store = ts.KvStore.open(spec, context=self._context).result()
+                spec = kvstore_spec(f"{scheme}://{bucket}", self.settings)
+                opening = ts.KvStore.open(spec, context=self._context)
+                store = _answer(opening, "Opening", f"{scheme}://{bucket}", self)
                 self._stores[(scheme, bucket)] = store
         return store, key
 
     def _list(self, url: str) -> list[str]:
         store, key = self._store(url)
         prefix, keys_under = _prefix_range(key)
-        with _failing("Listing", url):
-            keys = store.list(keys_under, strip_prefix_length=len(prefix))
-            return [k.decode() for k in keys.result() if k]
+        keys = store.list(keys_under, strip_prefix_length=len(prefix))
+        return [k.decode() for k in _answer(keys, "Listing", url, self) if k]
 
     def read_bytes(self, path: str) -> bytes:
         """The contents of an object (one GET)."""
         store, key = self._store(path)
-        with _failing("Reading", path):
-            result = store.read(key).result()
+        result = _answer(store.read(key), "Reading", path, self)
         if result.state != "value":
             raise FileNotFoundError(f"No object at {path}.")
         return bytes(result.value)
@@ -97,16 +120,15 @@ class KvStoreStorage:
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
         """Creates or replaces an object (one PUT; durable once it returns)."""
         store, key = self._store(path)
-        with _failing("Writing", path):
-            store.write(key, data).result()
+        _answer(store.write(key, data), "Writing", path, self)
 
     def is_file(self, path: str) -> bool:
         """Whether an object is at ``path`` (one HEAD)."""
         store, key = self._store(path)
         if not key:
             return False
-        with _failing("Checking", path):
-            return bool(store.read(key, byte_range=slice(0, 0)).result().state == "value")
+        head = store.read(key, byte_range=slice(0, 0))
+        return bool(_answer(head, "Checking", path, self).state == "value")
 
     def exists(self, path: str) -> bool:
         """Whether an object, or any object under the prefix ``path/``, exists."""
@@ -127,14 +149,12 @@ class KvStoreStorage:
     def remove_file(self, path: str) -> None:
         """Deletes an object (one DELETE); a missing one is fine."""
         store, key = self._store(path)
-        with _failing("Deleting", path):
-            store.write(key, None).result()
+        _answer(store.write(key, None), "Deleting", path, self)
 
     def remove_tree(self, path: str) -> None:
         """Deletes every object under ``path/`` (a LIST, then a DELETE each)."""
         store, key = self._store(path)
-        with _failing("Deleting", path):
-            store.delete_range(_prefix_range(key)[1]).result()
+        _answer(store.delete_range(_prefix_range(key)[1]), "Deleting", path, self)
         if key:
             self.remove_file(path)
 

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import checkpointables as cp
+
 from checkpointables_pytree.storage._buffers import Slab
 
 __all__ = ["OpenFiles", "ValueLocation", "read_into", "read_range", "read_values"]
@@ -58,11 +60,13 @@ class OpenFiles:
         self._lock = threading.Lock()
 
     def fd(self, path: str) -> int:
-        """A descriptor of ``path`` open for reading (raises ``OSError``)."""
+        """A descriptor of ``path`` open for reading (raises ``OSError``, or
+        ``cp.errors.IntegrityError`` if it is not a regular file)."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # A pipe planted in place of a data file raises (IntegrityError), never blocks.
+                fd = self._fds[path] = cp.storage.open_regular_file(path)
             return fd
 
     def close(self) -> None:
@@ -165,7 +169,7 @@ def read_range(path: str, offset: int, length: int) -> bytes | None:
     """``length`` bytes at ``offset`` of the file at ``path`` (one copy, where TensorStore's
     read makes two); ``None`` if they cannot all be read: TensorStore's read reports why."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = cp.storage.open_regular_file(path)  # Not a regular file: IntegrityError.
     except OSError:
         return None
     try:

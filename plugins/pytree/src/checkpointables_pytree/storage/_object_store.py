@@ -41,6 +41,7 @@ __all__ = [
     "kvstore_spec",
     "context_resources",
     "bucket_and_key",
+    "google_credentials_hint",
 ]
 
 SCHEMES = ("s3", "gs")
@@ -329,3 +330,26 @@ def context_resources(options: StorageOptions | None = None) -> dict[str, Any]:
         if options.request_retries is not None:
             resources[f"{prefix}_request_retries"] = {"max_retries": options.request_retries}
     return resources
+
+
+def google_credentials_hint() -> str:
+    """What to configure for ``gs://``, as the end of a sentence (``" (...)"``).
+
+    TensorStore finds Google credentials as the Google Cloud libraries do
+    (``GOOGLE_APPLICATION_CREDENTIALS``, then gcloud's application default
+    credentials, then a Google Cloud VM's service account) and, finding
+    none, sends its requests without credentials.
+    """
+    configured = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if configured:
+        return f" (GOOGLE_APPLICATION_CREDENTIALS names {configured})"
+    gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+    adc = os.path.join(gcloud, "application_default_credentials.json")
+    if os.path.exists(adc):
+        return f" ({adc}, from `gcloud auth application-default login`)"
+    return (
+        f": none were found (GOOGLE_APPLICATION_CREDENTIALS is not set and {adc} does not "
+        f"exist), so unless this is a Google Cloud VM with a service account, requests go "
+        f"without credentials. Set GOOGLE_APPLICATION_CREDENTIALS to a service account's key "
+        f"file, or run `gcloud auth application-default login`"
+    )

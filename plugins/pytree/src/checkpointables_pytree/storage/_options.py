@@ -47,6 +47,12 @@ class StorageOptions:
         GCS; TensorStore's default is 32).
       request_retries: how often a failed request is retried (TensorStore's
         default is 32, with exponential backoff).
+      request_timeout_secs: the longest one operation on the library's own
+        objects (a metadata file, a commit marker, a listing, a deletion) may
+        take, its retries included, before it fails with
+        ``cp.errors.StorageError`` saying what to check: without a network,
+        or a server that does not answer, TensorStore would go on retrying
+        for many minutes. Array data is bounded by ``request_retries`` alone.
     """
 
     endpoint: str | None = None
@@ -58,6 +64,7 @@ class StorageOptions:
     anonymous: bool = False
     request_concurrency: int | None = attrs.field(default=None, validator=_positive_or_none)
     request_retries: int | None = attrs.field(default=None, validator=_positive_or_none)
+    request_timeout_secs: float = attrs.field(default=60, validator=attrs.validators.gt(0))
 
     def __attrs_post_init__(self) -> None:
         if (self.access_key_id is None) != (self.secret_access_key is None):
