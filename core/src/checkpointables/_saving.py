@@ -27,6 +27,7 @@ from checkpointables import (
     _inflight,
     _leftovers,
     _os_errors,
+    _step_metrics,
     _user_paths,
     errors,
     execution,
@@ -230,6 +231,7 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
         commit_timestamp_nsecs=time.time_ns(),
     )
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
+    files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.
     target.publish(files, _commit.marker(save.path))
 
 

@@ -52,9 +52,12 @@ from checkpointables.training._worker import BackgroundErrors, Worker
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "STATE_NAME"]
 
 T = TypeVar("T")
+# The pytree's checkpointable name in a step: Orbax's training Checkpointer's, so that its
+# load(step) reads our steps. Loads without a name also find "pytree", the name before.
+STATE_NAME = "state"
 
 
 class Checkpointer:
@@ -203,7 +206,7 @@ class Checkpointer:
         step: int,
         pytree: Any,
         *,
-        checkpointable_name: str = _pytree_api.DEFAULT_NAME,
+        checkpointable_name: str = STATE_NAME,
         force: bool = False,
         overwrite: bool = False,
         metrics: Mapping[str, Any] | None = None,
@@ -214,6 +217,9 @@ class Checkpointer:
         Returns once device data is copied to host (after waiting for the
         previous save, if one is in flight). ``result()`` of the response is
         True once the step is committed, False at once if the step was skipped.
+        The pytree is the checkpointable ``state`` (Orbax's training Checkpointer's
+        name) unless ``checkpointable_name`` says otherwise; ``metrics`` are also
+        written where Orbax reads them (``metrics/metrics``).
         """
         item = _pytree_api.pytree_item(checkpointable_name, pytree)
         return self._save_async(
@@ -228,7 +234,7 @@ class Checkpointer:
         step: int,
         pytree: Any,
         *,
-        checkpointable_name: str = _pytree_api.DEFAULT_NAME,
+        checkpointable_name: str = STATE_NAME,
         force: bool = False,
         overwrite: bool = False,
         metrics: Mapping[str, Any] | None = None,
@@ -270,7 +276,7 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Saves several checkpointables (e.g. ``{"pytree": state, "dataset": it}``) as ``step``.
+        """Saves several checkpointables (e.g. ``{"state": state, "dataset": it}``) as ``step``.
 
         Like ``save_pytree``: returns True if saved, False if skipped.
         """
@@ -348,7 +354,7 @@ class Checkpointer:
 
         Example::
 
-            restored = ckptr.load_checkpointables(None, {"pytree": abstract, "dataset": iterator})
+            restored = ckptr.load_checkpointables(None, {"state": abstract, "dataset": iterator})
         """
 
     # Metadata.
