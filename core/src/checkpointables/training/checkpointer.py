@@ -19,7 +19,9 @@ How it stays correct when things go wrong:
   then removed. A step being loaded by this process is deleted only after the
   load finished.
 - A new Checkpointer deletes temporary directories whose owner is provably
-  gone (see ``checkpointables._leftovers``), never another live process's save.
+  gone (see ``checkpointables._leftovers``), never another live process's save,
+  and applies its preservation policy at once (a kill between a commit and
+  the retention after it leaves a step too many).
 
 The concerns live in their own modules: saving (``_saves``), retention and
 deletion (``_retention``), finding the step a load means and leasing it
@@ -150,6 +152,14 @@ class Checkpointer:
         self._leases = _readers.Leases(
             self._root, self._steps, self._step_path, self._wait_for_save, after_read
         )
+        self._tidy_root(listing)
+
+    def _tidy_root(self, listing: _listing.Listing) -> None:
+        """Applies the preservation policy to the steps found, removes what dead saves left."""
+        try:
+            self._retention.apply_at_start()
+        except Exception as e:  # As after a commit: raised by the next save, wait() or close().
+            self._errors.record(e)
         if self._primary:
             self._retention.clean_leftovers(listing.unfinished)
 
