@@ -197,8 +197,8 @@ class SaveTarget(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes ``files`` (name -> text) into ``root`` and the checksums of its metadata
-        files, then commits with ``marker`` last."""
+        """Writes ``files`` (name -> text, a name may hold one ``/``) into ``root`` and the
+        checksums of its metadata files, then commits with ``marker`` last."""
 
     @abc.abstractmethod
     def discard(self) -> None:
@@ -223,6 +223,8 @@ class RenameTarget(SaveTarget):
         place."""
         written = {n: t.encode() for n, t in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items()}
         for name, data in written.items():
+            if "/" in name:  # In a directory of its own (the metrics item).
+                storage.make_dirs((self.root / name).parent)
             storage.write_bytes(self.root / name, data)
         metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)

@@ -23,6 +23,7 @@ from checkpointables import (
     _commit,
     _confinement,
     _inflight,
+    _step_metrics,
     errors,
     execution,
     handlers,
@@ -83,14 +84,18 @@ class Opened:
         return recorded_distribution(self.meta, name)
 
     def metadata_of(self, value: Any) -> CheckpointMetadata[Any]:
-        """``value`` with the timestamps and custom metadata of the checkpoint."""
+        """``value`` with the timestamps, custom metadata and metrics of the checkpoint.
+
+        Raises:
+          cp.errors.MetadataError, cp.errors.IntegrityError: its metrics item is damaged.
+        """
         return CheckpointMetadata(
             self.path,
             metadata=value,
             custom_metadata=self.meta.get("custom_metadata"),
             init_timestamp_nsecs=self.meta.get("init_timestamp_nsecs"),
             commit_timestamp_nsecs=self.meta.get("commit_timestamp_nsecs"),
-            metrics=self.meta.get("metrics"),
+            metrics=_step_metrics.read(self.path, self.meta),
         )
 
 
@@ -123,9 +128,12 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
 
 
 def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:
-    """``item_handlers`` as a dict (empty for flat V0 checkpoints)."""
+    """The checkpointables of ``item_handlers``, name -> typestr (empty for flat V0
+    checkpoints). Orbax records its metrics item there too; that is not a checkpointable."""
     item_handlers = meta.get("item_handlers")
-    return dict(item_handlers) if isinstance(item_handlers, dict) else {}
+    if not isinstance(item_handlers, dict):
+        return {}
+    return {n: t for n, t in item_handlers.items() if n != layout.METRICS_NAME}
 
 
 def _recognizers(directory: epath.Path) -> dict[str, bool]:

@@ -27,6 +27,7 @@ from checkpointables import (
     _inflight,
     _leftovers,
     _os_errors,
+    _step_metrics,
     _user_paths,
     errors,
     execution,
@@ -248,6 +249,7 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
         distributions=save.distributions,
     )
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
+    files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.
     target.publish(files, _commit.marker(save.path))
 
 

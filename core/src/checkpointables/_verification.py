@@ -5,7 +5,8 @@ return what was saved: the checkpoint stays inside its directory, every
 metadata file matches the checksum recorded at commit, every recorded
 checkpointable exists and has a handler here, and each one passes its
 handler's ``verify`` (the pytree handler reads every chunk) or, for handlers
-without one, loads.
+without one, loads. A metrics item (Orbax's ``metrics/metrics``) must hold a
+JSON object.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from etils import epath
 from checkpointables import (
     _confinement,
     _loading,
+    _step_metrics,
     errors,
     layout,
     metadata_checksums,
@@ -109,6 +111,17 @@ def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> li
     return [Finding(name, note=None if verifiable else "loads (no verify in its handler)")]
 
 
+def _metrics_findings(path: epath.Path, meta: dict[str, Any]) -> list[Finding]:
+    """The metrics item (``metrics/metrics``, as Orbax writes it), if the checkpoint has one."""
+    if not _step_metrics.has_item(path, meta):
+        return []
+    try:
+        _step_metrics.read_item(path)
+    except errors.CheckpointError as e:
+        return [Finding(layout.METRICS_NAME, str(e))]
+    return [Finding(layout.METRICS_NAME)]
+
+
 async def _load(handler: Any, directory: epath.Path) -> None:
     await (await handler.load(directory))
 
@@ -135,6 +148,7 @@ def verify_checkpoint(path: epath.PathLike) -> list[Finding]:
         _loading.available_checkpointables(path, meta)
     except errors.CheckpointError as e:
         return [*findings, Finding("checkpoint", str(e))]
+    findings += _metrics_findings(path, meta)
     typestrs = _loading.recorded_typestrs(meta)
     flat = meta.get("item_handlers") if isinstance(meta.get("item_handlers"), str) else None
     if flat is not None or (not typestrs and holds_pytree(path)):

@@ -113,8 +113,7 @@ def _inspect(args: argparse.Namespace) -> int:
             when = f"  ({stamp.isoformat(timespec='seconds')})"
         print(f"  {key}: {value}{when}")
     print(f"  custom_metadata: {meta.get('custom_metadata')}")
-    if meta.get("metrics"):
-        print(f"  metrics: {meta.get('metrics')}")
+    _print_metrics(path, meta)
     total = 0
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
@@ -128,6 +127,18 @@ def _inspect(args: argparse.Namespace) -> int:
             total += _print_leaves(value)
     print(f"\ntotal array bytes: {total:,}")
     return 0
+
+
+def _print_metrics(path: Any, meta: dict[str, Any]) -> None:
+    from checkpointables import _step_metrics
+
+    try:
+        metrics = _step_metrics.read(path, meta)
+    except Exception as e:  # Show the rest; the error names the file.
+        print(f"  metrics: cannot read: {type(e).__name__}: {e}")
+        return
+    if metrics:
+        print(f"  metrics: {metrics}")
 
 
 def _inspect_other_format(path: str) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "MARKER_FILE",
     "COMMIT_SUCCESS_FILE",
     "RESERVED_NAMES",
+    "METRICS_NAME",
     "validate_checkpointable_name",
     "is_temporary_path",
     "temporary_path_for",
@@ -47,9 +48,11 @@ COMMIT_SUCCESS_FILE = "commit_success.txt"
 TMP_INFIX = ".checkpointables-tmp-"
 OLD_INFIX = ".checkpointables-old-"
 _FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
+# A step's metrics (written by the training Checkpointer, and by Orbax's), not a checkpointable.
+METRICS_NAME = "metrics"
 RESERVED_NAMES = frozenset(
     {
-        "metrics",
+        METRICS_NAME,
         "AUTO",
         CHECKPOINT_METADATA_FILE,
         CHECKSUMS_FILE,

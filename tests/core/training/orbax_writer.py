@@ -18,6 +18,16 @@ def state(step: int) -> dict:
     return {"a": np.arange(4, dtype=np.int32) + step, "b": {"c": np.full((2, 3), step, np.float32)}}
 
 
+def extra(step: int) -> dict:
+    """The JSON item saved at ``step``."""
+    return {"step": step, "name": f"s{step}"}
+
+
+def metrics(step: int) -> dict:
+    """The metrics saved at ``step``."""
+    return {"loss": 1.0 / (step + 1), "acc": {"top1": step / 10}}
+
+
 def main(directory: str) -> None:
     import orbax.checkpoint as ocp
     from orbax.checkpoint import v1 as ocp_v1
@@ -39,6 +49,27 @@ def main(directory: str) -> None:
         )
     manager.wait_until_finished()
     manager.close()
+
+    # Orbax V0's CheckpointManager writes metrics (a metrics/ item) when it tracks the best.
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    manager = ocp.CheckpointManager(f"{directory}/v0_metrics", options=options)
+    for step in (0, 1, 2):
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                extra=ocp.args.JsonSave(extra(step)), state=ocp.args.StandardSave(state(step))
+            ),
+            metrics=metrics(step),
+        )
+    manager.wait_until_finished()
+    manager.close()
+
+    # Orbax V1's training Checkpointer with several checkpointables (its JSON-like dicts are
+    # saved as pytrees) and metrics.
+    with ocp_v1.training.Checkpointer(f"{directory}/v1_items") as ckptr:
+        for step in range(2):
+            items = {"state": state(step), "extra": extra(step)}
+            ckptr.save_checkpointables(step, items, metrics=metrics(step))
 
     # A single unnamed item, with a step prefix and zero padding.
     options = ocp.CheckpointManagerOptions(step_prefix="step", step_format_fixed_length=5)

@@ -115,3 +115,80 @@ def test_orbax_pytrees_load_bit_exact(orbax_roots) -> None:
             assert np.asarray(loaded["a"]).dtype == np.int32
             got = np.asarray(loaded["b"]["c"])
             assert got.dtype == np.float32 and np.array_equal(got, expected["b"]["c"]), (root, step)
+
+
+# Steps Orbax wrote with metrics (a reserved ``metrics/`` item): root -> (steps, items).
+METRIC_ROOTS = {
+    "v1": ([0, 1, 2], {"state"}),
+    "v0_metrics": ([0, 1, 2], {"state", "extra"}),
+    "v1_items": ([0, 1], {"state", "extra"}),
+}
+METRIC_STEPS = [(root, step) for root, (steps, _) in METRIC_ROOTS.items() for step in steps]
+
+
+def expected_metrics(root: str, step: int) -> dict:
+    return {"loss": 1.0 / (step + 1)} if root == "v1" else orbax_writer.metrics(step)
+
+
+def check_items(loaded: dict, root: str, step: int) -> None:
+    assert set(loaded) == METRIC_ROOTS[root][1]
+    expected = orbax_writer.state(step)
+    assert np.array_equal(np.asarray(loaded["state"]["a"]), expected["a"])
+    assert np.array_equal(np.asarray(loaded["state"]["b"]["c"]), expected["b"]["c"])
+    if root == "v0_metrics":  # A JSON item.
+        assert loaded["extra"] == orbax_writer.extra(step)
+    elif root == "v1_items":  # Orbax V1 saved the JSON-like dict as a pytree.
+        assert int(np.asarray(loaded["extra"]["step"])) == step
+        assert str(loaded["extra"]["name"]) == f"s{step}"
+
+
+@pytest.mark.parametrize(("root", "step"), METRIC_STEPS)
+def test_orbax_steps_with_metrics_load_and_report_their_metrics(orbax_roots, root, step) -> None:
+    needs_pytree()
+    path = orbax_roots / root / str(step)
+    metrics = expected_metrics(root, step)
+    check_items(cp.load_checkpointables(path), root, step)
+    meta = cp.checkpointables_metadata(path)
+    assert set(meta.metadata) == METRIC_ROOTS[root][1]  # The metrics item is not one.
+    assert meta.metrics == metrics
+    assert cp.pytree_metadata(path).metrics == metrics
+    with pytest.raises(KeyError, match="metrics"):  # Reserved: not loadable by name.
+        cp.load_checkpointables(path, {"metrics": None})
+    ckptr = cp.training.Checkpointer(orbax_roots / root)
+    check_items(ckptr.load_checkpointables(step), root, step)
+    assert ckptr.checkpointables_metadata(step).metrics == metrics
+    assert ckptr.metadata(step).metrics == metrics
+    assert [s.metrics for s in ckptr.steps() if s.step == step] == [metrics]
+
+
+@pytest.mark.parametrize(("root", "step"), METRIC_STEPS)
+def test_verify_and_inspect_pass_on_orbax_steps_with_metrics(
+    orbax_roots, root, step, capsys
+) -> None:
+    needs_pytree()
+    from checkpointables import cli
+
+    path = str(orbax_roots / root / str(step))
+    assert cli.main(["verify", path]) == 0, capsys.readouterr().out
+    report = capsys.readouterr().out
+    assert "metrics: ok" in report and "all checks passed" in report
+    assert cli.main(["inspect", path]) == 0
+    shown = capsys.readouterr().out
+    assert f"metrics: {expected_metrics(root, step)}" in shown
+    assert "\nmetrics/" not in shown and "cannot read" not in shown
+
+
+def test_damaged_orbax_metrics_are_reported_and_loads_still_work(orbax_roots, tmp_path, capsys):
+    needs_pytree()
+    from checkpointables import cli
+
+    root = copy_of(orbax_roots / "v0_metrics", tmp_path)
+    (root / "1" / "metrics" / "metrics").write_text('{"loss": ')
+    assert cli.main(["verify", str(root / "1")]) == 1
+    assert "metrics: FAILED" in capsys.readouterr().out
+    with pytest.raises(cp.errors.MetadataError, match="metrics/metrics"):
+        cp.checkpointables_metadata(root / "1")
+    check_items(cp.load_checkpointables(root / "1"), "v0_metrics", 1)
+    # Listed without metrics (logged): one damaged file must not stop a run from resuming.
+    steps = cp.training.Checkpointer(root).steps()
+    assert [(s.step, s.metrics) for s in steps][:2] == [(0, orbax_writer.metrics(0)), (1, {})]

@@ -5,7 +5,7 @@ a finished checkpoint (``cp.is_checkpoint``): temporary directories of
 unfinished saves and half-deleted steps have names no format parses, so they
 are never listed. Roots written by Orbax's ``CheckpointManager`` qualify too:
 their steps have ``_CHECKPOINT_METADATA`` and keep metrics in a ``metrics/``
-subdirectory, which is read when ``_CHECKPOINT_METADATA`` has none.
+item, which is read when ``_CHECKPOINT_METADATA`` has none (``_step_metrics``).
 
 On an object store one listing of the root shows every step and whether it
 has its ``commit_success.txt``; the committed steps' metadata is then read
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import attrs
 from etils import epath
 
-from checkpointables import _saving, errors, layout, safe_json, storage
+from checkpointables import _saving, _step_metrics, errors, layout, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import Context
@@ -33,24 +33,14 @@ from checkpointables.training.step_name_formats import StepNameFormat
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Where Orbax's CheckpointManager keeps a step's metrics (its MetricsHandler).
-_ORBAX_METRICS_DIR = "metrics"
-_ORBAX_METRICS_FILES = ("metrics", "data.json")
 
-
-def _orbax_metrics(path: epath.Path) -> dict[str, Any]:
-    directory = path / _ORBAX_METRICS_DIR
-    for name in _ORBAX_METRICS_FILES:
-        file = directory / name
-        try:
-            value = safe_json.loads(storage.read_bytes(file), source=file)
-        except FileNotFoundError:
-            continue
-        except (OSError, errors.MetadataError) as e:
-            logger.warning("Ignoring unreadable metrics file %s: %s", file, e)
-            return {}
-        return value if isinstance(value, dict) else {}
-    return {}
+def _metrics(path: epath.Path, meta: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return _step_metrics.read(path, meta)
+    except errors.CheckpointError as e:
+        # The step's checkpointables may be fine: list it, without metrics.
+        logger.warning("Ignoring the damaged metrics of step directory %s: %s", path, e)
+        return {}
 
 
 def read_step(step: int, path: epath.Path, *, validated: bool = False) -> StepInfo:
@@ -66,14 +56,11 @@ def read_step(step: int, path: epath.Path, *, validated: bool = False) -> StepIn
     if not validated:
         layout.validate_checkpoint_directory(path)
     meta = read_checkpoint_metadata(path)
-    metrics = meta.get("metrics") or {}
-    if not metrics and storage.is_dir(path / _ORBAX_METRICS_DIR):
-        metrics = _orbax_metrics(path)
     commit = meta.get("commit_timestamp_nsecs")
     return StepInfo(
         step=step,
         path=path,
-        metrics=metrics if isinstance(metrics, dict) else {},
+        metrics=_metrics(path, meta),
         commit_timestamp_nsecs=commit if isinstance(commit, int) else None,
     )
 

@@ -4,9 +4,12 @@ After each commit the preservation policy decides (the latest step is always
 kept: a restarted run resumes from it), and the worker thread deletes the
 other steps: each is first made invisible at once (renamed to a temporary
 name, or its object-store marker deleted, so a half-deleted step is never
-listed), then removed. A step being loaded by this process is deleted only
-after the load finished (see ``_readers``). Every process decides, so that all
-list the same steps; only the primary host touches the files.
+listed), then removed. A new Checkpointer decides too, on the steps it found
+(a run killed between a commit and its retention left a step too many): it
+makes the dropped steps invisible before it returns and removes them in the
+background. A step being loaded by this process is deleted only after the
+load finished (see ``_readers``). Every process decides, so that all list the
+same steps; only the primary host touches the files.
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ class Retention:
         self._deferred = False  # A step was kept for a load: try again when loads end.
         self._stopped = False
 
+    def apply_at_start(self) -> None:
+        """Applies the policy to the steps the root held when the Checkpointer opened it.
+
+        A run killed between a commit and the retention pass after it left a step
+        more than its policy keeps (and a root may have been written under another
+        policy). The dropped steps leave the listing now; their files are removed
+        in the background. Steps being read stay, as after a commit.
+        """
+        if not isinstance(self._policy, preservation_lib.PreserveAll):
+            self._collect(remove_in_background=True)
+
     def schedule(self) -> None:
         """Queues a decision (and deletions) on the worker, after a commit."""
         if not isinstance(self._policy, preservation_lib.PreserveAll):
@@ -63,7 +77,7 @@ class Retention:
         """Schedules nothing more (the Checkpointer is closed)."""
         self._stopped = True
 
-    def _collect(self) -> None:
+    def _collect(self, remove_in_background: bool = False) -> None:
         infos = self._steps.sorted()
         if len(infos) < 2:
             return
@@ -71,10 +85,11 @@ class Retention:
             self._policy, infos, preservation_lib.PreservationContext()
         )
         keep[-1] = True  # The latest step is what a restarted run resumes from.
-        deferred = [info for info, kept in zip(infos, keep, strict=True) if not kept]
-        self._deferred = not all([self._delete(info) for info in deferred])
+        dropped = [info for info, kept in zip(infos, keep, strict=True) if not kept]
+        done = [self._delete(info, remove_in_background) for info in dropped]
+        self._deferred = not all(done)
 
-    def _delete(self, info: StepInfo) -> bool:
+    def _delete(self, info: StepInfo, remove_in_background: bool) -> bool:
         """Deletes a step unless it is being read; returns False if deferred."""
         if not self._primary:
             self._steps.take(info, lambda: None)
@@ -86,9 +101,16 @@ class Retention:
 
         with self._context:
             ran, retired = _readers.run_if_unread(info.path, retire)
-            if ran and retired is not None:
-                retired.remove()
+        if ran and retired is not None:
+            if remove_in_background:
+                self._worker.submit(lambda: self._remove(retired))
+            else:
+                self._remove(retired)
         return ran
+
+    def _remove(self, retired: _commit.Retired) -> None:
+        with self._context:
+            retired.remove()
 
     def clean_leftovers(self, unfinished: Sequence[epath.Path]) -> None:
         """Removes, in the background, what dead saves and deletions left under the root.

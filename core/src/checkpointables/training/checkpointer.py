@@ -19,7 +19,9 @@ How it stays correct when things go wrong:
   then removed. A step being loaded by this process is deleted only after the
   load finished.
 - A new Checkpointer deletes temporary directories whose owner is provably
-  gone (see ``checkpointables._leftovers``), never another live process's save.
+  gone (see ``checkpointables._leftovers``), never another live process's save,
+  and applies its preservation policy at once (a kill between a commit and
+  the retention after it leaves a step too many).
 
 The concerns live in their own modules: saving (``_saves``), retention and
 deletion (``_retention``), finding the step a load means and leasing it
@@ -52,9 +54,12 @@ from checkpointables.training._worker import BackgroundErrors, Worker
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "STATE_NAME"]
 
 T = TypeVar("T")
+# The pytree's checkpointable name in a step: Orbax's training Checkpointer's, so that its
+# load(step) reads our steps. Loads without a name also find "pytree", the name before.
+STATE_NAME = "state"
 
 
 class Checkpointer:
@@ -147,6 +152,14 @@ class Checkpointer:
         self._leases = _readers.Leases(
             self._root, self._steps, self._step_path, self._wait_for_save, after_read
         )
+        self._tidy_root(listing)
+
+    def _tidy_root(self, listing: _listing.Listing) -> None:
+        """Applies the preservation policy to the steps found, removes what dead saves left."""
+        try:
+            self._retention.apply_at_start()
+        except Exception as e:  # As after a commit: raised by the next save, wait() or close().
+            self._errors.record(e)
         if self._primary:
             self._retention.clean_leftovers(listing.unfinished)
 
@@ -203,7 +216,7 @@ class Checkpointer:
         step: int,
         pytree: Any,
         *,
-        checkpointable_name: str = _pytree_api.DEFAULT_NAME,
+        checkpointable_name: str = STATE_NAME,
         force: bool = False,
         overwrite: bool = False,
         metrics: Mapping[str, Any] | None = None,
@@ -214,6 +227,9 @@ class Checkpointer:
         Returns once device data is copied to host (after waiting for the
         previous save, if one is in flight). ``result()`` of the response is
         True once the step is committed, False at once if the step was skipped.
+        The pytree is the checkpointable ``state`` (Orbax's training Checkpointer's
+        name) unless ``checkpointable_name`` says otherwise; ``metrics`` are also
+        written where Orbax reads them (``metrics/metrics``).
         """
         item = _pytree_api.pytree_item(checkpointable_name, pytree)
         return self._save_async(
@@ -228,7 +244,7 @@ class Checkpointer:
         step: int,
         pytree: Any,
         *,
-        checkpointable_name: str = _pytree_api.DEFAULT_NAME,
+        checkpointable_name: str = STATE_NAME,
         force: bool = False,
         overwrite: bool = False,
         metrics: Mapping[str, Any] | None = None,
@@ -270,7 +286,7 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Saves several checkpointables (e.g. ``{"pytree": state, "dataset": it}``) as ``step``.
+        """Saves several checkpointables (e.g. ``{"state": state, "dataset": it}``) as ``step``.
 
         Like ``save_pytree``: returns True if saved, False if skipped.
         """
@@ -348,7 +364,7 @@ class Checkpointer:
 
         Example::
 
-            restored = ckptr.load_checkpointables(None, {"pytree": abstract, "dataset": iterator})
+            restored = ckptr.load_checkpointables(None, {"state": abstract, "dataset": iterator})
         """
 
     # Metadata.
