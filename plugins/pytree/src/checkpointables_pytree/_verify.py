@@ -31,7 +31,7 @@ from etils import epath
 
 from checkpointables_pytree import io, leaves, ocdbt, storage, zarr3
 from checkpointables_pytree import tree as tree_room
-from checkpointables_pytree._load_plan import LoadPlan
+from checkpointables_pytree._load_plan import LoadPlan, check_array_count
 from checkpointables_pytree.io import ArrayRead
 from checkpointables_pytree.leaves import ARRAY_VALUE_TYPES, SCALAR, STRING, LoadSession
 
@@ -84,6 +84,7 @@ def _check_loadable(
 ) -> list[str]:
     """What a load without an abstract tree refuses before reading any array."""
     try:
+        check_array_count(tree, directory)
         plan = LoadPlan.without_abstract(tree, registry)
         plan.build(tree, directory)
         tree_room.read_sharding_file(directory)
