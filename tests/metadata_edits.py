@@ -13,8 +13,12 @@ import checkpointables as cp
 
 
 def without_metadata_checksums(checkpoint) -> None:
-    """Makes ``checkpoint`` look written by Orbax, or before metadata checksums existed."""
+    """Makes ``checkpoint`` look written by Orbax, or before metadata checksums existed: no
+    ``_CHECKSUMS``, and a commit marker that does not say there was one."""
     (checkpoint / cp.metadata_checksums.CHECKSUMS_FILE).unlink()
+    marker = checkpoint / cp.layout.COMMIT_SUCCESS_FILE
+    lines = marker.read_text().splitlines(keepends=True)
+    marker.write_text("".join(x for x in lines if x.strip() != cp.metadata_checksums.RECORDED_MARK))
 
 
 def with_metadata_checksums_recomputed(checkpoint) -> None:

@@ -74,8 +74,10 @@ def _join(path: epath.PathLike, name: str) -> str:
 
 
 def marker(path: epath.PathLike) -> str:
-    """The text of the commit marker of a save to ``path`` (Orbax's, and the commit time)."""
-    return f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n"
+    """The text of the commit marker of a save to ``path``: Orbax's, the commit time, and that
+    the save records ``_CHECKSUMS`` (every save does: see ``metadata_checksums.check_recorded``)."""
+    recorded = metadata_checksums.RECORDED_MARK
+    return f"Checkpoint commit was successful to {path}\n{time.time_ns()}\n{recorded}\n"
 
 
 # -- Before a save ----------------------------------------------------------------------------

@@ -146,12 +146,16 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     Raises:
       FileNotFoundError: the file does not exist.
       errors.MetadataError: the file is unreadable, not a JSON object, or malformed.
-      errors.IntegrityError: the file does not match its recorded checksum.
+      errors.IntegrityError: the file does not match its recorded checksum, or the
+        checkpoint lost its ``_CHECKSUMS``.
       errors.OutsideCheckpointError: a recorded name points outside the checkpoint.
     """
     path = epath.Path(directory) / CHECKPOINT_METADATA_FILE
     try:
-        raw = metadata_checksums.read_file(path)
+        checked = metadata_checksums.read_checked(path)
+        if not checked.checked:  # Never recorded (Orbax's), or lost: the marker says which.
+            metadata_checksums.check_recorded(directory)
+        raw = checked.data
     except OSError as e:
         if isinstance(e, FileNotFoundError):
             raise

@@ -52,6 +52,8 @@ __all__ = [
     "read_checked",
     "scope",
     "is_protected",
+    "RECORDED_MARK",
+    "check_recorded",
     "verify",
 ]
 
@@ -59,6 +61,10 @@ CHECKSUMS_FILE = "_CHECKSUMS"
 # Files above this size are data, not metadata: their handlers check them.
 MAX_FILE_BYTES = 256 << 20
 FORMAT_VERSION = 1
+# The line a save adds to its commit marker (``commit_success.txt``): the checkpoint
+# recorded ``_CHECKSUMS``, so a checkpoint without one lost it.
+RECORDED_MARK = f"checksums: {CHECKSUMS_FILE}"
+_MARKER_FILE = "commit_success.txt"  # layout.COMMIT_SUCCESS_FILE (layout imports this module).
 _SEAL = re.compile(rb'(.*),"checksum":"([0-9a-f]{8})"\}\n?', re.DOTALL)
 _CACHED_TABLES = 64
 _READ_BYTES = 16 << 20
@@ -324,14 +330,41 @@ def is_protected(checkpoint: epath.PathLike) -> bool:
     return _table_in(os.fspath(checkpoint)) is not None
 
 
+def check_recorded(checkpoint: epath.PathLike) -> None:
+    """Raises if ``checkpoint`` has no ``_CHECKSUMS`` although its commit marker says its save
+    recorded one (``RECORDED_MARK``): the file was lost, and with it every check of the
+    metadata. Checkpoints written by Orbax, or before the mark, pass.
+
+    Raises:
+      cp.errors.IntegrityError: ``_CHECKSUMS`` is missing although recorded.
+    """
+    root = os.fspath(checkpoint)
+    if _table_in(root) is not None:
+        return
+    marker = os.path.join(root, _MARKER_FILE)
+    try:
+        text = storage.read_bytes(marker)[:4096]  # The mark is on the marker's third line.
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if RECORDED_MARK.encode() in text.splitlines():
+        raise errors.IntegrityError(
+            f"{os.path.join(root, CHECKSUMS_FILE)} is missing, although {marker} says the "
+            f"checkpoint's save recorded it: the checksums of every metadata file were lost, "
+            f"so none can be checked. Restore the checkpoint from a copy, or load an older one "
+            f"(`checkpointables verify PATH` checks the rest)."
+        )
+
+
 def verify(checkpoint: epath.PathLike) -> list[str]:
     """Every recorded metadata file of ``checkpoint`` that is missing or does not match.
 
-    Empty when all match, or when the checkpoint records no checksums.
+    Empty when all match, or when the checkpoint records no checksums (and its commit
+    marker does not say it did: see ``check_recorded``).
     """
     root = os.fspath(checkpoint)
     try:
         table = _table_in(root)
+        check_recorded(root)
     except errors.CheckpointError as e:
         return [str(e)]
     if table is None:

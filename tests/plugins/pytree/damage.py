@@ -30,3 +30,39 @@ def copies_with_a_flipped_bit(saved, tmp_path, fractions: tuple[float, ...]) -> 
             shutil.copytree(saved, copy)
             flip(copy / "pytree" / original.relative_to(database), offset)
             yield copy
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def root_location(database) -> tuple[str, int, int]:
+    """The file, offset and length of the root node the manifest of ``database`` names."""
+    import tensorstore as ts
+
+    base = ts.KvStore.open({"driver": "file", "path": f"{database}/"}).result()
+    location = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+    _, _, file, offset, length = location.split(":")
+    return file, int(offset), int(length)
+
+
+def forge_root(database, offset: int, length: int) -> None:
+    """Rewrites the manifest of ``database`` (one we wrote) so that its root node is at
+    ``offset`` and ``length`` bytes long, with a valid CRC-32C (as a forger would)."""
+    import struct
+
+    import crc32c
+
+    manifest = database / "manifest.ocdbt"
+    raw = manifest.read_bytes()
+    _, old_offset, old_length = root_location(database)
+    old = _varint(old_offset) + _varint(old_length)
+    at = raw.index(old, 30)  # After the header and the database's uuid.
+    body = raw[14:at] + _varint(offset) + _varint(length) + raw[at + len(old) : -4]
+    forged = raw[:4] + struct.pack("<Q", 14 + len(body) + 4) + raw[12:14] + body
+    manifest.write_bytes(forged + struct.pack("<I", crc32c.crc32c(forged)))

@@ -27,7 +27,7 @@ from etils import epath
 from checkpointables_pytree import _verify, io, ocdbt, storage
 from checkpointables_pytree import leaves as leaves_room
 from checkpointables_pytree import tree as tree_room
-from checkpointables_pytree._load_plan import LoadPlan, is_skip
+from checkpointables_pytree._load_plan import LoadPlan, check_array_count, is_skip
 from checkpointables_pytree._save_plan import EntryCache, group_leaves, saved_tree_metadata
 from checkpointables_pytree.leaves import (
     LoadSession,
@@ -316,6 +316,7 @@ class PyTreeHandler:
         if context.array_options.ocdbt_fast_path:
             opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
         tree = _read_tree_metadata(directory)
+        check_array_count(tree, directory)  # Before planning what the metadata claims.
         session = LoadSession(directory, tree, context, opened)
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)

@@ -18,18 +18,20 @@ is in memory at a time.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import checkpointables as cp
 import tensorstore as ts
-from checkpointables.serialization import LeafHandlerRegistry
+from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import io, ocdbt, storage, zarr3
+from checkpointables_pytree import io, leaves, ocdbt, storage, zarr3
 from checkpointables_pytree import tree as tree_room
-from checkpointables_pytree._load_plan import LoadPlan
+from checkpointables_pytree._load_plan import LoadPlan, check_array_count
 from checkpointables_pytree.io import ArrayRead
 from checkpointables_pytree.leaves import ARRAY_VALUE_TYPES, SCALAR, STRING, LoadSession
 
@@ -37,6 +39,11 @@ __all__ = ["verify_pytree"]
 
 # Arrays read and checked at once.
 BATCH_BYTES = 32 << 20
+# The leaf handlers whose loads turn a stored array into something else, trusting
+# _METADATA to say how (a scalar's type, bytes, a key's implementation): verify runs
+# their loads as a load would, so that it fails wherever the load fails. (Strings are
+# checked below as their handler reads them.)
+_TYPED_HANDLERS = (leaves.ScalarLeafHandler, leaves.BytesLeafHandler, leaves.PRNGKeyLeafHandler)
 
 
 def _problem(entry: tree_room.Entry, error: BaseException) -> str:
@@ -77,6 +84,7 @@ def _check_loadable(
 ) -> list[str]:
     """What a load without an abstract tree refuses before reading any array."""
     try:
+        check_array_count(tree, directory)
         plan = LoadPlan.without_abstract(tree, registry)
         plan.build(tree, directory)
         tree_room.read_sharding_file(directory)
@@ -186,6 +194,67 @@ async def _check_with_driver(session: LoadSession, entry: tree_room.Entry) -> li
     return []
 
 
+async def _check_typed_leaves(
+    directory: epath.Path, tree: tree_room.TreeMetadata, registry: LeafHandlerRegistry
+) -> list[str]:
+    """Loads every leaf of a ``_TYPED_HANDLERS`` handler as a load without an abstract tree
+    does (in batches of about ``BATCH_BYTES``), and drops the values."""
+    plan = LoadPlan.without_abstract(tree, registry)
+    context = cp.context.get_context()
+    sizes = LoadSession(directory, tree, context)
+    problems = []
+    for handler_cls, _, params in plan.batches():
+        if handler_cls not in _TYPED_HANDLERS:
+            continue
+        batch: list[DeserializationParam[Any]] = []
+        batch_bytes = 0
+        for param in [*params, None]:
+            if param is not None:
+                stored = sizes.stored_array(sizes.entry(param.keypath))
+                batch.append(param)
+                batch_bytes += stored.nbytes if stored is not None else 0
+            if batch and (param is None or batch_bytes >= BATCH_BYTES):
+                problems += await _load_leaves(directory, tree, handler_cls, batch)
+                batch, batch_bytes = [], 0
+    return problems
+
+
+async def _load_leaves(
+    directory: epath.Path,
+    tree: tree_room.TreeMetadata,
+    handler_cls: type,
+    params: Sequence[DeserializationParam[Any]],
+) -> list[str]:
+    """The problem a load of these leaves by ``handler_cls`` meets (each leaf's, if several)."""
+    context = cp.context.get_context()
+    session = LoadSession(directory, tree, context)
+    loading = leaves.PyTreeDeserializationContext(
+        parent_dir=directory,
+        ocdbt_checkpoint=tree.use_ocdbt,
+        zarr3_checkpoint=tree.use_zarr3,
+        session=session,
+    )
+    try:
+        awaitable = await handler_cls(context=context).deserialize(list(params), loading)
+        try:
+            await session.reader.run()
+        except BaseException:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()
+            raise
+        await awaitable
+    except Exception as e:  # Whatever the load would raise; a builtin error is a problem too.
+        if len(params) > 1:
+            problems = []
+            for param in params:
+                problems += await _load_leaves(directory, tree, handler_cls, [param])
+            return problems
+        where = session.entry(params[0].keypath).keystr
+        text = str(e) if isinstance(e, cp.errors.CheckpointError) else f"{type(e).__name__}: {e}"
+        return [text if text.startswith(where) else f"{where}: {text}"]
+    return []
+
+
 async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) -> list[str]:
     """Every problem found in the pytree at ``directory`` (empty if all checksums match).
 
@@ -194,6 +263,7 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     """
     try:
         tree = tree_room.read_tree_metadata(directory)
+        leaves.mark_orbax_keys(tree, directory)  # As a load does.
     except cp.errors.CheckpointError as e:
         return [str(e)]
     session = LoadSession(directory, tree, cp.context.get_context())
@@ -201,6 +271,11 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     if problems:
         return problems  # Reading chunks by a layout that cannot be trusted proves nothing.
     problems += await _check_array_set(session)
+    try:
+        problems += leaves.key_impl_problems(tree, directory)
+    except cp.errors.CheckpointError as e:
+        problems.append(str(e))
+    problems += await _check_typed_leaves(directory, tree, registry)
     batch: list[tree_room.Entry] = []
     batch_bytes = 0
     for entry in tree.entries:

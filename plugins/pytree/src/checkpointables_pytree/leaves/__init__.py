@@ -31,6 +31,7 @@ from checkpointables_pytree.leaves._keys import (
     PRNGKeyLeafHandler,
     PRNGKeyMetadata,
     key_array_type,
+    key_impl_problems,
     mark_orbax_keys,
 )
 from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
@@ -74,6 +75,7 @@ __all__ = [
     "PRNG_KEY",
     "key_array_type",
     "mark_orbax_keys",
+    "key_impl_problems",
     "ArrayMetadata",
     "NumpyMetadata",
     "StorageMetadata",

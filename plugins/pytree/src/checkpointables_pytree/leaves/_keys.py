@@ -58,6 +58,7 @@ __all__ = [
     "is_key_dtype",
     "key_array_type",
     "mark_orbax_keys",
+    "key_impl_problems",
 ]
 
 # Orbax's ext_metadata field naming a key array's implementation (and ours in _METADATA).
@@ -265,17 +266,19 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
     ) -> Awaitable[Sequence[jax.Array]]:
         """Schedules the reads of the key data; returns the awaitable that yields the keys."""
         session, private = load_session(self, deserialization_context)
-        reads, keys = [], []
+        reads, keys, entries = [], [], []
         for param in params:
             entry, _ = session.info(param.keypath, getattr(param, "names", None))
             key, physical = self._plan_key(entry, param.value, session.stored_array(entry))
             reads.append(self._schedule_read(session, dataclasses.replace(param, value=physical)))
             keys.append(key)
+            entries.append(entry)
 
         async def wrap() -> list[jax.Array]:
             data = await finish_load(session, private, reads)
             result = []
-            for key, array in zip(keys, data, strict=True):
+            for key, array, entry in zip(keys, data, entries, strict=True):
+                _check_key_data(entry, key.impl, array.shape, array.dtype)
                 wrapped = jax.random.wrap_key_data(array, impl=key.impl)
                 if key.place_on is not None:
                     wrapped = jax.device_put(wrapped, key.place_on)
@@ -300,6 +303,8 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
                     "or cp.PLACEHOLDER to skip it."
                 )
             impl = recorded
+            if wanted is None and stored is not None:  # Trusted from _METADATA: checked.
+                _check_key_data(entry, impl, stored.shape, stored.dtype)
         else:
             impl = _impl_of_key_data(entry, abstract, stored)
             _, trailing, data_dtype = _key_data_layout(impl)
@@ -324,6 +329,21 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
             impl,
             sharding_metadata=session.sharding_record(session.tree.storage_name(entry.names)),
             storage=StorageMetadata(layout.chunk_shape, entry.write_shape),
+        )
+
+
+def _check_key_data(entry: tree_room.Entry, impl: str, shape: Any, dtype: Any) -> None:
+    """Raises unless key data of ``shape`` and ``dtype`` is what implementation ``impl``'s
+    keys are made of (``_METADATA`` names the implementation: an edited name must not reach
+    ``jax.random.wrap_key_data`` as a raw ``TypeError``, nor wrap data of another shape)."""
+    _, trailing, data_dtype = _key_data_layout(impl)
+    shape = tuple(int(s) for s in shape)
+    if shape[len(shape) - len(trailing) :] != trailing or np.dtype(dtype) != data_dtype:
+        raise cp.errors.MetadataError(
+            f"{entry.keystr}: _METADATA records {impl} PRNG keys, whose key data is "
+            f"(..., {', '.join(map(str, trailing))}) {data_dtype}, but the array stored is "
+            f"{shape} {np.dtype(dtype)}: the metadata is damaged. Restore the checkpoint from a "
+            "copy, or load the leaf with an abstract leaf of the key dtype you expect."
         )
 
 
@@ -387,5 +407,47 @@ def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise cp.errors.MetadataError(
             f"{first} is malformed ({e!r}); it names which arrays are PRNG keys. Restore it "
+            "from a copy of the checkpoint."
+        ) from None
+
+
+def key_impl_problems(tree: tree_room.TreeMetadata, directory: epath.Path) -> list[str]:
+    """Arrays that ``array_metadatas/`` (Orbax's record, which this library writes too) marks
+    as PRNG keys of one implementation while ``_METADATA`` records another, or none: the
+    second record ``checkpointables verify`` checks a key's implementation against."""
+    if not tree.escaped_names:
+        return []  # Orbax's tree: its keys are marked from array_metadatas/ itself.
+    folder = directory / ARRAY_METADATAS_DIR
+    if not cp.storage.is_dir(folder):
+        return []
+    marked: dict[str, Any] = {}
+    for name in sorted(e.name for e in cp.storage.list_dir(folder)):
+        marked.update(_impls_in(folder / name))
+    problems = []
+    for entry in tree.entries:
+        impl = marked.get(tree.storage_name(entry.names))
+        if impl is not None and entry.extra.get(RANDOM_KEY_IMPL) != impl:
+            recorded = entry.extra.get(RANDOM_KEY_IMPL)
+            problems.append(
+                f"{entry.keystr}: {folder} records {impl} PRNG keys, {directory}/_METADATA "
+                + (f"{recorded} keys" if recorded else "no keys")
+                + ": one of them is damaged; a load would trust _METADATA."
+            )
+    return problems
+
+
+def _impls_in(file: epath.Path) -> dict[str, Any]:
+    """``{param name: implementation}`` of one process's array metadata file."""
+    try:
+        document = cp.safe_json.loads_object(cp.storage.read_bytes(file), source=file)
+        items = [item["array_metadata"] for item in document["array_metadatas"]]
+        return {
+            item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)
+            for item in items
+            if (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL) is not None
+        }
+    except (KeyError, TypeError, AttributeError) as e:
+        raise cp.errors.MetadataError(
+            f"{file} is malformed ({e!r}); it names which arrays are PRNG keys. Restore it "
             "from a copy of the checkpoint."
         ) from None

@@ -63,7 +63,9 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
     return dtype.type
 
 
-def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry) -> Any:
+def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry, *, recorded: bool) -> Any:
+    """The scalar ``array`` holds, as ``scalar_type`` (``recorded``: the type comes from
+    ``_METADATA``, not from an abstract leaf, so it must hold the stored value exactly)."""
     if scalar_type is None:  # Decided by the stored dtype, now that it is read.
         scalar_type = _scalar_type(None, array.dtype)
     if array.size != 1:
@@ -72,12 +74,37 @@ def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry) -> Any:
             f"{array.shape}; it cannot be loaded as a scalar "
             f"{getattr(scalar_type, '__name__', scalar_type)}. Use an array abstract leaf instead."
         )
-    value = (
-        array.reshape(()).item()
-        if scalar_type in (int, float, bool, complex)
-        else array.reshape(())[()]
-    )
-    return scalar_type(value)
+    stored = array.reshape(())
+    try:
+        value = scalar_type(stored.item() if scalar_type in _PYTHON_TYPES else stored[()])
+        exact = not recorded or _holds_exactly(value, stored)
+    except (OverflowError, ValueError, TypeError):
+        exact = False
+    if not exact:
+        raise cp.errors.MetadataError(
+            f"{entry.keystr}: _METADATA records a scalar of type "
+            f"{entry.extra.get('scalar_type')!r}, but the value stored ({stored.item()!r}, "
+            f"{stored.dtype}) is not one: the metadata is damaged. Restore the checkpoint from a "
+            f"copy, or load the leaf with an abstract leaf of the type you expect."
+        )
+    return value
+
+
+def _holds_exactly(value: Any, stored: np.ndarray) -> bool:
+    """Whether ``value`` converts back to ``stored``'s dtype bit for bit (``True`` for a stored
+    12345 is not exact; ``7.0`` for a stored ``7`` is, and cannot be told from it)."""
+    if stored.dtype.kind in _KINDS.get(type(value), "-") or type(value) is stored.dtype.type:
+        return True  # The usual case, exact by construction: no conversion back.
+    if np.iscomplexobj(value) and stored.dtype.kind != "c":
+        return False  # A real value recorded as complex (converting back would warn).
+    back = np.asarray(value).astype(stored.dtype)
+    return back.tobytes() == np.ascontiguousarray(stored).tobytes()
+
+
+_PYTHON_TYPES = (int, float, bool, complex)
+# The dtype kinds each Python type holds exactly: Python ints have no bounds, floats are
+# doubles (float16, float32 and float64 fit), complexes pairs of doubles.
+_KINDS: dict[type, str] = {bool: "b", int: "iu", float: "f", complex: "c"}
 
 
 class ScalarLeafHandler(ZarrLeafHandler):
@@ -120,15 +147,19 @@ class ScalarLeafHandler(ZarrLeafHandler):
     def _read_target(
         self, entry: tree.Entry, abstract: Any, stored: StoredArray | None
     ) -> ReadTarget:
+        recorded = False
         if isinstance(abstract, type):
             scalar_type = abstract
         elif abstract is not None:
             scalar_type = type(abstract)
         elif stored is not None:
             scalar_type = _scalar_type(entry.extra.get("scalar_type"), stored.dtype)
+            recorded = "scalar_type" in entry.extra  # Trusted from _METADATA: checked.
         else:
             scalar_type = None
-        return ReadTarget(lambda pieces: _to_scalar(pieces[0], scalar_type, entry))
+        return ReadTarget(
+            lambda pieces: _to_scalar(pieces[0], scalar_type, entry, recorded=recorded)
+        )
 
     def _describe(self, session: LoadSession, entry: tree.Entry, layout: StoredLayout) -> Any:
         return _scalar_type(entry.extra.get("scalar_type"), layout.dtype)(0)

@@ -81,6 +81,25 @@ def _to_bytes(pieces: list[np.ndarray]) -> bytes:
     return pieces[0].tobytes()
 
 
+def _check_bytes_layout(entry: tree.Entry, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Raises unless a leaf ``_METADATA`` calls bytes is stored as bytes are: 1-D uint8 (its
+    length is the shape; the reads check the data holds that many)."""
+    if len(shape) != 1 or dtype != np.uint8:
+        raise cp.errors.MetadataError(
+            f"{entry.keystr}: _METADATA records bytes, but the array stored is {shape} "
+            f"{dtype}, not the 1-D uint8 array bytes are stored as: the metadata is damaged. "
+            "Restore the checkpoint from a copy, or load the leaf with an array abstract leaf."
+        )
+
+
+def _checked_bytes(entry: tree.Entry) -> Any:
+    def convert(pieces: list[np.ndarray]) -> bytes:
+        _check_bytes_layout(entry, pieces[0].shape, pieces[0].dtype)
+        return pieces[0].tobytes()
+
+    return convert
+
+
 class BytesLeafHandler(ZarrLeafHandler):
     """Saves ``bytes`` leaves as 1-d uint8 zarr3 arrays; loads ``bytes``.
 
@@ -106,6 +125,11 @@ class BytesLeafHandler(ZarrLeafHandler):
             )
 
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
+        if abstract is not None:  # Asked for by the caller: any array's bytes.
+            return ReadTarget(_to_bytes)
+        if stored is None:  # The layout is not recorded: checked once read.
+            return ReadTarget(_checked_bytes(entry))
+        _check_bytes_layout(entry, stored.shape, stored.dtype)  # Before anything is read.
         return ReadTarget(_to_bytes)
 
     async def metadata(

@@ -70,6 +70,7 @@ from checkpointables_pytree.ocdbt._index import (
     locate,
     parse_location,
 )
+from checkpointables_pytree.ocdbt._statistics import stored_key_count
 
 __all__ = [
     "LeafNode",
@@ -107,4 +108,5 @@ __all__ = [
     "dump_leaks",
     "locate",
     "parse_location",
+    "stored_key_count",
 ]

@@ -39,10 +39,18 @@ def integrity_error(what: str, detail: object) -> cp.errors.IntegrityError:
     )
 
 
+# The file a TensorStore error is about: a leaf's read may fail on the database's
+# manifest or on a b-tree node, which the leaf merely needed.
+_FILE = re.compile(r'local file "([^"]+)"')
+
+
 def storage_error(what: str, error: BaseException) -> Exception:
-    """The error to raise when TensorStore fails while reading ``what``."""
+    """The error to raise when TensorStore fails while reading ``what``: it names the file
+    that failed first when TensorStore's error names one (a damaged manifest or b-tree node
+    is not the leaf's damage)."""
     if is_data_loss(error) or any(marker in str(error) for marker in _MISSING_MARKERS):
-        return integrity_error(what, error)
+        file = _FILE.search(str(error))
+        return integrity_error(what if file is None else f"{file[1]} (read for {what})", error)
     return cp.errors.CheckpointError(f"Reading {what} failed: {error}")
 
 

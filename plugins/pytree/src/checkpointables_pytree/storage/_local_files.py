@@ -173,6 +173,10 @@ def read_range(path: str, offset: int, length: int) -> bytes | None:
     except OSError:
         return None
     try:
+        # A length read from a damaged or forged b-tree may be anything: it is checked
+        # against the file before memory is allocated for it.
+        if offset < 0 or length < 0 or offset + length > os.fstat(fd).st_size:
+            return None
         data = os.pread(fd, length, offset)
     except OSError:
         return None
