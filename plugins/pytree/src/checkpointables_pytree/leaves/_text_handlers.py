@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+import checkpointables as cp
 import numpy as np
 from checkpointables.serialization import (
     DeserializationContext,
