@@ -202,13 +202,15 @@ class _Reader:
 def _file_table(reader: _Reader, transitive: str) -> list[str]:
     """The node's data files: ``(base, relative)`` paths joined as dump writes them."""
     count = reader.varint()
-    shared = reader.varints(count - 1).tolist() if count else []
+    # Each path but the first shares a prefix with the one before (a node of inline
+    # values only has no data file at all).
+    keeps = [0, *reader.varints(count - 1).tolist()] if count else []
     sizes = reader.varints(count)
     bases = reader.varints(count).tolist()
     joined = reader.bytes(int(sizes.sum()))
     files: list[str] = []
     last, start = b"", 0
-    for keep, size, base in zip([0, *shared], sizes.tolist(), bases, strict=True):
+    for keep, size, base in zip(keeps, sizes.tolist(), bases, strict=True):
         last = last[:keep] + joined[start : start + size]
         start += size
         if base > len(last):
@@ -219,7 +221,7 @@ def _file_table(reader: _Reader, transitive: str) -> list[str]:
 
 def _keys(reader: _Reader, count: int, *, interior: bool) -> tuple[list[bytes], list[int]]:
     """The entries' keys (an interior node's key columns include its common prefix lengths)."""
-    shared = reader.varints(count - 1).tolist() if count else []
+    keeps = [0, *reader.varints(count - 1).tolist()] if count else []
     sizes = reader.varints(count)
     common = reader.varints(count).tolist() if interior else []
     joined = reader.bytes(int(sizes.sum()))
@@ -230,7 +232,7 @@ def _keys(reader: _Reader, count: int, *, interior: bool) -> tuple[list[bytes], 
     starts = (ends - sizes).tolist()
     keys = [
         (last := last[:keep] + joined[start:end])
-        for keep, start, end in zip([0, *shared], starts, ends.tolist(), strict=True)
+        for keep, start, end in zip(keeps, starts, ends.tolist(), strict=True)
     ]
     return keys, common
 
