@@ -152,12 +152,10 @@ def _divides(spec: tuple[str | None, ...], shape: tuple[int, ...]) -> bool:
     return all(a is None or n % MESH_SHAPE[a] == 0 for a, n in zip(spec, shape, strict=False))
 
 
-def tree_specs(leaves: Any, max_size: int = 8, trailing_slash: bool = True) -> Any:
+def tree_specs(leaves: Any, max_size: int = 8) -> Any:
     """Nested dicts and lists of ``leaves``, keys over ``KEY_CHARS`` (our saves escape '.',
-    '/' and '%'; Orbax does not); keys ending in '/' only if ``trailing_slash``."""
+    '/' and '%'; Orbax does not)."""
     names = st.text(KEY_CHARS, min_size=1, max_size=5)
-    if not trailing_slash:
-        names = names.filter(lambda name: not name.endswith("/"))
     node = st.one_of(
         leaves,
         st.dictionaries(names, leaves, min_size=1, max_size=4),

@@ -56,7 +56,7 @@ async def _check_zarr_metadata(
     """Compares each batched array's ``zarr.json`` with the one this library writes for it."""
     kvstore = await ocdbt.open_kvstore(session.directory, ocdbt.make_context())
     names = [session.tree.storage_name(e.names) for e in entries]
-    futures = [kvstore.read(f"{n}/zarr.json") for n in names]
+    futures = [kvstore.read(zarr3.array_prefix(n) + "zarr.json") for n in names]
     problems = []
     for entry, future in zip(entries, futures, strict=True):
         stored = session.stored_array(entry)

@@ -135,7 +135,9 @@ class Reader:
     def array_spec(self, name: str) -> dict[str, Any]:
         """The zarr spec of array ``name`` (for the driver)."""
         if self._ocdbt:
-            kvstore: Any = ocdbt_room.kvstore_spec(self._directory, path=name + "/")
+            kvstore: Any = ocdbt_room.kvstore_spec(
+                self._directory, path=zarr3_room.array_prefix(name)
+            )
         else:  # Orbax's use_ocdbt=False layout: one directory per array.
             kvstore = ocdbt_room.location_spec(self._directory / name)
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
@@ -323,7 +325,8 @@ class Reader:
     async def _check_zarr_json(self, kvstore: Any, reads: Sequence[ArrayRead]) -> None:
         """Each array's ``zarr.json`` must be the one written for its recorded layout."""
         try:
-            values = await read_values(kvstore, [f"{r.name}/zarr.json" for r in reads])
+            keys = [zarr3_room.array_prefix(r.name) + "zarr.json" for r in reads]
+            values = await read_values(kvstore, keys)
         except ValueError as e:
             raise storage.storage_error(f"the arrays of {self._directory}", e) from e
         for read, value in zip(reads, values, strict=True):

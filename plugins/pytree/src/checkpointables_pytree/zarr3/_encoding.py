@@ -31,6 +31,7 @@ import crc32c
 import numpy as np
 
 __all__ = [
+    "array_prefix",
     "zarr_shape_dtype",
     "ArrayWrite",
     "zarr_dtype_name",
@@ -178,11 +179,18 @@ def default_chunk_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(max(1, int(d)) for d in shape)
 
 
+def array_prefix(name: str) -> str:
+    """The key prefix of array ``name``'s keys: ``name/``, or ``name`` itself when it ends
+    with ``/`` (TensorStore joins paths without doubling it: Orbax stores the array of a
+    key ``"x/"`` at ``x/zarr.json``)."""
+    return name if name.endswith("/") else name + "/"
+
+
 def chunk_key(name: str, index: Sequence[int]) -> str:
     """The key of chunk ``index`` of array ``name``: ``name/c/i/j``, or ``name/c`` for 0-d."""
     if not index:
-        return f"{name}/c"
-    return f"{name}/c/{_index_suffix(tuple(index))}"
+        return f"{array_prefix(name)}c"
+    return f"{array_prefix(name)}c/{_index_suffix(tuple(index))}"
 
 
 @functools.lru_cache(maxsize=4096)  # Most arrays have one chunk: (0,), (0, 0), ...
