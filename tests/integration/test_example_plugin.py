@@ -56,7 +56,7 @@ def test_missing_third_party_plugin_names_the_recorded_distribution(tmp_path) ->
 
     cp.save_checkpointables(tmp_path / "c", {"p": Point(1, 2), "other": {"a": 1}})
     meta = json.loads((tmp_path / "c" / "_CHECKPOINT_METADATA").read_text())
-    recorded = meta["checkpointables_handler_distributions"]
+    recorded = meta["custom_metadata"]["checkpointables_handler_distributions"]
     assert recorded["p"] == {"distribution": "checkpointables-example-point", "version": "0.1.0"}
     assert recorded["other"]["distribution"] == "checkpointables-json"
     assert cp.load_checkpointables(tmp_path / "c")["other"] == {"a": 1}
@@ -104,11 +104,16 @@ def test_orbax_loads_checkpoints_that_record_distributions(tmp_path) -> None:
     from orbax.checkpoint import v1 as ocp_v1
 
     tree = {"w": np.arange(6.0).reshape(2, 3), "step": 3}
-    cp.save_checkpointables(tmp_path / "c", {"pytree": tree, "extra": {"a": 1}})
+    # Orbax refuses an unknown top-level field when custom_metadata is not empty.
+    cp.save_checkpointables(
+        tmp_path / "c", {"pytree": tree, "extra": {"a": 1}}, custom_metadata={"run": "r1"}
+    )
     cp.save_pytree(tmp_path / "p", tree)
     for path in (tmp_path / "c", tmp_path / "p"):
         meta = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-        assert "checkpointables_handler_distributions" in meta
+        assert "checkpointables_handler_distributions" in meta["custom_metadata"]
+    assert cp.checkpointables_metadata(tmp_path / "c").custom_metadata == {"run": "r1"}
+    assert ocp_v1.checkpointables_metadata(tmp_path / "c").custom_metadata["run"] == "r1"
     loaded = ocp_v1.load_checkpointables(tmp_path / "c")
     assert loaded["extra"] == {"a": 1}
     np.testing.assert_array_equal(loaded["pytree"]["w"], tree["w"])

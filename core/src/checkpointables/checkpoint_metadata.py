@@ -21,8 +21,9 @@ __all__ = [
 ]
 
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
-# Our own field: name -> {"distribution": ..., "version": ...} of the plugin whose handler saved
-# it. Orbax ignores it for loading (it moves unknown top-level keys into custom_metadata).
+# Our own record: name -> {"distribution": ..., "version": ...} of the plugin whose handler
+# saved it. Written inside custom_metadata: Orbax refuses an unknown top-level key when
+# custom_metadata is not empty. Our reader takes it out of custom_metadata again.
 DISTRIBUTIONS_FIELD = "checkpointables_handler_distributions"
 T = TypeVar("T")
 # What a distribution name and a version may look like (PEP 508 names; PEP 440-ish versions):
@@ -101,7 +102,9 @@ def checkpoint_metadata_json(
     """The text of a ``_CHECKPOINT_METADATA`` file, in Orbax's field order.
 
     ``distributions`` maps checkpointable names to the ``(name, version)`` of the
-    distribution whose plugin saved them; recorded (after Orbax's fields) if not empty.
+    distribution whose plugin saved them; recorded, if not empty, under a key of
+    ``custom_metadata`` that our reader removes again (unless the user's own
+    custom metadata holds that key: then it is not recorded).
     """
     handlers = dict(item_handlers) if isinstance(item_handlers, Mapping) else item_handlers
     fields: dict[str, Any] = {
@@ -112,8 +115,8 @@ def checkpoint_metadata_json(
         "commit_timestamp_nsecs": commit_timestamp_nsecs,
         "custom_metadata": dict(custom_metadata or {}),
     }
-    if distributions:
-        fields[DISTRIBUTIONS_FIELD] = {
+    if distributions and DISTRIBUTIONS_FIELD not in fields["custom_metadata"]:
+        fields["custom_metadata"][DISTRIBUTIONS_FIELD] = {
             name: {"distribution": dist, "version": version}
             for name, (dist, version) in distributions.items()
         }
@@ -169,6 +172,9 @@ def _validated(path: epath.Path, raw: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {k: raw.get(k) for k in _KNOWN_FIELDS}
     custom = raw.get("custom_metadata")
     result["custom_metadata"] = dict(custom) if isinstance(custom, dict) else {}
+    # Recorded inside custom_metadata (for Orbax): ours, not the user's.
+    if result[DISTRIBUTIONS_FIELD] is None:
+        result[DISTRIBUTIONS_FIELD] = result["custom_metadata"].pop(DISTRIBUTIONS_FIELD, None)
     for key, value in raw.items():
         if key not in _KNOWN_FIELDS:
             result["custom_metadata"].setdefault(key, value)
