@@ -36,7 +36,11 @@ def test_json_and_stateful_round_trip(tmp_path) -> None:
         "extra": "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler",
         "point": "checkpointables.builtin_plugin.StatefulCheckpointableHandler",
     }
+    # Beside the user's: which distribution's plugin saved each item (read back out of it).
+    recorded = meta["custom_metadata"].pop("checkpointables_handler_distributions")
+    assert recorded["extra"]["distribution"] == "checkpointables-json"
     assert meta["custom_metadata"] == {"run": "exp-7"}
+    assert cp.checkpointables_metadata(path).custom_metadata == {"run": "exp-7"}
     assert meta["commit_timestamp_nsecs"] >= meta["init_timestamp_nsecs"] > 0
 
     fresh = StatefulPoint(0, 0)
