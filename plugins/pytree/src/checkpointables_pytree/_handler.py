@@ -319,6 +319,9 @@ class PyTreeHandler:
         opened = None
         if context.array_options.ocdbt_fast_path:
             opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
+        # The b-tree is the one the save recorded (a forged node can point a key anywhere).
+        with storage.object_store_failures(directory, "Reading the b-tree of"):
+            ocdbt.check_recorded_nodes(directory)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
         session = LoadSession(directory, tree, context, opened)

@@ -269,12 +269,14 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
         leaves.mark_orbax_keys(tree, directory)  # As a load does.
     except cp.errors.CheckpointError as e:
         return [str(e)]
+    if tree.use_ocdbt:  # Every b-tree node against the save's list (a forged node).
+        problems = await asyncio.to_thread(ocdbt.node_checksum_problems, directory)
+        if problems:
+            return problems  # Reading values through a changed b-tree proves nothing.
     session = LoadSession(directory, tree, cp.context.get_context())
     problems = _check_loadable(directory, tree, registry) + _check_layouts(session)
     if problems:
         return problems  # Reading chunks by a layout that cannot be trusted proves nothing.
-    if tree.use_ocdbt:  # Every b-tree node against the save's list (a forged node).
-        problems += await asyncio.to_thread(ocdbt.node_checksum_problems, directory)
     problems += await _check_array_set(session)
     try:
         problems += leaves.key_impl_problems(tree, directory)

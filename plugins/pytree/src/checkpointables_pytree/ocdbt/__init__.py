@@ -24,7 +24,7 @@ layout). What this room does itself, and what it leaves to TensorStore:
   in one atomic transaction), and every read the fast path declines.
 * **Vouched for here** (``record_node_checksums``, ``node_checksum_problems``):
   the CRC-32C of every b-tree node of a saved database, in ``_btree_checksums``
-  (covered by the commit's ``_CHECKSUMS``), which verify and the index check.
+  (covered by the commit's ``_CHECKSUMS``), which verify and loads check.
 
 The fast path can be turned off per save and per load (``docs/pytree.md``);
 then TensorStore writes and reads every key. It is held to TensorStore by
@@ -75,6 +75,7 @@ from checkpointables_pytree.ocdbt._index import (
 )
 from checkpointables_pytree.ocdbt._node_checksums import (
     NODE_CHECKSUMS_FILE,
+    check_recorded_nodes,
     node_checksum_problems,
     node_checksums,
     record_node_checksums,
@@ -119,6 +120,7 @@ __all__ = [
     "parse_location",
     "stored_key_count",
     "NODE_CHECKSUMS_FILE",
+    "check_recorded_nodes",
     "node_checksums",
     "record_node_checksums",
     "node_checksum_problems",

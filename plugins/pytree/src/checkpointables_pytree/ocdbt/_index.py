@@ -30,7 +30,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import storage
-from checkpointables_pytree.ocdbt import _btree_nodes, _context, _node_checksums
+from checkpointables_pytree.ocdbt import _btree_nodes, _context
 from checkpointables_pytree.ocdbt._dumps import dump, dump_async
 from checkpointables_pytree.storage import ValueLocation
 
@@ -88,8 +88,6 @@ class DatabaseIndex:
         self._nodes: dict[str, Any] = {}
         self._plain = False  # Whether the manifest says its nodes are uncompressed.
         self._local = _context.is_local(self.root)
-        # The save's CRC-32C of each node (None: not recorded), checked as nodes are read.
-        self._listed: dict[str, int] | None = None
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -108,7 +106,6 @@ class DatabaseIndex:
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
         base = ts.KvStore.open(_context.location_spec(self.root)).result()
-        self._listed = _node_checksums.read_listed(self.root)
         manifest = dump(base, key=self._manifest_key())
         versions = manifest.get("versions") or []
         if not versions:
@@ -123,8 +120,6 @@ class DatabaseIndex:
             node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
                 return base, (location, node)
-        elif self._listed is not None:
-            self._node_bytes(base, location)  # Checked; TensorStore decodes it.
         return base, (location, dump(base, location, key=(self.root, location)))
 
     async def node(self, location: str) -> Any:
@@ -135,8 +130,6 @@ class DatabaseIndex:
             node = _btree_nodes.decoded(data, location)
             if node is not None:
                 return node
-        elif self._listed is not None:
-            await asyncio.to_thread(self._node_bytes, base, location)  # Checked.
         return await dump_async(base, location, key=(self.root, location))
 
     def _manifest_key(self) -> tuple[Any, ...] | None:
@@ -151,14 +144,11 @@ class DatabaseIndex:
         return (self.root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
     def _node_bytes(self, base: Any, location: str) -> bytes:
-        """The bytes of a node (``b""``: missing); a local database's are read directly.
-
-        Raises ``cp.errors.IntegrityError`` if they differ from what the save recorded."""
+        """The bytes of a node (``b""``: missing); a local database's are read directly."""
         where = parse_location(location, self.root, "btreenode") if self._local else None
         data = None if where is None else storage.read_range(*where)
         if data is None:
             data = _btree_nodes.value_of(_btree_nodes.read(base, location).result())
-        _node_checksums.check_node(self._listed, self.root, location, data)
         return data
 
     async def find(
