@@ -138,19 +138,26 @@ def test_nodes_tensorstore_compressed_are_covered(tmp_path) -> None:
     problems = _problems(path)
     assert all(any(f in p for p in problems) for f in files), problems
     with pytest.raises(cp.errors.IntegrityError, match="the b-tree node"):
-        cp.load_pytree(path)  # The fast path of the load reads the (zstd) nodes itself.
+        cp.load_pytree(path)
+    with FAST_PATH_OFF, pytest.raises(cp.errors.IntegrityError, match="the b-tree node"):
+        cp.load_pytree(path)  # TensorStore reads every node: they were checked before.
 
 
 def test_nodes_of_merged_writers_are_covered(tmp_path) -> None:
     path = tmp_path / "c"
-    tree = {"w": np.arange(1 << 18, dtype=np.float32), "step": 3}
-    inner = cp.options.ArrayStorageOptions(chunk_byte_size=64 << 10)
+    # Two groups of arrays in inner chunks: two writers' databases, merged into the root.
+    elements = ocdbt.LARGE_GROUP_BYTES // 4 + 1024
+    tree = {f"w{i}": np.full(elements, i, dtype=np.float32) for i in range(2)} | {"step": 3}
+    inner = cp.options.ArrayStorageOptions(chunk_byte_size=8 << 20)
     with cp.Context(array_options=cp.options.ArrayOptions(storage_options=inner)):
         cp.save_pytree(path, tree)
+    assert len(list((path / "pytree").glob(ocdbt.WRITER_PREFIX + "*"))) == 2
     assert _problems(path) == []
     files = _flip_every_node(path)
     problems = _problems(path)
     assert all(any(f in p for p in problems) for f in files), problems
+    with pytest.raises(cp.errors.IntegrityError, match="the b-tree node"):
+        cp.load_pytree(path)
 
 
 def test_nodes_of_a_partial_save_are_covered(tmp_path) -> None:
@@ -163,6 +170,8 @@ def test_nodes_of_a_partial_save_are_covered(tmp_path) -> None:
     files = _flip_every_node(path)
     problems = _problems(path)
     assert all(any(f in p for p in problems) for f in files), problems
+    with pytest.raises(cp.errors.IntegrityError, match="the b-tree node"):
+        cp.load_pytree(path)
 
 
 def test_a_checkpoint_without_the_list_loads_as_before(saved, tmp_path) -> None:
