@@ -21,6 +21,10 @@ from checkpointables_pytree import ocdbt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# The saves here choose their own path (FAST_PATH_OFF where TensorStore writes): the
+# fast path stays on in CI's run without it.
+pytestmark = pytest.mark.fast_path
+
 TREE = {"a": np.arange(3), "step": 5, "big": np.arange(2 << 20, dtype=np.float32)}
 FAST_PATH_OFF = cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=False))
 
