@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 
 from .damage import forge_root, root_location
 
+# Forged manifests and nodes of the database our fast path writes and reads.
+pytestmark = pytest.mark.fast_path
+
 TREE = {"a": np.arange(3), "step": 5, "big": np.arange(2 << 20, dtype=np.float32)}
 
 

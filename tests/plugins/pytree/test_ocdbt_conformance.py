@@ -370,6 +370,7 @@ _ACROSS_DATA_FILES = {f"big{i}": _leaf("float32", 1 << 18, i) for i in range(3)}
 @_examples(15)
 @given(tree_spec=cases.tree_specs(cases.leaf_specs()))
 @example(tree_spec=_ACROSS_DATA_FILES)
+@pytest.mark.fast_path  # It checks what our own writer wrote (one version, uncompressed).
 def test_tensorstore_reads_the_pytrees_we_save(tmp_path_factory, tree_spec) -> None:
     _in_scratch(tmp_path_factory, _check_saved, tree_spec, child="c")
 
