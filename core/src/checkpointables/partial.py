@@ -260,9 +260,15 @@ def finalize(path: epath.PathLike) -> None:
     with state.lock:
         if state.last_save is not None:
             state.last_save.exception()  # Its error stays with its response.
-        _check_not_finished(path)
         operation = f"partial/{multihost.next_operation_id()}"
         error: BaseException | None = None
+        try:
+            _check_not_finished(path)
+        except BaseException as e:
+            error = e
+        # Every process looks before the primary publishes: a slow one would see the
+        # finished checkpoint and take it for someone else's.
+        multihost.sync_global_processes(f"{operation}/checked", error=error)
         if multihost.is_primary_host():
             try:
                 _finalize(path, session)

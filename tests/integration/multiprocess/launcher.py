@@ -9,6 +9,7 @@ killed if it overruns.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,9 @@ from collections.abc import Callable, Sequence
 import attrs
 
 PREAMBLE = """
-import os, sys
+import faulthandler, os, signal, sys
+# A process the test stops for overrunning prints every thread's stack first.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -56,7 +59,7 @@ class ProcessResult:
         """Raises with the process's output unless it exited 0."""
         assert self.returncode == 0, (
             f"process {self.process_id} exited {self.returncode}\n"
-            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}"
+            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-8000:]}"
         )
         return self
 
@@ -101,8 +104,15 @@ def run_job(
         try:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+            out, err = _stack_dump_then_kill(proc)
             err += f"\n[killed by the test after {timeout} s]"
         results.append(ProcessResult(i, proc.returncode, out, err))
     return results
+
+
+def _stack_dump_then_kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Asks an overrunning process for its threads' stacks, then kills it."""
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(2.0)
+    proc.kill()
+    return proc.communicate()

@@ -458,6 +458,11 @@ cp.partial.save(root + "/partial", {"params": {"large": tree["large"]}, "host": 
 # A replacement: the second value of by_row wins.
 cp.partial.save(root + "/partial", {"by_row": tree["by_row"] * 0})
 cp.partial.save(root + "/partial", {"by_row": tree["by_row"]})
+# Process 1 comes late to finalize: it must not take the primary's finished checkpoint
+# for one that was there before (it did, and the primary hung at the next barrier).
+if PROCESS_ID == 1:
+    import time
+    time.sleep(3)
 cp.partial.finalize(root + "/partial")
 loaded = cp.load_pytree(root + "/partial")
 np.testing.assert_array_equal(np.asarray(loaded["params"]["large"]), values()["large"])
