@@ -34,9 +34,7 @@ _KEYS = st.one_of(
 
 
 def _dict(children: st.SearchStrategy) -> st.SearchStrategy:
-    return _KEYS.flatmap(
-        lambda keys: st.fixed_dictionaries({k: children for k in sorted(keys)})
-    )
+    return _KEYS.flatmap(lambda keys: st.fixed_dictionaries({k: children for k in sorted(keys)}))
 
 
 _TREES = st.recursive(
@@ -74,7 +72,9 @@ def _assert_same(loaded, expected) -> None:
         np.testing.assert_array_equal(np.asarray(loaded), np.asarray(expected))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(tree=_TREES.filter(lambda t: isinstance(t, (dict, list, tuple))))
 def test_a_tree_loads_with_its_key_types(tmp_path_factory, tree) -> None:
     path = tmp_path_factory.mktemp("c") / "c"
@@ -131,3 +131,15 @@ def test_a_malformed_record_is_a_metadata_error(tmp_path, record) -> None:
     _edit_metadata(tmp_path / "c", damage)
     with pytest.raises(cp.errors.MetadataError, match="int_keys"):
         cp.load_pytree(tmp_path / "c")
+
+
+def test_partial_saves_keep_the_int_keys_that_survive(tmp_path) -> None:
+    path = tmp_path / "c"
+    cp.partial.save(path, {"layers": {0: 1.0}, "opt": {"0": 1}})
+    cp.partial.save(path, {"layers": {1: 2.0}, "opt": {"1": 2}})
+    cp.partial.save(path, {"replaced": {3: 1}})
+    cp.partial.save(path, {"replaced": 3})
+    cp.partial.finalize(path)
+    loaded = cp.load_pytree(path)
+    assert loaded == {"layers": {0: 1.0, 1: 2.0}, "opt": {"0": 1, "1": 2}, "replaced": 3}
+    _assert_same(loaded["layers"], {0: 1.0, 1: 2.0})
