@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +63,61 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
     return dtype.type
 
 
-def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry) -> Any:
+_KINDS = {bool: "b", int: "i", float: "f", complex: "c"}
+
+
+def _change(value: Any, scalar_type: Any) -> str | None:
+    """How ``scalar_type(value)`` would change the value, or ``None`` if it keeps it.
+
+    Floats may round to a narrower float type (as arrays cast to another
+    dtype do); anything else must keep its value exactly.
+    """
+    kind = _KINDS.get(scalar_type)
+    if kind is None:
+        try:
+            kind = np.dtype(scalar_type).kind
+        except TypeError:
+            return None  # Not a NumPy scalar type: nothing to check.
+    if isinstance(value, (int, np.integer, np.bool_)):
+        number: int | complex = int(value)
+    else:
+        try:
+            number = complex(value)
+        except (TypeError, ValueError):
+            return None
+    if isinstance(number, complex):
+        if number.imag and kind != "c":
+            return "has an imaginary part"
+        if kind in "biu":
+            if not number.real.is_integer():
+                return "is not a whole number"
+            number = int(number.real)
+    if kind == "b" and number not in (0, 1):
+        return "is not 0 or 1"
+    if kind in "iu" and scalar_type is not int:
+        info = np.iinfo(scalar_type)
+        if not info.min <= number <= info.max:  # type: ignore[operator]
+            return f"is outside the range of {info.dtype}"
+    if kind in "fc":
+        top = float(np.finfo(float if scalar_type in (float, complex) else scalar_type).max)
+        parts = (number.real, number.imag) if isinstance(number, complex) else (number,)
+        if any(math.isfinite(p) and abs(p) > top for p in parts):
+            return f"is outside the range of {np.dtype(scalar_type).name}"
+    return None
+
+
+def _changed_error(entry: tree.Entry, value: Any, scalar_type: Any, why: str) -> Exception:
+    name = getattr(scalar_type, "__name__", str(scalar_type))
+    dtype = np.dtype(scalar_type).name
+    return cp.errors.TreeMismatchError(
+        f"{entry.keystr} stores {value!r}, which {why}: loading it as {name} (the abstract "
+        f"leaf's type) would change it. To cast it anyway, give a 0-d array abstract leaf, "
+        f"np.empty((), np.{dtype}) or jax.ShapeDtypeStruct((), jnp.{dtype}), which casts as "
+        f"arrays do; or an abstract leaf of the stored type, and convert the value yourself."
+    )
+
+
+def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry, check: bool = False) -> Any:
     if scalar_type is None:  # Decided by the stored dtype, now that it is read.
         scalar_type = _scalar_type(None, array.dtype)
     if array.size != 1:
@@ -76,6 +131,13 @@ def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry) -> Any:
         if scalar_type in (int, float, bool, complex)
         else array.reshape(())[()]
     )
+    if check:  # The abstract leaf's type, not the stored one: it must keep the value.
+        why = _change(value, scalar_type)
+        if why is not None:
+            raise _changed_error(entry, value, scalar_type, why)
+        complex_type = scalar_type is complex or issubclass(scalar_type, np.complexfloating)
+        if isinstance(value, (complex, np.complexfloating)) and not complex_type:
+            value = value.real  # Its imaginary part is 0 (checked above).
     return scalar_type(value)
 
 
@@ -84,7 +146,8 @@ class ScalarLeafHandler(ZarrLeafHandler):
 
     ``int`` is stored as int64, ``float`` as float64, ``bool`` as bool and
     NumPy scalars in their own dtype; each loads back as its own type (or as
-    the type of the abstract leaf: ``0.0`` loads a float). ``metadata`` gives
+    the type of the abstract leaf: ``0.0`` loads a float, where the conversion
+    keeps the value: ``2.5`` given ``0`` raises ``TreeMismatchError``). ``metadata`` gives
     a zero of each stored scalar's type (``0``, ``0.0``, ``False``, ``np.float32(0)``...).
     """
 
@@ -119,11 +182,10 @@ class ScalarLeafHandler(ZarrLeafHandler):
     def _read_target(
         self, entry: tree.Entry, abstract: Any, stored: StoredArray | None
     ) -> ReadTarget:
-        if isinstance(abstract, type):
-            scalar_type = abstract
-        elif abstract is not None:
-            scalar_type = type(abstract)
-        elif stored is not None:
+        if abstract is not None:
+            scalar_type = abstract if isinstance(abstract, type) else type(abstract)
+            return ReadTarget(lambda pieces: _to_scalar(pieces[0], scalar_type, entry, True))
+        if stored is not None:
             scalar_type = _scalar_type(entry.extra.get("scalar_type"), stored.dtype)
         else:
             scalar_type = None
