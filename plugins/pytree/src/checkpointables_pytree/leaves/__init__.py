@@ -31,7 +31,12 @@ from checkpointables_pytree.leaves._keys import (
     key_array_type,
     mark_orbax_keys,
 )
-from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._metadata import (
+    ArrayMetadata,
+    BytesMetadata,
+    NumpyMetadata,
+    StorageMetadata,
+)
 from checkpointables_pytree.leaves._scalar_handler import ScalarLeafHandler
 from checkpointables_pytree.leaves._session import (
     ARRAY_METADATAS_DIR,
@@ -65,6 +70,7 @@ __all__ = [
     "key_array_type",
     "mark_orbax_keys",
     "ArrayMetadata",
+    "BytesMetadata",
     "NumpyMetadata",
     "StorageMetadata",
     "ScalarLeafHandler",
