@@ -169,12 +169,16 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
 def is_checkpoint(path: epath.PathLike) -> bool:
     """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
 
-    On an object store: whether it has its commit marker (one request).
+    On an object store: whether it has its commit marker (one request). A
+    request the store refuses (a bucket that does not exist, denied
+    credentials) raises ``cp.errors.StorageError``: that is no answer.
     """
     path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
     text = os.fspath(path)
     try:
         return not is_temporary_path(text) and storage.is_file(_commit_file(text))
+    except errors.StorageError:
+        raise
     except OSError:
         return False
 

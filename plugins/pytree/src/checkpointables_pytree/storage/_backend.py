@@ -15,6 +15,7 @@ from typing import Any
 import checkpointables as cp
 import tensorstore as ts
 
+from checkpointables_pytree.storage._errors import missing_bucket
 from checkpointables_pytree.storage._object_store import (
     S3Settings,
     bucket_and_key,
@@ -27,6 +28,9 @@ __all__ = ["KvStoreStorage", "storage_for"]
 
 
 def _failure(action: str, url: str, error: BaseException) -> cp.errors.StorageError:
+    missing = missing_bucket(action, url, error)  # Named with its endpoint, not the XML answer.
+    if missing is not None:
+        return missing
     return cp.errors.StorageError(
         f"{action} {url} failed: {error}. Check the path, the credentials and the endpoint "
         f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
@@ -65,6 +69,7 @@ class KvStoreStorage:
         self._context = ts.Context(context_resources(options))
         self._stores: dict[tuple[str, str], ts.KvStore] = {}
         self._lock = threading.Lock()
+        self._buckets_seen: set[int] = set()  # Stores (by id) whose bucket answered a LIST.
 
     def _store(self, url: str) -> tuple[ts.KvStore, str]:
         scheme, bucket, key = bucket_and_key(url)
@@ -105,7 +110,14 @@ class KvStoreStorage:
         if not key:
             return False
         with _failing("Checking", path):
-            return bool(store.read(key, byte_range=slice(0, 0)).result().state == "value")
+            if store.read(key, byte_range=slice(0, 0)).result().state == "value":
+                return True
+            if id(store) not in self._buckets_seen:
+                # A missing bucket answers HEAD as a missing object does (no body): a LIST,
+                # once per bucket, tells them apart and raises with the bucket's name.
+                store.list(ts.KvStore.KeyRange(key, key + "\0")).result()
+                self._buckets_seen.add(id(store))
+        return False
 
     def exists(self, path: str) -> bool:
         """Whether an object, or any object under the prefix ``path/``, exists."""
