@@ -97,3 +97,18 @@ def test_quiet_goes_before_or_after_the_command() -> None:
     assert parser.parse_args(["-q", "plugins"]).quiet
     assert parser.parse_args(["plugins", "--quiet"]).quiet
     assert not parser.parse_args(["plugins"]).quiet
+
+
+def test_inspect_shows_the_size_of_bytes_leaves(tmp_path, capsys) -> None:
+    tree = {"blob": b"abcd", "none": b"", "w": np.ones(3, np.float32), "step": 3, "name": "x"}
+    cp.save_pytree(tmp_path / "c", tree)
+    assert cli.main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "['blob']: BytesMetadata  (4 B)" in out and "['none']: BytesMetadata  (0 B)" in out
+    assert "['w']: NumpyMetadata shape=(3,) dtype=float32  (12 B)" in out
+    # Scalars and strings: their metadata records no size, and none is made up.
+    assert "['step']: int\n" in out and "['name']: str\n" in out
+    assert "total array bytes: 16" in out
+    metadata = cp.pytree_metadata(tmp_path / "c").metadata
+    assert metadata["blob"] == b"" and metadata["blob"].nbytes == 4  # Still an abstract bytes.
+    assert cp.load_pytree(tmp_path / "c", metadata)["blob"] == b"abcd"

@@ -63,10 +63,16 @@ def _checksum_findings(path: epath.Path) -> list[Finding]:
     ]
 
 
-def leaf_nbytes(leaf: Any) -> int:
-    """Bytes of an (abstract) array leaf: its shape's size times its dtype's; 0 for others."""
+def leaf_nbytes(leaf: Any) -> int | None:
+    """Bytes of an (abstract) leaf, ``None`` where its metadata does not say.
+
+    An abstract array's shape's size times its dtype's; another leaf's
+    ``nbytes`` where it has an integer one (the pytree plugin's metadata of a
+    ``bytes`` leaf does).
+    """
     if not isinstance(leaf, AbstractArray) or leaf.shape is None or leaf.dtype is None:
-        return 0
+        nbytes = getattr(leaf, "nbytes", None)
+        return nbytes if type(nbytes) is int else None
     import numpy as np
 
     return int(np.prod(leaf.shape, dtype=np.int64)) * int(getattr(leaf.dtype, "itemsize", 0))
@@ -81,7 +87,7 @@ def _array_bytes(directory: epath.Path, name: str, recorded: str | None) -> int 
         value = _loading.item_metadata(directory, name, recorded, get_context())
     except Exception:  # The checks below report what is wrong.
         return None
-    total = sum(leaf_nbytes(leaf) for leaf in jax.tree_util.tree_leaves(value))
+    total = sum(leaf_nbytes(leaf) or 0 for leaf in jax.tree_util.tree_leaves(value))
     return total or None  # Nothing to count in bytes (e.g. JSON): a bar without a total.
 
 

@@ -55,7 +55,9 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_leaf(leaf: Any) -> tuple[str, int]:
+def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
+    """A leaf's line of ``inspect``, and its bytes (``None``: its metadata does not say)."""
+    from checkpointables._verification import leaf_nbytes
     from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
     if isinstance(leaf, AbstractArray) and leaf.shape is not None and leaf.dtype is not None:
@@ -65,16 +67,15 @@ def _describe_leaf(leaf: Any) -> tuple[str, int]:
         # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
         with contextlib.suppress(TypeError):
             dtype = np.dtype(dtype)
-        from checkpointables._verification import leaf_nbytes
-
         sharding = leaf.sharding if isinstance(leaf, AbstractShardedArray) else None
         extra = f" sharding={sharding}" if sharding is not None else ""
         text = f"{type(leaf).__name__} shape={tuple(leaf.shape)} dtype={dtype}{extra}"
         return text, leaf_nbytes(leaf)
     if isinstance(leaf, type):
-        return f"{leaf.__name__}", 0
-    # Metadata of scalars and strings is a placeholder of the stored type, not the value.
-    return type(leaf).__name__, 0
+        return f"{leaf.__name__}", None
+    # Metadata of scalars and strings is a placeholder of the stored type, not the value:
+    # no size to show. A bytes leaf's metadata knows its size (its `nbytes`).
+    return type(leaf).__name__, leaf_nbytes(leaf)
 
 
 def _print_leaves(value: Any) -> int:
@@ -89,8 +90,12 @@ def _print_leaves(value: Any) -> int:
         print(f"  {value!r}"[:200])
     for keypath, leaf in leaves:
         text, size = _describe_leaf(leaf)
+        shown = f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}"
+        if size is None:
+            print(shown)
+            continue
         total += size
-        print(f"  {jax.tree_util.keystr(keypath) or '<root>'}: {text}  ({size:,} B)")
+        print(f"{shown}  ({size:,} B)")
     progress.advance(total)
     return total
 

@@ -186,8 +186,8 @@ def is_checkpoint(path: epath.PathLike) -> bool:
 
     Raises:
       cp.errors.StorageError: the object store cannot be reached or refuses the
-        request (no network, no credentials): the answer is unknown, and a
-        ``False`` would send a training job back to step 0.
+        request (no network, no credentials, a bucket that does not exist): the
+        answer is unknown, and a ``False`` would send a training job back to step 0.
     """
     path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
     text = os.fspath(path)

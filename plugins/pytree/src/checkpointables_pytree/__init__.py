@@ -30,6 +30,7 @@ from checkpointables_pytree.leaves import (
     ArrayOptions,
     ArrayStorageOptions,
     BytesLeafHandler,
+    BytesMetadata,
     NumpyLeafHandler,
     NumpyMetadata,
     PRNGKeyLeafHandler,
@@ -53,8 +54,9 @@ __all__ = [
     "PRNGKeyLeafHandler",
     # Typed PRNG keys: the abstract type their handler loads into.
     "AbstractPRNGKey",
-    # What cp.pytree_metadata returns for array and key leaves.
+    # What cp.pytree_metadata returns for array, key and bytes leaves.
     "ArrayMetadata",
+    "BytesMetadata",
     "NumpyMetadata",
     "PRNGKeyMetadata",
     "StorageMetadata",

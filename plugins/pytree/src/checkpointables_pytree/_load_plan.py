@@ -296,6 +296,7 @@ class LoadPlan:
             made = tree_room.Recipe.of(
                 self.slots,
                 tree.tuple_paths,
+                tree.int_keys,
                 on_conflict=lambda message: cp.errors.MetadataError(
                     f"{where / tree_room.METADATA_FILE} is malformed: {message}."
                 ),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -58,6 +58,7 @@ _RECOMPUTED_FIELDS = (
     "format_version",
     "escaped_names",
     "tuples",
+    tree_room.INT_KEYS,
     "strings_crc32c",
     "own_value_types",
 )
@@ -131,6 +132,20 @@ def plan_merge(
     # Inner nodes left without any entry below them are not part of the tree.
     inner = {names[:i] for names in winners for i in range(len(names))}
     return winners, frozenset(tuples & inner)
+
+
+def _int_keys(
+    trees: Sequence[tree_room.TreeMetadata], winners: Iterable[Winner]
+) -> frozenset[tuple[str, ...]]:
+    """The int dict keys of the merged tree: those of the sources' surviving entries."""
+    if not any(t.int_keys for t in trees):
+        return frozenset()
+    found: set[tuple[str, ...]] = set()
+    for winner in winners:
+        recorded = trees[winner.source].int_keys
+        names = winner.entry.names
+        found.update(names[:i] for i in range(1, len(names) + 1) if names[:i] in recorded)
+    return frozenset(found)
 
 
 def _read_json(path: epath.Path) -> Any:
@@ -233,6 +248,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     merged = tree_room.TreeMetadata(
         entries=sorted((w.entry for w in winners.values()), key=lambda e: e.names),
         tuple_paths=tuples,
+        int_keys=_int_keys(trees, winners.values()),
         extra={k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS},
         own_value_types=any(t.own_value_types for t in trees),
     )

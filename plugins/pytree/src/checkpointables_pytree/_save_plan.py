@@ -109,6 +109,7 @@ class _Template:
     places: list[int]  # Per leaf (jax.tree_util order): its entry's place in the file.
     tails: list[str | None]  # Per place: the rest of an empty node's text (None: a leaf's).
     tuple_paths: frozenset[tuple[str, ...]]
+    int_keys: frozenset[tuple[str, ...]]
 
 
 def _template(structure: tree.Structure) -> _Template:
@@ -137,6 +138,7 @@ def _template(structure: tree.Structure) -> _Template:
             for k in order
         ],
         tuple_paths=frozenset(tree.key_names(p) for p in structure.tuples),
+        int_keys=structure.int_keys,
     )
     return template
 
@@ -189,6 +191,7 @@ def saved_tree_metadata(
     return tree.TreeMetadata(
         entries=[],
         tuple_paths=template.tuple_paths,
+        int_keys=template.int_keys,
         own_value_types=any(t is not None for t in own_types.values()),
         entries_text="".join(pieces),  # type: ignore[arg-type]  # Every tail is set.
     )

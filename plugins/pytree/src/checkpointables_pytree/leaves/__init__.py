@@ -34,7 +34,12 @@ from checkpointables_pytree.leaves._keys import (
     key_impl_problems,
     mark_orbax_keys,
 )
-from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
+from checkpointables_pytree.leaves._metadata import (
+    ArrayMetadata,
+    BytesMetadata,
+    NumpyMetadata,
+    StorageMetadata,
+)
 from checkpointables_pytree.leaves._options import (
     FAST_PATH_ENVIRONMENT_VARIABLE,
     ArrayOptions,
@@ -77,6 +82,7 @@ __all__ = [
     "mark_orbax_keys",
     "key_impl_problems",
     "ArrayMetadata",
+    "BytesMetadata",
     "NumpyMetadata",
     "StorageMetadata",
     "ScalarLeafHandler",

@@ -1,9 +1,10 @@
-"""What ``cp.pytree_metadata`` returns for array leaves.
+"""What ``cp.pytree_metadata`` returns for array and bytes leaves.
 
 Each class is a valid abstract leaf: ``ArrayMetadata`` has ``shape``, ``dtype``
 and ``sharding`` (an ``AbstractShardedArray``, restoring a ``jax.Array``),
 ``NumpyMetadata`` has ``shape`` and ``dtype`` (an ``AbstractArray``, restoring
-NumPy). So ``cp.load_pytree(path, cp.pytree_metadata(path).metadata)`` loads
+NumPy), ``BytesMetadata`` is ``b""`` (an abstract ``bytes``) with the stored
+length as ``nbytes``. So ``cp.load_pytree(path, cp.pytree_metadata(path).metadata)`` loads
 the tree as saved.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from checkpointables_pytree import tree
 
-__all__ = ["StorageMetadata", "ArrayMetadata", "NumpyMetadata"]
+__all__ = ["StorageMetadata", "ArrayMetadata", "NumpyMetadata", "BytesMetadata"]
 
 
 @attrs.frozen
@@ -126,3 +127,25 @@ class NumpyMetadata(_ArrayLike):
 
     def __repr__(self) -> str:
         return f"NumpyMetadata(shape={self.shape}, dtype={self.dtype})"
+
+
+class BytesMetadata(bytes):
+    """A stored ``bytes`` leaf: ``b""`` (so an abstract ``bytes``), with its length as ``nbytes``.
+
+    It equals ``b""``: ``cp.load_pytree(path, metadata)`` loads the bytes, and
+    ``checkpointables inspect`` shows their size.
+    """
+
+    nbytes: int
+
+    def __new__(cls, nbytes: int) -> BytesMetadata:
+        """The metadata of a stored ``bytes`` of length ``nbytes``."""
+        self = super().__new__(cls, b"")
+        self.nbytes = int(nbytes)
+        return self
+
+    def __getnewargs__(self) -> tuple[int]:  # type: ignore[override]
+        return (self.nbytes,)  # Copies and pickles keep the length.
+
+    def __repr__(self) -> str:
+        return f"BytesMetadata(nbytes={self.nbytes})"

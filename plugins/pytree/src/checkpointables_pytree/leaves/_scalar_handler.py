@@ -21,6 +21,7 @@ from checkpointables_pytree.leaves._common import (
     unsupported,
 )
 from checkpointables_pytree.leaves._options import ArrayStorageOptions
+from checkpointables_pytree.leaves._scalar_casts import value_kept
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["ScalarLeafHandler"]
@@ -63,9 +64,15 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
     return dtype.type
 
 
-def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry, *, recorded: bool) -> Any:
-    """The scalar ``array`` holds, as ``scalar_type`` (``recorded``: the type comes from
-    ``_METADATA``, not from an abstract leaf, so it must hold the stored value exactly)."""
+def _to_scalar(
+    array: np.ndarray, scalar_type: Any, entry: tree.Entry, *, recorded: bool, asked: bool
+) -> Any:
+    """The scalar ``array`` holds, as ``scalar_type``.
+
+    ``recorded``: the type comes from ``_METADATA``, so it must hold the stored
+    value exactly (else the metadata is damaged). ``asked``: the type is an
+    abstract leaf's, so it must keep the value (else the caller asks for a cast).
+    """
     if scalar_type is None:  # Decided by the stored dtype, now that it is read.
         scalar_type = _scalar_type(None, array.dtype)
     if array.size != 1:
@@ -75,6 +82,11 @@ def _to_scalar(array: np.ndarray, scalar_type: Any, entry: tree.Entry, *, record
             f"{getattr(scalar_type, '__name__', scalar_type)}. Use an array abstract leaf instead."
         )
     stored = array.reshape(())
+    if asked:
+        kept = value_kept(
+            stored.item() if scalar_type in _PYTHON_TYPES else stored[()], scalar_type, entry.keystr
+        )
+        return scalar_type(kept)
     try:
         value = scalar_type(stored.item() if scalar_type in _PYTHON_TYPES else stored[()])
         exact = not recorded or _holds_exactly(value, stored)
@@ -112,7 +124,8 @@ class ScalarLeafHandler(ZarrLeafHandler):
 
     ``int`` is stored as int64, ``float`` as float64, ``bool`` as bool and
     NumPy scalars in their own dtype; each loads back as its own type (or as
-    the type of the abstract leaf: ``0.0`` loads a float). ``metadata`` gives
+    the type of the abstract leaf: ``0.0`` loads a float, where the conversion
+    keeps the value: ``2.5`` given ``0`` raises ``TreeMismatchError``). ``metadata`` gives
     a zero of each stored scalar's type (``0``, ``0.0``, ``False``, ``np.float32(0)``...).
     """
 
@@ -147,18 +160,19 @@ class ScalarLeafHandler(ZarrLeafHandler):
     def _read_target(
         self, entry: tree.Entry, abstract: Any, stored: StoredArray | None
     ) -> ReadTarget:
+        if abstract is not None:  # The caller's type: it must keep the stored value.
+            asked = abstract if isinstance(abstract, type) else type(abstract)
+            return ReadTarget(
+                lambda pieces: _to_scalar(pieces[0], asked, entry, recorded=False, asked=True)
+            )
         recorded = False
-        if isinstance(abstract, type):
-            scalar_type = abstract
-        elif abstract is not None:
-            scalar_type = type(abstract)
-        elif stored is not None:
+        if stored is not None:
             scalar_type = _scalar_type(entry.extra.get("scalar_type"), stored.dtype)
             recorded = "scalar_type" in entry.extra  # Trusted from _METADATA: checked.
         else:
             scalar_type = None
         return ReadTarget(
-            lambda pieces: _to_scalar(pieces[0], scalar_type, entry, recorded=recorded)
+            lambda pieces: _to_scalar(pieces[0], scalar_type, entry, recorded=recorded, asked=False)
         )
 
     def _describe(self, session: LoadSession, entry: tree.Entry, layout: StoredLayout) -> Any:

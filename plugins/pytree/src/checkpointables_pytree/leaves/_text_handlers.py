@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from checkpointables_pytree.leaves._common import (
     STRING,
     ReadTarget,
     StandardLeafHandler,
+    StoredLayout,
     ZarrLeafHandler,
     check_stored_type,
     finish_save,
@@ -26,8 +28,9 @@ from checkpointables_pytree.leaves._common import (
     save_session,
     schedule_array,
 )
+from checkpointables_pytree.leaves._metadata import BytesMetadata
 from checkpointables_pytree.leaves._options import ArrayStorageOptions
-from checkpointables_pytree.leaves._session import SaveSession
+from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 
 __all__ = ["StringLeafHandler", "BytesLeafHandler"]
 
@@ -104,7 +107,8 @@ def _checked_bytes(entry: tree.Entry) -> Any:
 class BytesLeafHandler(ZarrLeafHandler):
     """Saves ``bytes`` leaves as 1-d uint8 zarr3 arrays; loads ``bytes``.
 
-    ``metadata`` gives ``b""`` for each (an abstract ``bytes``).
+    ``metadata`` gives a ``BytesMetadata`` for each: ``b""`` (an abstract
+    ``bytes``) that knows the stored length.
     """
 
     loads_as = "bytes"
@@ -133,10 +137,5 @@ class BytesLeafHandler(ZarrLeafHandler):
         _check_bytes_layout(entry, stored.shape, stored.dtype)  # Before anything is read.
         return ReadTarget(_to_bytes)
 
-    async def metadata(
-        self,
-        params: Sequence[DeserializationParam[None]],
-        deserialization_context: DeserializationContext,
-    ) -> Sequence[bytes]:
-        """``b""`` for each bytes leaf (an abstract ``bytes``)."""
-        return [b"" for _ in params]
+    def _describe(self, session: LoadSession, entry: tree.Entry, layout: StoredLayout) -> Any:
+        return BytesMetadata(math.prod(layout.shape))

@@ -13,6 +13,7 @@ from typing import Any
 import checkpointables as cp
 import tensorstore as ts
 
+from checkpointables_pytree.storage._errors import missing_bucket
 from checkpointables_pytree.storage._object_store import (
     S3Settings,
     bucket_and_key,
@@ -56,6 +57,9 @@ def _answer(future: Any, action: str, url: str, storage: KvStoreStorage) -> Any:
             f"{_what_to_check(url, storage.settings)}."
         ) from None
     except Exception as e:
+        missing = missing_bucket(action, url, e)  # Named with its endpoint, not the XML answer.
+        if missing is not None:
+            raise missing from e
         raise cp.errors.StorageError(
             f"{action} {url} failed: {str(e).rstrip('.')}. Check "
             f"{_what_to_check(url, storage.settings)}; "
@@ -91,6 +95,7 @@ class KvStoreStorage:
         self._context = ts.Context(context_resources(options))
         self._stores: dict[tuple[str, str], ts.KvStore] = {}
         self._lock = threading.Lock()
+        self._buckets_seen: set[int] = set()  # Stores (by id) whose bucket answered a LIST.
 
     def _store(self, url: str) -> tuple[ts.KvStore, str]:
         scheme, bucket, key = bucket_and_key(url)
@@ -127,8 +132,15 @@ class KvStoreStorage:
         store, key = self._store(path)
         if not key:
             return False
-        head = store.read(key, byte_range=slice(0, 0))
-        return bool(_answer(head, "Checking", path, self).state == "value")
+        head = _answer(store.read(key, byte_range=slice(0, 0)), "Checking", path, self)
+        if head.state == "value":
+            return True
+        if id(store) not in self._buckets_seen:
+            # A missing bucket answers HEAD as a missing object does (no body): a LIST,
+            # once per bucket, tells them apart and raises with the bucket's name.
+            _answer(store.list(ts.KvStore.KeyRange(key, key + "\0")), "Checking", path, self)
+            self._buckets_seen.add(id(store))
+        return False
 
     def exists(self, path: str) -> bool:
         """Whether an object, or any object under the prefix ``path/``, exists."""

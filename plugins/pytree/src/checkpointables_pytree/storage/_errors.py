@@ -10,12 +10,15 @@ from typing import Any
 
 import checkpointables as cp
 
+from checkpointables_pytree.storage._object_store import bucket_and_key, s3_settings
+
 __all__ = [
     "is_data_loss",
     "integrity_error",
     "storage_error",
     "write_error",
     "object_store_failures",
+    "missing_bucket",
     "listing",
     "describe_type",
 ]
@@ -103,11 +106,53 @@ def object_store_failures(where: object, action: str) -> Iterator[None]:
     except Exception as e:
         if cp.storage.is_local(str(where)):
             raise
+        missing = missing_bucket(action, str(where), e)
+        if missing is not None:
+            raise missing from e
         raise cp.errors.StorageError(
             f"{action} {where} failed: {e}. The object store kept failing requests after "
             f"TensorStore's retries (cp.options.StorageOptions(request_retries=...) allows "
             f"more); nothing was committed."
         ) from e
+
+
+# How S3 (and S3-compatible servers) and GCS answer a request to a bucket that does not exist.
+_MISSING_BUCKET = ("NoSuchBucket", "The specified bucket does not exist")
+
+
+def missing_bucket(action: str, url: str, error: BaseException) -> cp.errors.StorageError | None:
+    """The error to raise where ``error`` (TensorStore's) says ``url``'s bucket does not exist.
+
+    It names the bucket and the endpoint asked, and says what to do, in place
+    of the server's answer (an XML body); ``None`` for any other error.
+    """
+    text = str(error)
+    if not any(marker in text for marker in _MISSING_BUCKET):
+        return None
+    scheme, bucket, _ = bucket_and_key(url)
+    if scheme == "gs":
+        return cp.errors.StorageError(
+            f"{action} {url} failed: bucket {bucket!r} does not exist on Google Cloud Storage. "
+            f"Create it (gcloud storage buckets create gs://{bucket}), or check the bucket name."
+        )
+    return cp.errors.StorageError(
+        f"{action} {url} failed: bucket {bucket!r} does not exist at endpoint {_s3_endpoint()}. "
+        f"Create the bucket, or check the bucket name and the endpoint "
+        f"(cp.options.StorageOptions(endpoint=...), AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, "
+        f"or the AWS profile's endpoint_url)."
+    )
+
+
+def _s3_endpoint() -> str:
+    """The S3 endpoint the context's settings send requests to, as a message shows it."""
+    try:
+        settings = s3_settings()
+    except Exception:  # An unreadable configuration: its own error says so elsewhere.
+        return "(the configured one)"
+    if settings.endpoint:
+        return settings.endpoint
+    host = f"s3.{settings.region}.amazonaws.com" if settings.region else "s3.amazonaws.com"
+    return f"https://{host} (AWS: no endpoint is configured)"
 
 
 _MAX_LISTED = 20

@@ -4,10 +4,11 @@ A save flattens a pytree into key paths and leaves (``flatten``, with the
 structure cached per tree definition in ``Structure``), records every key
 path, key type and value type in ``_METADATA`` (``write_tree_metadata``) and
 every ``jax.Array``'s sharding in ``_sharding``; a load parses them
-(``read_tree_metadata``, ``read_sharding_file``) and rebuilds nested dicts,
-lists and tuples from the recorded key paths (``unflatten``), all in Orbax's
-format. Nothing here reads or writes an array: this room imports nothing of
-the plugin's, and every other room may import it.
+(``read_tree_metadata``, ``read_sharding_file``) and rebuilds nested dicts
+(with their ``int`` keys), lists and tuples from the recorded key paths
+(``unflatten``), all in Orbax's format. Nothing here reads or writes an
+array: this room imports nothing of the plugin's, and every other room may
+import it.
 """
 
 from checkpointables_pytree.tree._keypaths import (
@@ -20,12 +21,14 @@ from checkpointables_pytree.tree._keypaths import (
     flatten,
     flatten_abstract,
     has_empty_node,
+    is_int_key,
     jax_keypath,
     key_names,
     key_type,
     keystr,
 )
 from checkpointables_pytree.tree._metadata_file import (
+    INT_KEYS,
     METADATA_FILE,
     OWN_VALUE_TYPE,
     Entry,
@@ -59,11 +62,13 @@ __all__ = [
     "flatten",
     "flatten_abstract",
     "has_empty_node",
+    "is_int_key",
     "jax_keypath",
     "key_names",
     "key_type",
     "keystr",
     "Entry",
+    "INT_KEYS",
     "METADATA_FILE",
     "OWN_VALUE_TYPE",
     "TreeMetadata",

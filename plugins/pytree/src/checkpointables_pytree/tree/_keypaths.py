@@ -7,7 +7,9 @@ dicts, named tuples and attribute nodes). Empty containers, ``None`` and
 registered nodes with no children (``optax.EmptyState()``, an empty
 ``flax.struct`` dataclass) are recorded too, so a tree loaded without an
 abstract tree comes back whole, and one loaded with an abstract tree finds
-them where its own empty nodes are.
+them where its own empty nodes are. The key paths whose last key is an ``int``
+dict key are recorded too (``Structure.int_keys``): Orbax's key names are
+strings, and a load without an abstract tree makes those keys ints again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "flatten",
     "flatten_abstract",
     "has_empty_node",
+    "is_int_key",
     "key_names",
     "keystr",
     "jax_keypath",
@@ -86,6 +89,14 @@ def storage_name(names: tuple[str, ...]) -> str:
     return cp.serialization.param_name_from_keypath(names)
 
 
+def is_int_key(key: Any) -> bool:
+    """Whether a key entry is a dict key that is an integer (not a bool), restored as ``int``."""
+    if type(key) is not _DictKey:
+        return False
+    k = key.key
+    return type(k) is int or (isinstance(k, (int, np.integer)) and not isinstance(k, bool))
+
+
 def key_type(key: Any) -> int:
     """``SEQUENCE`` or ``DICT`` for a key entry."""
     if isinstance(key, (_SequenceKey, jax.tree_util.FlattenedIndexKey)):
@@ -137,6 +148,7 @@ class Structure:
     """What depends only on a tree's structure (its treedef), kept while trees keep it.
 
     Per leaf, in ``jax.tree_util`` order: its key path, key names and key types.
+    ``int_keys``: the key names of every path whose last key is an int dict key.
     ``derived`` holds what saves derive from the structure (and, checked on
     each use, from the leaves' shapes and dtypes): gone with the structure.
     """
@@ -146,6 +158,7 @@ class Structure:
     key_types: tuple[tuple[int, ...], ...]
     empty: tuple[tuple[tuple[Any, ...], str], ...]
     tuples: tuple[tuple[Any, ...], ...]
+    int_keys: frozenset[tuple[str, ...]] = frozenset()
     derived: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
@@ -239,8 +252,7 @@ def _walk(tree: Any) -> Flat:
     empty: list[tuple[tuple[Any, ...], str]] = []
     tuples: list[tuple[Any, ...]] = []
 
-    # `names` and `types` follow `path`: each leaf's key names and key types are
-    # known without a second pass over its key path.
+    # `names` and `types` follow `path`: no second pass over each leaf's key path.
     def walk(
         node: Any, path: tuple[Any, ...], names: tuple[str, ...], types: tuple[int, ...]
     ) -> None:
@@ -291,8 +303,24 @@ def _walk(tree: Any) -> Flat:
 
     walk(tree, (), (), ())
     keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
-    structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples))
+    int_keys = _int_keys(keypaths, names, empty)
+    structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples), int_keys)
     return Flat(structure, [leaf.value for leaf in leaves])
+
+
+def _int_keys(
+    keypaths: Sequence[tuple[Any, ...]],
+    names: Sequence[tuple[str, ...]],
+    empty: Sequence[tuple[tuple[Any, ...], str]],
+) -> frozenset[tuple[str, ...]]:
+    """The key names of every path to a leaf's or empty node's key that is an int dict key."""
+    found: set[tuple[str, ...]] = set()
+    paths = [*zip(keypaths, names, strict=True), *((p, key_names(p)) for p, _ in empty)]
+    for keypath, key_names_ in paths:
+        for i, key in enumerate(keypath):
+            if type(key) is _DictKey and type(key.key) is not str and is_int_key(key):
+                found.add(key_names_[: i + 1])
+    return frozenset(found)
 
 
 _MISSING = object()

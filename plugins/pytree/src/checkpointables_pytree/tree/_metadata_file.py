@@ -14,8 +14,9 @@ The layout is Orbax's, so each tool reads the other's files::
 What Orbax has no field for lives under ``"checkpointables"`` keys, which
 Orbax ignores: array shapes, dtypes and chunking (so metadata and small-array
 loads need no reads), Python scalar types, the leaf's own value type where
-Orbax's is shared by several leaf handlers, tuple containers, whether storage
-names are escaped, and the checksum of ``_strings.json``.
+Orbax's is shared by several leaf handlers, tuple containers, the paths of
+``int`` dict keys (``"int_keys"``: Orbax records every key as a string),
+whether storage names are escaped, and the checksum of ``_strings.json``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from etils import epath
 
 from checkpointables_pytree.tree import _keypaths
 
-__all__ = ["METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
+__all__ = ["INT_KEYS", "METADATA_FILE", "Entry", "TreeMetadata", "read_tree_metadata"]
 
 METADATA_FILE = "_METADATA"
 EXTRA = "checkpointables"
 # A leaf's own value type, recorded (under EXTRA) where its Orbax value_type is one a more
 # general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
 OWN_VALUE_TYPE = "value_type"
+INT_KEYS = "int_keys"
 _KEY_TYPES = frozenset({_keypaths.SEQUENCE, _keypaths.DICT})
 FORMAT_VERSION = 1
 
@@ -89,6 +91,8 @@ class TreeMetadata:
     use_ocdbt: bool = True
     use_zarr3: bool = True
     tuple_paths: frozenset[tuple[str, ...]] = frozenset()
+    # The key names of the paths whose last key is an int dict key (recorded as a string).
+    int_keys: frozenset[tuple[str, ...]] = frozenset()
     # True for trees this library wrote: storage names escape '.', '/' and '%'.
     escaped_names: bool = True
     # Whether some entries record their own value type (OWN_VALUE_TYPE): loads of trees
@@ -113,6 +117,9 @@ class TreeMetadata:
         extra["escaped_names"] = self.escaped_names
         if self.tuple_paths:
             extra["tuples"] = [list(p) for p in sorted(self.tuple_paths)]
+        extra.pop(INT_KEYS, None)
+        if self.int_keys:
+            extra[INT_KEYS] = [list(p) for p in sorted(self.int_keys)]
         if self.strings_crc32c is not None:
             extra["strings_crc32c"] = self.strings_crc32c
         if self.own_value_types:
@@ -324,6 +331,7 @@ def parse_tree_metadata_uncached(path: epath.Path, text: str | bytes) -> TreeMet
     if not isinstance(tuples, list) or not all(isinstance(t, list) for t in tuples):
         raise _bad(path, f"malformed {EXTRA!r}.tuples")
     strings_crc = extra.get("strings_crc32c")
+    int_keys = _parse_int_keys(path, extra.get(INT_KEYS, []))
     use_ocdbt = document.get("use_ocdbt")
     return TreeMetadata(
         entries=entries,
@@ -333,11 +341,29 @@ def parse_tree_metadata_uncached(path: epath.Path, text: str | bytes) -> TreeMet
         else cp.storage.exists(path.parent / "manifest.ocdbt"),
         use_zarr3=bool(document.get("use_zarr3", False)),
         tuple_paths=frozenset(tuple(str(n) for n in t) for t in tuples),
+        int_keys=int_keys,
         escaped_names=bool(extra.get("escaped_names", False)) if ours else False,
         own_value_types=extra.get("own_value_types") is True,
         strings_crc32c=int(strings_crc) if isinstance(strings_crc, int) else None,
         extra=extra,
     )
+
+
+def _parse_int_keys(path: epath.Path, record: Any) -> frozenset[tuple[str, ...]]:
+    """The paths of int dict keys: lists of key names, each ending in an integer's name."""
+    if not isinstance(record, list) or not all(
+        isinstance(p, list) and p and all(isinstance(n, str) for n in p) for p in record
+    ):
+        raise _bad(path, f"{EXTRA!r}.{INT_KEYS} is not a list of key paths")
+    for names in record:
+        last = names[-1]
+        try:
+            is_int = str(int(last)) == last
+        except ValueError:
+            is_int = False
+        if not is_int:
+            raise _bad(path, f"{EXTRA!r}.{INT_KEYS} names the key {last!r}, not an integer")
+    return frozenset(map(tuple, record))
 
 
 def read_tree_metadata(directory: epath.Path) -> TreeMetadata:

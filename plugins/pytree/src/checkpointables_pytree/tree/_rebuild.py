@@ -1,7 +1,8 @@
 """Rebuilding a nested tree of dicts, lists and tuples from recorded key paths.
 
 A load without an abstract tree gets its structure from ``_METADATA``: each
-leaf's key names and key types (``_tree.DICT``, ``_tree.SEQUENCE``). A
+leaf's key names and key types (``_tree.DICT``, ``_tree.SEQUENCE``), and
+the paths of ``int`` dict keys (made ints again: key names are strings). A
 malformed record (a path both a leaf and a container, a level mixing list and
 dict keys) is reported through ``on_conflict``, never guessed at.
 """
@@ -20,13 +21,15 @@ __all__ = ["Recipe", "unflatten"]
 def unflatten(
     items: Sequence[tuple[tuple[str, ...], tuple[int, ...], Any]],
     tuple_paths: frozenset[tuple[str, ...]] = frozenset(),
+    int_keys: frozenset[tuple[str, ...]] = frozenset(),
     *,
     on_conflict: Callable[[str], Exception] = ValueError,
 ) -> Any:
     """Rebuilds a tree from ``(names, key_types, value)`` items.
 
     DICT levels become dicts, SEQUENCE levels lists (or tuples for the paths in
-    ``tuple_paths``), ordered by index.
+    ``tuple_paths``), ordered by index. The dict keys at the paths in
+    ``int_keys`` are ints; each must name a dict key of the tree.
     """
     if len(items) == 1 and not items[0][0]:
         return items[0][2]
@@ -50,7 +53,24 @@ def unflatten(
         if name in parent:
             raise on_conflict(f"{keystr(names, types)} is recorded twice")
         parent[name] = _Value(value)
-    return _build(root, (), kinds, tuple_paths, on_conflict)
+    if int_keys:
+        _check_int_keys(root, kinds, int_keys, on_conflict)
+    return _build(root, (), kinds, tuple_paths, int_keys, on_conflict)
+
+
+def _check_int_keys(
+    root: dict[str, Any],
+    kinds: dict[tuple[str, ...], int],
+    int_keys: frozenset[tuple[str, ...]],
+    on_conflict: Callable[[str], Exception],
+) -> None:
+    """Raises unless every path in ``int_keys`` names a dict key of the tree."""
+    for names in sorted(int_keys):
+        node: Any = root
+        for name in names:
+            node = node.get(name) if type(node) is dict else None
+        if node is None or kinds.get(names[:-1], DICT) != DICT:
+            raise on_conflict(f"int_keys names {keystr(names)}, which is no dict key of the tree")
 
 
 def _parent_of(
@@ -80,6 +100,7 @@ def _build(
     prefix: tuple[str, ...],
     kinds: dict[tuple[str, ...], int],
     tuple_paths: frozenset[tuple[str, ...]],
+    int_keys: frozenset[tuple[str, ...]],
     on_conflict: Callable[[str], Exception],
 ) -> Any:
     """The container at ``prefix``: a dict, or a list or tuple for SEQUENCE levels."""
@@ -87,9 +108,11 @@ def _build(
     def value(key: str, child: Any) -> Any:
         if isinstance(child, _Value):
             return child.value
-        return _build(child, (*prefix, key), kinds, tuple_paths, on_conflict)
+        return _build(child, (*prefix, key), kinds, tuple_paths, int_keys, on_conflict)
 
     if kinds.get(prefix, DICT) != SEQUENCE:
+        if int_keys:
+            return {int(k) if (*prefix, k) in int_keys else k: value(k, v) for k, v in node.items()}
         return {k: value(k, v) for k, v in node.items()}
     try:
         ordered = sorted(node.items(), key=lambda kv: int(kv[0]))
@@ -139,7 +162,7 @@ class Recipe:
 
     def __init__(self, count: int) -> None:
         self._count = count  # Values; pool index ``count`` holds None (sequence padding).
-        self._steps: list[tuple[type, list[str], Callable[[list[Any]], Any]]] = []
+        self._steps: list[tuple[type, list[Any], Callable[[list[Any]], Any]]] = []
         self._root_value: int | None = None
 
     @classmethod
@@ -147,12 +170,13 @@ class Recipe:
         cls,
         slots: Sequence[tuple[tuple[str, ...], tuple[int, ...]]],
         tuple_paths: frozenset[tuple[str, ...]] = frozenset(),
+        int_keys: frozenset[tuple[str, ...]] = frozenset(),
         *,
         on_conflict: Callable[[str], Exception] = ValueError,
     ) -> Recipe:
         """The recipe of the tree ``unflatten`` builds from ``slots`` (raising as it does)."""
         items = [(names, types, _Slot(i)) for i, (names, types) in enumerate(slots)]
-        skeleton = unflatten(items, tuple_paths, on_conflict=on_conflict)
+        skeleton = unflatten(items, tuple_paths, int_keys, on_conflict=on_conflict)
         recipe = cls(len(slots))
         if type(skeleton) is _Slot:
             recipe._root_value = skeleton.index
