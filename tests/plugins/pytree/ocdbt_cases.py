@@ -116,8 +116,9 @@ def dtype_of(name: str) -> np.dtype:
 
 
 @st.composite
-def leaf_specs(draw: Any, driver: bool = True, zero_size: bool = True) -> LeafSpec:
-    """An array of a random dtype, 0 to 3 dimensions (zero-size ones if ``zero_size``),
+def leaf_specs(draw: Any, driver: bool = True, orbax: bool = False) -> LeafSpec:
+    """An array of a random dtype, 0 to 3 dimensions (for Orbax to save if ``orbax``: no
+    zero-size ones, lengths it chunks sensibly),
     sized in one of ``ARRAY_BYTES``' ranges, sharded over the mesh where its shape allows;
     if ``driver``, some stored in inner chunks (written by TensorStore's zarr3 driver)."""
     is_jax = draw(st.booleans())
@@ -128,14 +129,18 @@ def leaf_specs(draw: Any, driver: bool = True, zero_size: bool = True) -> LeafSp
     ndim = draw(st.integers(0, 3))
     leading = draw(
         st.lists(
-            st.sampled_from([1, 2, 4, 8, 0, 3] if zero_size else [1, 2, 4, 8, 3]),
+            st.sampled_from([1, 2, 4, 8, 3] if orbax else [1, 2, 4, 8, 0, 3]),
             min_size=max(ndim - 1, 0),
             max_size=max(ndim - 1, 0),
         )
     )
     count = max(nbytes // dtype_of(dtype).itemsize, 1)
     last = count // max(int(np.prod(leading)), 1)
-    shape = () if ndim == 0 else (*leading, last if zero_size else max(last, 1))
+    if orbax and last > _ORBAX_CHUNK_STEP:
+        # Orbax chunks a NumPy array by the divisors of its shape: a length of 599,999
+        # became 599,999 one-element chunks, minutes to read under load.
+        last -= last % _ORBAX_CHUNK_STEP
+    shape = () if ndim == 0 else (*leading, max(last, 1) if orbax else last)
     spec: tuple[str | None, ...] = ()
     if is_jax and shape:
         options = [(None,) * i + (axis,) for i in range(len(shape)) for axis in MESH_SHAPE]
@@ -145,6 +150,9 @@ def leaf_specs(draw: Any, driver: bool = True, zero_size: bool = True) -> LeafSp
     parts = draw(st.sampled_from([None] * 9 + [2, 8])) if driver else None
     inner = None if parts is None else max(count * dtype_of(dtype).itemsize // parts, 64)
     return LeafSpec(dtype, shape, is_jax, spec, inner, draw(st.integers(0, 2**32 - 1)))
+
+
+_ORBAX_CHUNK_STEP = 1024
 
 
 def _divides(spec: tuple[str | None, ...], shape: tuple[int, ...]) -> bool:
