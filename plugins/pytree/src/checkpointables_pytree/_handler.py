@@ -141,6 +141,9 @@ async def _write_all(
                 tree_room.write_tree_metadata(path, tree)
     finally:
         await asyncio.gather(arrays, others)
+    if cp.multihost.process_count() == 1 and session.primary and not session.writer.empty:
+        # The database is final (the writers' merged): its nodes' checksums, before the commit.
+        await asyncio.to_thread(ocdbt.record_node_checksums, path)
     if cp.multihost.process_count() > 1 and not session.writer.empty:
         # Durable before this process reports that it finished writing.
         await asyncio.to_thread(io.flush_database, ocdbt.database_directory(path))
@@ -289,6 +292,7 @@ class PyTreeHandler:
             context = cp.context.get_context()
             with storage.object_store_failures(directory, "Merging the databases of"):
                 await asyncio.to_thread(io.merge_process_databases, directory, context)
+                await asyncio.to_thread(ocdbt.record_node_checksums, directory)
 
     # -- Loading --------------------------------------------------------------------------------
 
@@ -315,6 +319,9 @@ class PyTreeHandler:
         opened = None
         if context.array_options.ocdbt_fast_path:
             opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
+        # The b-tree is the one the save recorded (a forged node can point a key anywhere).
+        with storage.object_store_failures(directory, "Reading the b-tree of"):
+            ocdbt.check_recorded_nodes(directory)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
         session = LoadSession(directory, tree, context, opened)

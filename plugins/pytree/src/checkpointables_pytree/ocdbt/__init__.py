@@ -22,6 +22,9 @@ layout). What this room does itself, and what it leaves to TensorStore:
   compressed, finely chunked or int4 arrays, in transactions of their own
   writers), merges of databases (``merge_into``: ``experimental_copy_range_to``
   in one atomic transaction), and every read the fast path declines.
+* **Vouched for here** (``record_node_checksums``, ``node_checksum_problems``):
+  the CRC-32C of every b-tree node of a saved database, in ``_btree_checksums``
+  (covered by the commit's ``_CHECKSUMS``), which verify and loads check.
 
 The fast path can be turned off per save and per load (``docs/pytree.md``);
 then TensorStore writes and reads every key. It is held to TensorStore by
@@ -70,6 +73,13 @@ from checkpointables_pytree.ocdbt._index import (
     locate,
     parse_location,
 )
+from checkpointables_pytree.ocdbt._node_checksums import (
+    NODE_CHECKSUMS_FILE,
+    check_recorded_nodes,
+    node_checksum_problems,
+    node_checksums,
+    record_node_checksums,
+)
 from checkpointables_pytree.ocdbt._statistics import stored_key_count
 
 __all__ = [
@@ -109,4 +119,9 @@ __all__ = [
     "locate",
     "parse_location",
     "stored_key_count",
+    "NODE_CHECKSUMS_FILE",
+    "check_recorded_nodes",
+    "node_checksums",
+    "record_node_checksums",
+    "node_checksum_problems",
 ]
