@@ -316,15 +316,16 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = None
+        opened, index = None, None
         if context.array_options.ocdbt_fast_path:
             opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
-        # The b-tree is the one the save recorded (a forged node can point a key anywhere).
-        with storage.object_store_failures(directory, "Reading the b-tree of"):
-            ocdbt.check_recorded_nodes(directory)
+            index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
+        # Meanwhile the b-tree is checked against the save's record (a forged node can
+        # point a key at any bytes), by the index, which then reads no node again.
+        checking = ocdbt.start_node_check(directory, index)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
-        session = LoadSession(directory, tree, context, opened)
+        session = LoadSession(directory, tree, context, opened, index)
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)
         else:
@@ -339,6 +340,9 @@ class PyTreeHandler:
                 flat=flat,
             )
         deserialization_context = _deserialization_context(session)
+        # Before the leaf handlers read anything of the database (a zarr.json, a value).
+        with storage.object_store_failures(directory, "Reading the b-tree of"):
+            await ocdbt.wait_for_node_check(checking)
         pending: list[tuple[list[int], Any]] = []
         for handler_cls, slots, params in plan.batches():
             handler = _make_leaf_handler(handler_cls, context)

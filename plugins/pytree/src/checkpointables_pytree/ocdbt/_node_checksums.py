@@ -35,6 +35,7 @@ from etils import epath
 
 from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _btree_nodes, _context
+from checkpointables_pytree.ocdbt._btree_nodes import parse_location
 from checkpointables_pytree.ocdbt._dumps import dump
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "record_node_checksums",
     "read_listed",
     "check_node",
+    "unlisted_node",
     "check_recorded_nodes",
     "node_checksum_problems",
 ]
@@ -60,21 +62,17 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_node(base: ts.KvStore, root: str, location: str) -> Any:
-    """A future of the node's bytes: read directly from a local file, else by the kvstore."""
-    if _context.is_local(root):
-        try:
-            where = _btree_nodes.split_location(location)
-        except ValueError:
-            where = None
-        if where is not None:
-            path = os.path.normpath(os.path.join(root, where[0] + where[1]))
-            inside = os.path.commonpath([path, os.path.normpath(root)]) == os.path.normpath(root)
-            done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-            # A node outside the database is read as nothing: its checksum then differs.
-            data = storage.read_range(path, where[2], where[3]) if inside else None
-            done.set_result(data or b"")
-            return done
+def _read_node(base: ts.KvStore | None, root: str, location: str) -> Any:
+    """A future of the node's bytes: read directly from a local file, else by the kvstore
+    (``base``, which only an object store's database needs)."""
+    if base is None or _context.is_local(root):
+        done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        # A node that cannot be read, or lies outside the database, is read as nothing:
+        # its checksum then differs.
+        where = parse_location(location, root, "btreenode")
+        data = None if where is None else storage.read_range(*where)
+        done.set_result(data or b"")
+        return done
     return _btree_nodes.read(base, location)
 
 
@@ -195,11 +193,23 @@ def check_node(listed: dict[str, str] | None, directory: str, location: str, dat
         raise cp.errors.IntegrityError(f"{problem}; restore the checkpoint from a copy.")
 
 
-def check_recorded_nodes(directory: epath.PathLike) -> None:
+def unlisted_node(directory: str, location: str) -> cp.errors.IntegrityError:
+    """The error for a b-tree that names a node ``_btree_checksums`` does not list."""
+    problem = _mismatch({}, directory, location, "")
+    return cp.errors.IntegrityError(f"{problem}; restore the checkpoint from a copy.")
+
+
+def check_recorded_nodes(
+    directory: epath.PathLike, base: ts.KvStore | None = None
+) -> dict[str, bytes] | None:
     """Checks, before a load reads values, that the b-tree is the one the save recorded:
-    the manifest against ``_CHECKSUMS`` and every listed node against ``_btree_checksums``
-    (nothing without the list). Then whatever reads the b-tree (TensorStore or the index)
-    reads only nodes the save wrote.
+    the manifest against ``_CHECKSUMS`` and every listed node against ``_btree_checksums``.
+    Then whatever reads the b-tree (TensorStore or ``DatabaseIndex``) reads only nodes the
+    save wrote. Returns the bytes of every node checked, by location, for the index to
+    decode rather than read again (``None``: nothing was recorded, nothing checked).
+
+    ``base``: the database's kvstore, if the caller has it open (an object store's
+    nodes are read through it; a local database's from its files).
 
     Raises:
       cp.errors.IntegrityError: the manifest or a node differs (naming its file).
@@ -207,17 +217,20 @@ def check_recorded_nodes(directory: epath.PathLike) -> None:
     """
     listed = read_listed(directory)
     if listed is None:
-        return
+        return None
     root = os.fspath(directory)
     # The manifest names the root node: with it unchanged, unchanged nodes are the tree.
     cp.metadata_checksums.read_file(epath.Path(root) / _context.MANIFEST_FILE)
-    base = None if _context.is_local(root) else ts.KvStore.open(_context.location_spec(root))
-    reads = [(where, _read_node(base and base.result(), root, where)) for where in listed]
+    if base is None and not _context.is_local(root):
+        base = ts.KvStore.open(_context.location_spec(root)).result()
+    reads = [(where, _read_node(base, root, where)) for where in listed]
+    checked = {}
     for where, future in reads:
         data = future.result()
-        check_node(
-            listed, root, where, data if isinstance(data, bytes) else _btree_nodes.value_of(data)
-        )
+        data = data if isinstance(data, bytes) else _btree_nodes.value_of(data)
+        check_node(listed, root, where, data)
+        checked[where] = data
+    return checked
 
 
 def node_checksum_problems(directory: epath.PathLike) -> list[str]:
