@@ -2,17 +2,21 @@
 
 A node's trailer CRC-32C is recomputed by whoever rewrites it, so a leaf node
 rebuilt with the same length can point a key at other bytes and both
-TensorStore and our decoder accept it. The save records every node's CRC-32C
-in ``pytree/_btree_checksums`` (covered by ``_CHECKSUMS``): ``verify`` finds
-any changed node, and a load refuses the nodes it reads itself.
+TensorStore and our decoder accept it. The save records every node's SHA-256
+in ``pytree/_btree_checksums`` (covered by ``_CHECKSUMS``, as the manifest
+is): ``verify`` finds any changed node, and a load checks the manifest and
+every node before anything (our index or TensorStore) reads the database.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import struct
 
 import checkpointables as cp
+import checkpointables_pytree
 import crc32c
 import numpy as np
 import pytest
@@ -93,6 +97,10 @@ def test_a_leaf_pointing_step_at_another_leafs_bytes_is_refused(saved, tmp_path)
     file = _forge_step(checkpoint / "pytree")
     with pytest.raises(cp.errors.IntegrityError, match=rf"{file}: the b-tree node"):
         cp.load_pytree(checkpoint)
+    with FAST_PATH_OFF, pytest.raises(cp.errors.IntegrityError, match=rf"{file}: the b-tree"):
+        cp.load_pytree(checkpoint)  # TensorStore would read the forged node.
+    with pytest.raises(cp.errors.IntegrityError, match=rf"{file}: the b-tree node"):
+        cp.load_pytree(checkpoint, {"a": cp.PLACEHOLDER, "step": 0, "big": cp.PLACEHOLDER})
     problems = _problems(checkpoint)
     assert any(file in p and "_btree_checksums" in p for p in problems), problems
 
@@ -184,3 +192,63 @@ def test_a_checkpoint_without_the_list_loads_as_before(saved, tmp_path) -> None:
     cp.metadata_checksums.record(checkpoint)  # As an older version wrote it.
     assert cp.load_pytree(checkpoint)["step"] == 5
     assert _problems(checkpoint) == []
+
+
+def test_a_changed_manifest_is_refused(saved, tmp_path) -> None:
+    checkpoint = shutil.copytree(saved, tmp_path / "c")
+    manifest = checkpoint / "pytree" / ocdbt.MANIFEST_FILE
+    raw = bytearray(manifest.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    body = bytes(raw[:-4])  # Resealed with its own CRC-32C, as a forger would.
+    manifest.write_bytes(body + struct.pack("<I", crc32c.crc32c(body)))
+    for context in (cp.Context(), FAST_PATH_OFF):
+        with context, pytest.raises(cp.errors.IntegrityError, match="manifest.ocdbt"):
+            cp.load_pytree(checkpoint)
+    assert any("manifest.ocdbt" in p for p in _problems(checkpoint))
+
+
+def _commit_a_key(database) -> None:
+    """Has TensorStore commit a new version on top of the database (a deliberate rewrite)."""
+    store = ocdbt.open_kvstore(database, ocdbt.make_context()).result()
+    store.write("extra/key", b"written later").result()
+
+
+def test_a_database_rewritten_on_purpose_loads_once_its_checksums_are_recorded_again(
+    saved, tmp_path
+) -> None:
+    checkpoint = shutil.copytree(saved, tmp_path / "c")
+    _commit_a_key(checkpoint / "pytree")
+    with pytest.raises(cp.errors.IntegrityError):
+        cp.load_pytree(checkpoint)  # The manifest and the b-tree are no longer the saved ones.
+    assert _problems(checkpoint)
+    checkpointables_pytree.record_checksums_again(checkpoint)
+    for context in (cp.Context(), FAST_PATH_OFF):
+        with context:
+            assert cp.load_pytree(checkpoint)["step"] == 5
+    listed = json.loads((checkpoint / "pytree" / ocdbt.NODE_CHECKSUMS_FILE).read_text())
+    assert set(listed["nodes"]) == set(ocdbt.node_checksums(checkpoint / "pytree"))
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "tensorstore"])
+def test_every_zarr_json_is_inline_in_a_node_so_the_node_checksums_cover_it(
+    tmp_path, fast_path
+) -> None:
+    # The zarr.json of an array of every kind (large, compressed, finely chunked, int4).
+    tree = {
+        "big": np.zeros((64, 32, 16, 8, 4), np.float32),
+        "int4": np.arange(10, dtype=np.int8).astype("int4"),
+        "step": 3,
+        "key": np.arange(7, dtype=np.uint8),
+    }
+    options = cp.options.ArrayOptions(
+        ocdbt_fast_path=fast_path,
+        use_compression=True,
+        storage_options=cp.options.ArrayStorageOptions(chunk_byte_size=4096),
+    )
+    with cp.Context(array_options=options):
+        cp.save_pytree(tmp_path / "c", tree)
+    database = tmp_path / "c" / "pytree"
+    values = ocdbt.DatabaseIndex(database)
+    found = asyncio.run(values.find([f"{n}/zarr.json" for n in tree]))
+    assert set(found) == {f"{n}/zarr.json".encode() for n in tree}
+    assert all(isinstance(v, bytes) for v in found.values()), found  # Inline, in a node.
