@@ -28,7 +28,8 @@ def _upload(local, server, url: str) -> None:
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "tensorstore"])
 def test_a_forged_node_on_an_object_store_is_refused(s3, bucket, tmp_path, fast_path) -> None:
-    cp.save_pytree(tmp_path / "saved", TREE)
+    with cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True)):
+        cp.save_pytree(tmp_path / "saved", TREE)  # Forged below as our writer writes nodes.
     forged = shutil.copytree(tmp_path / "saved", tmp_path / "forged")
     file = _forge_step(forged / "pytree")
     _upload(tmp_path / "saved", s3, f"{bucket}/saved")

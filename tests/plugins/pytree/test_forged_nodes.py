@@ -81,7 +81,9 @@ def _forge_step(database) -> str:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("saved") / "c"
-    cp.save_pytree(path, TREE)
+    # Set here: a module's fixture is made before the fast_path mark turns the path on.
+    with cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True)):
+        cp.save_pytree(path, TREE)
     return path
 
 
