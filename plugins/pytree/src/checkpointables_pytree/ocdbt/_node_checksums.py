@@ -82,6 +82,8 @@ def _children(base: ts.KvStore, root: str, location: str, data: bytes) -> list[s
     node = _btree_nodes.decode(data, base_path)
     if node is None:  # Compressed: TensorStore decodes it.
         node = dump(base, location, key=(root, location))["entries"]
+    if isinstance(node, _btree_nodes.LeafNode):  # A leaf where the height says interior.
+        return []
     return [entry["location"] for entry in node]
 
 
