@@ -11,6 +11,7 @@ import shutil
 
 import boto3
 import checkpointables as cp
+import checkpointables_pytree
 import numpy as np
 import pytest
 
@@ -39,3 +40,13 @@ def test_a_forged_node_on_an_object_store_is_refused(s3, bucket, tmp_path, fast_
         np.testing.assert_array_equal(cp.load_pytree(f"{bucket}/saved")["big"], TREE["big"])
         with pytest.raises(cp.errors.IntegrityError, match=rf"{file}: the b-tree node"):
             cp.load_pytree(f"{bucket}/forged")
+
+
+def test_checksums_recorded_again_on_an_object_store(s3, bucket, tmp_path) -> None:
+    cp.save_pytree(tmp_path / "saved", TREE)
+    _upload(tmp_path / "saved", s3, f"{bucket}/c")
+    checkpointables_pytree.record_checksums_again(f"{bucket}/c")
+    assert cp.load_pytree(f"{bucket}/c")["step"] == 5
+    assert (
+        tmp_path / "saved" / "pytree" / "_btree_checksums"
+    ).read_bytes() == cp.storage.read_bytes(f"{bucket}/c/pytree/_btree_checksums")

@@ -25,6 +25,8 @@ from checkpointables_pytree import ocdbt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ...metadata_edits import without_metadata_checksums
+
 # The saves here choose their own path (FAST_PATH_OFF where TensorStore writes): the
 # fast path stays on in CI's run without it.
 pytestmark = pytest.mark.fast_path
@@ -254,3 +256,14 @@ def test_every_zarr_json_is_inline_in_a_node_so_the_node_checksums_cover_it(
     found = asyncio.run(values.find([f"{n}/zarr.json" for n in tree]))
     assert set(found) == {f"{n}/zarr.json".encode() for n in tree}
     assert all(isinstance(v, bytes) for v in found.values()), found  # Inline, in a node.
+
+
+def test_a_lost_manifest_is_an_integrity_error_even_without_metadata_checksums(
+    saved, tmp_path
+) -> None:
+    checkpoint = shutil.copytree(saved, tmp_path / "c")
+    without_metadata_checksums(checkpoint)
+    (checkpoint / "pytree" / ocdbt.MANIFEST_FILE).unlink()
+    for context in (cp.Context(), FAST_PATH_OFF):
+        with context, pytest.raises(cp.errors.IntegrityError, match="manifest.ocdbt is missing"):
+            cp.load_pytree(checkpoint)

@@ -41,7 +41,8 @@ def record_checksums_again(checkpoint: epath.PathLike) -> None:
     root = epath.Path(checkpoint)
     if not cp.storage.exists(root):
         raise cp.errors.CheckpointNotFoundError(f"{root} does not exist: nothing to record.")
-    for child in sorted(root.iterdir()):
-        if cp.storage.exists(child / ocdbt.MANIFEST_FILE):
+    for entry in sorted(cp.storage.list_dir(root), key=lambda e: e.name):
+        child = root / entry.name
+        if entry.is_dir and cp.storage.exists(child / ocdbt.MANIFEST_FILE):
             ocdbt.record_node_checksums(child)
     cp.metadata_checksums.record(root)

@@ -222,7 +222,14 @@ def check_recorded_nodes(
         return None
     root = os.fspath(directory)
     # The manifest names the root node: with it unchanged, unchanged nodes are the tree.
-    cp.metadata_checksums.read_file(epath.Path(root) / _context.MANIFEST_FILE)
+    manifest = epath.Path(root) / _context.MANIFEST_FILE
+    try:
+        cp.metadata_checksums.read_file(manifest)
+    except FileNotFoundError:
+        raise cp.errors.IntegrityError(
+            f"{manifest} is missing, although {NODE_CHECKSUMS_FILE} lists the nodes of its "
+            "database; restore the checkpoint from a copy."
+        ) from None
     if base is None and not _context.is_local(root):
         base = ts.KvStore.open(_context.location_spec(root)).result()
     reads = [(where, _read_node(base, root, where)) for where in listed]
