@@ -196,6 +196,17 @@ def _assert_tree(loaded) -> None:
     assert loaded["host"]["run"] == "exp-7"
 
 
+def _assert_nodes_recorded(pytree) -> None:
+    """Every node of the final b-tree (after the merges) is in ``_btree_checksums``, which
+    ``_CHECKSUMS`` covers: a forged node is refused (tests/plugins/pytree/test_forged_nodes)."""
+    from checkpointables_pytree import ocdbt
+
+    listed = json.loads((pytree / ocdbt.NODE_CHECKSUMS_FILE).read_text())["nodes"]
+    assert set(listed) == set(ocdbt.node_checksums(pytree)) != set()
+    checksums = (pytree.parent / cp.metadata_checksums.CHECKSUMS_FILE).read_text()
+    assert f"{pytree.name}/{ocdbt.NODE_CHECKSUMS_FILE}" in checksums
+
+
 def test_loads_in_one_process_with_eight_devices(saved) -> None:
     root, _ = saved
     # No abstract tree: the saving topology (devices 0, 1, 2048, 2049) is not needed.
@@ -217,6 +228,7 @@ def test_loads_in_one_process_with_eight_devices(saved) -> None:
     # Every chunk of the merged database is reachable and matches its checksum.
     handler = cp.handlers.get("pytree")()
     assert asyncio.run(handler.verify(root / "pytree_ckpt" / "pytree")) == []
+    _assert_nodes_recorded(root / "pytree_ckpt" / "pytree")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Orbax warns that it does not know our typestr.
@@ -481,6 +493,7 @@ def test_partial_saves_by_two_processes(tmp_path) -> None:
     np.testing.assert_array_equal(np.asarray(loaded["by_row"]), values()["by_row"])
     assert loaded["host"]["run"] == "exp-7"
     assert not (tmp_path / "partial.partial_save").exists()
+    _assert_nodes_recorded(tmp_path / "partial" / "pytree")
 
 
 # Each process's shards of two global arrays, in inner chunks (so TensorStore's zarr3
@@ -519,3 +532,4 @@ def test_several_writers_in_every_process(tmp_path) -> None:
         np.testing.assert_array_equal(np.asarray(loaded[name]), expected)
     handler = cp.handlers.get("pytree")()
     assert cp._asyncio.run_sync(handler.verify(pytree)) == []
+    _assert_nodes_recorded(pytree)

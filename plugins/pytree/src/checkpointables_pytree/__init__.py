@@ -22,6 +22,7 @@ settings), which ``cp.Context`` takes as ``array_options`` and
 from __future__ import annotations
 
 from checkpointables_pytree._handler import PyTreeHandler
+from checkpointables_pytree._maintenance import record_checksums_again
 from checkpointables_pytree.leaves import (
     FAST_PATH_ENVIRONMENT_VARIABLE,
     AbstractPRNGKey,
@@ -69,4 +70,6 @@ __all__ = [
     "StorageOptions",
     # Set to 0 to turn ArrayOptions.ocdbt_fast_path off by default.
     "FAST_PATH_ENVIRONMENT_VARIABLE",
+    # After rewriting a saved database on purpose: its checksums recorded anew.
+    "record_checksums_again",
 ]

@@ -141,6 +141,9 @@ async def _write_all(
                 tree_room.write_tree_metadata(path, tree)
     finally:
         await asyncio.gather(arrays, others)
+    if cp.multihost.process_count() == 1 and session.primary and not session.writer.empty:
+        # The database is final (the writers' merged): its nodes' checksums, before the commit.
+        await asyncio.to_thread(ocdbt.record_node_checksums, path)
     if cp.multihost.process_count() > 1 and not session.writer.empty:
         # Durable before this process reports that it finished writing.
         await asyncio.to_thread(io.flush_database, ocdbt.database_directory(path))
@@ -289,6 +292,7 @@ class PyTreeHandler:
             context = cp.context.get_context()
             with storage.object_store_failures(directory, "Merging the databases of"):
                 await asyncio.to_thread(io.merge_process_databases, directory, context)
+                await asyncio.to_thread(ocdbt.record_node_checksums, directory)
 
     # -- Loading --------------------------------------------------------------------------------
 
@@ -312,12 +316,16 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened = None
+        opened, index = None, None
         if context.array_options.ocdbt_fast_path:
             opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
+            index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
+        # Meanwhile the b-tree is checked against the save's record (a forged node can
+        # point a key at any bytes), by the index, which then reads no node again.
+        checking = ocdbt.start_node_check(directory, index)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
-        session = LoadSession(directory, tree, context, opened)
+        session = LoadSession(directory, tree, context, opened, index)
         if abstract_checkpointable is None:
             plan = LoadPlan.without_abstract(tree, registry)
         else:
@@ -332,6 +340,9 @@ class PyTreeHandler:
                 flat=flat,
             )
         deserialization_context = _deserialization_context(session)
+        # Before the leaf handlers read anything of the database (a zarr.json, a value).
+        with storage.object_store_failures(directory, "Reading the b-tree of"):
+            await ocdbt.wait_for_node_check(checking)
         pending: list[tuple[list[int], Any]] = []
         for handler_cls, slots, params in plan.batches():
             handler = _make_leaf_handler(handler_cls, context)

@@ -261,6 +261,8 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     _merge_strings_and_shardings(sources, won, target, merged)
     _array_metadatas(sources, won, target)
     _custom_files(sources, trees, won, target)
+    # The merged b-tree's nodes (after _custom_files, which copies the sources' own files).
+    ocdbt.record_node_checksums(target)
     # Last: a pytree directory counts as one once it has _METADATA.
     tree_room.write_tree_metadata(target, merged)
 

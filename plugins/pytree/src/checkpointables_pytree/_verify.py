@@ -9,15 +9,18 @@ with the recorded shape and dtype, and the database must hold no array that
 ``_METADATA`` does not list (an entry lost from an unchecksummed ``_METADATA``
 would silently drop a leaf).
 
-Then every chunk is read and checked against zarr3's CRC-32C (what every
-zarr3 reader checks): arrays stored as plain shards by the reader of loads,
-in batches of about ``BATCH_BYTES``, and any other array shard by shard
-through the zarr3 driver. At most one batch or one shard of a large array
-is in memory at a time.
+Every b-tree node of the database is compared with the CRC-32C the save
+recorded in ``_btree_checksums`` (when it did): a node rebuilt with a valid
+CRC-32C of its own is found there. Then every chunk is read and checked
+against zarr3's CRC-32C (what every zarr3 reader checks): arrays stored as
+plain shards by the reader of loads, in batches of about ``BATCH_BYTES``, and
+any other array shard by shard through the zarr3 driver. At most one batch
+or one shard of a large array is in memory at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import math
@@ -266,6 +269,10 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
         leaves.mark_orbax_keys(tree, directory)  # As a load does.
     except cp.errors.CheckpointError as e:
         return [str(e)]
+    if tree.use_ocdbt:  # Every b-tree node against the save's list (a forged node).
+        problems = await asyncio.to_thread(ocdbt.node_checksum_problems, directory)
+        if problems:
+            return problems  # Reading values through a changed b-tree proves nothing.
     session = LoadSession(directory, tree, cp.context.get_context())
     problems = _check_loadable(directory, tree, registry) + _check_layouts(session)
     if problems:

@@ -112,12 +112,14 @@ class Reader:
         opened: ocdbt_room.OpenedDatabase | None = None,
         cross_check: bool = False,
         fast_path: bool = True,
+        index: ocdbt_room.DatabaseIndex | None = None,
     ) -> None:
         """A reader of the arrays in ``directory``.
 
         ``fast_path``: locate values with our own b-tree index and read them from
         the files ourselves; ``False`` leaves every key to TensorStore's kvstore
-        (read in batches) and zarr3 driver.
+        (read in batches) and zarr3 driver. ``index``: the load's index of the
+        database, if it made one (``opened``'s otherwise, or a new one).
         """
         self._directory = directory
         self._opened = opened if ocdbt and fast_path else None
@@ -129,6 +131,8 @@ class Reader:
         self._verify = verify
         self._reads: list[ArrayRead] = []
         self._index = self._opened.index if self._opened is not None else None
+        if self._index is None and ocdbt and fast_path:
+            self._index = index
         if self._index is None and ocdbt and fast_path:
             self._index = ocdbt_room.DatabaseIndex(directory)
 

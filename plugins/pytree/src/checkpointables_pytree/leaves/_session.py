@@ -197,6 +197,7 @@ class LoadSession:
         tree: tree_room.TreeMetadata,
         context: cp.Context,
         opened: ocdbt.OpenedDatabase | None = None,
+        index: ocdbt.DatabaseIndex | None = None,
     ) -> None:
         self.directory = directory
         self.tree = tree
@@ -212,6 +213,7 @@ class LoadSession:
             # must agree with the arrays' own zarr.json.
             cross_check=not tree.checksum_recorded,
             fast_path=context.array_options.ocdbt_fast_path,
+            index=index,
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived

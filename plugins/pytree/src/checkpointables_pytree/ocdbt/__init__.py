@@ -22,6 +22,11 @@ layout). What this room does itself, and what it leaves to TensorStore:
   compressed, finely chunked or int4 arrays, in transactions of their own
   writers), merges of databases (``merge_into``: ``experimental_copy_range_to``
   in one atomic transaction), and every read the fast path declines.
+* **Vouched for here** (``record_node_checksums``, ``node_checksum_problems``,
+  ``start_node_check``): the SHA-256 of every b-tree node of a saved database,
+  in ``_btree_checksums`` (covered by the commit's ``_CHECKSUMS``, as the
+  manifest is), which verify checks, and loads check before anything (the
+  index or TensorStore) reads the database.
 
 The fast path can be turned off per save and per load (``docs/pytree.md``);
 then TensorStore writes and reads every key. It is held to TensorStore by
@@ -69,6 +74,15 @@ from checkpointables_pytree.ocdbt._index import (
     ValueLocation,
     locate,
     parse_location,
+    start_node_check,
+    wait_for_node_check,
+)
+from checkpointables_pytree.ocdbt._node_checksums import (
+    NODE_CHECKSUMS_FILE,
+    check_recorded_nodes,
+    node_checksum_problems,
+    node_checksums,
+    record_node_checksums,
 )
 from checkpointables_pytree.ocdbt._statistics import stored_key_count
 
@@ -109,4 +123,11 @@ __all__ = [
     "locate",
     "parse_location",
     "stored_key_count",
+    "NODE_CHECKSUMS_FILE",
+    "check_recorded_nodes",
+    "node_checksums",
+    "record_node_checksums",
+    "node_checksum_problems",
+    "start_node_check",
+    "wait_for_node_check",
 ]

@@ -18,6 +18,7 @@ raises ``ValueError``, as TensorStore's own decoding does.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from typing import Any
@@ -28,8 +29,17 @@ import numpy as np
 import tensorstore as ts
 
 from checkpointables_pytree.ocdbt import _format
+from checkpointables_pytree.storage import ValueLocation
 
-__all__ = ["LeafNode", "decode", "decoded", "read", "split_location", "value_of"]
+__all__ = [
+    "LeafNode",
+    "decode",
+    "decoded",
+    "parse_location",
+    "read",
+    "split_location",
+    "value_of",
+]
 
 _MAGIC = _format.BTREE_NODE_MAGIC
 _HEADER = struct.Struct("<Q")  # The node's length, after the big-endian magic.
@@ -72,6 +82,25 @@ def split_location(text: str) -> tuple[str, str, int, int]:
     rest, offset, length = rest.rsplit(":", 2)
     base, relative = rest.split(":", 1)
     return base, relative, int(offset), int(length)
+
+
+def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
+    """The location named by a dump's ``"<kind>:<base>:<relative>:<offset>:<length>"``.
+
+    ``None`` when the text does not have that form (``kind``: ``value``, or
+    ``btreenode`` for a node) or names a file outside ``directory`` (a
+    damaged or hostile b-tree: TensorStore's own read then reports it).
+    """
+    try:
+        base, relative, offset, length = split_location(text)
+    except ValueError:
+        return None
+    if not text.startswith(kind + ":") or offset < 0 or length < 0:
+        return None
+    file, root = os.path.join(directory, base, relative), os.path.normpath(directory)
+    if os.path.commonpath([os.path.normpath(file), root]) != root:
+        return None
+    return ValueLocation(file, offset, length)
 
 
 def read(base: ts.KvStore, location: str) -> Any:

@@ -25,17 +25,21 @@ import os
 from collections.abc import Collection
 from typing import Any
 
+import checkpointables as cp
 import numpy as np
 import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import storage
-from checkpointables_pytree.ocdbt import _btree_nodes, _context
+from checkpointables_pytree.ocdbt import _btree_nodes, _context, _node_checksums
+from checkpointables_pytree.ocdbt._btree_nodes import parse_location
 from checkpointables_pytree.ocdbt._dumps import dump, dump_async
 from checkpointables_pytree.storage import ValueLocation
 
 __all__ = [
     "DatabaseIndex",
+    "start_node_check",
+    "wait_for_node_check",
     "OpenedDatabase",
     "ValueLocation",
     "parse_location",
@@ -45,25 +49,6 @@ __all__ = [
 # A pytree whose _METADATA holds more than this (about 100 leaves) has many values:
 # its load starts reading the index early (``OpenedDatabase.start``'s ``many_values``).
 PREFETCH_METADATA_BYTES = 32 << 10
-
-
-def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
-    """The location named by a dump's ``"<kind>:<base>:<relative>:<offset>:<length>"``.
-
-    ``None`` when the text does not have that form (``kind``: ``value``, or
-    ``btreenode`` for a node) or names a file outside ``directory`` (a
-    damaged or hostile b-tree: TensorStore's own read then reports it).
-    """
-    try:
-        base, relative, offset, length = _btree_nodes.split_location(text)
-    except ValueError:
-        return None
-    if not text.startswith(kind + ":") or offset < 0 or length < 0:
-        return None
-    file, root = os.path.join(directory, base, relative), os.path.normpath(directory)
-    if os.path.commonpath([os.path.normpath(file), root]) != root:
-        return None
-    return ValueLocation(file, offset, length)
 
 
 class DatabaseIndex:
@@ -88,6 +73,10 @@ class DatabaseIndex:
         self._nodes: dict[str, Any] = {}
         self._plain = False  # Whether the manifest says its nodes are uncompressed.
         self._local = _context.is_local(self.root)
+        # The nodes checked against the save's _btree_checksums, read once for the check
+        # and decoded from these bytes (None: the save recorded none). See ``checked``.
+        self._checked: dict[str, bytes] | None = None
+        self._checking: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def prefetch(self) -> None:
         """Starts reading the manifest and the root node in the background (once)."""
@@ -103,9 +92,28 @@ class DatabaseIndex:
         assert self._start is not None
         return (await asyncio.wrap_future(self._start))[0]
 
+    def checked(self) -> concurrent.futures.Future[None]:
+        """Done once every node the save recorded is checked (``check_recorded_nodes``),
+        which the index does first; raises what the check raised. Wait for it before
+        TensorStore reads anything of the database: a node the index walks later is then
+        one of those checked (or refused, unlisted), and TensorStore's are too."""
+        self.prefetch()
+        return self._checking
+
+    def _open_and_check(self) -> Any:
+        """The base kvstore, once the recorded nodes are checked (``checked``)."""
+        try:
+            base = ts.KvStore.open(_context.location_spec(self.root)).result()
+            self._checked = _node_checksums.check_recorded_nodes(self.root, base)
+        except BaseException as e:
+            self._checking.set_exception(e)
+            raise
+        self._checking.set_result(None)
+        return base
+
     def _read_root(self) -> tuple[Any, Any]:
         """The base kvstore and the latest root node (``None``: an empty database)."""
-        base = ts.KvStore.open(_context.location_spec(self.root)).result()
+        base = self._open_and_check()
         manifest = dump(base, key=self._manifest_key())
         versions = manifest.get("versions") or []
         if not versions:
@@ -120,17 +128,24 @@ class DatabaseIndex:
             node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
                 return base, (location, node)
+        self._refuse_unlisted(location)
         return base, (location, dump(base, location, key=(self.root, location)))
 
     async def node(self, location: str) -> Any:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
         base = await self.base()
+        self._refuse_unlisted(location)
         if self._plain:
             data = await asyncio.to_thread(self._node_bytes, base, location)
             node = _btree_nodes.decoded(data, location)
             if node is not None:
                 return node
         return await dump_async(base, location, key=(self.root, location))
+
+    def _refuse_unlisted(self, location: str) -> None:
+        """Raises if the save recorded its nodes and ``location`` is not one of them."""
+        if self._checked is not None and location not in self._checked:
+            raise _node_checksums.unlisted_node(self.root, location)
 
     def _manifest_key(self) -> tuple[Any, ...] | None:
         """What identifies the manifest's content: a local file's identity, size and time
@@ -144,7 +159,11 @@ class DatabaseIndex:
         return (self.root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
     def _node_bytes(self, base: Any, location: str) -> bytes:
-        """The bytes of a node (``b""``: missing); a local database's are read directly."""
+        """The bytes of a node (``b""``: missing); a local database's are read directly,
+        and those checked against the save's record are not read again."""
+        if self._checked is not None:
+            self._refuse_unlisted(location)
+            return self._checked[location]
         where = parse_location(location, self.root, "btreenode") if self._local else None
         data = None if where is None else storage.read_range(*where)
         if data is None:
@@ -177,6 +196,37 @@ class DatabaseIndex:
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found
+
+
+def start_node_check(
+    directory: epath.PathLike, index: DatabaseIndex | None = None
+) -> concurrent.futures.Future[Any]:
+    """Starts checking the b-tree of the database in ``directory`` against what its save
+    recorded (``check_recorded_nodes``), on a worker thread; by ``index`` where the load
+    has one, which then decodes the nodes checked rather than read them again.
+
+    Wait for the result (``wait_for_node_check``) before anything reads the database.
+    """
+    if index is not None:
+        return index.checked()
+    context = contextvars.copy_context()  # Storage options reach the worker thread.
+    return _index_pool().submit(context.run, _node_checksums.check_recorded_nodes, directory)
+
+
+async def wait_for_node_check(checking: concurrent.futures.Future[Any]) -> None:
+    """Waits for ``start_node_check``'s check; raises what it found.
+
+    Raises:
+      cp.errors.IntegrityError: the manifest or a node is not what the save recorded.
+      cp.errors.MetadataError: ``_btree_checksums`` is malformed.
+    """
+    try:
+        await asyncio.wrap_future(checking)
+    except ValueError as e:
+        if isinstance(e, cp.errors.CheckpointError):
+            raise
+        # TensorStore cannot open the database at all: nothing reads it, and the reads
+        # report why, naming the leaf.
 
 
 @functools.cache
