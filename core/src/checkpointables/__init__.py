@@ -26,6 +26,7 @@ from checkpointables import (
     progress,
     protocols,
     readers,
+    reuse,
     safe_json,
     serialization,
     storage,
