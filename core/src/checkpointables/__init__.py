@@ -107,6 +107,7 @@ __all__ = [
     "progress",
     "protocols",
     "readers",
+    "reuse",
     "safe_json",
     "serialization",
     "storage",

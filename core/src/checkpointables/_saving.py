@@ -231,9 +231,9 @@ def _blocking_phase(save: _Checked, directory: PathAwaitingCreation) -> list[Any
             ]
         )
 
-    with save.context, _os_errors.translated(f"saving {save.path}"):  # Handlers read options.
-        with reuse_lib.active(save.reuse):
-            return run_sync(blocking())
+    # Handlers read options, and what they may reuse.
+    with save.context, reuse_lib.active(save.reuse), _os_errors.translated(f"saving {save.path}"):
+        return run_sync(blocking())
 
 
 def _write(directory: PathAwaitingCreation, background: list[Any]) -> None:
@@ -362,9 +362,7 @@ def save_checkpointables_async(
       cp.errors.NoHandlerForObjectError: no handler accepts an object.
     Raises (by the response, after a failed write): cp.errors.DiskFullError, ...
     """
-    return start(
-        SaveRequest(path, checkpointables, custom_metadata, overwrite, reuse=reuse_from)
-    )
+    return start(SaveRequest(path, checkpointables, custom_metadata, overwrite, reuse=reuse_from))
 
 
 @synchronous(save_checkpointables_async)

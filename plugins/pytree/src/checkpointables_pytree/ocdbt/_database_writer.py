@@ -168,9 +168,7 @@ class DatabaseLayout:
             [k.encode() for k in keys], lengths, places, max_node_bytes
         )
 
-    def _place(
-        self, values: list[Any], lengths: Sequence[int], most: int, limit: int
-    ) -> list[Any]:
+    def _place(self, values: list[Any], lengths: Sequence[int], most: int, limit: int) -> list[Any]:
         """Puts each value inline or into a data file; returns where each went."""
         self._files: list[Recipe] = []
         self._needs: list[int] = []  # Per data file: how many variable values it needs.

@@ -154,6 +154,14 @@ def _entry(c: _Candidate, prints: list[str]) -> dict[str, Any]:
     return {"signature": c.signature, "shards": shards}
 
 
+def _same_layout(entry: dict[str, Any], c: _Candidate) -> bool:
+    """Whether a recorded array has ``c``'s layout and shards (fingerprints aside)."""
+    shards = entry.get("shards") or []
+    return entry.get("signature") == c.signature and [s[0] for s in shards] == [
+        s[0] for s in c.shards
+    ]
+
+
 class _Files:
     """Sizes of the source's data files, each looked up once."""
 
@@ -171,15 +179,16 @@ class _Files:
         return bool(size >= location.offset + location.length)
 
 
-async def _link(
-    source: epath.Path, matching: Sequence[_Candidate], writer: io.Writer
-) -> int:
+async def _link(source: epath.Path, matching: Sequence[_Candidate], writer: io.Writer) -> int:
     """Links the chunks of ``matching`` arrays the source holds in data files; returns the
     bytes linked. An array with a chunk missing, inline, or in a short file is written."""
     keys = [key for c in matching for _, key, _ in c.shards]
     if not keys:
         return 0
-    found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
+    try:
+        found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
+    except (OSError, ValueError):  # A damaged source: everything is written afresh.
+        return 0
     files = _Files()
     linked = 0
     for c in matching:
@@ -232,11 +241,9 @@ async def plan_reuse(
     to_print = []
     for c in candidates:
         entry = earlier.get(c.name)
-        starts = [s[0] for s in c.shards]
-        if frozen is not None and entry and frozen(c.name):
-            if entry.get("signature") == c.signature and [s[0] for s in entry["shards"]] == starts:
-                known[c.name] = entry  # Declared frozen: the source's fingerprints stand.
-                continue
+        if frozen is not None and entry and frozen(c.name) and _same_layout(entry, c):
+            known[c.name] = entry  # Declared frozen: the source's fingerprints stand.
+            continue
         to_print.append(c)
     prints = _fingerprints(to_print)
     record = {c.name: _entry(c, prints[c.name]) for c in to_print}
