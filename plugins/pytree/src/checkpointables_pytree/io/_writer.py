@@ -117,7 +117,9 @@ class Writer:
             context = ocdbt.make_context(ocdbt.SAVE_OCDBT_CACHE_BYTES)
             local = ocdbt.is_local(database)
             limit = DIRECT_BYTES if local else REMOTE_DIRECT_BYTES
-            here, driver, linked = [], [], []
+            here: list[ArrayWrite] = []
+            driver: list[ArrayWrite] = []
+            linked: list[ArrayWrite] = []
             for item in self._items:
                 if item.layout.name in self.linked:
                     linked.append(item)
