@@ -27,6 +27,7 @@ def test_each_committed_save_reports_its_cost(tmp_path, caplog) -> None:
     assert ckptr.last_save_stats.step == 2
     assert set(second.as_dict()) == {
         "checkpoint/bytes_written",
+        "checkpoint/bytes_reused",
         "checkpoint/blocked_secs",
         "checkpoint/commit_secs",
     }
