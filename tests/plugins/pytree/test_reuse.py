@@ -132,6 +132,7 @@ def test_a_short_source_file_is_written_afresh(tmp_path) -> None:
 
 def _checkpointer(root, keep=None, **kwargs):
     keep = keep or cp.training.preservation_policies.PreserveAll()
+    kwargs.setdefault("reuse_unchanged", True)  # Off by default on CPU-only jobs.
     return cp.training.Checkpointer(
         root,
         preservation_policy=keep,
@@ -163,6 +164,15 @@ def test_checkpointer_reuses_across_steps_and_counts_bytes(tmp_path) -> None:
     for step in (3, 4):
         _assert_same(cp.load_pytree(tmp_path / str(step)), trees[step])
         _verify(tmp_path / str(step))
+
+
+def test_the_default_is_off_on_cpu(tmp_path) -> None:
+    tree = _tree()
+    decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
+    with cp.training.Checkpointer(tmp_path, save_decision_policy=decide) as ckptr:
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
 
 
 def test_checkpointer_reuse_can_be_turned_off(tmp_path) -> None:
@@ -308,7 +318,8 @@ rng = np.random.default_rng(0)
 tree = {f"w{i}": jnp.asarray(rng.standard_normal((256, 1024), dtype=np.float32)) for i in range(8)}
 decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
 keep = cp.training.preservation_policies.LatestN(2)
-with cp.training.Checkpointer(root, save_decision_policy=decide, preservation_policy=keep) as c:
+with cp.training.Checkpointer(
+        root, save_decision_policy=decide, preservation_policy=keep, reuse_unchanged=True) as c:
     latest = c.latest_step()
     step = latest.step + 1 if latest else 0
     while True:
