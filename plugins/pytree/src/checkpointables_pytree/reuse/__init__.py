@@ -11,6 +11,7 @@ It imports ``io``, ``ocdbt``, ``tree`` and ``zarr3``; only the handler imports i
 """
 
 from checkpointables_pytree.reuse._fingerprint import (
+    fingerprint_lanes,
     fingerprint_numpy,
     fingerprint_shards,
     supported,
@@ -18,6 +19,7 @@ from checkpointables_pytree.reuse._fingerprint import (
 from checkpointables_pytree.reuse._plan import MIN_BYTES, RECORD_FILE, ReusePlan, plan_reuse
 
 __all__ = [
+    "fingerprint_lanes",
     "fingerprint_numpy",
     "fingerprint_shards",
     "supported",
