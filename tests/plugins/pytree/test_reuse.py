@@ -91,6 +91,23 @@ def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> 
     assert _linked_files(tmp_path / "3") == set()  # Sole owner of its files now.
 
 
+def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    changed = dict(tree, adapter=tree["adapter"] + 1)
+    cp.save_pytree(tmp_path / "3", changed, reuse_from=tmp_path / "2")
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointables", "inspect", str(tmp_path / "3")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "    adapter: written" in done.stdout, done.stdout
+    assert "    base.w0: reused from 2" in done.stdout, done.stdout
+    assert "    host: reused from 2" in done.stdout, done.stdout
+
+
 def test_async_forms_and_save_checkpointables(tmp_path) -> None:
     tree = _tree()
     cp.save_checkpointables(tmp_path / "1", {"state": tree, "cfg": {"lr": 0.1}})

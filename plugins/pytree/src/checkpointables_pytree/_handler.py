@@ -286,6 +286,11 @@ class PyTreeHandler:
         metadata = functools.partial(saved_tree_metadata, groups, flat, session, registry)
         return _owning(_write(directory, session, metadata, awaitables, reused), awaitables)
 
+    def reuse_report(self, directory: epath.Path) -> dict[str, str | None]:
+        """Per array an incremental save tracked: the checkpoint its data was linked from,
+        or ``None`` if the save wrote it (``cp.protocols.ReportsReuse``)."""
+        return reuse.reuse_report(epath.Path(directory))
+
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).
 

@@ -16,7 +16,13 @@ from checkpointables_pytree.reuse._fingerprint import (
     fingerprint_shards,
     supported,
 )
-from checkpointables_pytree.reuse._plan import MIN_BYTES, RECORD_FILE, ReusePlan, plan_reuse
+from checkpointables_pytree.reuse._plan import (
+    MIN_BYTES,
+    RECORD_FILE,
+    ReusePlan,
+    plan_reuse,
+    reuse_report,
+)
 
 __all__ = [
     "fingerprint_lanes",
@@ -27,4 +33,5 @@ __all__ = [
     "RECORD_FILE",
     "ReusePlan",
     "plan_reuse",
+    "reuse_report",
 ]

@@ -34,7 +34,7 @@ from etils import epath
 from checkpointables_pytree import io, ocdbt, tree, zarr3
 from checkpointables_pytree.reuse import _fingerprint
 
-__all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse"]
+__all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"]
 
 RECORD_FILE = "_REUSE.json"
 # Smaller arrays are rewritten: a few KiB cost less than their fingerprint and link.
@@ -136,9 +136,10 @@ def _fingerprints(candidates: Sequence[_Candidate]) -> dict[str, list[str]]:
     return result
 
 
-def _read_record(source: epath.Path) -> dict[str, Any]:
-    """The source's record for this process (``{}``: none, or unreadable)."""
-    path = ocdbt.database_directory(source) / RECORD_FILE
+def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
+    """The source's record for this process (``own``: the record in ``source`` itself;
+    ``{}``: none, or unreadable)."""
+    path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -248,10 +249,29 @@ async def plan_reuse(
     prints = _fingerprints(to_print)
     record = {c.name: _entry(c, prints[c.name]) for c in to_print}
     record.update(known)
-    matching = [c for c in candidates if earlier.get(c.name) == record[c.name]]
+    matching = [c for c in candidates if _same(earlier.get(c.name), record[c.name])]
     plan = ReusePlan(record)
     writer.isolate = True
     if source is not None and matching:
         plan.linked_bytes = await _link(source, matching, writer)
         reuse.add_reused(plan.linked_bytes)
+        for name in writer.linked:  # For `checkpointables inspect`.
+            record[name] = dict(record[name], reused_from=source.parent.name)
     return plan
+
+
+def _same(earlier: dict[str, Any] | None, now: dict[str, Any]) -> bool:
+    """Whether a recorded array has the layout and fingerprints of one saved now."""
+    return bool(earlier) and all(earlier.get(k) == now[k] for k in ("signature", "shards"))
+
+
+def reuse_report(pytree_directory: epath.Path) -> dict[str, str | None]:
+    """Array name -> the checkpoint its data was linked from (``None``: written), from the
+    records of every process database (``{}``: saved without reuse)."""
+    report: dict[str, str | None] = {}
+    for record in [pytree_directory, *pytree_directory.glob("ocdbt.process_*")]:
+        for name, entry in _read_record(record, own=True).items():
+            source = entry.get("reused_from") if isinstance(entry, dict) else None
+            if report.get(name) is None:
+                report[name] = source if isinstance(source, str) else None
+    return report
