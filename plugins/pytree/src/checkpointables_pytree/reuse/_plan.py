@@ -96,6 +96,8 @@ def _jax_candidate(name: str, array: jax.Array, context: cp.Context) -> _Candida
         starts = [s.indices(d)[0] for s, d in zip(shard.index, shape, strict=True)]
         index = [b // c if c else 0 for b, c in zip(starts, chunk_shape, strict=True)]
         shards.append((starts, zarr3.chunk_key(name, index), shard.data))
+    if not shards:
+        return None  # Another process writes every part of it.
     signature = _signature("jax", array, chunk_shape, context)
     return _Candidate(name, signature, shards, True)
 
