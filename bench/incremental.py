@@ -9,6 +9,7 @@ a 2-core machine (``--base-mib``)::
 
     uv run python -m bench.incremental                       # 256 MiB base, 10 steps
     uv run python -m bench.incremental --base-mib 1024 --arrays 200 --adapter-mib 16
+    uv run python -m bench.run --case incremental            # the issue's sizes, with targets
 """
 
 from __future__ import annotations
@@ -115,16 +116,11 @@ def _fingerprint_secs(tree: dict) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-mib", type=int, default=256)
-    parser.add_argument("--arrays", type=int, default=50)
-    parser.add_argument("--adapter-mib", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    tree = _tree(args.base_mib, args.arrays, args.adapter_mib)
-    trainable = 3 * args.adapter_mib * MiB
-    work = tempfile.mkdtemp(prefix="bench-incremental-")
+def measure(base_mib: int, arrays: int, adapter_mib: int, steps: int, scratch: str) -> dict:
+    """Every policy and reuse mode on the LoRA-shaped tree; the rows, the changed arrays'
+    own save time and the fingerprint times."""
+    tree = _tree(base_mib, arrays, adapter_mib)
+    work = tempfile.mkdtemp(prefix="bench-incremental-", dir=scratch)
     try:
         rows = []
         policies = {
@@ -134,33 +130,158 @@ def main() -> None:
         for name, keep in policies.items():
             for reuse in (False, True, _frozen_base):
                 root = os.path.join(work, f"{name}-{reuse}")
-                rows.append((name, reuse, _run(tree, args.steps, keep, reuse, root)))
+                rows.append((name, reuse, _run(tree, steps, keep, reuse, root)))
                 shutil.rmtree(root)
         alone = _changed_alone(tree, work)
         fingerprint = _fingerprint_secs(tree)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return {"rows": rows, "alone": alone, "fingerprint": fingerprint}
+
+
+def _mode(reuse: object) -> str:
+    return "frozen base declared" if callable(reuse) else ("on" if reuse else "off")
+
+
+def _summary(rows: list) -> dict[tuple[str, str], dict[str, float]]:
+    return {
+        (name, _mode(reuse)): {
+            "written": statistics.median(r["written"][1:]),
+            "secs": statistics.median(r["times"][1:]),
+            "disk": r["disk"],
+        }
+        for name, reuse, r in rows
+    }
+
+
+def _targets(result: dict, base: int, trainable: int, steps: int) -> list[dict]:
+    """The issue's targets, as ``report.targets_table`` rows (values are ratios)."""
+    s = _summary(result["rows"])
+    full, on = s[("LatestN(3)", "off")], s[("LatestN(3)", "on")]
+    frozen = s[("LatestN(3)", "frozen base declared")]
+    rows = [
+        (
+            "written_vs_changed",
+            "<=",
+            1.0,
+            on["written"] / (trainable + MiB),
+            "reusing save writes <= changed bytes + 1 MiB",
+        ),
+        (
+            "fewer_bytes",
+            ">=",
+            50.0,
+            full["written"] / on["written"],
+            "reusing save writes >= 50x fewer bytes than a full save",
+        ),
+        (
+            "time_vs_changed",
+            "<=",
+            1.2,
+            on["secs"] / result["alone"],
+            "reusing save <= 1.2x saving the changed arrays alone",
+        ),
+        (
+            "time_vs_changed_frozen",
+            "<=",
+            1.2,
+            frozen["secs"] / result["alone"],
+            "same, frozen base declared",
+        ),
+        (
+            "faster_than_full",
+            ">=",
+            20.0,
+            full["secs"] / on["secs"],
+            "reusing save >= 20x faster than a full save",
+        ),
+        (
+            "disk_preserve_all",
+            "<=",
+            1.0,
+            s[("PreserveAll", "on")]["disk"] / (base + steps * (trainable + MiB)),
+            "PreserveAll: disk <= base + steps x (trainable + 1 MiB)",
+        ),
+        (
+            "fingerprint_cost",
+            "<=",
+            0.05,
+            result["fingerprint"][0] / full["secs"],
+            "fingerprints of the whole tree <= 5% of a full save",
+        ),
+    ]
+    return [
+        {
+            "case": "incremental",
+            "metric": metric,
+            "op": op,
+            "limit": limit,
+            "text": text,
+            "value": value,
+            "orbax_value": None,
+            "verdict": "met" if (value <= limit if op == "<=" else value >= limit) else "missed",
+        }
+        for metric, op, limit, value, text in rows
+    ]
+
+
+def run_case(args: argparse.Namespace, scratch: str, say) -> dict:
+    """``python -m bench.run --case incremental``: the issue's sizes times ``--scale``
+    (1 GiB of base in 200 arrays, 16 MiB of adapters), 10 steps."""
+    base_mib = max(16, int(1024 * args.scale))
+    adapter_mib = max(1, int(16 * args.scale))
+    arrays = 200 if args.scale >= 0.25 else 50
+    say(f"\n== incremental: {base_mib} MiB base in {arrays} arrays, {adapter_mib} MiB adapters ==")
+    result = measure(base_mib, arrays, adapter_mib, 10, scratch)
+    say(_table(result))
+    trainable = 3 * adapter_mib * MiB
+    summary = {f"{k[0]} / {k[1]}": v for k, v in _summary(result["rows"]).items()}
+    return {
+        "bytes": base_mib * MiB + trainable,
+        "rows": summary,
+        "changed_alone_s": result["alone"],
+        "fingerprint_s": result["fingerprint"][0],
+        "device_reduction_s": result["fingerprint"][1],
+        "targets": _targets(result, base_mib * MiB, trainable, 10),
+    }
+
+
+def _table(result: dict) -> str:
+    lines = [
+        "| policy | reuse | bytes written, later saves (median) | save wall s (median) | "
+        "disk after all steps |",
+        "|---|---|---|---|---|",
+    ]
+    for (name, mode), r in _summary(result["rows"]).items():
+        lines.append(
+            f"| {name} | {mode} | {r['written'] / MiB:.2f} MiB | {r['secs']:.3f} | "
+            f"{r['disk'] / MiB:.0f} MiB |"
+        )
+    fingerprint = result["fingerprint"]
+    lines.append(
+        f"saving the changed arrays alone: {result['alone']:.3f} s; fingerprints of the whole "
+        f"tree: {fingerprint[0]:.3f} s (the device reduction on {jax.default_backend()}: "
+        f"{fingerprint[1]:.3f} s)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-mib", type=int, default=256)
+    parser.add_argument("--arrays", type=int, default=50)
+    parser.add_argument("--adapter-mib", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    result = measure(
+        args.base_mib, args.arrays, args.adapter_mib, args.steps, tempfile.gettempdir()
+    )
+    trainable = 3 * args.adapter_mib * MiB
     print(
         f"base {args.base_mib} MiB in {args.arrays} arrays, trainable (adapters + mu + nu) "
         f"{trainable / MiB:.0f} MiB, {args.steps} steps, jax {jax.default_backend()}"
     )
-    print(
-        "| policy | reuse | bytes written, later saves (median) | save wall s (median) | "
-        "disk after all steps |"
-    )
-    print("|---|---|---|---|---|")
-    for name, reuse, r in rows:
-        mode = "frozen base declared" if callable(reuse) else ("on" if reuse else "off")
-        print(
-            f"| {name} | {mode} | "
-            f"{statistics.median(r['written'][1:]) / MiB:.2f} MiB | "
-            f"{statistics.median(r['times'][1:]):.3f} | {r['disk'] / MiB:.0f} MiB |"
-        )
-    print(
-        f"saving the changed arrays alone: {alone:.3f} s; fingerprints of the whole tree: "
-        f"{fingerprint[0]:.3f} s (the device reduction on {jax.default_backend()}: "
-        f"{fingerprint[1]:.3f} s)"
-    )
+    print(_table(result))
 
 
 if __name__ == "__main__":
