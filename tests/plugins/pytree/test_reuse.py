@@ -108,6 +108,17 @@ def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
     assert "    host: reused from 2" in done.stdout, done.stdout
 
 
+def test_prng_keys_and_small_leaves_are_written(tmp_path) -> None:
+    tree = {"keys": jax.random.split(jax.random.key(0), 8192), "tiny": np.ones(3)}
+    tree["big"] = np.arange(reuse.MIN_BYTES, dtype=np.uint8)
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    shutil.rmtree(tmp_path / "1")
+    loaded = cp.load_pytree(tmp_path / "2")
+    assert (jax.random.key_data(loaded["keys"]) == jax.random.key_data(tree["keys"])).all()
+    assert np.asarray(loaded["big"]).tobytes() == tree["big"].tobytes()
+
+
 def test_async_forms_and_save_checkpointables(tmp_path) -> None:
     tree = _tree()
     cp.save_checkpointables(tmp_path / "1", {"state": tree, "cfg": {"lr": 0.1}})

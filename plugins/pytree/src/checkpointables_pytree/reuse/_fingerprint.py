@@ -92,8 +92,13 @@ def fingerprint_lanes(arrays: Sequence[jax.Array]) -> list[list[int]]:
 
 def supported(dtype: Any) -> bool:
     """Whether arrays of ``dtype`` can be fingerprinted on their device (sub-byte and
-    8-byte dtypes cannot: they are always written)."""
-    dtype = np.dtype(dtype)
+    8-byte dtypes, typed PRNG keys cannot: they are always written)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return False
     if dtype.kind == "c":
         return dtype.itemsize == 8
     if any(bits in dtype.name for bits in ("int4", "int2", "float4")):
