@@ -42,7 +42,9 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     doc = json.loads(output.read_text())
 
     assert doc["unavailable"] == {}, doc["unavailable"]
-    assert set(doc["cases"]) == CASES | INTEROP_CASES
+    assert set(doc["cases"]) == CASES | INTEROP_CASES | {"incremental"}
+    incremental = doc["cases"]["incremental"]
+    assert incremental["rows"]["LatestN(3) / on"]["written"] > 0, incremental
     for name in INTEROP_CASES:
         case = doc["cases"][name]
         assert "error" not in case, case
@@ -50,7 +52,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         assert all(m["growth"] > 0 for m in case["memory"].values()), case["memory"]
     assert all(len(s["load_s"]) == 1 for s in doc["cases"]["safetensors-1gib"]["times"].values())
     for name, case in doc["cases"].items():
-        if name in INTEROP_CASES:
+        if name in INTEROP_CASES or name == "incremental":
             continue
         assert case["bytes"] > 0 and case["leaves"] > 0, name
         assert set(case["libraries"]) == LIBRARIES, name
@@ -73,7 +75,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         assert len(repeated["rss"]) == 8 and min(repeated["rss"]) > 0, repeated
 
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
-    assert len(verdicts) == 16 + 3 + 5
+    assert len(verdicts) == 16 + 3 + 5 + 7
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
     assert "== targets" in out
 

@@ -67,10 +67,13 @@ def save_pytree_async(
     checkpointable_name: str = DEFAULT_NAME,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
+    reuse_from: epath.PathLike | None = None,
 ) -> AsyncResponse[None]:
     """Saves a pytree; returns once device data is copied to host.
 
-    The caller may change or delete its arrays as soon as this returns.
+    The caller may change or delete its arrays as soon as this returns. ``reuse_from``: a
+    committed checkpoint whose unchanged arrays are linked rather than written
+    (``docs/incremental.md``).
     """
     return _saving.start(
         _saving.SaveRequest(
@@ -79,6 +82,7 @@ def save_pytree_async(
             custom_metadata,
             overwrite,
             forced_handlers={checkpointable_name: pytree_registration().handler_cls},
+            reuse=reuse_from,
         )
     )
 
@@ -91,6 +95,7 @@ def save_pytree(
     checkpointable_name: str = DEFAULT_NAME,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
+    reuse_from: epath.PathLike | None = None,
 ) -> None:
     """Saves a pytree of arrays and scalars, and waits until it is committed.
 

@@ -37,6 +37,7 @@ from checkpointables import (
     safe_json,
     storage,
 )
+from checkpointables import reuse as reuse_lib
 from checkpointables._asyncio import (
     AsyncResponse,
     gather_awaitables,
@@ -68,6 +69,8 @@ class SaveRequest:
       context: the options; ``None``: the context in force.
       replace_unfinished: replace an object-store save that did not finish even if it may
         be running (the Checkpointer, sole writer of its root).
+      reuse: a committed checkpoint to take unchanged data from (``reuse_from``), or the
+        ``cp.reuse.SaveReuse`` to hand the handlers (the Checkpointer's); ``None``: none.
     """
 
     path: epath.PathLike
@@ -78,6 +81,7 @@ class SaveRequest:
     forced_handlers: Mapping[str, type] | None = None
     context: Context | None = None
     replace_unfinished: bool = False
+    reuse: reuse_lib.SaveReuse | epath.PathLike | None = None
 
 
 @attrs.frozen
@@ -93,6 +97,7 @@ class _Checked:
     context: Context
     primary: bool
     operation: str  # The save's name among the processes' collective operations.
+    reuse: reuse_lib.SaveReuse | None = None
     init_ns: int = attrs.field(factory=time.time_ns)
 
 
@@ -149,6 +154,10 @@ def _validate(request: SaveRequest) -> _Checked:
             f"{path} has a temporary directory's name; choose another path."
         )
     chosen = resolve_save_handlers(request.checkpointables, context, request.forced_handlers)
+    reuse = request.reuse
+    if reuse is not None and not isinstance(reuse, reuse_lib.SaveReuse):
+        with context:  # An object store's source is reached with the context's settings.
+            reuse = reuse_lib.SaveReuse(reuse_lib.checked_source(reuse, path))
     return _Checked(
         path=path,
         checkpointables=request.checkpointables,
@@ -162,6 +171,7 @@ def _validate(request: SaveRequest) -> _Checked:
         operation=f"save/{multihost.next_operation_id()}"
         if multihost.is_coordinated(context)
         else "",
+        reuse=reuse,
     )
 
 
@@ -221,7 +231,8 @@ def _blocking_phase(save: _Checked, directory: PathAwaitingCreation) -> list[Any
             ]
         )
 
-    with save.context, _os_errors.translated(f"saving {save.path}"):  # Handlers read options.
+    # Handlers read options, and what they may reuse.
+    with save.context, reuse_lib.active(save.reuse), _os_errors.translated(f"saving {save.path}"):
         return run_sync(blocking())
 
 
@@ -334,6 +345,7 @@ def save_checkpointables_async(
     *,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
+    reuse_from: epath.PathLike | None = None,
 ) -> AsyncResponse[None]:
     """Saves several checkpointables into one checkpoint; returns after the blocking phase.
 
@@ -344,11 +356,13 @@ def save_checkpointables_async(
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
       FileExistsError: ``path`` exists and ``overwrite`` is false.
+      FileNotFoundError, cp.errors.NotACheckpointError: ``reuse_from`` is not a committed
+        checkpoint.
       cp.errors.NameTooLongError: a name is too long for the filesystem.
       cp.errors.NoHandlerForObjectError: no handler accepts an object.
     Raises (by the response, after a failed write): cp.errors.DiskFullError, ...
     """
-    return start(SaveRequest(path, checkpointables, custom_metadata, overwrite))
+    return start(SaveRequest(path, checkpointables, custom_metadata, overwrite, reuse=reuse_from))
 
 
 @synchronous(save_checkpointables_async)
@@ -358,6 +372,7 @@ def save_checkpointables(
     *,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
+    reuse_from: epath.PathLike | None = None,
 ) -> None:
     """Saves several checkpointables into one checkpoint and waits until it is committed.
 

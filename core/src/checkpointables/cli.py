@@ -130,8 +130,29 @@ def _inspect(args: argparse.Namespace) -> int:
                 print(f"  cannot read metadata: {type(e).__name__}: {e}")
                 continue
             total += _print_leaves(value)
+            _print_reuse(directory, name, recorded, context)
     print(f"\ntotal array bytes: {total:,}")
     return 0
+
+
+def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) -> None:
+    """Per array an incremental save tracked: written by it, or reused from which checkpoint."""
+    from checkpointables import _loading
+    from checkpointables.protocols import ReportsReuse
+
+    try:
+        handler = _loading.resolve_load_handler(directory, name, recorded, None, context)
+        if not isinstance(handler, ReportsReuse):
+            return
+        with context:
+            report = handler.reuse_report(directory)
+    except Exception as e:  # Show the rest; the error names the problem.
+        print(f"  reuse: cannot read: {type(e).__name__}: {e}")
+        return
+    if report:
+        print("  incremental save (arrays of at least 64 KiB):")
+    for array, source in sorted(report.items()):
+        print(f"    {array}: {'written' if source is None else f'reused from {source}'}")
 
 
 def _print_metrics(path: Any, meta: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "Verifiable",
     "Mergeable",
     "ExplainsUnhandleable",
+    "ReportsReuse",
     "typestr",
     "missing_methods",
 ]
@@ -203,6 +204,17 @@ class ExplainsUnhandleable(Protocol):
     def unhandleable_reason(self, checkpointable: Any) -> str | None:
         """Why ``is_handleable(checkpointable)`` is false (e.g. naming the key paths of
         unsupported leaves), or ``None`` if it is true."""
+        ...
+
+
+@runtime_checkable
+class ReportsReuse(Protocol):
+    """A handler that says which of its data an incremental save took from an earlier
+    checkpoint (``checkpointables inspect``; ``docs/incremental.md``)."""
+
+    def reuse_report(self, directory: epath.Path) -> dict[str, str | None]:
+        """Name of each array it tracks -> the checkpoint its data was linked from
+        (``None``: written by the save itself). Empty for a save without reuse."""
         ...
 
 

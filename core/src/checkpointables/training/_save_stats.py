@@ -29,7 +29,10 @@ class SaveStats:
 
     Attributes:
       step: the step saved.
-      bytes_written: bytes of array data saved (whole arrays, as in the checkpoint).
+      bytes_written: bytes of array data written (whole arrays, as in the checkpoint),
+        not counting those reused.
+      bytes_reused: bytes of array data linked from the previous step instead of being
+        written (``reuse_unchanged``, ``docs/incremental.md``).
       blocked_secs: how long the ``save_*`` call held the caller (waiting for
         the previous save, then copying device data to host).
       commit_secs: from the call until the checkpoint was committed.
@@ -39,11 +42,13 @@ class SaveStats:
     bytes_written: int
     blocked_secs: float
     commit_secs: float
+    bytes_reused: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """The numbers under metric names, e.g. for a metrics logger."""
         return {
             "checkpoint/bytes_written": self.bytes_written,
+            "checkpoint/bytes_reused": self.bytes_reused,
             "checkpoint/blocked_secs": self.blocked_secs,
             "checkpoint/commit_secs": self.commit_secs,
         }
@@ -65,9 +70,10 @@ def array_bytes(leaves: list[Any]) -> int:
 def log(stats: SaveStats) -> None:
     """Logs ``stats`` at INFO."""
     logger.info(
-        "Saved step %d: %.1f MiB, blocked %.3f s, committed after %.3f s.",
+        "Saved step %d: %.1f MiB written, %.1f MiB reused, blocked %.3f s, committed after %.3f s.",
         stats.step,
         stats.bytes_written / 2**20,
+        stats.bytes_reused / 2**20,
         stats.blocked_secs,
         stats.commit_secs,
     )

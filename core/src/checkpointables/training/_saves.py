@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _commit, _pytree_api, _saving, errors, layout, multihost
+from checkpointables import _commit, _pytree_api, _saving, errors, layout, multihost, storage
+from checkpointables import reuse as reuse_lib
 from checkpointables._asyncio import AsyncResponse, completed
 from checkpointables.context import Context
 from checkpointables.training import _listing, _metrics, _readers, _save_stats
@@ -89,6 +90,8 @@ class Saves:
         self._lock = threading.Lock()
         self._in_flight: tuple[int, AsyncResponse[bool]] | None = None
         self.last_stats: _save_stats.SaveStats | None = None
+        # (on, frozen): whether saves reuse the newest step's unchanged arrays (``reuse``).
+        self.reuse: tuple[bool, Any] = (False, None)
 
     def in_progress(self) -> bool:
         """Whether a save has started and not yet committed (or failed)."""
@@ -132,20 +135,53 @@ class Saves:
         self.wait(context.async_options.timeout_secs)
         self._errors.raise_pending()
         path = self._check_step(request, context)
-        inner = _saving.start(
-            _saving.SaveRequest(
-                path,
-                request.checkpointables,
-                request.custom_metadata,
-                request.overwrite,
-                metrics,
-                forced,
-                context,
-                # This root's only writer: an unfinished save at the step was interrupted.
-                replace_unfinished=True,
+        reuse, lease = self._reuse_source(request.step, context)
+        try:
+            inner = _saving.start(
+                _saving.SaveRequest(
+                    path,
+                    request.checkpointables,
+                    request.custom_metadata,
+                    request.overwrite,
+                    metrics,
+                    forced,
+                    context,
+                    # This root's only writer: an unfinished save at the step was interrupted.
+                    replace_unfinished=True,
+                    reuse=reuse,
+                )
             )
-        )
-        return self._track(request, path, metrics, inner, started)
+        except BaseException:
+            self._end_lease(lease)
+            raise
+        if lease is not None:  # The source step stays until the save ends (committed or not).
+            inner.add_done_callback(lambda _: self._end_lease(lease))
+        return self._track(request, path, metrics, inner, started, reuse)
+
+    def _end_lease(self, lease: str | None) -> None:
+        """Releases the lease on a save's source step; a deletion it deferred may now run."""
+        if lease is not None:
+            _readers.release(lease)
+            self._retention.after_read()
+
+    def _reuse_source(
+        self, step: int, context: Context
+    ) -> tuple[reuse_lib.SaveReuse | None, str | None]:
+        """What the save of ``step`` may reuse: the newest committed step, leased (like a
+        step being read: retention defers deleting it) until the save ends."""
+        on, frozen = self.reuse
+        if not on:
+            return None, None
+        latest = self._steps.latest()
+        if latest is None or latest.step == step:
+            return reuse_lib.SaveReuse(None, frozen), None
+        lease = _readers.acquire(latest.path)
+        with context:
+            gone = not storage.exists(latest.path)
+        if gone:  # Deleted meanwhile (another process's retention): write everything.
+            _readers.release(lease)
+            return reuse_lib.SaveReuse(None, frozen), None
+        return reuse_lib.SaveReuse(latest.path, frozen), lease
 
     def _check_step(self, request: StepSave, context: Context) -> epath.Path:
         """The step's directory, once nothing in it may be lost by the save."""
@@ -172,6 +208,7 @@ class Saves:
         metrics: dict[str, Any],
         inner: AsyncResponse[None],
         started: float,
+        reuse: reuse_lib.SaveReuse | None = None,
     ) -> AsyncResponse[bool]:
         """The response of the save, finished once the step is recorded (or the save failed)."""
         blocked = time.perf_counter() - started
@@ -187,8 +224,11 @@ class Saves:
                 try:
                     self._record(step, path, metrics)
                     commit = time.perf_counter() - started
-                    nbytes = _save_stats.array_bytes(leaves)
-                    self.last_stats = _save_stats.SaveStats(step, nbytes, blocked, commit)
+                    reused = reuse.bytes_reused if reuse is not None else 0
+                    nbytes = _save_stats.array_bytes(leaves) - reused
+                    self.last_stats = _save_stats.SaveStats(
+                        step, nbytes, blocked, commit, bytes_reused=reused
+                    )
                     _save_stats.log(self.last_stats)
                 except BaseException as e:
                     error = e

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, multihost
+from checkpointables import _loading, _pytree_api, multihost, storage
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
@@ -57,6 +57,29 @@ from checkpointables.training.step_name_formats import StepNameFormat, standard_
 __all__ = ["Checkpointer", "STATE_NAME"]
 
 T = TypeVar("T")
+
+
+def _reuse_setting(
+    reuse_unchanged: bool | Callable[[str], bool] | None, root: epath.Path
+) -> tuple[bool, Callable[[str], bool] | None]:
+    """``(on, frozen)`` for the ``reuse_unchanged`` argument (see ``Checkpointer``)."""
+    if reuse_unchanged is None:
+        # Safe: local storage links files (an object store here would rewrite them anyway).
+        # Cheap: on an accelerator a fingerprint reads device memory (TB/s); host data is
+        # hashed at about 540 MB/s per core, as slow as the write it saves.
+        import jax
+
+        return storage.is_local(root) and jax.default_backend() != "cpu", None
+    if callable(reuse_unchanged):
+        return True, reuse_unchanged
+    if not isinstance(reuse_unchanged, bool):
+        raise TypeError(
+            f"reuse_unchanged must be True, False, None or a predicate on leaf names, got "
+            f"{type(reuse_unchanged).__name__}."
+        )
+    return reuse_unchanged, None
+
+
 # The pytree's checkpointable name in a step: Orbax's training Checkpointer's, so that its
 # load(step) reads our steps. Loads without a name also find "pytree", the name before.
 STATE_NAME = "state"
@@ -92,6 +115,13 @@ class Checkpointer:
       custom_metadata: JSON metadata for the whole run, written to
         ``<root>/metadata/_ROOT_METADATA`` if the root has none yet; read it
         back with ``metadata()``.
+      reuse_unchanged: each save links the arrays that did not change since the newest
+        committed step from it instead of writing them (``docs/incremental.md``); the
+        step is still complete on its own. ``None`` (default): on for a local root when
+        arrays live on an accelerator, off on CPU-only jobs (fingerprints cost about
+        what the write does there) and on object stores (no server-side copy here). A callable is a
+        predicate on a leaf's storage name (``"params.encoder.w"``) declaring the
+        leaves it accepts frozen: those skip the fingerprint.
 
     Call every method from one thread (the training loop); background work
     is synchronized internally.
@@ -106,6 +136,7 @@ class Checkpointer:
         step_name_format: StepNameFormat | None = None,
         context: Context | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
+        reuse_unchanged: bool | Callable[[str], bool] | None = None,
     ) -> None:
         self._root = as_path(root_directory)
         self._name_format = checked(
@@ -148,6 +179,7 @@ class Checkpointer:
             primary=self._primary,
         )
         self._saves = Saves(self._step_path, decide, self._steps, self._retention, self._errors)
+        self._saves.reuse = _reuse_setting(reuse_unchanged, self._root)
         after_read = self._retention.after_read
         self._leases = _readers.Leases(
             self._root, self._steps, self._step_path, self._wait_for_save, after_read

@@ -24,7 +24,7 @@ from checkpointables import execution
 from checkpointables.serialization import LeafHandlerRegistry, StandardLeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import _verify, io, ocdbt, storage
+from checkpointables_pytree import _verify, io, ocdbt, reuse, storage
 from checkpointables_pytree import leaves as leaves_room
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree._load_plan import LoadPlan, check_array_count, is_skip
@@ -103,6 +103,7 @@ async def _write(
     session: SaveSession,
     metadata: Callable[[], tree_room.TreeMetadata],
     awaitables: Sequence[Any],
+    reused: reuse.ReusePlan | None = None,
 ) -> None:
     """The background of a save: the arrays, the leaf handlers' awaitables and the tree's files.
 
@@ -114,7 +115,7 @@ async def _write(
         with execution.paused_gc():
             session.plan()
             tree = metadata()
-        await _write_all(directory, session, tree, awaitables)
+        await _write_all(directory, session, tree, awaitables, reused)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = storage.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
@@ -127,6 +128,7 @@ async def _write_all(
     session: SaveSession,
     tree: tree_room.TreeMetadata,
     awaitables: Sequence[Any],
+    reused: reuse.ReusePlan | None = None,
 ) -> None:
     # The tree's own files are written while the arrays are committed.
     arrays = asyncio.ensure_future(session.writer.run())
@@ -135,6 +137,8 @@ async def _write_all(
         path = await directory.await_creation()
         with execution.paused_gc():
             session.write_files(path)
+            if reused is not None:  # The fingerprints a later incremental save compares.
+                reused.write(path)
             if session.primary:
                 if session.strings:
                     tree.strings_crc32c = crc32c.crc32c(session.strings_text().encode())
@@ -270,6 +274,9 @@ class PyTreeHandler:
         groups = group_leaves(flat, EntryCache(registry), directory.path)
         session = SaveSession.create(directory, context, flat.structure.derived)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
+        reused = None
+        if (wanted := cp.reuse.current()) is not None:
+            reused = await reuse.plan_reuse(directory.path, flat, context, wanted, session.writer)
         awaitables: list[Any] = []
         for handler_cls, group in groups.items():
             handler = _make_leaf_handler(handler_cls, context)
@@ -280,7 +287,12 @@ class PyTreeHandler:
                 raise
         # The _METADATA is made in the background, after what the leaf handlers deferred.
         metadata = functools.partial(saved_tree_metadata, groups, flat, session, registry)
-        return _owning(_write(directory, session, metadata, awaitables), awaitables)
+        return _owning(_write(directory, session, metadata, awaitables, reused), awaitables)
+
+    def reuse_report(self, directory: epath.Path) -> dict[str, str | None]:
+        """Per array an incremental save tracked: the checkpoint its data was linked from,
+        or ``None`` if the save wrote it (``cp.protocols.ReportsReuse``)."""
+        return reuse.reuse_report(epath.Path(directory))
 
     async def finalize(self, directory: epath.Path) -> None:
         """Merges the processes' own databases into the root one (primary host, before the commit).

@@ -25,6 +25,7 @@ from checkpointables_pytree.io._array_reads import (
 )
 from checkpointables_pytree.io._multiprocess import (
     arrays_the_primary_lacks,
+    chunk_shape_of,
     flush_database,
     merge_process_databases,
     shards_to_write,
@@ -45,6 +46,7 @@ __all__ = [
     "flush_database",
     "merge_process_databases",
     "shards_to_write",
+    "chunk_shape_of",
     "INLINE_READ_KEYS",
     "Reader",
     "read_groups",

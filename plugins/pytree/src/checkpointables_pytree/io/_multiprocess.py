@@ -38,6 +38,7 @@ __all__ = [
     "writes_shared_values",
     "arrays_the_primary_lacks",
     "shards_to_write",
+    "chunk_shape_of",
     "merge_process_databases",
     "flush_database",
 ]
@@ -114,6 +115,17 @@ def shards_to_write(
         key = tuple(index.indices(size)[:2] for index, size in zip(shard.index, shape, strict=True))
         chosen.setdefault(key, shard)
     return list(chosen.values())
+
+
+def chunk_shape_of(array: jax.Array) -> tuple[int, ...]:
+    """The chunk shape a save gives ``array``: its shards' (uneven ones: the largest)."""
+    try:
+        return tuple(int(s) for s in array.sharding.shard_shape(array.shape))
+    except (ValueError, NotImplementedError):
+        return tuple(
+            max(int(s.data.shape[d]) for s in array.addressable_shards)
+            for d in range(len(array.shape))
+        )
 
 
 def _sources(pytree_directory: epath.Path, context: cp.Context) -> list[epath.Path]:

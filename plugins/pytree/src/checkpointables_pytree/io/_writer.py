@@ -89,6 +89,10 @@ class Writer:
         self._fast_path = fast_path
         self._items: list[ArrayWrite] = []
         self._structure_cache = structure_cache if structure_cache is not None else {}
+        # Incremental saves (``reuse``): arrays whose chunk keys are linked from an earlier
+        # checkpoint's data files, by name; and whether each array gets files of its own.
+        self.linked: dict[str, list[tuple[str, ocdbt.Linked]]] = {}
+        self.isolate = False
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -113,11 +117,19 @@ class Writer:
             context = ocdbt.make_context(ocdbt.SAVE_OCDBT_CACHE_BYTES)
             local = ocdbt.is_local(database)
             limit = DIRECT_BYTES if local else REMOTE_DIRECT_BYTES
-            here, driver = [], []
+            here: list[ArrayWrite] = []
+            driver: list[ArrayWrite] = []
+            linked: list[ArrayWrite] = []
             for item in self._items:
-                fast = self._fast_path and item.plain and item.largest <= limit
-                (here if fast else driver).append(item)
-            written = asyncio.ensure_future(self._write_database(database, context, here, driver))
+                if item.layout.name in self.linked:
+                    linked.append(item)
+                    continue
+                # Reusable arrays go into files of their own: into the fast path's.
+                fast = item.plain and (self.isolate or item.largest <= limit)
+                (here if self._fast_path and fast else driver).append(item)
+            written = asyncio.ensure_future(
+                self._write_database(database, context, here, [*driver, *linked])
+            )
             tasks = [written]
             try:
                 # TensorStore's threads encode those arrays while this thread encodes these.
@@ -148,6 +160,9 @@ class Writer:
         layout = self._database_layout(here, driver, files.local)
         if layout is None:
             return
+        if self.linked:
+            links = [value for item in self.linked.values() for _, value in item]
+            await asyncio.to_thread(ocdbt.link_files, database, links)
         names = layout.file_names()
         values: list[Sequence[Any]] = []
         chunks = _chunk_values(here)
@@ -181,6 +196,8 @@ class Writer:
         kept with the tree's structure, and made again when the arrays' layouts, the chunks
         this process writes or the storage differ from the last save's."""
         items = [*here, *driver]
+        if self.linked or self.isolate:  # Made for this save's links and files.
+            return _layout(*_database_keys(here, driver, self.linked), local, self.isolate)
         signature = (
             local,
             len(here),
@@ -191,35 +208,61 @@ class Writer:
         kept = self._structure_cache.get(DATABASE_LAYOUT)
         if kept is not None and kept[0] == signature:
             return kept[1]  # type: ignore[no-any-return]
-        keys, lengths, fixed = _database_keys(here, driver)
-        layout = None
-        if keys:
-            sizes = {"file_bytes": DATA_FILE_BYTES, "first_file_bytes": FIRST_DATA_FILE_BYTES}
-            if not local:
-                sizes = {"file_bytes": REMOTE_DATA_FILE_BYTES}
-            layout = ocdbt.DatabaseLayout(keys, lengths, fixed, **sizes)
+        layout = _layout(*_database_keys(here, driver), local)
         self._structure_cache[DATABASE_LAYOUT] = (signature, layout)
         return layout
 
 
+def _layout(
+    keys: list[str],
+    lengths: list[int],
+    fixed: list[Any],
+    breaks: frozenset[int],
+    local: bool,
+    isolate: bool = False,
+) -> ocdbt.DatabaseLayout | None:
+    """The layout of a database of ``keys`` (``None`` if none); ``isolate``: each array's
+    chunks start a data file (``breaks``), so that a later save can link it whole."""
+    if not keys:
+        return None
+    sizes = {"file_bytes": DATA_FILE_BYTES, "first_file_bytes": FIRST_DATA_FILE_BYTES}
+    if not local:
+        sizes = {"file_bytes": REMOTE_DATA_FILE_BYTES}
+    return ocdbt.DatabaseLayout(
+        keys, lengths, fixed, **sizes, breaks=breaks if isolate else frozenset()
+    )
+
+
 def _database_keys(
-    here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite]
-) -> tuple[list[str], list[int], list[bytes | None]]:
-    """The keys of the database, their values' lengths, and the values that are fixed: every
-    array's ``zarr.json``, then the chunks of those encoded ``here`` (given each save)."""
-    keys, lengths, fixed = [], [], []
+    here: Sequence[ArrayWrite],
+    driver: Sequence[ArrayWrite],
+    linked: dict[str, list[tuple[str, ocdbt.Linked]]] | None = None,
+) -> tuple[list[str], list[int], list[Any], frozenset[int]]:
+    """The keys of the database, their values' lengths, the values that are fixed (every
+    array's ``zarr.json``, the ``linked`` chunks), then the chunks of those encoded
+    ``here`` (given each save); and the positions where an array's chunks start."""
+    keys: list[str] = []
+    lengths: list[int] = []
+    fixed: list[Any] = []
+    breaks = set()
     for item in (*here, *driver):
         if item.write_metadata:
             text = item.zarr_json()
             keys.append(item.layout.name + "/zarr.json")
             lengths.append(len(text))
             fixed.append(text)
+    for values in (linked or {}).values():
+        for key, value in values:
+            keys.append(key)
+            lengths.append(value.length)
+            fixed.append(value)
     for item in here:
+        breaks.add(len(keys))
         for index, _ in item.chunks:
             keys.append(zarr3.chunk_key(item.layout.name, index))
             lengths.append(item.layout.chunk_nbytes + zarr3.SHARD_TRAILER_BYTES)
             fixed.append(None)
-    return keys, lengths, fixed
+    return keys, lengths, fixed, frozenset(breaks)
 
 
 def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any]]:

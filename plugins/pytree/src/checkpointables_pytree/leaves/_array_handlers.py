@@ -189,6 +189,8 @@ class ArrayLeafHandler(ZarrLeafHandler):
         self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
     ) -> None:
         # The caller waits for checks and host copies; the rest is done by session.plan().
+        if session.writer.linked:  # Arrays linked from an earlier checkpoint: no host copy.
+            params = self._record_reused(session, params)
         if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
             values = params.values if isinstance(params, LeafGroup) else [p.value for p in params]
             shardings = list(map(_SHARDING, values))
@@ -204,6 +206,24 @@ class ArrayLeafHandler(ZarrLeafHandler):
         snapshots = [self._snapshot(session, p, primary_lacks=p.name in lacking) for p in params]
         shardings = [s.sharding for s in snapshots]
         session.defer(functools.partial(self._record_all, session, params, shardings, snapshots))
+
+    def _record_reused(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
+    ) -> list[SerializationParam[jax.Array]]:
+        """Records the arrays the writer links (``reuse``), without their data; returns
+        the others."""
+        kept = []
+        storage = session.array_options.storage_options
+        for param in params:
+            array = param.value
+            if param.name not in session.writer.linked:
+                kept.append(param)
+                continue
+            shape = tuple(int(s) for s in array.shape)
+            chunk_shape = io.chunk_shape_of(array)
+            snapshot = _Snapshot(storage, array.dtype, shape, chunk_shape, [], array.sharding)
+            self._record(session, param, snapshot, None)
+        return kept
 
     def _schedule_array(
         self,

@@ -57,6 +57,8 @@ from checkpointables_pytree.ocdbt._database_writer import (
     DatabaseLayout,
     DataFile,
     Deferred,
+    Linked,
+    link_files,
     write_local_file,
     write_rest,
 )
@@ -106,6 +108,8 @@ __all__ = [
     "DatabaseFiles",
     "DatabaseLayout",
     "Deferred",
+    "Linked",
+    "link_files",
     "MAX_INLINE_VALUE_BYTES",
     "write_local_file",
     "write_rest",

@@ -38,7 +38,15 @@ from etils import epath
 
 from checkpointables_pytree.ocdbt import _context, _format
 
-__all__ = ["DataFile", "DatabaseFiles", "DatabaseLayout", "Deferred", "MAX_INLINE_VALUE_BYTES"]
+__all__ = [
+    "DataFile",
+    "DatabaseFiles",
+    "DatabaseLayout",
+    "Deferred",
+    "Linked",
+    "MAX_INLINE_VALUE_BYTES",
+    "link_files",
+]
 
 MAX_INLINE_VALUE_BYTES = _format.MAX_INLINE_VALUE_BYTES
 _IOV_MAX = 1024  # Buffers per os.writev (Linux's limit).
@@ -63,6 +71,36 @@ class Deferred:
 
 def _resolved(parts: Sequence[Buffer]) -> list[Buffer]:
     return [p() if type(p) is Deferred else p for p in parts]
+
+
+class Linked:
+    """A value that is already in a data file of another database, which the new one links
+    (a hard link, ``link_files``): ``length`` bytes at ``offset`` of ``source``, linked as
+    ``name`` (``d/r<hex>``: never the name of a file the layout writes)."""
+
+    __slots__ = ("length", "name", "offset", "source")
+
+    def __init__(self, source: str, offset: int, length: int) -> None:
+        self.source = source
+        self.offset = offset
+        self.length = length
+        self.name = "d/r" + os.path.basename(source).lstrip("r")
+
+
+def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
+    """Hard-links the source file of every ``linked`` value into the local ``database``.
+
+    A link adds a name, never data: the source's file is immutable, and deleting
+    the source's checkpoint leaves this one's name, so each stays whole.
+    """
+    done = set()
+    for value in linked:
+        if value.name in done:
+            continue
+        target = os.path.join(os.fspath(database), value.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.link(value.source, target)
+        done.add(value.name)
 
 
 class DataFile:
@@ -103,36 +141,47 @@ class DatabaseLayout:
         self,
         keys: Sequence[str],
         lengths: Sequence[int],
-        fixed: Sequence[bytes | None],
+        fixed: Sequence[bytes | Linked | None],
         *,
         file_bytes: int,
         first_file_bytes: int | None = None,
         max_node_bytes: int = _format.MAX_NODE_BYTES,
+        breaks: frozenset[int] = frozenset(),
     ) -> None:
         variable = itertools.count()
         values = [next(variable) if f is None else f for f in fixed]
+        self._breaks = breaks
+        # Linked files by name -> their place after the b-tree's file in the table.
+        linked = dict.fromkeys(f.name for f in fixed if type(f) is Linked)
+        self._linked = {name: 1 + i for i, name in enumerate(linked)}
+        self._base = "d/" + secrets.token_hex(12)
         places = self._place(values, lengths, file_bytes, first_file_bytes or file_bytes)
         # The b-tree's file: the last; its name's place in the table is the same each time.
         self.data_files = len(self._files)
+        places = [
+            (self.data_files + p[1], p[2]) if type(p) is tuple and p[0] == "linked" else p
+            for p in places
+        ]
         names = [name.encode() for name in self.file_names()]
         self._table_bytes = len(_format.file_table(names))
         self._leaves, self._root = self._btree(
             [k.encode() for k in keys], lengths, places, max_node_bytes
         )
 
-    def _place(
-        self, values: list[bytes | int], lengths: Sequence[int], most: int, limit: int
-    ) -> list[Any]:
+    def _place(self, values: list[Any], lengths: Sequence[int], most: int, limit: int) -> list[Any]:
         """Puts each value inline or into a data file; returns where each went."""
         self._files: list[Recipe] = []
         self._needs: list[int] = []  # Per data file: how many variable values it needs.
         places: list[Any] = []
         used = 0
-        for value, length in zip(values, lengths, strict=True):
+        for position, (value, length) in enumerate(zip(values, lengths, strict=True)):
+            if type(value) is Linked:  # In a linked file, after the b-tree's in the table.
+                places.append(("linked", self._linked[value.name], value.offset))
+                continue
             if length <= MAX_INLINE_VALUE_BYTES:
                 places.append(value)
                 continue
-            if not self._files or (used and used + length > limit):
+            if not self._files or (used and (used + length > limit or position in self._breaks)):
                 if self._files:
                     limit = min(2 * limit, most)
                 self._files.append([])
@@ -187,11 +236,12 @@ class DatabaseLayout:
         return leaves, (root, sum(sizes), length, 1, statistics)
 
     def file_names(self) -> list[str]:
-        """New names for the files (the data files, then the b-tree's): random, and each
-        (relative to the others) as in every database of this layout, so that the file
-        table has the same length."""
-        base = "d/" + secrets.token_hex(12)
-        return [f"{base}{k:08x}" for k in range(self.data_files + 1)]
+        """New names for the files (the data files, then the b-tree's, then the linked
+        ones): random, and each (relative to the others) as in every database of this
+        layout, so that the file table has the same length. (A linked name starts
+        ``d/r``: its common prefix with the b-tree's is always ``d/``.)"""
+        base = "d/" + secrets.token_hex(12) if not self._linked else self._base
+        return [f"{base}{k:08x}" for k in range(self.data_files + 1)] + list(self._linked)
 
     def needs(self, data_file: int) -> int:
         """How many variable values the data file ``data_file`` needs (the first ones)."""
@@ -216,8 +266,9 @@ class DatabaseLayout:
         root, offset, length, height, statistics = self._root
         if root is not None:
             parts += _format.framed(magic, [b"\x01", table, root])
-        manifest = _format.manifest(names[-1], offset, length, height, statistics)
-        return DataFile(names[-1], parts), manifest
+        btree_name = names[self.data_files]
+        manifest = _format.manifest(btree_name, offset, length, height, statistics)
+        return DataFile(btree_name, parts), manifest
 
 
 def _joined_runs(parts: Sequence[bytes | int]) -> Recipe:

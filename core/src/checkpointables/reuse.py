@@ -1,0 +1,129 @@
+"""Incremental saves: what a save may take from an earlier checkpoint instead of writing it.
+
+``cp.save_pytree(path, tree, reuse_from=earlier)`` (and ``save_checkpointables``,
+the async forms, and ``cp.training.Checkpointer(reuse_unchanged=True)``) hands
+every handler of the save a ``SaveReuse`` for the duration of its blocking
+phase: ``current()``. A handler that can reuse data (the pytree plugin) reads
+it there, takes from ``source_of(name)`` what did not change, and counts the
+bytes it did not write with ``add_reused``. A handler that cannot ignores it:
+reuse is an optimization, never a change of what a checkpoint holds.
+
+A ``SaveReuse`` without a source (the first save of a Checkpointer that reuses)
+asks handlers to record what the next save needs to compare (the pytree
+plugin's fingerprints) without reusing anything.
+
+Guide: ``docs/incremental.md``.
+
+Example (a handler's blocking phase)::
+
+    reuse = cp.reuse.current()
+    if reuse is not None and reuse.source is not None:
+        earlier = reuse.source_of(directory.path.name)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from etils import epath
+
+from checkpointables import errors, layout, storage
+
+__all__ = ["SaveReuse", "current", "active", "checked_source", "log_once", "Frozen"]
+
+logger = logging.getLogger("checkpointables.reuse")
+
+# A predicate on a leaf's key path (its string form, e.g. "params.encoder.w"): True for
+# leaves the caller declares unchanged since the source (no fingerprint is computed).
+Frozen = Callable[[str], bool]
+
+_current: contextvars.ContextVar[SaveReuse | None] = contextvars.ContextVar(
+    "checkpointables_reuse", default=None
+)
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+class SaveReuse:
+    """What one save may reuse, and what it did reuse.
+
+    Attributes:
+      source: the committed checkpoint to take unchanged data from (``None``: reuse
+        nothing this time, but record what a later save compares).
+      frozen: leaves declared unchanged (a predicate on their key paths' string form):
+        reused without a fingerprint if the source holds them with the same layout.
+      bytes_reused: bytes of data the handlers took from ``source`` (not written).
+    """
+
+    def __init__(self, source: epath.Path | None, frozen: Frozen | None = None) -> None:
+        self.source = source
+        self.frozen = frozen
+        self.bytes_reused = 0
+        self._lock = threading.Lock()
+
+    def source_of(self, name: str) -> epath.Path | None:
+        """The directory of checkpointable ``name`` in the source (``None``: no source)."""
+        return None if self.source is None else self.source / name
+
+    def add_reused(self, nbytes: int) -> None:
+        """Counts ``nbytes`` taken from the source (thread-safe: handlers run concurrently)."""
+        with self._lock:
+            self.bytes_reused += int(nbytes)
+
+
+def current() -> SaveReuse | None:
+    """The reuse of the save whose blocking phase is running (``None``: a plain save)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def active(reuse: SaveReuse | None) -> Iterator[None]:
+    """Makes ``reuse`` the ``current()`` one inside the block."""
+    token = _current.set(reuse)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
+    """``reuse_from`` as a path, checked to be a committed checkpoint other than ``target``.
+
+    Raises:
+      FileNotFoundError: nothing is at ``reuse_from``.
+      cp.errors.NotACheckpointError: it is not a committed checkpoint.
+      cp.errors.InvalidArgumentError: it is the checkpoint being saved.
+    """
+    from checkpointables.path._parse import as_path
+
+    source = as_path(reuse_from)
+    if storage.key(source) == storage.key(target):
+        raise errors.InvalidArgumentError(
+            f"reuse_from={source} is the checkpoint being saved; pass an earlier checkpoint."
+        )
+    if not storage.exists(source):
+        raise FileNotFoundError(
+            f"reuse_from={source} does not exist; pass a committed checkpoint, or None to "
+            f"write everything."
+        )
+    if not layout.is_checkpoint(source):
+        raise errors.NotACheckpointError(
+            f"reuse_from={source} is not a committed checkpoint (no commit marker); pass a "
+            f"committed checkpoint, or None to write everything."
+        )
+    return source
+
+
+def log_once(key: str, message: str) -> None:
+    """Logs ``message`` at INFO the first time ``key`` is seen in this process (a backend
+    that cannot reuse says so once, not at every save)."""
+    with _logged_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.info(message)

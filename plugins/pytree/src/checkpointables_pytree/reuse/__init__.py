@@ -1,0 +1,37 @@
+"""Incremental saves: unchanged arrays linked from an earlier checkpoint, not written again.
+
+Under ``cp.reuse.current()`` (``cp.save_pytree(..., reuse_from=...)``, a
+Checkpointer with ``reuse_unchanged``), ``plan_reuse`` fingerprints the arrays
+of a save on their devices (``_fingerprint``), compares them with the record
+the source saved beside its database, and hands the writer the chunks to link
+(``io.Writer.linked``); the save then writes the record of its own
+fingerprints (``ReusePlan.write``). Guide: ``docs/incremental.md``.
+
+It imports ``io``, ``ocdbt``, ``tree`` and ``zarr3``; only the handler imports it.
+"""
+
+from checkpointables_pytree.reuse._fingerprint import (
+    fingerprint_lanes,
+    fingerprint_numpy,
+    fingerprint_shards,
+    supported,
+)
+from checkpointables_pytree.reuse._plan import (
+    MIN_BYTES,
+    RECORD_FILE,
+    ReusePlan,
+    plan_reuse,
+    reuse_report,
+)
+
+__all__ = [
+    "fingerprint_lanes",
+    "fingerprint_numpy",
+    "fingerprint_shards",
+    "supported",
+    "MIN_BYTES",
+    "RECORD_FILE",
+    "ReusePlan",
+    "plan_reuse",
+    "reuse_report",
+]

@@ -1,0 +1,279 @@
+"""Which arrays of a save are linked from an earlier checkpoint, and the record of this one.
+
+A save under ``cp.reuse.current()`` (``reuse_from=``, or a Checkpointer with
+``reuse_unchanged``) fingerprints every array of at least ``MIN_BYTES``
+(``_fingerprint``): per shard this process writes, on the shard's device.
+It records the fingerprints beside its database (``RECORD_FILE``: one per
+process database, ignored by Orbax and TensorStore). An array whose layout
+(kind, shape, dtype, chunk shape, storage options) and every fingerprint
+equal the source's record, and whose chunks the source's b-tree places in
+data files that are there with at least the recorded bytes, is *linked*: the
+writer hard-links those files and points this database's keys at the same
+offsets (``ocdbt.Linked``); its data never reaches the host. Every other
+array is written as in any save, in data files of its own (``Writer.isolate``)
+so that the next save can link them whole.
+
+Reused chunks keep the CRC-32C the source wrote with them (in the shard's
+bytes): nothing is recomputed, and loads and ``checkpointables verify`` check
+them as any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import checkpointables as cp
+import jax
+import numpy as np
+from etils import epath
+
+from checkpointables_pytree import io, ocdbt, tree, zarr3
+from checkpointables_pytree.reuse import _fingerprint
+
+__all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"]
+
+RECORD_FILE = "_REUSE.json"
+# Smaller arrays are rewritten: a few KiB cost less than their fingerprint and link.
+MIN_BYTES = 64 << 10
+_FORMAT = 1
+
+
+@attrs.frozen
+class _Candidate:
+    """One array this process may link: its shards (start, chunk key, data)."""
+
+    name: str
+    signature: str
+    shards: list[tuple[list[int], str, Any]]
+    on_device: bool
+
+
+@attrs.define
+class ReusePlan:
+    """What ``plan_reuse`` decided: the record to write with the save, and its counts."""
+
+    record: dict[str, Any]
+    database: epath.Path | None = None  # Where the record goes (relative to the pytree).
+    linked_bytes: int = 0
+
+    def write(self, pytree_directory: epath.Path) -> None:
+        """Writes the record beside this process's database (after the directory exists)."""
+        directory = ocdbt.database_directory(pytree_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"format": _FORMAT, "arrays": self.record}, separators=(",", ":"))
+        (directory / RECORD_FILE).write_text(text)
+
+
+def _signature(kind: str, array: Any, chunk_shape: Sequence[int], context: cp.Context) -> str:
+    options = context.array_options
+    return json.dumps(
+        [
+            kind,
+            [int(s) for s in array.shape],
+            np.dtype(array.dtype).str,
+            [int(c) for c in chunk_shape],
+            bool(options.use_compression),
+            repr(options.storage_options),
+        ]
+    )
+
+
+def _jax_candidate(name: str, array: jax.Array, context: cp.Context) -> _Candidate | None:
+    if array.is_deleted() or not _fingerprint.supported(array.dtype):
+        return None
+    if cp.multihost.process_count() > 1 and array.is_fully_addressable:
+        return None  # A value every process holds: who writes it is decided later.
+    chunk_shape = io.chunk_shape_of(array)
+    shape = tuple(int(s) for s in array.shape)
+    shards = []
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        starts = [s.indices(d)[0] for s, d in zip(shard.index, shape, strict=True)]
+        index = [b // c if c else 0 for b, c in zip(starts, chunk_shape, strict=True)]
+        shards.append((starts, zarr3.chunk_key(name, index), shard.data))
+    if not shards:
+        return None  # Another process writes every part of it.
+    signature = _signature("jax", array, chunk_shape, context)
+    return _Candidate(name, signature, shards, True)
+
+
+def _candidates(flat: tree.Flat, context: cp.Context) -> list[_Candidate]:
+    """The arrays worth linking that this process writes."""
+    options = context.array_options
+    if options.storage_options_creator is not None or options.storage_options.dtype is not None:
+        return []  # Per-leaf options or casts: layouts this module does not predict.
+    found = []
+    single = cp.multihost.process_count() == 1
+    names = flat.structure.storage_names
+    for name, value in zip(names, flat.values, strict=True):
+        if int(getattr(value, "nbytes", 0)) < MIN_BYTES:
+            continue
+        if isinstance(value, jax.Array):
+            candidate = _jax_candidate(name, value, context)
+            if candidate is not None:
+                found.append(candidate)
+        elif type(value) is np.ndarray and single and value.dtype.kind in "biufc":
+            shape = tuple(value.shape)
+            signature = _signature("numpy", value, shape, context)
+            key = zarr3.chunk_key(name, (0,) * len(shape))
+            found.append(_Candidate(name, signature, [([0] * len(shape), key, value)], False))
+    return found
+
+
+def _fingerprints(candidates: Sequence[_Candidate]) -> dict[str, list[str]]:
+    """Name -> the fingerprint of each of its shards (device ones computed on device)."""
+    device = [s[2] for c in candidates if c.on_device for s in c.shards]
+    host = [s[2] for c in candidates if not c.on_device for s in c.shards]
+    prints = iter(_fingerprint.fingerprint_shards(device))
+    host_prints = iter(_fingerprint.fingerprint_numpy(host))
+    result = {}
+    for c in candidates:
+        source = prints if c.on_device else host_prints
+        result[c.name] = [next(source) for _ in c.shards]
+    return result
+
+
+def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
+    """The source's record for this process (``own``: the record in ``source`` itself;
+    ``{}``: none, or unreadable)."""
+    path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        return {}
+    arrays = data.get("arrays")
+    return arrays if isinstance(arrays, dict) else {}
+
+
+def _entry(c: _Candidate, prints: list[str]) -> dict[str, Any]:
+    shards = [[starts, p] for (starts, _, _), p in zip(c.shards, prints, strict=True)]
+    return {"signature": c.signature, "shards": shards}
+
+
+def _same_layout(entry: dict[str, Any], c: _Candidate) -> bool:
+    """Whether a recorded array has ``c``'s layout and shards (fingerprints aside)."""
+    shards = entry.get("shards") or []
+    return entry.get("signature") == c.signature and [s[0] for s in shards] == [
+        s[0] for s in c.shards
+    ]
+
+
+class _Files:
+    """Sizes of the source's data files, each looked up once."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+
+    def holds(self, location: Any) -> bool:
+        size = self._sizes.get(location.file)
+        if size is None:
+            try:
+                size = os.stat(location.file).st_size
+            except OSError:
+                size = -1
+            self._sizes[location.file] = size
+        return bool(size >= location.offset + location.length)
+
+
+async def _link(source: epath.Path, matching: Sequence[_Candidate], writer: io.Writer) -> int:
+    """Links the chunks of ``matching`` arrays the source holds in data files; returns the
+    bytes linked. An array with a chunk missing, inline, or in a short file is written."""
+    keys = [key for c in matching for _, key, _ in c.shards]
+    if not keys:
+        return 0
+    try:
+        found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
+    except (OSError, ValueError):  # A damaged source: everything is written afresh.
+        return 0
+    files = _Files()
+    linked = 0
+    for c in matching:
+        places = [found.get(key) for _, key, _ in c.shards]
+        if any(p is None or not files.holds(p) for p in places):
+            continue
+        writer.linked[c.name] = [
+            (key, ocdbt.Linked(p.file, p.offset, p.length))
+            for (_, key, _), p in zip(c.shards, places, strict=True)
+            if p is not None
+        ]
+        linked += sum(int(data.nbytes) for _, _, data in c.shards)
+    return linked
+
+
+def _usable(directory: epath.Path, source: epath.Path | None, context: cp.Context) -> bool:
+    """Whether this save can link files at all (says once in the log why not)."""
+    if not context.array_options.ocdbt_fast_path:
+        cp.reuse.log_once(
+            "fast_path", "Incremental saves need the OCDBT fast path; writing every array."
+        )
+        return False
+    for path in (directory, source):
+        if path is not None and not ocdbt.is_local(path):
+            cp.reuse.log_once(
+                f"remote:{str(path).split('://')[0]}",
+                f"Incremental saves link files on local storage only; {path} has no "
+                f"server-side copy here: every array is written as in a plain save.",
+            )
+            return False
+    return True
+
+
+async def plan_reuse(
+    directory: epath.Path,
+    flat: tree.Flat,
+    context: cp.Context,
+    reuse: cp.reuse.SaveReuse,
+    writer: io.Writer,
+) -> ReusePlan | None:
+    """Fingerprints the arrays of ``flat``, links the unchanged ones into ``writer`` and
+    returns the record to write with the save (``None``: storage that cannot link)."""
+    source = reuse.source_of(directory.name)
+    if not _usable(directory, source, context):
+        return None
+    candidates = _candidates(flat, context)
+    earlier = _read_record(source) if source is not None else {}
+    frozen = reuse.frozen
+    known = {}
+    to_print = []
+    for c in candidates:
+        entry = earlier.get(c.name)
+        if frozen is not None and entry and frozen(c.name) and _same_layout(entry, c):
+            known[c.name] = entry  # Declared frozen: the source's fingerprints stand.
+            continue
+        to_print.append(c)
+    prints = _fingerprints(to_print)
+    record = {c.name: _entry(c, prints[c.name]) for c in to_print}
+    record.update(known)
+    matching = [c for c in candidates if _same(earlier.get(c.name), record[c.name])]
+    plan = ReusePlan(record)
+    writer.isolate = True
+    if source is not None and matching:
+        plan.linked_bytes = await _link(source, matching, writer)
+        reuse.add_reused(plan.linked_bytes)
+        for name in writer.linked:  # For `checkpointables inspect`.
+            record[name] = dict(record[name], reused_from=source.parent.name)
+    return plan
+
+
+def _same(earlier: dict[str, Any] | None, now: dict[str, Any]) -> bool:
+    """Whether a recorded array has the layout and fingerprints of one saved now."""
+    return bool(earlier) and all(earlier.get(k) == now[k] for k in ("signature", "shards"))
+
+
+def reuse_report(pytree_directory: epath.Path) -> dict[str, str | None]:
+    """Array name -> the checkpoint its data was linked from (``None``: written), from the
+    records of every process database (``{}``: saved without reuse)."""
+    report: dict[str, str | None] = {}
+    for record in [pytree_directory, *pytree_directory.glob("ocdbt.process_*")]:
+        for name, entry in _read_record(record, own=True).items():
+            source = entry.get("reused_from") if isinstance(entry, dict) else None
+            if report.get(name) is None:
+                report[name] = source if isinstance(source, str) else None
+    return report

@@ -1,0 +1,382 @@
+"""Incremental saves (``reuse_from=``, ``Checkpointer(reuse_unchanged=...)``) on real files.
+
+Every step must be complete on its own: it loads bit-exact, passes ``verify``
+and stays whole when any other step is deleted; a changed array is never
+linked; linked files are hard links of the source's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import checkpointables as cp
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpointables_pytree import reuse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+KiB = 1 << 10
+
+
+def _tree(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "base": {
+            f"w{i}": jnp.asarray(rng.standard_normal((64, 512), dtype=np.float32)) for i in range(4)
+        },
+        "bf16": jnp.asarray(rng.standard_normal((256, 256)), dtype=jnp.bfloat16),
+        "host": rng.integers(0, 1 << 30, size=(40_000,), dtype=np.int32),
+        "adapter": jnp.asarray(rng.standard_normal((128, 256), dtype=np.float32)),
+        "count": jnp.array(3, jnp.int32),
+        "step": 7,
+    }
+
+
+def _assert_same(loaded: dict, expected: dict) -> None:
+    flat_l = jax.tree_util.tree_leaves_with_path(loaded)
+    flat_e = jax.tree_util.tree_leaves_with_path(expected)
+    assert [p for p, _ in flat_l] == [p for p, _ in flat_e]
+    for (path, a), (_, b) in zip(flat_l, flat_e, strict=True):
+        if isinstance(b, np.ndarray | jax.Array):
+            assert type(a) is type(b) or isinstance(a, jax.Array) == isinstance(b, jax.Array)
+            assert a.dtype == b.dtype and a.shape == b.shape, path
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), path
+        else:
+            assert a == b, path
+
+
+def _linked_files(checkpoint) -> set[str]:
+    """Names of the data files of ``checkpoint`` that are hard links (shared)."""
+    found = set()
+    for directory, _, names in os.walk(checkpoint):
+        for name in names:
+            if os.stat(os.path.join(directory, name)).st_nlink > 1:
+                found.add(name)
+    return found
+
+
+def _verify(path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointables", "verify", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")  # records fingerprints
+    changed = dict(tree, adapter=tree["adapter"] + 1, host=tree["host"] + 1)
+    cp.save_pytree(tmp_path / "3", changed, reuse_from=tmp_path / "2")
+    linked = _linked_files(tmp_path / "3")
+    assert len(linked) == 5  # The 4 base weights and bf16: each in a file of its own.
+    shutil.rmtree(tmp_path / "2")
+    shutil.rmtree(tmp_path / "1")
+    _assert_same(cp.load_pytree(tmp_path / "3"), changed)
+    _verify(tmp_path / "3")
+    assert _linked_files(tmp_path / "3") == set()  # Sole owner of its files now.
+
+
+def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    changed = dict(tree, adapter=tree["adapter"] + 1)
+    cp.save_pytree(tmp_path / "3", changed, reuse_from=tmp_path / "2")
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointables", "inspect", str(tmp_path / "3")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "    adapter: written" in done.stdout, done.stdout
+    assert "    base.w0: reused from 2" in done.stdout, done.stdout
+    assert "    host: reused from 2" in done.stdout, done.stdout
+
+
+def test_prng_keys_and_small_leaves_are_written(tmp_path) -> None:
+    tree = {"keys": jax.random.split(jax.random.key(0), 8192), "tiny": np.ones(3)}
+    tree["big"] = np.arange(reuse.MIN_BYTES, dtype=np.uint8)
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    shutil.rmtree(tmp_path / "1")
+    loaded = cp.load_pytree(tmp_path / "2")
+    assert (jax.random.key_data(loaded["keys"]) == jax.random.key_data(tree["keys"])).all()
+    assert np.asarray(loaded["big"]).tobytes() == tree["big"].tobytes()
+
+
+def test_async_forms_and_save_checkpointables(tmp_path) -> None:
+    tree = _tree()
+    cp.save_checkpointables(tmp_path / "1", {"state": tree, "cfg": {"lr": 0.1}})
+    cp.save_checkpointables_async(
+        tmp_path / "2", {"state": tree, "cfg": {"lr": 0.1}}, reuse_from=tmp_path / "1"
+    ).result()
+    cp.save_pytree_async(tmp_path / "3", tree, reuse_from=tmp_path / "2").result()
+    # A pytree named "pytree" has no counterpart in the checkpointables of step 2: written.
+    assert _linked_files(tmp_path / "3") == set()
+    cp.save_checkpointables(tmp_path / "4", {"state": tree}, reuse_from=tmp_path / "2")
+    assert len(_linked_files(tmp_path / "4")) >= 5
+    shutil.rmtree(tmp_path / "2")
+    _assert_same(cp.load_checkpointables(tmp_path / "4")["state"], tree)
+
+
+def test_reuse_from_must_be_a_committed_checkpoint(tmp_path) -> None:
+    tree = {"a": np.zeros(3)}
+    with pytest.raises(FileNotFoundError, match="reuse_from"):
+        cp.save_pytree(tmp_path / "1", tree, reuse_from=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(cp.errors.NotACheckpointError, match="reuse_from"):
+        cp.save_pytree(tmp_path / "1", tree, reuse_from=tmp_path / "empty")
+    assert not (tmp_path / "1").exists()
+
+
+def test_a_short_source_file_is_written_afresh(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    # Damage: every array's data file of step 2 loses its last byte (a torn copy).
+    data = tmp_path / "2" / "pytree" / "d"
+    for f in data.iterdir():
+        if f.stat().st_size > reuse.MIN_BYTES:
+            os.truncate(f, f.stat().st_size - 1)
+    cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert _linked_files(tmp_path / "3") == set()
+    _assert_same(cp.load_pytree(tmp_path / "3"), tree)
+
+
+def _checkpointer(root, keep=None, **kwargs):
+    keep = keep or cp.training.preservation_policies.PreserveAll()
+    kwargs.setdefault("reuse_unchanged", True)  # Off by default on CPU-only jobs.
+    return cp.training.Checkpointer(
+        root,
+        preservation_policy=keep,
+        save_decision_policy=cp.training.save_decision_policies.EveryNStepsPolicy(1),
+        **kwargs,
+    )
+
+
+def test_checkpointer_reuses_across_steps_and_counts_bytes(tmp_path) -> None:
+    tree = _tree()
+    base_bytes = sum(int(a.nbytes) for a in tree["base"].values()) + tree["bf16"].nbytes
+    trees = {}
+    with _checkpointer(tmp_path, cp.training.preservation_policies.LatestN(2)) as ckptr:
+        for step in range(5):
+            tree = dict(tree, adapter=tree["adapter"] * 1.5, count=tree["count"] + 1)
+            if step == 3:  # An array that changes rarely (an EMA).
+                tree["host"] = tree["host"] + 1
+            ckptr.save_pytree(step, tree)
+            trees[step] = tree
+            stats = ckptr.last_save_stats
+            assert stats.as_dict()["checkpoint/bytes_reused"] == stats.bytes_reused
+            if step == 0:
+                assert stats.bytes_reused == 0
+            elif step == 3:
+                assert stats.bytes_reused == base_bytes
+            else:
+                assert stats.bytes_reused == base_bytes + tree["host"].nbytes
+    assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [3, 4]
+    for step in (3, 4):
+        _assert_same(cp.load_pytree(tmp_path / str(step)), trees[step])
+        _verify(tmp_path / str(step))
+
+
+def test_the_default_is_off_on_cpu(tmp_path) -> None:
+    tree = _tree()
+    decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
+    with cp.training.Checkpointer(tmp_path, save_decision_policy=decide) as ckptr:
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
+
+
+def test_checkpointer_reuse_can_be_turned_off(tmp_path) -> None:
+    tree = _tree()
+    with _checkpointer(tmp_path, reuse_unchanged=False) as ckptr:
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
+    assert _linked_files(tmp_path / "1") == set()
+
+
+def test_frozen_predicate_skips_fingerprints(tmp_path) -> None:
+    tree = _tree()
+    frozen = lambda name: name.startswith("base.")  # noqa: E731
+    with _checkpointer(tmp_path, reuse_unchanged=frozen) as ckptr:
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, dict(tree, adapter=tree["adapter"] + 1))
+        base_bytes = sum(int(a.nbytes) for a in tree["base"].values())
+        assert ckptr.last_save_stats.bytes_reused >= base_bytes
+
+
+def test_retention_waits_for_a_save_reusing_the_step(tmp_path) -> None:
+    """LatestN(1) deletes step 0 after step 1 commits: never while step 1 links from it."""
+    tree = _tree()
+    with _checkpointer(tmp_path, cp.training.preservation_policies.LatestN(1)) as ckptr:
+        ckptr.save_pytree(0, tree)
+        response = ckptr.save_pytree_async(1, dict(tree, adapter=tree["adapter"] + 1))
+        assert (tmp_path / "0").exists()  # Leased while the save reuses it.
+        assert response.result()
+        ckptr.save_pytree(2, tree)
+    assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [2]
+    _assert_same(cp.load_pytree(tmp_path / "2"), tree)
+    _verify(tmp_path / "2")
+
+
+@pytest.mark.orbax
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring:UserWarning")
+def test_orbax_loads_a_reusing_step(tmp_path) -> None:
+    from orbax.checkpoint import v1 as ocp_v1
+
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert _linked_files(tmp_path / "3")
+    shutil.rmtree(tmp_path / "2")
+    loaded = ocp_v1.load(tmp_path / "3")
+    for key in ("adapter", "bf16", "host"):
+        assert np.asarray(loaded[key]).tobytes() == np.asarray(tree[key]).tobytes()
+    for key, value in tree["base"].items():
+        assert np.asarray(loaded["base"][key]).tobytes() == np.asarray(value).tobytes()
+
+
+def test_deleting_random_steps_in_random_order_keeps_the_rest(tmp_path) -> None:
+    rng = random.Random(31)
+    tree = _tree()
+    trees = {}
+    with _checkpointer(tmp_path) as ckptr:
+        for step in range(6):
+            if step % 2:
+                tree = dict(tree, adapter=tree["adapter"] + step)
+            if step == 4:
+                tree = dict(tree, base=dict(tree["base"], w0=tree["base"]["w0"] * 2))
+            ckptr.save_pytree(step, tree)
+            trees[step] = tree
+    for _ in range(3):
+        kept = dict(trees)
+        order = rng.sample(sorted(kept), rng.randint(1, 5))
+        work = tmp_path.parent / f"copy{_}"
+        shutil.copytree(tmp_path, work, copy_function=os.link)  # The same inodes.
+        for step in order:
+            shutil.rmtree(work / str(step))
+            kept.pop(step)
+            for other in kept:
+                _assert_same(cp.load_pytree(work / str(other)), trees[other])
+        for other in kept:
+            _verify(work / str(other))
+
+
+_CHANGE_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_CHANGE_SETTINGS
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([np.float32, np.int8, np.uint16, np.bool_, jnp.bfloat16]),
+    on_device=st.booleans(),
+)
+def test_a_changed_single_element_is_never_reused(tmp_path_factory, data, dtype, on_device):
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=80))
+    size = int(np.prod(shape))
+    values = np.asarray(np.random.default_rng(size).integers(0, 2, size=shape)).astype(dtype)
+    if np.dtype(dtype) != np.bool_:
+        values = np.asarray(np.random.default_rng(size).standard_normal(shape) * 100).astype(dtype)
+    index = data.draw(st.integers(0, size - 1))
+    changed = values.copy()
+    flat = changed.reshape(-1)
+    bits = flat.view(np.uint8 if flat.dtype.itemsize == 1 else np.uint16)
+    bit = data.draw(st.integers(0, 8 * bits.dtype.itemsize - 1))
+    if np.dtype(dtype) == np.bool_:
+        flat[index] = not flat[index]
+    else:
+        position = index * (flat.dtype.itemsize // bits.dtype.itemsize)
+        bits[position] ^= np.array(1 << bit, bits.dtype)
+    as_leaf = jnp.asarray if on_device else np.asarray
+    root = tmp_path_factory.mktemp("prop")
+    # Every leaf at least reuse.MIN_BYTES, so that all are fingerprinted.
+    pad = np.zeros(reuse.MIN_BYTES // 4, np.float32)
+    cp.save_pytree(root / "1", {"x": as_leaf(values), "pad": pad}, reuse_from=None)
+    cp.save_pytree(root / "2", {"x": as_leaf(values), "pad": pad}, reuse_from=root / "1")
+    with_change = {"x": as_leaf(changed), "pad": pad}
+    cp.save_pytree(root / "3", with_change, reuse_from=root / "2")
+    shutil.rmtree(root / "2")
+    loaded = cp.load_pytree(root / "3")
+    assert np.asarray(loaded["x"]).tobytes() == changed.tobytes()
+
+
+@given(
+    dtype=st.sampled_from([np.float32, np.int8, np.uint16, jnp.bfloat16, np.complex64]),
+    size=st.integers(1, 5000),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_fingerprints_differ_for_any_single_element_change(dtype, size, data) -> None:
+    values = np.asarray(np.random.default_rng(size).standard_normal(size) * 50).astype(dtype)
+    index = data.draw(st.integers(0, size - 1))
+    changed = values.copy()
+    raw = changed.view(np.uint8).reshape(size, -1)
+    byte = data.draw(st.integers(0, raw.shape[1] - 1))
+    raw[index, byte] ^= np.uint8(1 << data.draw(st.integers(0, 7)))
+    host = reuse.fingerprint_numpy([values, changed])
+    assert host[0] != host[1] and reuse.fingerprint_numpy([values]) == host[:1]
+    # The accelerators' reduction, run here on the CPU device: a flipped bit changes one
+    # 32-bit word, which changes every lane.
+    lanes = reuse.fingerprint_lanes([jnp.asarray(values), jnp.asarray(changed)])
+    assert all(a != b for a, b in zip(lanes[0], lanes[1], strict=True))
+
+
+_KILLED_SAVE = """
+import sys, numpy as np, jax.numpy as jnp, checkpointables as cp
+root = sys.argv[1]
+rng = np.random.default_rng(0)
+tree = {f"w{i}": jnp.asarray(rng.standard_normal((256, 1024), dtype=np.float32)) for i in range(8)}
+decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
+keep = cp.training.preservation_policies.LatestN(2)
+with cp.training.Checkpointer(
+        root, save_decision_policy=decide, preservation_policy=keep, reuse_unchanged=True) as c:
+    latest = c.latest_step()
+    step = latest.step + 1 if latest else 0
+    while True:
+        tree = dict(tree, w0=tree["w0"] + 1)
+        c.save_pytree(step, tree)
+        print(step, flush=True)
+        step += 1
+"""
+
+
+def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(tmp_path) -> None:
+    root = tmp_path / "run"
+    for delay in (1.0, 1.7, 2.4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_KILLED_SAVE), str(root)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        proc.stdout.readline()  # A first step committed.
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        steps = cp.training.Checkpointer(root).steps()
+        assert steps
+        for info in steps:
+            loaded = cp.load_pytree(info.path)
+            assert np.asarray(loaded["w1"]).shape == (256, 1024)
+            _verify(info.path)
