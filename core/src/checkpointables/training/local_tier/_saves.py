@@ -18,7 +18,7 @@ A local save of step ``s`` by process ``i`` of ``n``:
    (at the commit, before the response finishes, and after replication).
 
 One local save is in flight at a time: the next one waits for the previous
-commit (not for its replication).
+one's commit and replication (each replication wait is bounded).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class LocalSaves:
 
     def wait_idle(self) -> None:
         """Waits for the save in flight, then for replication and retention."""
-        self.wait()
+        self.wait(self._config.timeout_secs)
         self._worker.wait_idle()
 
     def close(self) -> None:
@@ -131,7 +131,9 @@ class LocalSaves:
 
     def start(self, request: StepSave, context: Context) -> AsyncResponse[bool]:
         """Starts the local save of ``request`` (phases 2-5); returns after the blocking phase."""
-        self.wait(self._config.timeout_secs)
+        # The previous save's replication first: a peer still fetching a step must not see
+        # it retired by newer ones, and copies never pile up faster than they move.
+        self.wait_idle()
         number, self._count = self._count, self._count + 1
         held, every = _manifest.describe_shards(request.checkpointables)
         # A step directory already here was written by an earlier incarnation of the run

@@ -62,6 +62,7 @@ class LocalTierRuntime:
             self._server = _transport.FileServer(self.store.directory, config.serve_address)
         self.saves = LocalSaves(config, self.store, self.exchange, self.address, on_error)
         self._restores = itertools.count()  # The n-th restore: the same on every process.
+        self._closes = itertools.count()
         self.last_restore_stats: RestoreStats | None = None
 
     def address(self) -> str:
@@ -69,11 +70,18 @@ class LocalTierRuntime:
         return self._server.address if self._server is not None else ""
 
     def close(self) -> None:
-        """Waits for local saves and replication, stops serving."""
+        """Waits for local saves and replication, then (once every process is done
+        fetching from this one, or the bound passed) stops serving."""
         try:
             self.saves.close()
         finally:
             if self._server is not None:
+                try:
+                    self.exchange.all_gather(
+                        f"close/{next(self._closes)}", "", self.config.timeout_secs
+                    )
+                except multihost.BarrierTimeoutError as e:
+                    logger.warning("Local tier: closing without every peer: %s", e)
                 self._server.close()
 
     def load_async(
@@ -92,9 +100,11 @@ class LocalTierRuntime:
         self.saves.wait_idle()  # What this process saved counts, replicas included.
 
         def run() -> T:
-            name = f"restore/{number}"
+            name = f"restore/{number}"  # Gathers under it: .../inventory, .../verdict-<step>.
             timeout = self.config.timeout_secs
-            inventory = _restore.gather(self.store, self.exchange, self.address(), name, timeout)
+            inventory = _restore.gather(
+                self.store, self.exchange, self.address(), f"{name}/inventory", timeout
+            )
             tried = []
             for candidate in _restore.candidates(inventory, persistent, step):
                 if candidate.tier == "persistent":
@@ -104,7 +114,7 @@ class LocalTierRuntime:
                     self._record(candidate.step, "persistent", 0, 0, nbytes, began)
                     return result  # type: ignore[no-any-return]
                 obtained = self._obtain(
-                    inventory, candidate.step, needed, f"{name}/{candidate.step}"
+                    inventory, candidate.step, needed, f"{name}/verdict-{candidate.step}"
                 )
                 if obtained is None:
                     tried.append(candidate.step)

@@ -1,0 +1,160 @@
+"""The local tier with real jax.distributed processes on 127.0.0.1: local saves of each
+host's shards, replication to peers, restores decided from what the hosts report, with a
+host's directory wiped and with process ids permuted across the restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from .launcher import run_job
+
+pytestmark = pytest.mark.multiprocess
+
+# argv: root, local base, mode ("save" or "restore"), the host directory of each process
+# (a permutation: "1,0" gives process 0 the directory process 1 wrote before).
+BODY = """
+import json
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+root, base, mode, hosts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+SPECS = {"sharded": P("x", "y"), "by_row": P("x"), "replicated": P()}
+
+def value(name, step):
+    return {"sharded": np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + step,
+            "by_row": np.arange(8 * 3, dtype=np.int32).reshape(8, 3) * (step + 1),
+            "replicated": np.full((4,), step, np.float32)}[name]
+
+def tree(step):
+    out = {name: jax.make_array_from_callback(value(name, 0).shape, NamedSharding(MESH, spec),
+                                              lambda i, n=name: value(n, step)[i])
+           for name, spec in SPECS.items()}
+    out["host_numpy"] = np.arange(3) + step
+    return out
+
+policy = cp.training.save_decision_policies.EveryNStepsPolicy
+tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}", save_decision_policy=policy(10),
+                             replicas=1, keep=2, timeout_secs=30)
+with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
+    ckptr = cp.training.Checkpointer(root, save_decision_policy=policy(25), local_tier=tier)
+    if mode == "save":
+        for step in range(31):
+            ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
+        ckptr.wait()
+        print("LOCAL", json.dumps([s.step for s in ckptr.steps(tier="local")]), flush=True)
+    else:
+        abstract = {name: jax.ShapeDtypeStruct(value(name, 0).shape, value(name, 0).dtype,
+                                               sharding=NamedSharding(MESH, spec))
+                    for name, spec in SPECS.items()}
+        abstract["host_numpy"] = np.empty(3, np.int64)
+        restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
+        stats = ckptr.last_restore_stats
+        step = restored["config"]["step"]
+        for name in SPECS:
+            for shard in restored["state"][name].addressable_shards:
+                expected = value(name, step)[shard.index]
+                np.testing.assert_array_equal(np.asarray(shard.data), expected)
+        np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
+        print("STATS", json.dumps({"step": stats.step, "tier": stats.tier,
+                                   "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
+                                   "persistent": stats.bytes_from_persistent}), flush=True)
+    ckptr.close()
+"""
+
+
+def _tagged(results, tag: str) -> list:
+    found = []
+    for result in results:
+        result.check()
+        line = next(x for x in result.stdout.splitlines() if x.startswith(tag + " "))
+        found.append(json.loads(line[len(tag) + 1 :]))
+    return found
+
+
+def _job(tmp_path, mode: str, hosts: str = "0,1") -> list:
+    args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts]
+    return _tagged(run_job(BODY, args=args, timeout=150), "LOCAL" if mode == "save" else "STATS")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run's two tiers after 31 steps: persistent 0, 25; local 20, 30 on each host."""
+    tmp = tmp_path_factory.mktemp("local_tier")
+    assert _job(tmp, "save") == [[20, 30], [20, 30]]
+    for host in (0, 1):
+        # Each host holds its own copy and its peer's (replicas=1).
+        names = sorted(os.listdir(tmp / "local" / f"host{host}" / "30"))
+        assert names == ["p0-of-2", "p0-of-2.manifest.json", "p1-of-2", "p1-of-2.manifest.json"]
+    return tmp
+
+
+@pytest.fixture
+def run_dir(saved, tmp_path):
+    """A fresh copy of the saved run, for a test to damage."""
+    shutil.copytree(saved, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_restore_from_own_disks_reads_nothing_elsewhere(run_dir) -> None:
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["peers"], stats["persistent"]) == (
+            30,
+            "local",
+            0,
+            0,
+        )
+        assert stats["local"] > 0
+
+
+def test_a_wiped_host_fetches_from_its_peer_and_reads_nothing_from_persistent(run_dir) -> None:
+    shutil.rmtree(run_dir / "local" / "host1")
+    first, second = _job(run_dir, "restore")
+    assert (first["step"], first["peers"], first["persistent"]) == (30, 0, 0)
+    assert (second["step"], second["local"], second["persistent"]) == (30, 0, 0)
+    assert second["peers"] > 0
+
+
+def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> None:
+    # Process 1 now runs on the host that was process 0's, whose disk was replaced.
+    shutil.rmtree(run_dir / "local" / "host0")
+    first, second = _job(run_dir, "restore", hosts="1,0")
+    assert (first["step"], first["tier"], first["peers"], first["persistent"]) == (
+        30,
+        "local",
+        0,
+        0,
+    )
+    assert (second["step"], second["tier"], second["persistent"]) == (30, "local", 0)
+    assert second["peers"] > 0
+
+
+def test_with_every_local_copy_gone_the_newest_persistent_step_is_restored(run_dir) -> None:
+    shutil.rmtree(run_dir / "local")
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
+            25,
+            "persistent",
+            0,
+            0,
+        )
+
+
+def test_a_step_whose_only_copies_of_one_host_are_damaged_is_skipped(run_dir) -> None:
+    # Both copies of process 1's files of step 30 lose a bit: step 30 is incomplete.
+    from tests.core.training.local_tier.test_local_tier import flip_a_bit
+
+    for host in (0, 1):
+        flip_a_bit(run_dir / "local" / f"host{host}" / "30" / "p1-of-2")
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
+            25,
+            "persistent",
+            0,
+            0,
+        )
+        assert stats["persistent"] > 0
