@@ -158,3 +158,134 @@ def test_a_step_whose_only_copies_of_one_host_are_damaged_is_skipped(run_dir) ->
             0,
         )
         assert stats["persistent"] > 0
+
+
+# Fault schedules over the saved run's files. Each schedule damages a fresh copy of the
+# run at random (hosts wiped, bits flipped, copies killed before their commit or while
+# being fetched, a persistent step lost, process ids permuted), then checks the restore
+# decision the hosts make from what they report against an oracle that compares every
+# surviving copy byte for byte with the pristine run: the step chosen is the newest one
+# whose every host's files survive intact somewhere (or the newest persistent step), and
+# each process reads an intact copy of the shards it needs.
+
+WRITERS = ("p0-of-2", "p1-of-2")
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def _intact(run, pristine, host: int, step: int, writer: str) -> bool:
+    copy = run / "local" / f"host{host}" / str(step) / writer
+    manifest = copy.parent / f"{writer}.manifest.json"
+    original = pristine / "local" / f"host{WRITERS.index(writer)}" / str(step) / writer
+    return manifest.is_file() and copy.is_dir() and _files(copy) == _files(original)
+
+
+def _oracle(run, pristine) -> tuple[int, str]:
+    import checkpointables as cp
+
+    persistent = [s.step for s in cp.training.Checkpointer(run / "persistent").steps()]
+    local = [
+        step
+        for step in (20, 30)
+        if all(any(_intact(run, pristine, h, step, w) for h in (0, 1)) for w in WRITERS)
+    ]
+    newest_local = max(local, default=-1)
+    newest_persistent = max(persistent, default=-1)
+    if newest_local >= newest_persistent and newest_local >= 0:
+        return newest_local, "local"
+    return newest_persistent, "persistent"
+
+
+def _damage(run, rng) -> None:
+    hosts = [run / "local" / f"host{h}" for h in (0, 1)]
+    copies = [h / str(s) / w for h in hosts for s in (20, 30) for w in WRITERS]
+    for _ in range(rng.randint(0, 3)):  # Bit flips in the files of random copies.
+        victim = rng.choice(copies)
+        if victim.is_dir():
+            files = sorted(p for p in victim.rglob("*") if p.is_file() and p.stat().st_size)
+            target = rng.choice(files)
+            data = bytearray(target.read_bytes())
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            target.write_bytes(bytes(data))
+    if rng.random() < 0.25:  # Killed after writing a copy, before its manifest.
+        victim = rng.choice(copies)
+        (victim.parent / f"{victim.name}.manifest.json").unlink(missing_ok=True)
+    if rng.random() < 0.25:  # Killed mid-copy: a truncated file.
+        victim = rng.choice(copies)
+        if victim.is_dir():
+            target = rng.choice(sorted(p for p in victim.rglob("*") if p.is_file()))
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    if rng.random() < 0.2:  # Killed while fetching: a staging directory of a later step.
+        staging = rng.choice(hosts) / "40" / "p1-of-2.fetching-99-1"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "partial").write_bytes(b"x")
+    if rng.random() < 0.15:  # The newest persistent step lost.
+        shutil.rmtree(run / "persistent" / "25", ignore_errors=True)
+    for host in hosts:  # A host replaced (its disk wiped), or all of them.
+        if rng.random() < 0.2:
+            shutil.rmtree(host, ignore_errors=True)
+
+
+def _decide(run, permutation) -> tuple[int, str, dict[int, tuple[int, str]]]:
+    """What the processes decide (``_restore``'s rule), and the copy each one reads."""
+    import checkpointables as cp
+    from checkpointables.training.local_tier import _restore
+    from checkpointables.training.local_tier._store import Store
+
+    stores = {p: Store(str(run / "local" / f"host{permutation[p]}")) for p in (0, 1)}
+    copies = {p: {s: store.valid_copies(s) for s in store.steps()} for p, store in stores.items()}
+    inventory = _restore.Inventory({0: "", 1: ""}, copies)
+    persistent = cp.training.Checkpointer(run / "persistent").steps()
+    for candidate in _restore.candidates(inventory, persistent, None):
+        if candidate.tier == "persistent":
+            return candidate.step, "persistent", {}
+        holders = inventory.holders(candidate.step)
+        needed = {}
+        for process in (0, 1):
+            own = next(m for _, m in holders[WRITERS[process]])
+            needed[process] = {k: set(v) for k, v in own.held.items()}
+        chosen = {p: _restore.choose(holders, p, 2, needed[p]) for p in (0, 1)}
+        if all(c is not None for c in chosen.values()):
+            reads = {p: (permutation[c[0]], c[1].writer) for p, c in chosen.items()}
+            return candidate.step, "local", reads
+    return -1, "none", {}
+
+
+@pytest.mark.parametrize(
+    "seeds",
+    [
+        pytest.param(range(0, 200), id="200 schedules"),
+        pytest.param(
+            range(200, 1200),
+            id="1000 more",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    not os.environ.get("CHECKPOINTABLES_MORE_SCHEDULES"),
+                    reason="set CHECKPOINTABLES_MORE_SCHEDULES=1 for 1000 more schedules",
+                ),
+            ],
+        ),
+    ],
+)
+def test_random_fault_schedules_restore_the_newest_intact_step(saved, tmp_path, seeds) -> None:
+    import random
+
+    for seed in seeds:
+        rng = random.Random(seed)
+        run = tmp_path / f"run{seed}"
+        shutil.copytree(saved, run)
+        _damage(run, rng)
+        permutation = rng.choice([(0, 1), (1, 0)])
+        expected = _oracle(run, saved)
+        step, tier, reads = _decide(run, permutation)
+        assert (step, tier) == expected, f"schedule {seed}"
+        for process, (host, writer) in reads.items():
+            # Each process reads an intact copy of its own shards.
+            assert writer == WRITERS[process], f"schedule {seed}"
+            assert _intact(run, saved, host, step, writer), f"schedule {seed}"
+        shutil.rmtree(run)
