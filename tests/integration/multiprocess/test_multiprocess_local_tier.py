@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 root, base, mode, hosts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+local_every, persistent_every = map(int, sys.argv[5].split(","))
 MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
 SPECS = {"sharded": P("x", "y"), "by_row": P("x"), "replicated": P()}
 
@@ -38,10 +39,17 @@ def tree(step):
     return out
 
 policy = cp.training.save_decision_policies.EveryNStepsPolicy
-tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}", save_decision_policy=policy(10),
+tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
+                             save_decision_policy=policy(local_every),
                              replicas=1, keep=2, timeout_secs=30)
 with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
-    ckptr = cp.training.Checkpointer(root, save_decision_policy=policy(25), local_tier=tier)
+    ckptr = cp.training.Checkpointer(root, save_decision_policy=policy(persistent_every),
+                                     local_tier=tier)
+    if mode == "train":  # Until killed; the test watches the progress file.
+        for step in range(100000):
+            ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
+            with open(f"{base}/progress{PROCESS_ID}", "w") as f:
+                f.write(str(step))
     if mode == "save":
         for step in range(31):
             ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
@@ -52,7 +60,11 @@ with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
                                                sharding=NamedSharding(MESH, spec))
                     for name, spec in SPECS.items()}
         abstract["host_numpy"] = np.empty(3, np.int64)
-        restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
+        try:
+            restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
+        except cp.training.errors.StepNotFoundError:
+            print("STATS", json.dumps({"step": -1}), flush=True)
+            os._exit(0)
         stats = ckptr.last_restore_stats
         step = restored["config"]["step"]
         for name in SPECS:
@@ -76,8 +88,8 @@ def _tagged(results, tag: str) -> list:
     return found
 
 
-def _job(tmp_path, mode: str, hosts: str = "0,1") -> list:
-    args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts]
+def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25") -> list:
+    args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts, cadences]
     return _tagged(run_job(BODY, args=args, timeout=150), "LOCAL" if mode == "save" else "STATS")
 
 
@@ -289,3 +301,114 @@ def test_random_fault_schedules_restore_the_newest_intact_step(saved, tmp_path, 
             assert writer == WRITERS[process], f"schedule {seed}"
             assert _intact(run, saved, host, step, writer), f"schedule {seed}"
         shutil.rmtree(run)
+
+
+# Real faults: a training job saving every few steps is SIGKILLed at a random moment (in a
+# local save, a replication or a persistent save), then every other process is killed as
+# the job restarts; a host may be wiped and a bit flipped; the job restarts with its
+# process ids maybe permuted. The restore must pick the newest complete intact step (the
+# oracle reads the files with its own checksum code) and the values it restores must be
+# that step's, bit for bit (checked in the job); no process may hang.
+
+
+def _copy_intact(copy) -> bool:
+    import crc32c
+
+    manifest_file = copy.parent / f"{copy.name}.manifest.json"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError):
+        return False
+    for relative, (size, crc) in manifest["files"].items():
+        path = copy / relative
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        if crc32c.crc32c(path.read_bytes()) != crc:
+            return False
+    return True
+
+
+def _real_oracle(run) -> int:
+    import checkpointables as cp
+
+    local = run / "local"
+    steps = {int(s.name) for h in local.glob("host*") for s in h.iterdir() if s.name.isdigit()}
+    complete = [
+        step
+        for step in steps
+        if all(any(_copy_intact(h / str(step) / w) for h in local.glob("host*")) for w in WRITERS)
+    ]
+    persistent = [s.step for s in cp.training.Checkpointer(run / "persistent").steps()]
+    return max(complete + persistent, default=-1)
+
+
+def _killer(run, rng):
+    import signal
+    import time
+
+    def kill(procs) -> None:
+        threshold, deadline = rng.randint(2, 20), time.monotonic() + 90
+        while time.monotonic() < deadline:
+            done = [(run / "local" / f"progress{p}") for p in range(len(procs))]
+            if all(f.is_file() and int(f.read_text() or 0) >= threshold for f in done):
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.4))
+        procs[rng.randrange(len(procs))].send_signal(signal.SIGKILL)
+        time.sleep(rng.uniform(0, 0.3))
+        for proc in procs:  # A lost process ends the job: all restart.
+            proc.kill()
+
+    return kill
+
+
+def _schedule(tmp_path, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    run = tmp_path / f"killed{seed}"
+    (run / "local").mkdir(parents=True)
+    args = [str(run / "persistent"), str(run / "local"), "train", "0,1", "3,7"]
+    run_job(BODY, args=args, timeout=120, on_started=_killer(run, rng))
+    hosts = sorted((run / "local").glob("host*"))
+    if rng.random() < 0.3:
+        shutil.rmtree(rng.choice(hosts))
+    if rng.random() < 0.5:
+        files = sorted(
+            p for h in hosts for p in h.rglob("*") if p.is_file() and "manifest" not in p.name
+        )
+        if files:
+            victim = rng.choice(files)
+            data = bytearray(victim.read_bytes())
+            if data:
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                victim.write_bytes(bytes(data))
+    expected = _real_oracle(run)
+    permutation = rng.choice(["0,1", "1,0"])
+    restore = [str(run / "persistent"), str(run / "local"), "restore", permutation, "3,7"]
+    results = _tagged(run_job(BODY, args=restore, timeout=150), "STATS")
+    assert [r["step"] for r in results] == [expected, expected], f"schedule {seed}"
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(1, id="schedule 1"),
+        *(
+            pytest.param(
+                seed,
+                id=f"schedule {seed}",
+                marks=[
+                    pytest.mark.slow,
+                    pytest.mark.skipif(
+                        not os.environ.get("CHECKPOINTABLES_MORE_SCHEDULES"),
+                        reason="set CHECKPOINTABLES_MORE_SCHEDULES=1 for more killed jobs",
+                    ),
+                ],
+            )
+            for seed in range(2, 22)
+        ),
+    ],
+)
+def test_a_job_killed_at_a_random_moment_restores_the_newest_complete_step(tmp_path, seed) -> None:
+    _schedule(tmp_path, seed)
