@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, interop, libraries, memory, object_store, report, timing
+from bench import cases, interop, libraries, local_tier, memory, object_store, report, timing
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
@@ -55,7 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--case",
         action="append",
-        choices=[c.name for c in cases.CASES] + list(interop.CASES) + list(object_store.CASE_NAMES),
+        choices=[c.name for c in cases.CASES]
+        + list(interop.CASES)
+        + list(local_tier.CASES)
+        + list(object_store.CASE_NAMES),
         help="run only this case (repeatable); default: all but s3-1gib",
     )
     p.add_argument(
@@ -229,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit status."""
     args = parse_args(argv)
     chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES) + list(
-        object_store.DEFAULT_CASES
-    )
-    others = (*interop.CASES, *object_store.CASE_NAMES)
+        local_tier.DEFAULT_CASES
+    ) + list(object_store.DEFAULT_CASES)
+    others = (*interop.CASES, *local_tier.CASES, *object_store.CASE_NAMES)
     selected = [cases.get_case(n) for n in chosen if n not in others]
     on_s3 = [n for n in chosen if n in object_store.CASE_NAMES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
@@ -317,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             failed |= "error" in result or any(
                 "error" in m for m in result.get("memory", {}).values()
             )
+        for name in (n for n in chosen if n in local_tier.CASES):
+            document["cases"][name] = result = local_tier.run_case(name, args, scratch, _say)
+            failed |= "error" in result
         if not args.no_memory:
             document["repeated_loads"] = _measure_repeated_loads(args, scratch)
             failed |= any("error" in m for m in document["repeated_loads"])

@@ -39,12 +39,37 @@ def tree(step):
     return out
 
 policy = cp.training.save_decision_policies.EveryNStepsPolicy
-tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
-                             save_decision_policy=policy(local_every),
-                             replicas=1, keep=2, timeout_secs=30)
+
+def checkpointer():
+    tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
+                                 save_decision_policy=policy(local_every),
+                                 replicas=1, keep=2, timeout_secs=30)
+    return cp.training.Checkpointer(root, save_decision_policy=policy(persistent_every),
+                                    local_tier=tier)
+
+def restore(ckptr, tag):
+    abstract = {name: jax.ShapeDtypeStruct(value(name, 0).shape, value(name, 0).dtype,
+                                           sharding=NamedSharding(MESH, spec))
+                for name, spec in SPECS.items()}
+    abstract["host_numpy"] = np.empty(3, np.int64)
+    try:
+        restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
+    except cp.training.errors.StepNotFoundError:
+        print(tag, json.dumps({"step": -1}), flush=True)
+        os._exit(0)
+    stats = ckptr.last_restore_stats
+    step = restored["config"]["step"]
+    for name in SPECS:
+        for shard in restored["state"][name].addressable_shards:
+            expected = value(name, step)[shard.index]
+            np.testing.assert_array_equal(np.asarray(shard.data), expected)
+    np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
+    print(tag, json.dumps({"step": stats.step, "tier": stats.tier,
+                           "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
+                           "persistent": stats.bytes_from_persistent}), flush=True)
+
 with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
-    ckptr = cp.training.Checkpointer(root, save_decision_policy=policy(persistent_every),
-                                     local_tier=tier)
+    ckptr = checkpointer()
     if mode == "train":  # Until killed; the test watches the progress file.
         for step in range(100000):
             ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
@@ -55,26 +80,12 @@ with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
             ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
         ckptr.wait()
         print("LOCAL", json.dumps([s.step for s in ckptr.steps(tier="local")]), flush=True)
+        ckptr.close()
+        # Another Checkpointer of the same job: its reports are its own.
+        with checkpointer() as again:
+            restore(again, "AGAIN")
     else:
-        abstract = {name: jax.ShapeDtypeStruct(value(name, 0).shape, value(name, 0).dtype,
-                                               sharding=NamedSharding(MESH, spec))
-                    for name, spec in SPECS.items()}
-        abstract["host_numpy"] = np.empty(3, np.int64)
-        try:
-            restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
-        except cp.training.errors.StepNotFoundError:
-            print("STATS", json.dumps({"step": -1}), flush=True)
-            os._exit(0)
-        stats = ckptr.last_restore_stats
-        step = restored["config"]["step"]
-        for name in SPECS:
-            for shard in restored["state"][name].addressable_shards:
-                expected = value(name, step)[shard.index]
-                np.testing.assert_array_equal(np.asarray(shard.data), expected)
-        np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
-        print("STATS", json.dumps({"step": stats.step, "tier": stats.tier,
-                                   "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
-                                   "persistent": stats.bytes_from_persistent}), flush=True)
+        restore(ckptr, "STATS")
     ckptr.close()
 """
 
@@ -97,7 +108,17 @@ def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25") -> li
 def saved(tmp_path_factory):
     """A run's two tiers after 31 steps: persistent 0, 25; local 20, 30 on each host."""
     tmp = tmp_path_factory.mktemp("local_tier")
-    assert _job(tmp, "save") == [[20, 30], [20, 30]]
+    results = run_job(
+        BODY, args=[str(tmp / "persistent"), str(tmp / "local"), "save", "0,1", "10,25"]
+    )
+    assert _tagged(results, "LOCAL") == [[20, 30], [20, 30]]
+    for stats in _tagged(results, "AGAIN"):
+        assert (stats["step"], stats["tier"], stats["peers"], stats["persistent"]) == (
+            30,
+            "local",
+            0,
+            0,
+        )
     for host in (0, 1):
         # Each host holds its own copy and its peer's (replicas=1).
         names = sorted(os.listdir(tmp / "local" / f"host{host}" / "30"))

@@ -1,9 +1,10 @@
 """What the hosts tell each other, through the ``jax.distributed`` key-value store.
 
 Every wait is bounded; a timeout names the processes that did not answer.
-Keys live under ``checkpointables/local_tier/``; the n-th collective call is
-numbered alike on every process (every process makes the same calls in the
-same order), and a new job has a new store, so keys never collide.
+Keys live under ``checkpointables/local_tier/<tier>/``, where ``<tier>``
+numbers the local tiers this process opened (every process opens the same
+ones in the same order); within a tier the n-th collective call is numbered
+alike on every process, and a new job has a new store, so keys never collide.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ _PREFIX = "checkpointables/local_tier"
 class Exchange:
     """Publishing and gathering small strings between the processes of one job."""
 
-    def __init__(self, process_index: int, process_count: int) -> None:
+    def __init__(self, process_index: int, process_count: int, namespace: str) -> None:
         self.me = process_index
         self.count = process_count
+        self._prefix = f"{_PREFIX}/{namespace}"
         self._client = multihost._client() if process_count > 1 else None
 
     def publish(self, name: str, value: str) -> None:
         """Publishes this process's ``value`` under ``name``."""
         if self._client is not None:
-            self._client.key_value_set(f"{_PREFIX}/{name}/{self.me}", value)  # type: ignore[attr-defined]
+            self._client.key_value_set(f"{self._prefix}/{name}/{self.me}", value)  # type: ignore[attr-defined]
 
     def get(self, name: str, process: int, timeout: float) -> str:
         """What ``process`` published under ``name``, waiting at most ``timeout`` seconds.
@@ -41,7 +43,7 @@ class Exchange:
         try:
             return str(
                 self._client.blocking_key_value_get(  # type: ignore[attr-defined]
-                    f"{_PREFIX}/{name}/{process}", int(timeout * 1000)
+                    f"{self._prefix}/{name}/{process}", int(timeout * 1000)
                 )
             )
         except Exception as e:
@@ -61,7 +63,7 @@ class Exchange:
         self.publish(name, value)
         deadline = time.monotonic() + timeout
         while True:
-            entries = self._client.key_value_dir_get(f"{_PREFIX}/{name}/")  # type: ignore[attr-defined]
+            entries = self._client.key_value_dir_get(f"{self._prefix}/{name}/")  # type: ignore[attr-defined]
             found = {int(k.rsplit("/", 1)[-1]): str(v) for k, v in entries}
             missing = [p for p in range(self.count) if p not in found]
             if not missing:

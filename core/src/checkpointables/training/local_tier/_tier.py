@@ -49,6 +49,11 @@ def tree_bytes(path: epath.Path) -> int:
     )
 
 
+# The n-th local tier this process opened: the same n on every process, which open the
+# same Checkpointers in the same order; it keeps their key-value entries apart.
+_opened = itertools.count()
+
+
 class LocalTierRuntime:
     """See the module's docstring."""
 
@@ -56,7 +61,9 @@ class LocalTierRuntime:
         self.config = config
         os.makedirs(os.fspath(config.directory), exist_ok=True)
         self.store = Store(os.fspath(config.directory))
-        self.exchange = Exchange(multihost.process_index(), multihost.process_count())
+        self.exchange = Exchange(
+            multihost.process_index(), multihost.process_count(), str(next(_opened))
+        )
         self._server: _transport.FileServer | None = None
         if self.exchange.count > 1:
             self._server = _transport.FileServer(self.store.directory, config.serve_address)
