@@ -4,9 +4,11 @@ host's directory wiped and with process ids permuted across the restart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -263,29 +265,40 @@ def _damage(run, rng) -> None:
             shutil.rmtree(host, ignore_errors=True)
 
 
-def _decide(run, permutation) -> tuple[int, str, dict[int, tuple[int, str]]]:
-    """What the processes decide (``_restore``'s rule), and the copy each one reads."""
+def _decide(run, permutation) -> tuple[int, str, dict[int, str]]:
+    """What the processes decide by ``_restore``'s rule, each host serving its directory
+    over HTTP as in a job; and the copy each process then holds on its own disk."""
     import checkpointables as cp
-    from checkpointables.training.local_tier import _restore
+    from checkpointables.training.local_tier import _restore, _transport
     from checkpointables.training.local_tier._store import Store
 
     stores = {p: Store(str(run / "local" / f"host{permutation[p]}")) for p in (0, 1)}
-    copies = {p: {s: store.valid_copies(s) for s in store.steps()} for p, store in stores.items()}
-    inventory = _restore.Inventory({0: "", 1: ""}, copies)
-    persistent = cp.training.Checkpointer(run / "persistent").steps()
-    for candidate in _restore.candidates(inventory, persistent, None):
-        if candidate.tier == "persistent":
-            return candidate.step, "persistent", {}
-        holders = inventory.holders(candidate.step)
-        needed = {}
-        for process in (0, 1):
-            own = next(m for _, m in holders[WRITERS[process]])
-            needed[process] = {k: set(v) for k, v in own.held.items()}
-        chosen = {p: _restore.choose(holders, p, 2, needed[p]) for p in (0, 1)}
-        if all(c is not None for c in chosen.values()):
-            reads = {p: (permutation[c[0]], c[1].writer) for p, c in chosen.items()}
-            return candidate.step, "local", reads
-    return -1, "none", {}
+    for store in stores.values():
+        os.makedirs(store.directory, exist_ok=True)
+    servers = {p: _transport.FileServer(stores[p].directory, "127.0.0.1") for p in (0, 1)}
+    try:
+        copies = {p: {s: store.copies(s) for s in store.steps()} for p, store in stores.items()}
+        inventory = _restore.Inventory({p: servers[p].address for p in (0, 1)}, copies)
+        persistent = cp.training.Checkpointer(run / "persistent").steps()
+        for candidate in _restore.candidates(inventory, persistent, None):
+            if candidate.tier == "persistent":
+                return candidate.step, "persistent", {}
+            holders = inventory.holders(candidate.step)
+            read = {}
+            for process in (0, 1):
+                own = next(m for _, m in holders[WRITERS[process]])
+                needed = {k: set(v) for k, v in own.held.items()}
+                choices = _restore.options(holders, process, 2, needed)
+                with contextlib.suppress(_transport.FetchError):
+                    read[process] = _restore.obtain(
+                        stores[process], inventory, choices, process, 10
+                    ).path
+            if len(read) == 2:
+                return candidate.step, "local", read
+        return -1, "none", {}
+    finally:
+        for server in servers.values():
+            server.close()
 
 
 @pytest.mark.parametrize(
@@ -317,10 +330,11 @@ def test_random_fault_schedules_restore_the_newest_intact_step(saved, tmp_path, 
         expected = _oracle(run, saved)
         step, tier, reads = _decide(run, permutation)
         assert (step, tier) == expected, f"schedule {seed}"
-        for process, (host, writer) in reads.items():
-            # Each process reads an intact copy of its own shards.
-            assert writer == WRITERS[process], f"schedule {seed}"
-            assert _intact(run, saved, host, step, writer), f"schedule {seed}"
+        for process, path in reads.items():
+            # Each process holds, on its own disk, an intact copy of its own shards.
+            original = saved / "local" / f"host{process}" / str(step) / WRITERS[process]
+            assert os.path.basename(path) == WRITERS[process], f"schedule {seed}"
+            assert _files(Path(path)) == _files(original), f"schedule {seed}"
         shutil.rmtree(run)
 
 

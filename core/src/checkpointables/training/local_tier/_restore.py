@@ -1,21 +1,24 @@
 """Which step a restore reads, and from where: one rule over every tier.
 
 **The rule:** the newest step that is complete and checksum-valid on some
-tier is restored. A local step is *complete* when every process that saved
-it (``p<i>-of-<n>`` for every ``i < n``) has a copy that some live host holds
-and has checked against its checksums; hosts report what they hold in an
-all-gather, so every process computes the same answer from the same reports.
-A persistent step is complete once committed. At equal steps the local tier
-wins (it is faster). A damaged copy is never reported, so a healthy copy
-elsewhere, or the next candidate, is used instead; never an incomplete step.
+tier is restored. At equal steps the local tier wins (it is faster).
 
-Each process then picks the copy its devices need: one whose shards (from its
-manifest) cover the shards the abstract tree's shardings place on this
-process, preferring the copy saved by the process of the same index (its
-per-process items, e.g. a dataset iterator, belong to that index), then one on
-its own disk. A copy held only by peers is fetched first. If any process
-cannot get a copy (a second all-gather says so), every process moves on to
-the next candidate together.
+1. Every host reports the copies on its disk that have a manifest (their
+   commit); an all-gather gives every process the same reports. A local step
+   is a *candidate* when every process that saved it (``p<i>-of-<n>`` for
+   every ``i < n``) has a copy on some live host. A persistent step is one
+   once committed.
+2. For the newest candidate, each process takes the copy its devices need:
+   one whose shards (from its manifest) cover the shards the abstract tree's
+   shardings place on this process, preferring the copy saved by the process
+   of the same index (its per-process items, e.g. a dataset iterator, belong
+   to that index), then one on its own disk. A copy on its disk is checked
+   against its checksums; a copy elsewhere is fetched and checked. A damaged
+   or unreachable copy is passed over for the next holder.
+3. A second all-gather says whether every process got a valid copy; if one
+   did not, every process moves on to the next candidate together. So the
+   step restored is never incomplete, never damaged, and never older than a
+   complete, valid one. Only the copies read are checked.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from collections.abc import Mapping
 
 import attrs
 
-from checkpointables.training.local_tier import _transport
+from checkpointables.training.local_tier import _manifest, _transport
 from checkpointables.training.local_tier._exchange import Exchange
 from checkpointables.training.local_tier._manifest import Index, Manifest
 from checkpointables.training.local_tier._store import Store, writer_name
 from checkpointables.training.step_info import StepInfo
 
-__all__ = ["Inventory", "Candidate", "Obtained", "gather", "candidates", "obtain"]
+__all__ = ["Inventory", "Candidate", "Obtained", "gather", "candidates", "options", "obtain"]
 
 
 @attrs.frozen
@@ -42,7 +45,7 @@ class Inventory:
     copies: dict[int, dict[int, dict[str, Manifest]]]  # process -> step -> writer -> manifest
 
     def holders(self, step: int) -> dict[str, list[tuple[int, Manifest]]]:
-        """For ``step``: writer -> the processes holding a checked copy (with its manifest)."""
+        """For ``step``: writer -> the processes holding a copy (with its manifest)."""
         found: dict[str, list[tuple[int, Manifest]]] = {}
         for process, steps in sorted(self.copies.items()):
             for writer, manifest in steps.get(step, {}).items():
@@ -50,7 +53,7 @@ class Inventory:
         return found
 
     def complete_steps(self) -> list[int]:
-        """The local steps every writer of which has a checked copy somewhere, newest first."""
+        """The local steps every writer of which has a copy somewhere, newest first."""
         steps = {s for held in self.copies.values() for s in held}
         complete = []
         for step in steps:
@@ -65,12 +68,12 @@ class Inventory:
 
 
 def gather(store: Store, exchange: Exchange, address: str, name: str, timeout: float) -> Inventory:
-    """Checks this host's copies against their checksums and all-gathers every host's report."""
+    """All-gathers every host's report of the copies it holds (checked when read)."""
     mine: dict[str, dict[str, str]] = {}
     for step in store.steps():
-        valid = store.valid_copies(step)
-        if valid:
-            mine[str(step)] = {w: m.to_json() for w, m in valid.items()}
+        held = store.copies(step)
+        if held:
+            mine[str(step)] = {w: m.to_json() for w, m in held.items()}
     report = json.dumps({"address": address, "copies": mine})
     gathered = exchange.all_gather(name, report, timeout)
     addresses, copies = {}, {}
@@ -114,25 +117,23 @@ def _arrays_split(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
     )
 
 
-def choose(
+def options(
     holders: Mapping[str, list[tuple[int, Manifest]]],
     me: int,
     count: int,
     needed: dict[str, set[Index]] | None,
-) -> tuple[int, Manifest] | None:
-    """The copy this process reads (holder process, manifest), or ``None`` if none serves."""
+) -> list[tuple[int, Manifest]]:
+    """The copies this process may read (holder process, manifest), best first."""
     if needed is None and _arrays_split(holders):
-        return None  # Without shardings to say what this process needs, no copy is whole.
-    options = []
+        return []  # Without shardings to say what this process needs, no copy is whole.
+    ranked = []
     for writer, copies in holders.items():
         for process, manifest in copies:
             if needed is not None and not manifest.covers(needed):
                 continue
             same_index = manifest.process_index == me and manifest.process_count == count
-            options.append(((not same_index, process != me, process, writer), (process, manifest)))
-    if not options:
-        return None
-    return min(options, key=lambda o: o[0])[1]
+            ranked.append(((not same_index, process != me, process, writer), (process, manifest)))
+    return [option for _, option in sorted(ranked, key=lambda r: r[0])]
 
 
 @attrs.frozen
@@ -145,16 +146,30 @@ class Obtained:
 
 
 def obtain(
-    store: Store, inventory: Inventory, chosen: tuple[int, Manifest], me: int, timeout: float
+    store: Store,
+    inventory: Inventory,
+    choices: list[tuple[int, Manifest]],
+    me: int,
+    timeout: float,
 ) -> Obtained:
-    """The chosen copy on this host's disk, fetched from its holder if it is elsewhere.
+    """The first of ``choices`` that is valid, on this host's disk (fetched if elsewhere).
 
     Raises:
-      _transport.FetchError: the holder did not answer in time or sent damaged files.
+      _transport.FetchError: no choice is valid and reachable; the message says why
+        for each.
     """
-    process, manifest = chosen
-    path = store.copy_dir(manifest.step, manifest.writer)
-    if process == me:
-        return Obtained(path, manifest.nbytes, 0)
-    received = _transport.fetch_copy(inventory.addresses[process], manifest, store, timeout)
-    return Obtained(path, 0, received)
+    why = []
+    for process, manifest in choices:
+        path = store.copy_dir(manifest.step, manifest.writer)
+        if process == me:
+            bad = _manifest.problems(path, manifest)
+            if not bad:
+                return Obtained(path, manifest.nbytes, 0)
+            why.append(f"own copy {manifest.writer} is damaged ({'; '.join(bad[:2])})")
+            continue
+        try:
+            received = _transport.fetch_copy(inventory.addresses[process], manifest, store, timeout)
+            return Obtained(path, 0, received)
+        except _transport.FetchError as e:
+            why.append(f"process {process}: {e}")
+    raise _transport.FetchError("; ".join(why) or "no copy holds the shards this process needs")

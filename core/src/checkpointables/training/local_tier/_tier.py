@@ -146,16 +146,12 @@ class LocalTierRuntime:
     ) -> _restore.Obtained | None:
         """This process's copy of local ``step``, if every process can get one (else None)."""
         me, count = self.exchange.me, self.exchange.count
-        chosen = _restore.choose(inventory.holders(step), me, count, needed)
-        obtained, problem = None, "no copy holds the shards this process needs"
-        if chosen is not None:
-            try:
-                obtained = _restore.obtain(
-                    self.store, inventory, chosen, me, self.config.timeout_secs
-                )
-                problem = ""
-            except _transport.FetchError as e:
-                problem = str(e)
+        choices = _restore.options(inventory.holders(step), me, count, needed)
+        obtained, problem = None, ""
+        try:
+            obtained = _restore.obtain(self.store, inventory, choices, me, self.config.timeout_secs)
+        except _transport.FetchError as e:
+            problem = str(e) or "no valid copy"
         verdicts = self.exchange.all_gather(name, problem, self.config.timeout_secs)
         failed = {p: v for p, v in verdicts.items() if v}
         if failed:
