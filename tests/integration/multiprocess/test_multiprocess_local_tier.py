@@ -1,6 +1,7 @@
 """The local tier with real jax.distributed processes on 127.0.0.1: local saves of each
-host's shards, replication to peers, restores decided from what the hosts report, with a
-host's directory wiped and with process ids permuted across the restart."""
+host's shards (and its own dataset iterator), replication to peers, restores decided from
+what the hosts report, with a host's directory wiped and with process ids permuted across
+the restart: the iterator resumes exactly, also from a peer's copy."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ def value(name, step):
             "by_row": np.arange(8 * 3, dtype=np.int32).reshape(8, 3) * (step + 1),
             "replicated": np.full((4,), step, np.float32)}[name]
 
+import grain
+
+def dataset():  # Each process reads its own shard of the data, in its own order.
+    return grain.MapDataset.range(1000).shuffle(seed=PROCESS_ID).to_iter_dataset()
+
 def tree(step):
     out = {name: jax.make_array_from_callback(value(name, 0).shape, NamedSharding(MESH, spec),
                                               lambda i, n=name: value(n, step)[i])
@@ -55,7 +61,9 @@ def restore(ckptr, tag):
                 for name, spec in SPECS.items()}
     abstract["host_numpy"] = np.empty(3, np.int64)
     try:
-        restored = ckptr.load_checkpointables(None, {"state": abstract, "config": None})
+        resumed = iter(dataset())
+        restored = ckptr.load_checkpointables(
+            None, {"state": abstract, "config": None, "dataset": resumed})
     except cp.training.errors.StepNotFoundError:
         print(tag, json.dumps({"step": -1}), flush=True)
         os._exit(0)
@@ -66,20 +74,27 @@ def restore(ckptr, tag):
             expected = value(name, step)[shard.index]
             np.testing.assert_array_equal(np.asarray(shard.data), expected)
     np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
+    # The iterator resumes exactly after the step's element of this process's shard.
+    assert next(resumed) == list(dataset())[step + 1]
     print(tag, json.dumps({"step": stats.step, "tier": stats.tier,
                            "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
                            "persistent": stats.bytes_from_persistent}), flush=True)
 
 with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
     ckptr = checkpointer()
+    iterator = iter(dataset())
     if mode == "train":  # Until killed; the test watches the progress file.
         for step in range(100000):
-            ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
+            next(iterator)
+            ckptr.save_checkpointables(
+                step, {"state": tree(step), "config": {"step": step}, "dataset": iterator})
             with open(f"{base}/progress{PROCESS_ID}", "w") as f:
                 f.write(str(step))
     if mode == "save":
         for step in range(31):
-            ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step}})
+            next(iterator)
+            ckptr.save_checkpointables(
+                step, {"state": tree(step), "config": {"step": step}, "dataset": iterator})
         ckptr.wait()
         print("LOCAL", json.dumps([s.step for s in ckptr.steps(tier="local")]), flush=True)
         ckptr.close()
