@@ -41,13 +41,23 @@ def _crc_function() -> tuple[str, Callable[[bytes, int], int]]:
         return "crc32", zlib.crc32
 
 
-def checksum_file(path: str, algorithm: str) -> int:
-    """The checksum of the file at ``path`` (read in 1 MiB pieces)."""
+def updater(algorithm: str) -> Callable[[bytes, int], int]:
+    """``update(data, value)`` of the checksum ``algorithm`` names (start from 0).
+
+    Raises:
+      ValueError: ``algorithm`` is not available here.
+    """
     name, update = _crc_function()
     if algorithm == "crc32":
-        update = zlib.crc32
-    elif algorithm != name:
+        return zlib.crc32
+    if algorithm != name:
         raise ValueError(f"checksum {algorithm!r} is not available here (pip install crc32c)")
+    return update
+
+
+def checksum_file(path: str, algorithm: str) -> int:
+    """The checksum of the file at ``path`` (read in 1 MiB pieces)."""
+    update = updater(algorithm)
     value = 0
     with open(path, "rb") as f:
         while piece := f.read(_CHUNK):

@@ -78,11 +78,16 @@ class FileServer:
         self._server.server_close()
 
 
-def _fetch_file(url: str, target: str, timeout: float) -> int:
+def _fetch_file(url: str, target: str, timeout: float, algorithm: str) -> tuple[int, int]:
+    """Streams ``url`` into ``target``; returns its size and checksum, computed on the way."""
+    update = _manifest.updater(algorithm)
+    size, crc = 0, 0
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with urllib.request.urlopen(url, timeout=timeout) as response, open(target, "wb") as f:
-        shutil.copyfileobj(response, f, _CHUNK)
-        return f.tell()
+        while piece := response.read(_CHUNK):
+            f.write(piece)
+            size, crc = size + len(piece), update(piece, crc)
+    return size, crc
 
 
 def fetch_copy(address: str, manifest: Manifest, store: Store, timeout: float) -> int:
@@ -97,17 +102,23 @@ def fetch_copy(address: str, manifest: Manifest, store: Store, timeout: float) -
     staging = f"{final}.fetching-{os.getpid()}-{threading.get_ident()}"
     received = 0
     try:
-        for relative in manifest.files:
-            url = f"http://{address}/{step}/{urllib.parse.quote(writer)}/{urllib.parse.quote(relative)}"
-            received += _fetch_file(url, os.path.join(staging, *relative.split("/")), timeout)
-        bad = _manifest.problems(staging, manifest)
-        if bad:
-            raise FetchError(f"the copy sent by {address} is damaged: {'; '.join(bad[:3])}")
+        for relative, expected in manifest.files.items():
+            quoted = f"{urllib.parse.quote(writer)}/{urllib.parse.quote(relative)}"
+            target = os.path.join(staging, *relative.split("/"))
+            got = _fetch_file(
+                f"http://{address}/{step}/{quoted}", target, timeout, manifest.algorithm
+            )
+            if got != tuple(expected):  # Checked as it streamed: no second read.
+                raise FetchError(
+                    f"the copy of {relative} sent by {address} is damaged: (size, "
+                    f"{manifest.algorithm}) {got}, expected {tuple(expected)}"
+                )
+            received += got[0]
         store.forget_copy(step, writer)
         os.rename(staging, final)
         store.commit_copy(manifest)
         return received
-    except (OSError, urllib.error.URLError) as e:
+    except (OSError, ValueError) as e:  # URLError is an OSError; ValueError: no such checksum.
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, FetchError):
             raise
