@@ -39,7 +39,7 @@ __all__ = ["Inventory", "Candidate", "Obtained", "gather", "candidates", "option
 
 @attrs.frozen
 class Inventory:
-    """What every host reported: process -> its address and its checked copies."""
+    """What every host reported: process -> its address and its committed copies."""
 
     addresses: dict[int, str]
     copies: dict[int, dict[int, dict[str, Manifest]]]  # process -> step -> writer -> manifest

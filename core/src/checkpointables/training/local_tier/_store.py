@@ -74,14 +74,6 @@ class Store:
                 found[writer] = manifest
         return found
 
-    def valid_copies(self, step: int) -> dict[str, Manifest]:
-        """The finished copies of ``step`` whose every file matches its checksum."""
-        return {
-            writer: manifest
-            for writer, manifest in self.copies(step).items()
-            if not _manifest.problems(self.copy_dir(step, writer), manifest)
-        }
-
     def commit_copy(self, manifest: Manifest) -> None:
         """Records the finished copy ``manifest`` describes."""
         _manifest.write(manifest, self.manifest_path(manifest.step, manifest.writer))
