@@ -51,7 +51,7 @@ policy = cp.training.save_decision_policies.EveryNStepsPolicy
 def checkpointer():
     tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
                                  save_decision_policy=policy(local_every),
-                                 replicas=1, keep=2, timeout_secs=30)
+                                 replicas=1, keep=2, timeout_secs=3 if mode == "lonely" else 30)
     return cp.training.Checkpointer(root, save_decision_policy=policy(persistent_every),
                                     local_tier=tier)
 
@@ -79,6 +79,18 @@ def restore(ckptr, tag):
     print(tag, json.dumps({"step": stats.step, "tier": stats.tier,
                            "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
                            "persistent": stats.bytes_from_persistent}), flush=True)
+
+if mode == "lonely":  # Process 1 never takes part in the restore.
+    import time
+    if PROCESS_ID == 1:
+        time.sleep(20)
+        os._exit(0)
+    began = time.monotonic()
+    try:
+        checkpointer().load_checkpointables()
+    except cp.multihost.BarrierTimeoutError as e:
+        print("TIMEOUT", json.dumps({"secs": time.monotonic() - began, "message": str(e)}))
+    os._exit(0)
 
 with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
     ckptr = checkpointer()
@@ -181,6 +193,15 @@ def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> No
     )
     assert (second["step"], second["tier"], second["persistent"]) == (30, "local", 0)
     assert second["peers"] > 0
+
+
+def test_a_host_that_does_not_answer_is_named_within_the_timeout(run_dir) -> None:
+    args = [str(run_dir / "persistent"), str(run_dir / "local"), "lonely", "0,1", "10,25"]
+    first, _ = run_job(BODY, args=args, timeout=60)  # Process 1 dies with the coordinator.
+    (line,) = [x for x in first.check().stdout.splitlines() if x.startswith("TIMEOUT ")]
+    timeout = json.loads(line[len("TIMEOUT ") :])
+    assert "processes [1] of [0, 1] did not answer" in timeout["message"]
+    assert timeout["secs"] < 15
 
 
 def test_with_every_local_copy_gone_the_newest_persistent_step_is_restored(run_dir) -> None:
