@@ -128,9 +128,10 @@ def _tagged(results, tag: str) -> list:
     return found
 
 
-def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25") -> list:
+def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25", n: int = 2) -> list:
     args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts, cadences]
-    return _tagged(run_job(BODY, args=args, timeout=150), "LOCAL" if mode == "save" else "STATS")
+    results = run_job(BODY, args=args, timeout=150, num_processes=n, devices_per_process=4 // n)
+    return _tagged(results, "LOCAL" if mode == "save" else "STATS")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +194,17 @@ def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> No
     )
     assert (second["step"], second["tier"], second["persistent"]) == (30, "local", 0)
     assert second["peers"] > 0
+
+
+def test_four_processes_in_a_ring_restore_a_wiped_host_from_its_buddy(tmp_path) -> None:
+    # Each process keeps the copy of the process before it: host 2's files are on host 3.
+    assert _job(tmp_path, "save", hosts="0,1,2,3", n=4)[0] == [20, 30]
+    assert sorted(os.listdir(tmp_path / "local" / "host3" / "30")) == [
+        "p2-of-4", "p2-of-4.manifest.json", "p3-of-4", "p3-of-4.manifest.json"]  # fmt: skip
+    shutil.rmtree(tmp_path / "local" / "host2")
+    stats = _job(tmp_path, "restore", hosts="0,1,2,3", n=4)
+    assert [(s["step"], s["tier"], s["persistent"]) for s in stats] == [(30, "local", 0)] * 4
+    assert [s["peers"] > 0 for s in stats] == [False, False, True, False]
 
 
 def test_a_host_that_does_not_answer_is_named_within_the_timeout(run_dir) -> None:
