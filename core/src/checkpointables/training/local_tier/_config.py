@@ -92,8 +92,9 @@ class RestoreStats:
       step: the step restored.
       bytes_from_local: bytes of this host's own local-tier files read.
       bytes_from_peers: bytes fetched from other hosts' local tiers.
-      bytes_from_persistent: bytes of the persistent step's files read (the
-        step's file sizes; 0 when the step came from the local tier).
+      bytes_from_persistent: bytes read from the persistent tier (the step's
+        file sizes on a local disk; on an object store, the restored arrays'
+        bytes); 0 when the step came from the local tier.
       secs: from the call until the load finished.
       tier: ``"local"`` or ``"persistent"``.
     """

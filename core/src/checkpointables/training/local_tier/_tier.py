@@ -39,9 +39,13 @@ PersistentLoad = Callable[
 ]
 
 
-def tree_bytes(path: epath.Path) -> int:
+def persistent_bytes(path: epath.Path, restored: Any) -> int:
+    """What a load of the persistent step at ``path`` read: its files' sizes on a local
+    disk; on an object store, the bytes of the arrays restored."""
     if not os.path.isdir(os.fspath(path)):
-        return 0  # An object store: its bytes are not counted here.
+        import jax
+
+        return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(restored))
     return sum(
         os.path.getsize(os.path.join(parent, name))
         for parent, _, names in os.walk(os.fspath(path))
@@ -117,7 +121,7 @@ class LocalTierRuntime:
                 if candidate.tier == "persistent":
                     assert candidate.info is not None
                     result = load_persistent(candidate.info, start).result()
-                    nbytes = tree_bytes(candidate.info.path)
+                    nbytes = persistent_bytes(candidate.info.path, result)
                     self._record(candidate.step, "persistent", 0, 0, nbytes, began)
                     return result  # type: ignore[no-any-return]
                 obtained = self._obtain(

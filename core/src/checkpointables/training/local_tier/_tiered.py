@@ -3,7 +3,6 @@ lists, and the restore statistics of a Checkpointer without a local tier."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -13,7 +12,7 @@ from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
 from checkpointables.training._saves import Saves, StepSave
 from checkpointables.training.local_tier._config import LocalTier, RestoreStats
-from checkpointables.training.local_tier._tier import LocalTierRuntime, tree_bytes
+from checkpointables.training.local_tier._tier import LocalTierRuntime, persistent_bytes
 from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
@@ -86,7 +85,7 @@ def timed(
 
     def finish() -> T:
         result = response.result()
-        nbytes = tree_bytes(info.path) if os.path.isdir(os.fspath(info.path)) else 0
+        nbytes = persistent_bytes(info.path, result)
         record(RestoreStats(info.step, 0, 0, nbytes, time.perf_counter() - began, "persistent"))
         return result
 
