@@ -189,3 +189,16 @@ def test_without_a_local_tier_restore_stats_count_the_persistent_bytes(tmp_path)
         stats = ckptr.last_restore_stats
     assert (stats.step, stats.tier, stats.bytes_from_local) == (3, "persistent", 0)
     assert stats.bytes_from_persistent > 0
+
+
+def test_what_killed_saves_left_does_not_count_against_keep(tmp_path) -> None:
+    with checkpointer(tmp_path) as ckptr:
+        run(ckptr, range(0, 121))
+    # A later incarnation was killed while saving step 130: a copy without its manifest.
+    (tmp_path / "local" / "130" / "p0-of-1").mkdir(parents=True)
+    with checkpointer(tmp_path) as ckptr:
+        assert ckptr.load_pytree()["step"] == 120
+        run(ckptr, range(121, 125))  # The resumed run saves nothing locally yet...
+        ckptr.save_pytree(125, state(125), force=True)  # ...until a forced save.
+        assert [s.step for s in ckptr.steps(tier="local")] == [120, 125]
+    assert sorted(os.listdir(tmp_path / "local")) == ["120", "125"]

@@ -94,9 +94,15 @@ class Store:
         shutil.rmtree(trash, ignore_errors=True)
 
     def retain(self, keep: int) -> list[int]:
-        """Removes all but the newest ``keep`` steps (and leftovers of removals); returns them."""
+        """Keeps the newest ``keep`` steps that have a finished copy; removes the other step
+        directories (older steps, and what killed saves and fetches left) and leftovers
+        of removals; returns the steps removed.
+
+        Called only when no save or fetch of this host is in flight."""
         steps = self.steps()
-        dropped = steps[:-keep] if len(steps) > keep else []
+        finished = [s for s in steps if self.copies(s)]
+        kept = set(finished[-keep:])
+        dropped = [s for s in steps if s not in kept]
         for step in dropped:
             self.remove_step(step)
         try:
