@@ -20,7 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cases, incremental, interop, libraries, memory, object_store, report, timing
+from bench import (
+    cases,
+    incremental,
+    interop,
+    libraries,
+    local_tier,
+    memory,
+    object_store,
+    report,
+    timing,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_SCALE = 1 / 16
@@ -58,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=[c.name for c in cases.CASES]
         + list(interop.CASES)
         + ["incremental"]
+        + list(local_tier.CASES)
         + list(object_store.CASE_NAMES),
         help="run only this case (repeatable); default: all but s3-1gib",
     )
@@ -233,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen = args.case or [c.name for c in cases.CASES] + list(interop.CASES) + [
         "incremental",
+        *local_tier.DEFAULT_CASES,
         *object_store.DEFAULT_CASES,
     ]
-    others = (*interop.CASES, "incremental", *object_store.CASE_NAMES)
+    others = (*interop.CASES, "incremental", *local_tier.CASES, *object_store.CASE_NAMES)
     selected = [cases.get_case(n) for n in chosen if n not in others]
     on_s3 = [n for n in chosen if n in object_store.CASE_NAMES]
     libs = libraries.all_libraries(args.libs.split(",") if args.libs else None)
@@ -323,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "incremental" in chosen:
             document["cases"]["incremental"] = incremental.run_case(args, scratch, _say)
+        for name in (n for n in chosen if n in local_tier.CASES):
+            document["cases"][name] = result = local_tier.run_case(name, args, scratch, _say)
+            failed |= "error" in result
         if not args.no_memory:
             document["repeated_loads"] = _measure_repeated_loads(args, scratch)
             failed |= any("error" in m for m in document["repeated_loads"])

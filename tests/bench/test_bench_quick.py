@@ -112,3 +112,24 @@ def test_phases_tool_times_every_phase(tmp_path, op):
     phases = [line.split()[0] for line in out.splitlines() if line.startswith("    ")]
     expected = {"save": ["1", "2", "2.1", "2.1.1", "2.1.2", "2.1.3", "2.2", "3"]}
     assert phases == expected.get(op, ["1", "1.1", "2", "2.1", "2.2"]), out
+
+
+@pytest.mark.multiprocess
+def test_local_tier_case_runs_on_two_processes(tmp_path):
+    output = tmp_path / "bench.json"
+    out = _bench(
+        "run",
+        *("--case", "local-tier-256mib", "--scale", "0.01", "--no-memory"),
+        *("--tmp-dir", str(tmp_path), "--output", str(output)),
+    )
+    case = json.loads(output.read_text())["cases"]["local-tier-256mib"]
+    assert "error" not in case, case
+    first, second = case["processes"]
+    for process in (first, second):
+        assert process["d2h_s"] > 0 and process["replicated_s"] >= process["local_commit_s"]
+        assert process["own_disks"]["tier"] == "local" and process["own_disks"]["peers"] == 0
+        assert process["one_wiped"]["persistent"] == 0
+        assert process["persistent"]["tier"] == "persistent"
+    assert second["one_wiped"]["peers"] > 0  # Process 1's copy came from process 0.
+    assert {t["verdict"] for t in case["targets"]} <= {"PASS", "FAIL"}
+    assert "local-tier-256mib: local tier" in out

@@ -27,11 +27,14 @@ from checkpointables.training import (
 )
 from checkpointables.training._save_stats import SaveStats
 from checkpointables.training.checkpointer import Checkpointer
+from checkpointables.training.local_tier import LocalTier, RestoreStats
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
 __all__ = [
     "Checkpointer",
+    "LocalTier",
+    "RestoreStats",
     "SaveStats",
     "StepInfo",
     "RootMetadata",

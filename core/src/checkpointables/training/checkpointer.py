@@ -51,6 +51,7 @@ from checkpointables.training._readers import StepLike
 from checkpointables.training._retention import Retention
 from checkpointables.training._saves import Saves, StepSave
 from checkpointables.training._worker import BackgroundErrors, Worker
+from checkpointables.training.local_tier import LocalTier, RestoreStats, _tiered
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
 
@@ -122,6 +123,9 @@ class Checkpointer:
         what the write does there) and on object stores (no server-side copy here). A callable is a
         predicate on a leaf's storage name (``"params.encoder.w"``) declaring the
         leaves it accepts frozen: those skip the fingerprint.
+      local_tier: a ``cp.training.LocalTier``: also save, at its own cadence, to
+        each host's own disk (replicated to peers); loads then restore the
+        newest complete step on either tier (see ``docs/local-tier.md``).
 
     Call every method from one thread (the training loop); background work
     is synchronized internally.
@@ -137,6 +141,7 @@ class Checkpointer:
         context: Context | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
         reuse_unchanged: bool | Callable[[str], bool] | None = None,
+        local_tier: LocalTier | None = None,
     ) -> None:
         self._root = as_path(root_directory)
         self._name_format = checked(
@@ -185,6 +190,8 @@ class Checkpointer:
             self._root, self._steps, self._step_path, self._wait_for_save, after_read
         )
         self._tidy_root(listing)
+        self._persistent_stats: RestoreStats | None = None
+        self._local = _tiered.open_tier(local_tier, self._errors.record)
 
     def _tidy_root(self, listing: _listing.Listing) -> None:
         """Applies the preservation policy to the steps found, removes what dead saves left."""
@@ -202,13 +209,25 @@ class Checkpointer:
         """The root directory."""
         return self._root
 
-    def steps(self) -> list[StepInfo]:
-        """The committed steps, sorted by step (as of creation, the last commit or ``reload()``)."""
-        return self._steps.sorted()
+    def steps(self, tier: str | None = None) -> list[StepInfo]:
+        """The committed steps, sorted by step (as of creation, the last commit or ``reload()``).
+
+        With a local tier, ``tier`` picks which: ``"persistent"`` (the root),
+        ``"local"`` (the steps with a copy on this host's local directory), or
+        ``None``: both (a step on both is listed once, as the persistent one).
+        """
+        return _tiered.steps(self._steps.sorted(), self._local, tier)
 
     def latest_step(self) -> StepInfo | None:
-        """The committed step with the highest number, or ``None`` for an empty root."""
-        return self._steps.latest()
+        """The committed step with the highest number on any tier, or ``None`` if none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    @property
+    def last_restore_stats(self) -> RestoreStats | None:
+        """Where the latest load of a step read its bytes (own disk, peers, persistent
+        storage) and how long it took; ``None`` before the first load."""
+        return self._last_restore_stats()
 
     @property
     def last_save_stats(self) -> _save_stats.SaveStats | None:
@@ -241,7 +260,7 @@ class Checkpointer:
     def _save_async(self, request: StepSave) -> AsyncResponse[bool]:
         if self._closed:
             raise RuntimeError(f"The Checkpointer of {self._root} is closed; create a new one.")
-        return self._saves.start(request, self._call_context())
+        return _tiered.save(request, self._call_context(), self._saves, self._local)
 
     def save_pytree_async(
         self,
@@ -335,9 +354,35 @@ class Checkpointer:
         self._saves.wait(self._context.async_options.timeout_secs, step=step)
 
     def _load_async(
-        self, step: StepLike, start: Callable[[epath.Path], AsyncResponse[T]]
+        self,
+        step: StepLike,
+        start: Callable[[epath.Path], AsyncResponse[T]],
+        abstract: Mapping[str, Any] | None = None,
     ) -> AsyncResponse[T]:
-        return self._leases.load_async(step, self._call_context(), start)
+        context = self._call_context()
+        if self._local is None:
+            info = self._leases.resolve(step, context)
+            response = self._leases.load_async(info, context, start)
+            return _tiered.timed(response, info, self._set_persistent_stats)
+        number = (
+            None if step is None else as_step(step.step if isinstance(step, StepInfo) else step)
+        )
+        return self._local.load_async(
+            number,
+            context,
+            start,
+            abstract,
+            self._steps.sorted(),
+            lambda info, go: self._leases.load_async(info, context, go),
+        )
+
+    def _last_restore_stats(self) -> RestoreStats | None:
+        if self._local is not None:
+            return self._local.last_restore_stats
+        return self._persistent_stats
+
+    def _set_persistent_stats(self, stats: RestoreStats) -> None:
+        self._persistent_stats = stats
 
     def load_pytree_async(
         self,
@@ -362,6 +407,9 @@ class Checkpointer:
                 checkpointable_name=checkpointable_name,
                 partial_load=partial_load,
             ),
+            None
+            if abstract_pytree is None
+            else {checkpointable_name or STATE_NAME: abstract_pytree},
         )
 
     @synchronous(load_pytree_async)
@@ -385,7 +433,9 @@ class Checkpointer:
     ) -> AsyncResponse[dict[str, Any]]:
         """Starts loading checkpointables of ``step`` (default: the latest step)."""
         return self._load_async(
-            step, lambda path: _loading.load_checkpointables_async(path, abstract_checkpointables)
+            step,
+            lambda path: _loading.load_checkpointables_async(path, abstract_checkpointables),
+            abstract_checkpointables,
         )
 
     @synchronous(load_checkpointables_async)
@@ -431,9 +481,12 @@ class Checkpointer:
     # Waiting and closing.
 
     def wait(self) -> None:
-        """Waits for the save and deletions in flight; raises a background failure not yet seen."""
+        """Waits for the save and deletions in flight (and the local tier's saves and
+        replication); raises a background failure not yet seen."""
         self._saves.wait(self._context.async_options.timeout_secs)
         self._worker.wait_idle()
+        if self._local is not None:
+            self._local.saves.wait_idle()
         self._errors.raise_pending()
 
     def close(self) -> None:
@@ -444,6 +497,8 @@ class Checkpointer:
             self._closed = True
             self._retention.stop()
             self._worker.stop()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,107 @@
+"""``LocalTier``: where and how often a Checkpointer also saves to each host's own disk."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+from etils import epath
+
+from checkpointables import errors
+from checkpointables.training import save_decision_policies as decision_lib
+
+__all__ = ["LocalTier", "RestoreStats"]
+
+
+def _count(minimum: int):  # type: ignore[no-untyped-def]
+    def check(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise errors.InvalidArgumentError(
+                f"LocalTier({attribute.name}={value!r}): expected an int >= {minimum}."
+            )
+
+    return check
+
+
+def _policy(value: object) -> decision_lib.SaveDecisionPolicy:
+    if value is None:
+        # A local save is cheap: save whenever the previous local save has committed.
+        return decision_lib.ContinuousCheckpointingPolicy()
+    if not isinstance(value, decision_lib.SaveDecisionPolicy):
+        raise errors.InvalidArgumentTypeError(
+            f"LocalTier(save_decision_policy={value!r}): expected a save decision policy "
+            f"(e.g. cp.training.save_decision_policies.EveryNStepsPolicy(10))."
+        )
+    return value
+
+
+def _directory(value: epath.PathLike) -> epath.Path:
+    text = os.fspath(value)
+    if "://" in text:
+        raise errors.UnsupportedPathError(
+            f"LocalTier({text!r}): the local tier lives on this host's own disk (or RAM disk); "
+            f"pass a local directory. Object stores are the persistent tier "
+            f"(Checkpointer's root directory)."
+        )
+    return epath.Path(text)
+
+
+@attrs.frozen
+class LocalTier:
+    """A fast tier of checkpoints on each host's own disk, replicated to peers.
+
+    Example::
+
+        ckptr = cp.training.Checkpointer(
+            "s3://bucket/run",
+            save_decision_policy=EveryNStepsPolicy(1000),       # persistent cadence
+            local_tier=cp.training.LocalTier(
+                "/local/ckpt", save_decision_policy=EveryNStepsPolicy(10), replicas=1, keep=2),
+        )
+
+    Attributes:
+      directory: this host's own directory for local steps (each host passes its
+        own disk; processes on one machine need distinct directories).
+      save_decision_policy: the local cadence. Default: whenever the previous
+        local save has committed (``ContinuousCheckpointingPolicy``).
+      replicas: how many other hosts keep a copy of each host's files (capped
+        at the number of other processes; 0 keeps no copies elsewhere).
+      keep: how many local steps each host keeps (its own and its replicas).
+      serve_address: the address this process serves its local files on, for
+        peers to fetch (a port is picked freely). Default ``127.0.0.1``: one
+        machine. On a cluster pass this host's address reachable from the others.
+      timeout_secs: the bound on every wait of the tier (a peer's report, a
+        replication, a fetch); a timeout names the hosts that did not answer.
+    """
+
+    directory: epath.Path = attrs.field(converter=_directory)
+    save_decision_policy: decision_lib.SaveDecisionPolicy | None = attrs.field(
+        default=None, kw_only=True, converter=_policy
+    )
+    replicas: int = attrs.field(default=1, kw_only=True, validator=_count(0))
+    keep: int = attrs.field(default=2, kw_only=True, validator=_count(1))
+    serve_address: str = attrs.field(default="127.0.0.1", kw_only=True)
+    timeout_secs: float = attrs.field(default=120.0, kw_only=True)
+
+
+@attrs.frozen
+class RestoreStats:
+    """Where the latest restore of a Checkpointer read its bytes from, and how long it took.
+
+    Attributes:
+      step: the step restored.
+      bytes_from_local: bytes of this host's own local-tier files read.
+      bytes_from_peers: bytes fetched from other hosts' local tiers.
+      bytes_from_persistent: bytes read from the persistent tier (the step's
+        file sizes on a local disk; on an object store, the restored arrays'
+        bytes); 0 when the step came from the local tier.
+      secs: from the call until the load finished.
+      tier: ``"local"`` or ``"persistent"``.
+    """
+
+    step: int
+    bytes_from_local: int
+    bytes_from_peers: int
+    bytes_from_persistent: int
+    secs: float
+    tier: str

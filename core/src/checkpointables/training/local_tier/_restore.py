@@ -1,0 +1,175 @@
+"""Which step a restore reads, and from where: one rule over every tier.
+
+**The rule:** the newest step that is complete and checksum-valid on some
+tier is restored. At equal steps the local tier wins (it is faster).
+
+1. Every host reports the copies on its disk that have a manifest (their
+   commit); an all-gather gives every process the same reports. A local step
+   is a *candidate* when every process that saved it (``p<i>-of-<n>`` for
+   every ``i < n``) has a copy on some live host. A persistent step is one
+   once committed.
+2. For the newest candidate, each process takes the copy its devices need:
+   one whose shards (from its manifest) cover the shards the abstract tree's
+   shardings place on this process, preferring the copy saved by the process
+   of the same index (its per-process items, e.g. a dataset iterator, belong
+   to that index), then one on its own disk. A copy on its disk is checked
+   against its checksums; a copy elsewhere is fetched and checked. A damaged
+   or unreachable copy is passed over for the next holder.
+3. A second all-gather says whether every process got a valid copy; if one
+   did not, every process moves on to the next candidate together. So the
+   step restored is never incomplete, never damaged, and never older than a
+   complete, valid one. Only the copies read are checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import attrs
+
+from checkpointables.training.local_tier import _manifest, _transport
+from checkpointables.training.local_tier._exchange import Exchange
+from checkpointables.training.local_tier._manifest import Index, Manifest
+from checkpointables.training.local_tier._store import Store, writer_name
+from checkpointables.training.step_info import StepInfo
+
+__all__ = ["Inventory", "Candidate", "Obtained", "gather", "candidates", "options", "obtain"]
+
+
+@attrs.frozen
+class Inventory:
+    """What every host reported: process -> its address and its committed copies."""
+
+    addresses: dict[int, str]
+    copies: dict[int, dict[int, dict[str, Manifest]]]  # process -> step -> writer -> manifest
+
+    def holders(self, step: int) -> dict[str, list[tuple[int, Manifest]]]:
+        """For ``step``: writer -> the processes holding a copy (with its manifest)."""
+        found: dict[str, list[tuple[int, Manifest]]] = {}
+        for process, steps in sorted(self.copies.items()):
+            for writer, manifest in steps.get(step, {}).items():
+                found.setdefault(writer, []).append((process, manifest))
+        return found
+
+    def complete_steps(self) -> list[int]:
+        """The local steps every writer of which has a copy somewhere, newest first."""
+        steps = {s for held in self.copies.values() for s in held}
+        complete = []
+        for step in steps:
+            holders = self.holders(step)
+            counts = {m.process_count for copies in holders.values() for _, m in copies}
+            if len(counts) != 1:
+                continue  # Copies of different runs' saves: not one step.
+            (n,) = counts
+            if all(writer_name(i, n) in holders for i in range(n)):
+                complete.append(step)
+        return sorted(complete, reverse=True)
+
+
+def gather(store: Store, exchange: Exchange, address: str, name: str, timeout: float) -> Inventory:
+    """All-gathers every host's report of the copies it holds (checked when read)."""
+    mine: dict[str, dict[str, str]] = {}
+    for step in store.steps():
+        held = store.copies(step)
+        if held:
+            mine[str(step)] = {w: m.to_json() for w, m in held.items()}
+    report = json.dumps({"address": address, "copies": mine})
+    gathered = exchange.all_gather(name, report, timeout)
+    addresses, copies = {}, {}
+    for process, text in gathered.items():
+        raw = json.loads(text)
+        addresses[process] = raw["address"]
+        copies[process] = {
+            int(s): {w: Manifest.from_json(m) for w, m in by_writer.items()}
+            for s, by_writer in raw["copies"].items()
+        }
+    return Inventory(addresses, copies)
+
+
+@attrs.frozen
+class Candidate:
+    """A step a restore may read: from ``tier`` ``"local"`` or ``"persistent"``."""
+
+    step: int
+    tier: str
+    info: StepInfo | None = None  # The persistent step.
+
+
+def candidates(
+    inventory: Inventory, persistent: list[StepInfo], step: int | None
+) -> list[Candidate]:
+    """Every complete step, newest first (local before persistent at equal steps);
+    only ``step`` if given."""
+    found = [Candidate(s, "local") for s in inventory.complete_steps()]
+    found += [Candidate(i.step, "persistent", i) for i in persistent]
+    if step is not None:
+        found = [c for c in found if c.step == step]
+    return sorted(found, key=lambda c: (-c.step, c.tier != "local"))
+
+
+def _arrays_split(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
+    """Whether some array's shards are spread over several writers' copies."""
+    return any(
+        any(set(m.held.get(k, ())) != set(v) for k, v in m.shards.items())
+        for copies in holders.values()
+        for _, m in copies
+    )
+
+
+def options(
+    holders: Mapping[str, list[tuple[int, Manifest]]],
+    me: int,
+    count: int,
+    needed: dict[str, set[Index]] | None,
+) -> list[tuple[int, Manifest]]:
+    """The copies this process may read (holder process, manifest), best first."""
+    if needed is None and _arrays_split(holders):
+        return []  # Without shardings to say what this process needs, no copy is whole.
+    ranked = []
+    for writer, copies in holders.items():
+        for process, manifest in copies:
+            if needed is not None and not manifest.covers(needed):
+                continue
+            same_index = manifest.process_index == me and manifest.process_count == count
+            ranked.append(((not same_index, process != me, process, writer), (process, manifest)))
+    return [option for _, option in sorted(ranked, key=lambda r: r[0])]
+
+
+@attrs.frozen
+class Obtained:
+    """A copy on this host's disk, ready to load, and what getting it cost."""
+
+    path: str
+    bytes_local: int
+    bytes_peers: int
+
+
+def obtain(
+    store: Store,
+    inventory: Inventory,
+    choices: list[tuple[int, Manifest]],
+    me: int,
+    timeout: float,
+) -> Obtained:
+    """The first of ``choices`` that is valid, on this host's disk (fetched if elsewhere).
+
+    Raises:
+      _transport.FetchError: no choice is valid and reachable; the message says why
+        for each.
+    """
+    why = []
+    for process, manifest in choices:
+        path = store.copy_dir(manifest.step, manifest.writer)
+        if process == me:
+            bad = _manifest.problems(path, manifest)
+            if not bad:
+                return Obtained(path, manifest.nbytes, 0)
+            why.append(f"own copy {manifest.writer} is damaged ({'; '.join(bad[:2])})")
+            continue
+        try:
+            received = _transport.fetch_copy(inventory.addresses[process], manifest, store, timeout)
+            return Obtained(path, 0, received)
+        except _transport.FetchError as e:
+            why.append(f"process {process}: {e}")
+    raise _transport.FetchError("; ".join(why) or "no copy holds the shards this process needs")

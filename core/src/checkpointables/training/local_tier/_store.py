@@ -1,0 +1,114 @@
+"""One host's local-tier directory: its steps, the copies in each, and their retention.
+
+Layout::
+
+    <directory>/<step>/<writer>/                 an ordinary checkpoint of one host's shards
+    <directory>/<step>/<writer>.manifest.json    that copy's manifest (its commit)
+
+``<writer>`` names the process that saved the copy (``p<index>-of-<count>``);
+a step directory holds this host's own copy and the copies it keeps for
+peers. A copy without its manifest is unfinished and never used. Steps are
+removed by renaming them to a hidden name first, so a half-removed step is
+never listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+
+from checkpointables.training.local_tier import _manifest
+from checkpointables.training.local_tier._manifest import Manifest
+
+__all__ = ["Store", "writer_name"]
+
+_TRASH = ".removing-"
+
+
+def writer_name(process_index: int, process_count: int) -> str:
+    """The name of the copies a process writes."""
+    return f"p{process_index}-of-{process_count}"
+
+
+class Store:
+    """A host's local-tier directory (see the module's docstring)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def step_dir(self, step: int) -> str:
+        """The directory of ``step``."""
+        return os.path.join(self.directory, str(step))
+
+    def copy_dir(self, step: int, writer: str) -> str:
+        """Where the copy of ``writer``'s files of ``step`` lives."""
+        return os.path.join(self.step_dir(step), writer)
+
+    def manifest_path(self, step: int, writer: str) -> str:
+        """Where that copy's manifest lives."""
+        return self.copy_dir(step, writer) + _manifest.SUFFIX
+
+    def steps(self) -> list[int]:
+        """The step directories present, sorted (also those without a finished copy)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def copies(self, step: int) -> dict[str, Manifest]:
+        """The finished copies of ``step``: writer -> manifest (not yet checked)."""
+        try:
+            names = os.listdir(self.step_dir(step))
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for name in names:
+            if not name.endswith(_manifest.SUFFIX):
+                continue
+            writer = name[: -len(_manifest.SUFFIX)]
+            manifest = _manifest.read(os.path.join(self.step_dir(step), name))
+            if manifest is not None and os.path.isdir(self.copy_dir(step, writer)):
+                found[writer] = manifest
+        return found
+
+    def commit_copy(self, manifest: Manifest) -> None:
+        """Records the finished copy ``manifest`` describes."""
+        _manifest.write(manifest, self.manifest_path(manifest.step, manifest.writer))
+
+    def forget_copy(self, step: int, writer: str) -> None:
+        """Removes one copy (its manifest first, so it is never seen half-removed)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.manifest_path(step, writer))
+        shutil.rmtree(self.copy_dir(step, writer), ignore_errors=True)
+
+    def remove_step(self, step: int) -> None:
+        """Removes a step: hidden at once by a rename, then deleted."""
+        trash = os.path.join(self.directory, f"{_TRASH}{step}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self.step_dir(step), trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def retain(self, keep: int) -> list[int]:
+        """Keeps the newest ``keep`` steps that have a finished copy; removes the other step
+        directories (older steps, and what killed saves and fetches left) and leftovers
+        of removals; returns the steps removed.
+
+        Called only when no save or fetch of this host is in flight."""
+        steps = self.steps()
+        finished = [s for s in steps if self.copies(s)]
+        kept = set(finished[-keep:])
+        dropped = [s for s in steps if s not in kept]
+        for step in dropped:
+            self.remove_step(step)
+        try:
+            leftovers = [n for n in os.listdir(self.directory) if n.startswith(_TRASH)]
+        except FileNotFoundError:
+            leftovers = []
+        for name in leftovers:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        return dropped

@@ -1,0 +1,180 @@
+"""A Checkpointer's local tier at run time: its store, file service, saves and restores.
+
+The Checkpointer hands it the requests its front doors receive; it saves
+those its policy chooses (``_saves``) and decides every restore over both
+tiers (``_restore``), loading a persistent step through the Checkpointer's
+own path (with its read leases) when that step wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from etils import epath
+
+from checkpointables import multihost
+from checkpointables._asyncio import AsyncResponse, start_background
+from checkpointables.context import Context
+from checkpointables.training.errors import StepNotFoundError
+from checkpointables.training.local_tier import _manifest, _restore, _transport
+from checkpointables.training.local_tier._config import LocalTier, RestoreStats
+from checkpointables.training.local_tier._exchange import Exchange
+from checkpointables.training.local_tier._saves import LocalSaves, local_context
+from checkpointables.training.local_tier._store import Store
+from checkpointables.training.step_info import StepInfo
+
+T = TypeVar("T")
+logger = logging.getLogger("checkpointables.training")
+
+__all__ = ["LocalTierRuntime"]
+
+# Loads a persistent step: (the step, the load to start on its path) -> the load's response.
+PersistentLoad = Callable[
+    [StepInfo, Callable[[epath.Path], AsyncResponse[Any]]], AsyncResponse[Any]
+]
+
+
+def persistent_bytes(path: epath.Path, restored: Any) -> int:
+    """What a load of the persistent step at ``path`` read: its files' sizes on a local
+    disk; on an object store, the bytes of the arrays restored."""
+    if not os.path.isdir(os.fspath(path)):
+        import jax
+
+        return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(restored))
+    return sum(
+        os.path.getsize(os.path.join(parent, name))
+        for parent, _, names in os.walk(os.fspath(path))
+        for name in names
+    )
+
+
+# The n-th local tier this process opened: the same n on every process, which open the
+# same Checkpointers in the same order; it keeps their key-value entries apart.
+_opened = itertools.count()
+
+
+class LocalTierRuntime:
+    """See the module's docstring."""
+
+    def __init__(self, config: LocalTier, on_error: Callable[[BaseException], None]) -> None:
+        self.config = config
+        os.makedirs(os.fspath(config.directory), exist_ok=True)
+        self.store = Store(os.fspath(config.directory))
+        self.exchange = Exchange(
+            multihost.process_index(), multihost.process_count(), str(next(_opened))
+        )
+        self._server: _transport.FileServer | None = None
+        if self.exchange.count > 1:
+            self._server = _transport.FileServer(self.store.directory, config.serve_address)
+        self.saves = LocalSaves(config, self.store, self.exchange, self.address, on_error)
+        self._restores = itertools.count()  # The n-th restore: the same on every process.
+        self._closes = itertools.count()
+        self.last_restore_stats: RestoreStats | None = None
+
+    def address(self) -> str:
+        """Where peers fetch this host's files ("" when alone)."""
+        return self._server.address if self._server is not None else ""
+
+    def close(self) -> None:
+        """Waits for local saves and replication, then (once every process is done
+        fetching from this one, or the bound passed) stops serving."""
+        try:
+            self.saves.close()
+        finally:
+            if self._server is not None:
+                try:
+                    self.exchange.all_gather(
+                        f"close/{next(self._closes)}", "", self.config.timeout_secs
+                    )
+                except multihost.BarrierTimeoutError as e:
+                    logger.warning("Local tier: closing without every peer: %s", e)
+                self._server.close()
+
+    def load_async(
+        self,
+        step: int | None,
+        context: Context,
+        start: Callable[[epath.Path], AsyncResponse[T]],
+        needed_tree: Mapping[str, Any] | None,
+        persistent: list[StepInfo],
+        load_persistent: PersistentLoad,
+    ) -> AsyncResponse[T]:
+        """Restores ``step`` (``None``: the newest complete step on any tier) in the background."""
+        began = time.perf_counter()
+        number = next(self._restores)
+        needed = _manifest.needed_shards(needed_tree)
+        self.saves.wait_idle()  # What this process saved counts, replicas included.
+
+        def run() -> T:
+            name = f"restore/{number}"  # Gathers under it: .../inventory, .../verdict-<step>.
+            timeout = self.config.timeout_secs
+            inventory = _restore.gather(
+                self.store, self.exchange, self.address(), f"{name}/inventory", timeout
+            )
+            tried = []
+            for candidate in _restore.candidates(inventory, persistent, step):
+                if candidate.tier == "persistent":
+                    assert candidate.info is not None
+                    result = load_persistent(candidate.info, start).result()
+                    nbytes = persistent_bytes(candidate.info.path, result)
+                    self._record(candidate.step, "persistent", 0, 0, nbytes, began)
+                    return result  # type: ignore[no-any-return]
+                obtained = self._obtain(
+                    inventory, candidate.step, needed, f"{name}/verdict-{candidate.step}"
+                )
+                if obtained is None:
+                    tried.append(candidate.step)
+                    continue
+                with local_context(context):
+                    result = start(epath.Path(obtained.path)).result()
+                self._record(
+                    candidate.step, "local", obtained.bytes_local, obtained.bytes_peers, 0, began
+                )
+                return result
+            which = "" if step is None else f" of step {step}"
+            raise StepNotFoundError(
+                f"No complete, checksum-valid checkpoint{which} on any tier (local tier "
+                f"{self.store.directory}: complete steps tried "
+                f"{tried or 'none'}; persistent steps: {[i.step for i in persistent] or 'none'})."
+            )
+
+        return start_background(run, f"restore of step {step if step is not None else 'latest'}")
+
+    def _obtain(
+        self, inventory: _restore.Inventory, step: int, needed: Any, name: str
+    ) -> _restore.Obtained | None:
+        """This process's copy of local ``step``, if every process can get one (else None)."""
+        me, count = self.exchange.me, self.exchange.count
+        choices = _restore.options(inventory.holders(step), me, count, needed)
+        obtained, problem = None, ""
+        try:
+            obtained = _restore.obtain(self.store, inventory, choices, me, self.config.timeout_secs)
+        except _transport.FetchError as e:
+            problem = str(e) or "no valid copy"
+        verdicts = self.exchange.all_gather(name, problem, self.config.timeout_secs)
+        failed = {p: v for p, v in verdicts.items() if v}
+        if failed:
+            logger.warning("Local tier: step %d not restorable from local copies: %s", step, failed)
+            return None
+        return obtained
+
+    def _record(
+        self, step: int, tier: str, local: int, peers: int, persistent: int, began: float
+    ) -> None:
+        secs = time.perf_counter() - began
+        self.last_restore_stats = RestoreStats(step, local, peers, persistent, secs, tier)
+        logger.info(
+            "Restored step %d from the %s tier in %.3f s "
+            "(%d B local, %d B from peers, %d B persistent).",
+            step,
+            tier,
+            secs,
+            local,
+            peers,
+            persistent,
+        )

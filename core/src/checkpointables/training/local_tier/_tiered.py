@@ -1,0 +1,92 @@
+"""The Checkpointer's front doors over two tiers: which tier a save goes to, what ``steps``
+lists, and the restore statistics of a Checkpointer without a local tier."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from checkpointables import errors
+from checkpointables._asyncio import AsyncResponse, start_background
+from checkpointables.context import Context
+from checkpointables.training._saves import Saves, StepSave
+from checkpointables.training.local_tier._config import LocalTier, RestoreStats
+from checkpointables.training.local_tier._tier import LocalTierRuntime, persistent_bytes
+from checkpointables.training.step_info import StepInfo
+
+T = TypeVar("T")
+
+__all__ = ["open_tier", "steps", "save", "timed"]
+
+TIERS = (None, "local", "persistent")
+
+
+def open_tier(
+    config: LocalTier | None, on_error: Callable[[BaseException], None]
+) -> LocalTierRuntime | None:
+    """The local tier ``config`` describes, started (``None``: no local tier)."""
+    if config is None:
+        return None
+    if not isinstance(config, LocalTier):
+        raise errors.InvalidArgumentTypeError(
+            f"Checkpointer(local_tier={config!r}): expected a cp.training.LocalTier, e.g. "
+            f"cp.training.LocalTier('/local/ckpt', replicas=1, keep=2)."
+        )
+    return LocalTierRuntime(config, on_error)
+
+
+def steps(
+    persistent: list[StepInfo], local: LocalTierRuntime | None, tier: str | None
+) -> list[StepInfo]:
+    """The steps ``Checkpointer.steps(tier)`` lists, sorted by step."""
+    if tier not in TIERS:
+        raise errors.InvalidArgumentError(
+            f"steps(tier={tier!r}): expected None (every tier), 'local' or 'persistent'."
+        )
+    if tier == "persistent" or local is None:
+        if tier == "local":
+            return []
+        return persistent
+    held = local.saves.steps()
+    if tier == "local":
+        return held
+    merged = {info.step: info for info in held}
+    merged.update({info.step: info for info in persistent})
+    return [merged[s] for s in sorted(merged)]
+
+
+def save(
+    request: StepSave, context: Context, persistent: Saves, local: LocalTierRuntime | None
+) -> AsyncResponse[bool]:
+    """Starts the save of ``request`` on each tier whose policy chooses it (both if forced);
+    the response is True once every save started has committed, False if none started."""
+    if local is None:
+        return persistent.start(request, context)
+    local_save = None
+    if request.force or local.saves.decide(request.step, context):
+        local_save = local.saves.start(request, context)
+    persistent_save = persistent.start(request, context)
+    if local_save is None:
+        return persistent_save
+
+    def both() -> bool:
+        persistent_save.result()
+        return local_save.result()
+
+    return start_background(both, f"save of step {request.step} (local and persistent tiers)")
+
+
+def timed(
+    response: AsyncResponse[T], info: StepInfo, record: Callable[[RestoreStats], None]
+) -> AsyncResponse[T]:
+    """``response``, recording its ``RestoreStats`` (a persistent load) once it is done."""
+    began = time.perf_counter()
+
+    def finish() -> T:
+        result = response.result()
+        nbytes = persistent_bytes(info.path, result)
+        record(RestoreStats(info.step, 0, 0, nbytes, time.perf_counter() - began, "persistent"))
+        return result
+
+    return start_background(finish, f"load of step {info.step}", daemon=True)

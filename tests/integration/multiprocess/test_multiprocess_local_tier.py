@@ -1,0 +1,497 @@
+"""The local tier with real jax.distributed processes on 127.0.0.1: local saves of each
+host's shards (and its own dataset iterator), replication to peers, restores decided from
+what the hosts report, with a host's directory wiped and with process ids permuted across
+the restart: the iterator resumes exactly, also from a peer's copy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .launcher import run_job
+
+pytestmark = pytest.mark.multiprocess
+
+# argv: root, local base, mode ("save" or "restore"), the host directory of each process
+# (a permutation: "1,0" gives process 0 the directory process 1 wrote before).
+BODY = """
+import json
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+root, base, mode, hosts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+local_every, persistent_every = map(int, sys.argv[5].split(","))
+MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+SPECS = {"sharded": P("x", "y"), "by_row": P("x"), "replicated": P()}
+
+def value(name, step):
+    return {"sharded": np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + step,
+            "by_row": np.arange(8 * 3, dtype=np.int32).reshape(8, 3) * (step + 1),
+            "replicated": np.full((4,), step, np.float32)}[name]
+
+import grain
+
+def dataset():  # Each process reads its own shard of the data, in its own order.
+    return grain.MapDataset.range(1000).shuffle(seed=PROCESS_ID).to_iter_dataset()
+
+def tree(step):
+    out = {name: jax.make_array_from_callback(value(name, 0).shape, NamedSharding(MESH, spec),
+                                              lambda i, n=name: value(n, step)[i])
+           for name, spec in SPECS.items()}
+    out["host_numpy"] = np.arange(3) + step
+    return out
+
+policy = cp.training.save_decision_policies.EveryNStepsPolicy
+
+def checkpointer():
+    tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
+                                 save_decision_policy=policy(local_every),
+                                 replicas=1, keep=2, timeout_secs=3 if mode == "lonely" else 30)
+    return cp.training.Checkpointer(root, save_decision_policy=policy(persistent_every),
+                                    local_tier=tier)
+
+def restore(ckptr, tag):
+    abstract = {name: jax.ShapeDtypeStruct(value(name, 0).shape, value(name, 0).dtype,
+                                           sharding=NamedSharding(MESH, spec))
+                for name, spec in SPECS.items()}
+    abstract["host_numpy"] = np.empty(3, np.int64)
+    try:
+        resumed = iter(dataset())
+        restored = ckptr.load_checkpointables(
+            None, {"state": abstract, "config": None, "dataset": resumed})
+    except cp.training.errors.StepNotFoundError:
+        print(tag, json.dumps({"step": -1}), flush=True)
+        os._exit(0)
+    stats = ckptr.last_restore_stats
+    step = restored["config"]["step"]
+    for name in SPECS:
+        for shard in restored["state"][name].addressable_shards:
+            expected = value(name, step)[shard.index]
+            np.testing.assert_array_equal(np.asarray(shard.data), expected)
+    np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
+    # The iterator resumes exactly after the step's element of this process's shard.
+    assert next(resumed) == list(dataset())[step + 1]
+    print(tag, json.dumps({"step": stats.step, "tier": stats.tier,
+                           "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
+                           "persistent": stats.bytes_from_persistent}), flush=True)
+
+if mode == "lonely":  # Process 1 never takes part in the restore.
+    import time
+    if PROCESS_ID == 1:
+        time.sleep(20)
+        os._exit(0)
+    began = time.monotonic()
+    try:
+        checkpointer().load_checkpointables()
+    except cp.multihost.BarrierTimeoutError as e:
+        print("TIMEOUT", json.dumps({"secs": time.monotonic() - began, "message": str(e)}))
+    os._exit(0)
+
+with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
+    ckptr = checkpointer()
+    iterator = iter(dataset())
+    if mode == "train":  # Until killed; the test watches the progress file.
+        for step in range(100000):
+            next(iterator)
+            ckptr.save_checkpointables(
+                step, {"state": tree(step), "config": {"step": step}, "dataset": iterator})
+            with open(f"{base}/progress{PROCESS_ID}", "w") as f:
+                f.write(str(step))
+    if mode == "save":
+        for step in range(31):
+            next(iterator)
+            ckptr.save_checkpointables(
+                step, {"state": tree(step), "config": {"step": step}, "dataset": iterator})
+        ckptr.wait()
+        print("LOCAL", json.dumps([s.step for s in ckptr.steps(tier="local")]), flush=True)
+        ckptr.close()
+        # Another Checkpointer of the same job: its reports are its own.
+        with checkpointer() as again:
+            restore(again, "AGAIN")
+    else:
+        restore(ckptr, "STATS")
+    ckptr.close()
+"""
+
+
+def _tagged(results, tag: str) -> list:
+    found = []
+    for result in results:
+        result.check()
+        line = next(x for x in result.stdout.splitlines() if x.startswith(tag + " "))
+        found.append(json.loads(line[len(tag) + 1 :]))
+    return found
+
+
+def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25", n: int = 2) -> list:
+    args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts, cadences]
+    results = run_job(BODY, args=args, timeout=150, num_processes=n, devices_per_process=4 // n)
+    return _tagged(results, "LOCAL" if mode == "save" else "STATS")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run's two tiers after 31 steps: persistent 0, 25; local 20, 30 on each host."""
+    tmp = tmp_path_factory.mktemp("local_tier")
+    results = run_job(
+        BODY, args=[str(tmp / "persistent"), str(tmp / "local"), "save", "0,1", "10,25"]
+    )
+    assert _tagged(results, "LOCAL") == [[20, 30], [20, 30]]
+    for stats in _tagged(results, "AGAIN"):
+        assert (stats["step"], stats["tier"], stats["peers"], stats["persistent"]) == (
+            30,
+            "local",
+            0,
+            0,
+        )
+    for host in (0, 1):
+        # Each host holds its own copy and its peer's (replicas=1).
+        names = sorted(os.listdir(tmp / "local" / f"host{host}" / "30"))
+        assert names == ["p0-of-2", "p0-of-2.manifest.json", "p1-of-2", "p1-of-2.manifest.json"]
+    return tmp
+
+
+@pytest.fixture
+def run_dir(saved, tmp_path):
+    """A fresh copy of the saved run, for a test to damage."""
+    shutil.copytree(saved, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_restore_from_own_disks_reads_nothing_elsewhere(run_dir) -> None:
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["peers"], stats["persistent"]) == (
+            30,
+            "local",
+            0,
+            0,
+        )
+        assert stats["local"] > 0
+
+
+def test_a_wiped_host_fetches_from_its_peer_and_reads_nothing_from_persistent(run_dir) -> None:
+    shutil.rmtree(run_dir / "local" / "host1")
+    first, second = _job(run_dir, "restore")
+    assert (first["step"], first["peers"], first["persistent"]) == (30, 0, 0)
+    assert (second["step"], second["local"], second["persistent"]) == (30, 0, 0)
+    assert second["peers"] > 0
+
+
+def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> None:
+    # Process 1 now runs on the host that was process 0's, whose disk was replaced.
+    shutil.rmtree(run_dir / "local" / "host0")
+    first, second = _job(run_dir, "restore", hosts="1,0")
+    assert (first["step"], first["tier"], first["peers"], first["persistent"]) == (
+        30,
+        "local",
+        0,
+        0,
+    )
+    assert (second["step"], second["tier"], second["persistent"]) == (30, "local", 0)
+    assert second["peers"] > 0
+
+
+def test_four_processes_in_a_ring_restore_a_wiped_host_from_its_buddy(tmp_path) -> None:
+    # Each process keeps the copy of the process before it: host 2's files are on host 3.
+    assert _job(tmp_path, "save", hosts="0,1,2,3", n=4)[0] == [20, 30]
+    assert sorted(os.listdir(tmp_path / "local" / "host3" / "30")) == [
+        "p2-of-4", "p2-of-4.manifest.json", "p3-of-4", "p3-of-4.manifest.json"]  # fmt: skip
+    shutil.rmtree(tmp_path / "local" / "host2")
+    stats = _job(tmp_path, "restore", hosts="0,1,2,3", n=4)
+    assert [(s["step"], s["tier"], s["persistent"]) for s in stats] == [(30, "local", 0)] * 4
+    assert [s["peers"] > 0 for s in stats] == [False, False, True, False]
+
+
+def test_a_host_that_does_not_answer_is_named_within_the_timeout(run_dir) -> None:
+    args = [str(run_dir / "persistent"), str(run_dir / "local"), "lonely", "0,1", "10,25"]
+    first, _ = run_job(BODY, args=args, timeout=60)  # Process 1 dies with the coordinator.
+    (line,) = [x for x in first.check().stdout.splitlines() if x.startswith("TIMEOUT ")]
+    timeout = json.loads(line[len("TIMEOUT ") :])
+    assert "processes [1] of [0, 1] did not answer" in timeout["message"]
+    assert timeout["secs"] < 15
+
+
+def test_with_every_local_copy_gone_the_newest_persistent_step_is_restored(run_dir) -> None:
+    shutil.rmtree(run_dir / "local")
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
+            25,
+            "persistent",
+            0,
+            0,
+        )
+
+
+def test_a_step_whose_only_copies_of_one_host_are_damaged_is_skipped(run_dir) -> None:
+    # Both copies of process 1's files of step 30 lose a bit: step 30 is incomplete.
+    from tests.core.training.local_tier.test_local_tier import flip_a_bit
+
+    for host in (0, 1):
+        flip_a_bit(run_dir / "local" / f"host{host}" / "30" / "p1-of-2")
+    for stats in _job(run_dir, "restore"):
+        assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
+            25,
+            "persistent",
+            0,
+            0,
+        )
+        assert stats["persistent"] > 0
+
+
+# Fault schedules over the saved run's files. Each schedule damages a fresh copy of the
+# run at random (hosts wiped, bits flipped, copies killed before their commit or while
+# being fetched, a persistent step lost, process ids permuted), then checks the restore
+# decision the hosts make from what they report against an oracle that compares every
+# surviving copy byte for byte with the pristine run: the step chosen is the newest one
+# whose every host's files survive intact somewhere (or the newest persistent step), and
+# each process reads an intact copy of the shards it needs.
+
+WRITERS = ("p0-of-2", "p1-of-2")
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+def _intact(run, pristine, host: int, step: int, writer: str) -> bool:
+    copy = run / "local" / f"host{host}" / str(step) / writer
+    manifest = copy.parent / f"{writer}.manifest.json"
+    original = pristine / "local" / f"host{WRITERS.index(writer)}" / str(step) / writer
+    return manifest.is_file() and copy.is_dir() and _files(copy) == _files(original)
+
+
+def _oracle(run, pristine) -> tuple[int, str]:
+    import checkpointables as cp
+
+    persistent = [s.step for s in cp.training.Checkpointer(run / "persistent").steps()]
+    local = [
+        step
+        for step in (20, 30)
+        if all(any(_intact(run, pristine, h, step, w) for h in (0, 1)) for w in WRITERS)
+    ]
+    newest_local = max(local, default=-1)
+    newest_persistent = max(persistent, default=-1)
+    if newest_local >= newest_persistent and newest_local >= 0:
+        return newest_local, "local"
+    return newest_persistent, "persistent"
+
+
+def _damage(run, rng) -> None:
+    hosts = [run / "local" / f"host{h}" for h in (0, 1)]
+    copies = [h / str(s) / w for h in hosts for s in (20, 30) for w in WRITERS]
+    for _ in range(rng.randint(0, 3)):  # Bit flips in the files of random copies.
+        victim = rng.choice(copies)
+        if victim.is_dir():
+            files = sorted(p for p in victim.rglob("*") if p.is_file() and p.stat().st_size)
+            target = rng.choice(files)
+            data = bytearray(target.read_bytes())
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            target.write_bytes(bytes(data))
+    if rng.random() < 0.25:  # Killed after writing a copy, before its manifest.
+        victim = rng.choice(copies)
+        (victim.parent / f"{victim.name}.manifest.json").unlink(missing_ok=True)
+    if rng.random() < 0.25:  # Killed mid-copy: a truncated file.
+        victim = rng.choice(copies)
+        if victim.is_dir():
+            target = rng.choice(sorted(p for p in victim.rglob("*") if p.is_file()))
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    if rng.random() < 0.2:  # Killed while fetching: a staging directory of a later step.
+        staging = rng.choice(hosts) / "40" / "p1-of-2.fetching-99-1"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "partial").write_bytes(b"x")
+    if rng.random() < 0.15:  # The newest persistent step lost.
+        shutil.rmtree(run / "persistent" / "25", ignore_errors=True)
+    for host in hosts:  # A host replaced (its disk wiped), or all of them.
+        if rng.random() < 0.2:
+            shutil.rmtree(host, ignore_errors=True)
+
+
+def _decide(run, permutation) -> tuple[int, str, dict[int, str]]:
+    """What the processes decide by ``_restore``'s rule, each host serving its directory
+    over HTTP as in a job; and the copy each process then holds on its own disk."""
+    import checkpointables as cp
+    from checkpointables.training.local_tier import _restore, _transport
+    from checkpointables.training.local_tier._store import Store
+
+    stores = {p: Store(str(run / "local" / f"host{permutation[p]}")) for p in (0, 1)}
+    for store in stores.values():
+        os.makedirs(store.directory, exist_ok=True)
+    servers = {p: _transport.FileServer(stores[p].directory, "127.0.0.1") for p in (0, 1)}
+    try:
+        copies = {p: {s: store.copies(s) for s in store.steps()} for p, store in stores.items()}
+        inventory = _restore.Inventory({p: servers[p].address for p in (0, 1)}, copies)
+        persistent = cp.training.Checkpointer(run / "persistent").steps()
+        for candidate in _restore.candidates(inventory, persistent, None):
+            if candidate.tier == "persistent":
+                return candidate.step, "persistent", {}
+            holders = inventory.holders(candidate.step)
+            read = {}
+            for process in (0, 1):
+                own = next(m for _, m in holders[WRITERS[process]])
+                needed = {k: set(v) for k, v in own.held.items()}
+                choices = _restore.options(holders, process, 2, needed)
+                with contextlib.suppress(_transport.FetchError):
+                    read[process] = _restore.obtain(
+                        stores[process], inventory, choices, process, 10
+                    ).path
+            if len(read) == 2:
+                return candidate.step, "local", read
+        return -1, "none", {}
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+@pytest.mark.parametrize(
+    "seeds",
+    [
+        pytest.param(range(0, 200), id="200 schedules"),
+        pytest.param(
+            range(200, 1200),
+            id="1000 more",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    not os.environ.get("CHECKPOINTABLES_MORE_SCHEDULES"),
+                    reason="set CHECKPOINTABLES_MORE_SCHEDULES=1 for 1000 more schedules",
+                ),
+            ],
+        ),
+    ],
+)
+def test_random_fault_schedules_restore_the_newest_intact_step(saved, tmp_path, seeds) -> None:
+    import random
+
+    for seed in seeds:
+        rng = random.Random(seed)
+        run = tmp_path / f"run{seed}"
+        shutil.copytree(saved, run)
+        _damage(run, rng)
+        permutation = rng.choice([(0, 1), (1, 0)])
+        expected = _oracle(run, saved)
+        step, tier, reads = _decide(run, permutation)
+        assert (step, tier) == expected, f"schedule {seed}"
+        for process, path in reads.items():
+            # Each process holds, on its own disk, an intact copy of its own shards.
+            original = saved / "local" / f"host{process}" / str(step) / WRITERS[process]
+            assert os.path.basename(path) == WRITERS[process], f"schedule {seed}"
+            assert _files(Path(path)) == _files(original), f"schedule {seed}"
+        shutil.rmtree(run)
+
+
+# Real faults: a training job saving every few steps is SIGKILLed at a random moment (in a
+# local save, a replication or a persistent save), then every other process is killed as
+# the job restarts; a host may be wiped and a bit flipped; the job restarts with its
+# process ids maybe permuted. The restore must pick the newest complete intact step (the
+# oracle reads the files with its own checksum code) and the values it restores must be
+# that step's, bit for bit (checked in the job); no process may hang.
+
+
+def _copy_intact(copy) -> bool:
+    import crc32c
+
+    manifest_file = copy.parent / f"{copy.name}.manifest.json"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError):
+        return False
+    for relative, (size, crc) in manifest["files"].items():
+        path = copy / relative
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        if crc32c.crc32c(path.read_bytes()) != crc:
+            return False
+    return True
+
+
+def _real_oracle(run) -> int:
+    import checkpointables as cp
+
+    local = run / "local"
+    steps = {int(s.name) for h in local.glob("host*") for s in h.iterdir() if s.name.isdigit()}
+    complete = [
+        step
+        for step in steps
+        if all(any(_copy_intact(h / str(step) / w) for h in local.glob("host*")) for w in WRITERS)
+    ]
+    persistent = [s.step for s in cp.training.Checkpointer(run / "persistent").steps()]
+    return max(complete + persistent, default=-1)
+
+
+def _killer(run, rng):
+    import signal
+    import time
+
+    def kill(procs) -> None:
+        threshold, deadline = rng.randint(2, 20), time.monotonic() + 90
+        while time.monotonic() < deadline:
+            done = [(run / "local" / f"progress{p}") for p in range(len(procs))]
+            if all(f.is_file() and int(f.read_text() or 0) >= threshold for f in done):
+                break
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.4))
+        procs[rng.randrange(len(procs))].send_signal(signal.SIGKILL)
+        time.sleep(rng.uniform(0, 0.3))
+        for proc in procs:  # A lost process ends the job: all restart.
+            proc.kill()
+
+    return kill
+
+
+def _schedule(tmp_path, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    run = tmp_path / f"killed{seed}"
+    (run / "local").mkdir(parents=True)
+    args = [str(run / "persistent"), str(run / "local"), "train", "0,1", "3,7"]
+    run_job(BODY, args=args, timeout=120, on_started=_killer(run, rng))
+    hosts = sorted((run / "local").glob("host*"))
+    if rng.random() < 0.3:
+        shutil.rmtree(rng.choice(hosts))
+    if rng.random() < 0.5:
+        files = sorted(
+            p for h in hosts for p in h.rglob("*") if p.is_file() and "manifest" not in p.name
+        )
+        if files:
+            victim = rng.choice(files)
+            data = bytearray(victim.read_bytes())
+            if data:
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                victim.write_bytes(bytes(data))
+    expected = _real_oracle(run)
+    permutation = rng.choice(["0,1", "1,0"])
+    restore = [str(run / "persistent"), str(run / "local"), "restore", permutation, "3,7"]
+    results = _tagged(run_job(BODY, args=restore, timeout=150), "STATS")
+    assert [r["step"] for r in results] == [expected, expected], f"schedule {seed}"
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(1, id="schedule 1"),
+        *(
+            pytest.param(
+                seed,
+                id=f"schedule {seed}",
+                marks=[
+                    pytest.mark.slow,
+                    pytest.mark.skipif(
+                        not os.environ.get("CHECKPOINTABLES_MORE_SCHEDULES"),
+                        reason="set CHECKPOINTABLES_MORE_SCHEDULES=1 for more killed jobs",
+                    ),
+                ],
+            )
+            for seed in range(2, 22)
+        ),
+    ],
+)
+def test_a_job_killed_at_a_random_moment_restores_the_newest_complete_step(tmp_path, seed) -> None:
+    _schedule(tmp_path, seed)
