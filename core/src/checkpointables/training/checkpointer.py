@@ -147,18 +147,7 @@ class Checkpointer:
         self._name_format = checked(
             "step_name_format", step_name_format, standard_name_format, StepNameFormat
         )
-        keep = checked(
-            "preservation_policy",
-            preservation_policy,
-            preservation_lib.PreserveAll,
-            preservation_lib.PreservationPolicy,
-        )
-        decide = checked(
-            "save_decision_policy",
-            save_decision_policy,
-            decision_lib.default_policy,
-            decision_lib.SaveDecisionPolicy,
-        )
+        keep, decide = _checked_policies(preservation_policy, save_decision_policy)
         if context is not None:
             checked("context", context, Context, Context)
         self._ambient = _context.active()
@@ -525,3 +514,23 @@ class Checkpointer:
     save_async = save_pytree_async
     load = load_pytree
     load_async = load_pytree_async
+
+
+def _checked_policies(
+    preservation_policy: preservation_lib.PreservationPolicy | None,
+    save_decision_policy: decision_lib.SaveDecisionPolicy | None,
+) -> tuple[preservation_lib.PreservationPolicy, decision_lib.SaveDecisionPolicy]:
+    """The Checkpointer's two policies, defaults filled in, each of the right kind."""
+    keep = checked(
+        "preservation_policy",
+        preservation_policy,
+        preservation_lib.PreserveAll,
+        preservation_lib.PreservationPolicy,
+    )
+    decide = checked(
+        "save_decision_policy",
+        save_decision_policy,
+        decision_lib.default_policy,
+        decision_lib.SaveDecisionPolicy,
+    )
+    return keep, decide
