@@ -82,7 +82,10 @@ class SaveSession:
             context=context,
             caller_waits=caller_waits(),
             writer=Writer(
-                directory, structure_cache, fast_path=context.array_options.ocdbt_fast_path
+                directory,
+                structure_cache,
+                fast_path=context.array_options.ocdbt_fast_path,
+                host_bytes=context.memory_options.host_bytes,
             ),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
@@ -212,6 +215,7 @@ class LoadSession:
             # must agree with the arrays' own zarr.json.
             cross_check=not tree.checksum_recorded,
             fast_path=context.array_options.ocdbt_fast_path,
+            host_bytes=context.memory_options.host_bytes,
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived

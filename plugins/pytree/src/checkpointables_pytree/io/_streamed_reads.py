@@ -1,0 +1,161 @@
+"""Loads under a host-memory budget (``cp.options.MemoryOptions``): arrays read piece by piece.
+
+A large array is never whole on the host: each region its devices need is cut
+into pieces of at most ``piece_bytes`` (along the stored chunk grid where it
+can), each piece is read by TensorStore's zarr3 driver (which checks its
+CRC-32C) and handed at once to the read's ``PieceSink``, which puts it on the
+devices (into a buffer there) and says when the host copy may go. A
+``ByteLimiter`` of the budget bounds the pieces in flight. Small arrays are
+read by the reader's usual paths, a window of them at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from checkpointables_pytree import storage
+from checkpointables_pytree.io._array_reads import (
+    ArrayRead,
+    Region,
+    check_against_metadata,
+    check_shape,
+    read_region,
+    region_shape,
+    regions_of,
+)
+from checkpointables_pytree.storage import ByteLimiter, settle
+
+__all__ = ["PieceSink", "piece_bytes", "window_bytes", "pieces", "stream", "in_windows"]
+
+
+@runtime_checkable
+class PieceSink(Protocol):
+    """Where the pieces of one streamed read go (made by a ``ReadTarget``'s ``sink``)."""
+
+    def put(self, n: int, offset: tuple[int, ...], data: np.ndarray) -> Any:
+        """Places ``data`` at ``offset`` in region ``n``; returns what to wait for before the
+        host copy may be freed (``jax.block_until_ready`` of it), or ``None``."""
+
+    def finish(self) -> Any:
+        """The leaf, once every piece was put."""
+
+
+SinkFactory = Callable[[list[Region], np.dtype], PieceSink]
+
+
+def piece_bytes(host_bytes: int) -> int:
+    """The largest piece of an array moved at once under a budget of ``host_bytes``: an
+    eighth (the driver may hold the chunks a piece touches besides the piece itself,
+    and several pieces are in flight)."""
+    return max(1 << 20, host_bytes // 8)
+
+
+def window_bytes(host_bytes: int) -> int:
+    """Bytes of small arrays read (and converted) together under a budget: a quarter (a
+    resharded array is held up to three times while it is converted)."""
+    return max(1 << 20, host_bytes // 4)
+
+
+def in_windows(reads: Sequence[ArrayRead], window: int) -> Iterator[list[ArrayRead]]:
+    """``reads`` in runs of about ``window`` stored bytes (one larger read alone)."""
+    batch: list[ArrayRead] = []
+    used = 0
+    for read in reads:
+        nbytes = read.stored.nbytes if read.stored is not None else window
+        if batch and used + nbytes > window:
+            yield batch
+            batch, used = [], 0
+        batch.append(read)
+        used += nbytes
+    if batch:
+        yield batch
+
+
+def _piece_shape(
+    region: Region, chunk_shape: Sequence[int], itemsize: int, most: int
+) -> list[int]:
+    """The shape pieces of ``region`` take: the region, shortened along its first axes until
+    a piece is at most ``most`` bytes, in whole chunks where a chunk fits."""
+    shape = list(region_shape(region))
+    for d in range(len(shape)):
+        nbytes = math.prod(shape) * itemsize
+        if nbytes <= most:
+            break
+        unit = nbytes // shape[d]  # Bytes of one index along axis d.
+        rows = most // unit
+        if rows >= 1:
+            chunk = int(chunk_shape[d]) if d < len(chunk_shape) else 1
+            shape[d] = rows // chunk * chunk if rows >= chunk else rows
+            break
+        shape[d] = 1
+    return shape
+
+
+def pieces(
+    region: Region, chunk_shape: Sequence[int], itemsize: int, most: int
+) -> Iterator[Region]:
+    """The pieces of ``region`` (each at most ``most`` bytes unless one element is more), in
+    C order."""
+    step = _piece_shape(region, chunk_shape, itemsize, most)
+    ranges = [range(r.start, r.stop, s) for r, s in zip(region, step, strict=True)]
+
+    def build(d: int, prefix: tuple[slice, ...]) -> Iterator[Region]:
+        if d == len(region):
+            yield prefix
+            return
+        for start in ranges[d]:
+            stop = min(start + step[d], region[d].stop)
+            yield from build(d + 1, (*prefix, slice(start, stop)))
+
+    yield from build(0, ())
+
+
+async def stream(
+    read: ArrayRead,
+    spec: dict[str, Any],
+    context: ts.Context,
+    limiter: ByteLimiter,
+    most: int,
+) -> None:
+    """Reads ``read`` piece by piece into its sink, at most ``limiter``'s bytes in flight."""
+    try:
+        store = await ts.open({**spec, "fill_missing_data_reads": False}, context=context, open=True)
+    except ValueError as e:
+        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
+    stored_shape = tuple(int(s) for s in store.shape)
+    dtype = store.dtype.numpy_dtype
+    check_against_metadata(read, stored_shape, dtype)
+    regions = regions_of(read, check_shape(read, stored_shape))
+    chunk_shape = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+    assert read.sink is not None
+    sink: PieceSink = read.sink(regions, dtype)
+
+    async def one(n: int, piece: Region) -> None:
+        nbytes = math.prod(region_shape(piece)) * dtype.itemsize
+        # Twice the piece: the driver decodes the chunks it touches besides the copy it returns.
+        async with limiter.hold(2 * nbytes):
+            data = await read_region(read, store, piece, stored_shape)
+            offset = tuple(p.start - r.start for p, r in zip(piece, regions[n], strict=True))
+            pending = sink.put(n, offset, data)
+            del data
+            if pending is not None:  # The device holds its own copy before this one goes.
+                await asyncio.to_thread(jax.block_until_ready, pending)
+
+    tasks = [
+        asyncio.ensure_future(one(n, piece))
+        for n, region in enumerate(regions)
+        for piece in pieces(region, chunk_shape, dtype.itemsize, most)
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        await settle(tasks)
+        raise
+    read.result = sink.finish()

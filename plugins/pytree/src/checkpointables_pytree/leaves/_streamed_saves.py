@@ -1,0 +1,97 @@
+"""How a ``jax.Array`` is saved under a host-memory budget: chunks fetched one at a time.
+
+Each shard this process writes is cut into zarr3 chunks of at most a piece
+of the budget (the chunk shape divides the shard shape, so no chunk spans two
+shards); each chunk is a ``ChunkSource`` that slices the shard on its device
+and copies the slice to the host only when the writer gets to it.
+
+What a call holds until the writes end: on CPU devices the shards' buffers
+(a NumPy view keeps each alive after ``delete()`` or donation: no copy); on
+accelerators a synchronous save holds nothing more, an asynchronous one a copy
+of each shard in device memory, made before it returns (so the caller may
+delete or donate its arrays), streamed to storage in the background.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpointables_pytree import io, zarr3
+from checkpointables_pytree.leaves._common import choose_inner_chunk_shape
+from checkpointables_pytree.leaves._session import SaveSession
+
+__all__ = ["Plan", "plan"]
+
+
+@attrs.frozen
+class Plan:
+    """The chunk shape of a streamed array and the chunks this process writes."""
+
+    chunk_shape: tuple[int, ...]
+    sources: list[io.ChunkSource]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _slice(data: jax.Array, starts: tuple[jax.Array, ...], sizes: tuple[int, ...]) -> jax.Array:
+    """A block of ``data`` on its device (compiled once per block shape, not per offset)."""
+    return jax.lax.dynamic_slice(data, starts, sizes)
+
+
+def _fetch(data: Any, starts: tuple[int, ...], sizes: tuple[int, ...], dtype: np.dtype) -> Any:
+    """The block at ``starts`` of a shard, on the host, in ``dtype``."""
+    if isinstance(data, np.ndarray):  # A view of a CPU device's buffer: no copy.
+        host = data[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))]
+    elif tuple(data.shape) == sizes:
+        host = np.asarray(data)
+    else:
+        host = np.asarray(_slice(data, tuple(np.int32(s) for s in starts), sizes))
+    return host if host.dtype == dtype else host.astype(dtype)
+
+
+def _kept(data: jax.Array, caller_waits: bool) -> Any:
+    """What a chunk is fetched from: see the module's docstring."""
+    if next(iter(data.devices())).platform == "cpu":
+        return np.asarray(data)
+    return data if caller_waits else jnp.copy(data)
+
+
+def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in array.sharding.shard_shape(array.shape))
+    except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
+        return tuple(
+            max(int(s.data.shape[d]) for s in array.addressable_shards)
+            for d in range(array.ndim)
+        )
+
+
+def plan(
+    array: jax.Array, dtype: np.dtype, session: SaveSession, most: int, *, primary_lacks: bool
+) -> Plan:
+    """The chunks of ``array`` this process writes, each at most ``most`` bytes."""
+    shape = tuple(int(s) for s in array.shape)
+    if math.prod(shape) == 0:
+        return Plan(zarr3.default_chunk_shape(shape), [])
+    shards = io.shards_to_write(array, session.context, primary_lacks=primary_lacks)
+    chunk = choose_inner_chunk_shape(_shard_shape(array, shards), dtype.itemsize, most)
+    sources = []
+    for shard in shards:
+        data = _kept(shard.data, session.caller_waits)
+        starts = [(s.indices(d)[0]) for s, d in zip(shard.index, shape, strict=True)]
+        extent = [int(n) for n in shard.data.shape]
+        steps = [range(0, e, c) for e, c in zip(extent, chunk, strict=True)]
+        for local in itertools.product(*steps):
+            sizes = tuple(min(c, e - o) for c, e, o in zip(chunk, extent, local, strict=True))
+            index = tuple((s + o) // c for s, o, c in zip(starts, local, chunk, strict=True))
+            fetch = functools.partial(_fetch, data, tuple(local), sizes, dtype)
+            sources.append(io.ChunkSource(index, math.prod(sizes) * dtype.itemsize, fetch))
+    return Plan(chunk, sources)
