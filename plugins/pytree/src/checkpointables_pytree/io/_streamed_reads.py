@@ -12,6 +12,7 @@ read by the reader's usual paths, a window of them at a time.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -98,23 +99,42 @@ def _piece_shape(
     return shape
 
 
+def _tiles(region: Region, step: Sequence[int], grid: Sequence[int]) -> Iterator[Region]:
+    """``region`` cut at the multiples of ``grid`` (absolute), each cell in tiles of ``step``."""
+
+    def cuts(r: slice, s: int, g: int) -> list[slice]:
+        out = []
+        start = r.start
+        while start < r.stop:
+            cell_end = min(r.stop, (start // g + 1) * g)
+            while start < cell_end:
+                out.append(slice(start, min(start + s, cell_end)))
+                start = out[-1].stop
+        return out
+
+    per_axis = [cuts(r, s, g) for r, s, g in zip(region, step, grid, strict=True)]
+    yield from itertools.product(*per_axis)
+
+
 def pieces(
     region: Region, chunk_shape: Sequence[int], itemsize: int, most: int
 ) -> Iterator[Region]:
-    """The pieces of ``region`` (each at most ``most`` bytes unless one element is more), in
-    C order."""
-    step = _piece_shape(region, chunk_shape, itemsize, most)
-    ranges = [range(r.start, r.stop, s) for r, s in zip(region, step, strict=True)]
+    """The pieces of ``region``: its parts in each stored chunk, a part larger than ``most``
+    bytes cut along its first axes (each piece then touches one chunk), in C order."""
+    if not region:
+        yield region
+        return
+    grid = [max(1, int(c)) for c in chunk_shape]
+    cell = tuple(slice(0, min(g, r.stop - r.start)) for g, r in zip(grid, region, strict=True))
+    step = _piece_shape(cell, [1] * len(grid), itemsize, most)
+    yield from _tiles(region, step, grid)
 
-    def build(d: int, prefix: tuple[slice, ...]) -> Iterator[Region]:
-        if d == len(region):
-            yield prefix
-            return
-        for start in ranges[d]:
-            stop = min(start + step[d], region[d].stop)
-            yield from build(d + 1, (*prefix, slice(start, stop)))
 
-    yield from build(0, ())
+def _settle_piece(pending: Any) -> None:
+    """Waits until the device holds a piece, then frees the host's memory of it."""
+    if pending is not None:
+        jax.block_until_ready(pending)
+    storage.give_back_free_memory()
 
 
 async def stream(
@@ -145,8 +165,8 @@ async def stream(
             offset = tuple(p.start - r.start for p, r in zip(piece, regions[n], strict=True))
             pending = sink.put(n, offset, data)
             del data
-            if pending is not None:  # The device holds its own copy before this one goes.
-                await asyncio.to_thread(jax.block_until_ready, pending)
+            # The device holds its own copy before this one goes.
+            await asyncio.to_thread(_settle_piece, pending)
 
     tasks = [
         asyncio.ensure_future(one(n, piece))

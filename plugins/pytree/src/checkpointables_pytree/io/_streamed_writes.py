@@ -68,6 +68,7 @@ async def write_streamed(
                 target = store if data.shape == item.layout.shape else store[region]
                 await target.write(data)
                 del data
+                await asyncio.to_thread(storage.give_back_free_memory)
             finally:
                 held[0] -= source.nbytes
 

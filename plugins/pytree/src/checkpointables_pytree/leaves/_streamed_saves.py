@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpointables_pytree import io, zarr3
-from checkpointables_pytree.leaves._common import choose_inner_chunk_shape
 from checkpointables_pytree.leaves._session import SaveSession
 
 __all__ = ["Plan", "plan"]
@@ -74,6 +73,31 @@ def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
         )
 
 
+def _divisor_at_most(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most`` (at least 1)."""
+    if most >= n:
+        return n
+    for k in range(-(-n // max(most, 1)), n + 1):
+        if n % k == 0:
+            return n // k
+    return 1
+
+
+def chunk_shape_within(shard_shape: Sequence[int], itemsize: int, most: int) -> tuple[int, ...]:
+    """The chunk shape of a streamed array: the shard's, cut along its first axes (each
+    chunk a contiguous block of the shard) to divisors of its dimensions until a chunk is at
+    most ``most`` bytes (one element at least)."""
+    chunk = [int(s) for s in shard_shape]
+    for d in range(len(chunk)):
+        unit = math.prod(chunk[d + 1 :]) * itemsize  # Bytes of one index along axis d.
+        if chunk[d] * unit <= most:
+            break
+        chunk[d] = _divisor_at_most(chunk[d], most // unit) if unit <= most else 1
+        if unit <= most:
+            break
+    return tuple(chunk)
+
+
 def plan(
     array: jax.Array, dtype: np.dtype, session: SaveSession, most: int, *, primary_lacks: bool
 ) -> Plan:
@@ -82,7 +106,7 @@ def plan(
     if math.prod(shape) == 0:
         return Plan(zarr3.default_chunk_shape(shape), [])
     shards = io.shards_to_write(array, session.context, primary_lacks=primary_lacks)
-    chunk = choose_inner_chunk_shape(_shard_shape(array, shards), dtype.itemsize, most)
+    chunk = chunk_shape_within(_shard_shape(array, shards), dtype.itemsize, most)
     sources = []
     for shard in shards:
         data = _kept(shard.data, session.caller_waits)
