@@ -15,13 +15,15 @@ import os
 import checkpointables as cp
 import numpy as np
 import pytest
+from checkpointables_pytree.io import pieces
+from checkpointables_pytree.leaves import chunk_shape_within
 
 from tests.python_subprocess import run_python
 
 BUDGET = 64 << 20
 STATE = 512 << 20
 # Beyond the budget: XLA compiling the in-place updates, TensorStore's threads, the allocator.
-SLACK = 96 << 20
+SLACK = 64 << 20
 
 CHILD = """
 import gc, json, os, sys, time
@@ -59,7 +61,8 @@ report = {}
 with cp.Context(memory_options=options):
     small = {"w": jax.device_put(host[:64], saved)}  # Warm-up: imports, thread pools, compiles.
     cp.save_pytree(os.path.join(root, "warm"), small)
-    cp.load_pytree(os.path.join(root, "warm"), {"w": jax.ShapeDtypeStruct((64, cols), np.float32, sharding=wanted)})
+    warm = {"w": jax.ShapeDtypeStruct((64, cols), np.float32, sharding=wanted)}
+    cp.load_pytree(os.path.join(root, "warm"), warm)
     path = os.path.join(root, "ckpt")
     _, report["save"] = measured(lambda: cp.save_pytree(path, tree), 0)
     _, report["save_async"] = measured(
@@ -104,20 +107,19 @@ def test_without_a_budget_the_resharded_load_stages_more(tmp_path) -> None:
 
 
 def test_streamed_pieces_and_chunks_cover_exactly() -> None:
-    from checkpointables_pytree.io import _streamed_reads
-    from checkpointables_pytree.leaves import _streamed_saves
-
-    assert _streamed_saves.chunk_shape_within((128, 131072), 4, 8 << 20) == (16, 131072)
+    assert chunk_shape_within((128, 131072), 4, 8 << 20) == (16, 131072)
     # 3,000,001 = 853 * 3517: the largest divisor within 1 MiB of float32.
-    assert _streamed_saves.chunk_shape_within((7, 3_000_001), 4, 1 << 20) == (1, 3517)
-    assert _streamed_saves.chunk_shape_within((10, 10), 4, 1 << 20) == (10, 10)
+    assert chunk_shape_within((7, 3_000_001), 4, 1 << 20) == (1, 3517)
+    assert chunk_shape_within((10, 10), 4, 1 << 20) == (10, 10)
     region = (slice(100, 612), slice(3, 4000))
     covered = np.zeros((612, 4000), np.int32)
-    for piece in _streamed_reads.pieces(region, (64, 1000), 4, 64 << 10):
+    for piece in pieces(region, (64, 1000), 4, 64 << 10):
         shape = [s.stop - s.start for s in piece]
         assert np.prod(shape) * 4 <= 64 << 10
         # Each piece lies in one stored chunk.
-        assert all(s.start // c == (s.stop - 1) // c for s, c in zip(piece, (64, 1000)))
+        assert all(
+            s.start // c == (s.stop - 1) // c for s, c in zip(piece, (64, 1000), strict=True)
+        )
         covered[piece] += 1
     assert (covered[100:612, 3:4000] == 1).all() and covered.sum() == 512 * 3997
 

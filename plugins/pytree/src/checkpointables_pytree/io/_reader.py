@@ -171,7 +171,8 @@ class Reader:
         """Reads under a budget: large arrays streamed piece by piece onto their devices, one
         array at a time; the others a window at a time."""
         most = _streamed_reads.piece_bytes(host_bytes)
-        streamed, rest = [], []
+        streamed: list[ArrayRead] = []
+        rest: list[ArrayRead] = []
         for read in self._reads:
             large = read.stored is None or read.stored.nbytes > most
             (streamed if read.sink is not None and large else rest).append(read)

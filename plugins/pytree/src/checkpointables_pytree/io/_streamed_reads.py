@@ -35,6 +35,10 @@ from checkpointables_pytree.storage import ByteLimiter, settle
 
 __all__ = ["PieceSink", "piece_bytes", "window_bytes", "pieces", "stream", "in_windows"]
 
+# A piece is held up to three times while read: the stored value, the decoded chunk, the copy
+# the driver returns.
+_COPIES = 3
+
 
 @runtime_checkable
 class PieceSink(Protocol):
@@ -79,9 +83,7 @@ def in_windows(reads: Sequence[ArrayRead], window: int) -> Iterator[list[ArrayRe
         yield batch
 
 
-def _piece_shape(
-    region: Region, chunk_shape: Sequence[int], itemsize: int, most: int
-) -> list[int]:
+def _piece_shape(region: Region, chunk_shape: Sequence[int], itemsize: int, most: int) -> list[int]:
     """The shape pieces of ``region`` take: the region, shortened along its first axes until
     a piece is at most ``most`` bytes, in whole chunks where a chunk fits."""
     shape = list(region_shape(region))
@@ -146,21 +148,23 @@ async def stream(
 ) -> None:
     """Reads ``read`` piece by piece into its sink, at most ``limiter``'s bytes in flight."""
     try:
-        store = await ts.open({**spec, "fill_missing_data_reads": False}, context=context, open=True)
+        store = await ts.open(
+            {**spec, "fill_missing_data_reads": False}, context=context, open=True
+        )
     except ValueError as e:
         raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
     stored_shape = tuple(int(s) for s in store.shape)
     dtype = store.dtype.numpy_dtype
     check_against_metadata(read, stored_shape, dtype)
     regions = regions_of(read, check_shape(read, stored_shape))
-    chunk_shape = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+    read_chunk = store.chunk_layout.read_chunk.shape or stored_shape
+    chunk_shape = tuple(int(c or 1) for c in read_chunk)
     assert read.sink is not None
     sink: PieceSink = read.sink(regions, dtype)
 
     async def one(n: int, piece: Region) -> None:
         nbytes = math.prod(region_shape(piece)) * dtype.itemsize
-        # Twice the piece: the driver decodes the chunks it touches besides the copy it returns.
-        async with limiter.hold(2 * nbytes):
+        async with limiter.hold(_COPIES * nbytes):
             data = await read_region(read, store, piece, stored_shape)
             offset = tuple(p.start - r.start for p, r in zip(piece, regions[n], strict=True))
             pending = sink.put(n, offset, data)

@@ -57,9 +57,11 @@ from checkpointables_pytree.leaves._session import (
     SaveSession,
     write_text,
 )
+from checkpointables_pytree.leaves._streamed_saves import chunk_shape_within
 from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
 
 __all__ = [
+    "chunk_shape_within",
     "ArrayOptions",
     "FAST_PATH_ENVIRONMENT_VARIABLE",
     "ArrayStorageOptions",

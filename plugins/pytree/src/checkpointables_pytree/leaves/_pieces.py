@@ -3,13 +3,17 @@
 ``io``'s streamed reads hand each piece of a large array to a ``PieceSink`` as
 soon as it is read: ``DeviceSink`` puts it on the devices that hold its region
 (into a buffer there, updated in place: the old buffer is donated), so the
-host holds a piece, never the array; ``HostSink`` copies it into the NumPy
-array being loaded (which is the result, not staging).
+host holds a piece, never the array. On CPU devices, whose memory is the
+host's, it copies the piece into the region's own aligned buffer instead,
+which ``jax.device_put`` then takes over without a copy (nothing compiled, no
+second copy). ``HostSink`` copies it into the NumPy array being loaded (the
+result, not staging).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpointables_pytree import storage
 from checkpointables_pytree.io import Region
 
 __all__ = ["DeviceSink", "HostSink"]
@@ -58,8 +63,17 @@ class DeviceSink:
             position = {_key(r): n for n, r in enumerate(regions)}
             self._devices = [[] for _ in regions]
             for device, index in sharding.addressable_devices_indices_map(shape).items():
-                self._devices[position[_key(_normalize(tuple(index), shape))]].append(device)
+                region = _normalize(tuple(index or ()), shape)
+                self._devices[position[_key(region)]].append(device)
         self._buffers: list[dict[Any, jax.Array]] = [{} for _ in regions]
+        # On CPU devices: one host buffer per region, handed to the devices at the end.
+        self._host: list[np.ndarray | None] | None = None
+        if all(
+            (d.platform if d is not None else jax.default_backend()) == "cpu"
+            for devices in self._devices
+            for d in devices
+        ):
+            self._host = [None] * len(regions)
 
     @classmethod
     def maker(
@@ -74,6 +88,9 @@ class DeviceSink:
         if data.dtype != self._dtype:
             data = data.astype(self._dtype)
         shape = tuple(s.stop - s.start for s in self._regions[n])
+        if self._host is not None:
+            self._into_host(n, shape, offset, data)
+            return []
         buffers = self._buffers[n]
         placed = []
         for device in self._devices[n]:
@@ -88,8 +105,23 @@ class DeviceSink:
             buffers[device] = _update(buffer, piece, *offset)
         return placed
 
+    def _into_host(
+        self, n: int, shape: tuple[int, ...], offset: tuple[int, ...], data: np.ndarray
+    ) -> None:
+        assert self._host is not None
+        buffer = self._host[n]
+        if buffer is None:
+            nbytes = math.prod(shape) * self._dtype.itemsize
+            buffer = storage.aligned_empty(nbytes).view(self._dtype).reshape(shape)
+            self._host[n] = buffer
+        buffer[tuple(slice(o, o + s) for o, s in zip(offset, data.shape, strict=True))] = data
+
     def finish(self) -> jax.Array:
         """The array, from every region's buffers."""
+        if self._host is not None:
+            for n, devices in enumerate(self._devices):
+                for device in devices:  # Aligned host memory: the CPU device takes it as is.
+                    self._buffers[n][device] = jax.device_put(self._host[n], device)
         if self._sharding is None or self._shape is None:
             return self._buffers[0][None]
         arrays = [

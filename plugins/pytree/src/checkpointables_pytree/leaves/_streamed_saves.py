@@ -68,8 +68,7 @@ def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
         return tuple(int(s) for s in array.sharding.shard_shape(array.shape))
     except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
         return tuple(
-            max(int(s.data.shape[d]) for s in array.addressable_shards)
-            for d in range(array.ndim)
+            max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(array.ndim)
         )
 
 
