@@ -111,6 +111,9 @@ def test_streamed_pieces_and_chunks_cover_exactly() -> None:
     # 3,000,001 = 853 * 3517: the largest divisor within 1 MiB of float32.
     assert chunk_shape_within((7, 3_000_001), 4, 1 << 20) == (1, 3517)
     assert chunk_shape_within((10, 10), 4, 1 << 20) == (10, 10)
+    # A prime length: chunks of the most that fit where one shard spans the axis, else 1.
+    assert chunk_shape_within((1_000_003,), 4, 1 << 20, whole_axes=[0]) == (262144,)
+    assert chunk_shape_within((1_000_003,), 4, 1 << 20) == (1,)
     region = (slice(100, 612), slice(3, 4000))
     covered = np.zeros((612, 4000), np.int32)
     for piece in pieces(region, (64, 1000), 4, 64 << 10):

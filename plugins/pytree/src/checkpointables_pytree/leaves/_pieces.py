@@ -52,7 +52,11 @@ class DeviceSink:
         sharding: jax.sharding.Sharding | None,
         regions: list[Region],
         stored_dtype: np.dtype,
+        *,
+        on_host: bool | None = None,
     ) -> None:
+        """``on_host``: build the regions in host buffers (``None``: when every device is a
+        CPU; ``False`` updates buffers on the devices, as on accelerators)."""
         self._dtype = np.dtype(dtype) if dtype is not None else stored_dtype
         self._sharding = sharding
         self._regions = regions
@@ -68,11 +72,13 @@ class DeviceSink:
         self._buffers: list[dict[Any, jax.Array]] = [{} for _ in regions]
         # On CPU devices: one host buffer per region, handed to the devices at the end.
         self._host: list[np.ndarray | None] | None = None
-        if all(
+        if on_host is None:
+            on_host = all(
             (d.platform if d is not None else jax.default_backend()) == "cpu"
             for devices in self._devices
             for d in devices
-        ):
+            )
+        if on_host:
             self._host = [None] * len(regions)
 
     @classmethod

@@ -28,7 +28,7 @@ import numpy as np
 from checkpointables_pytree import io, zarr3
 from checkpointables_pytree.leaves._session import SaveSession
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "chunk_shape_within", "streamed_host_block"]
 
 
 @attrs.frozen
@@ -45,7 +45,9 @@ def _slice(data: jax.Array, starts: tuple[jax.Array, ...], sizes: tuple[int, ...
     return jax.lax.dynamic_slice(data, starts, sizes)
 
 
-def _fetch(data: Any, starts: tuple[int, ...], sizes: tuple[int, ...], dtype: np.dtype) -> Any:
+def streamed_host_block(
+    data: Any, starts: tuple[int, ...], sizes: tuple[int, ...], dtype: np.dtype
+) -> Any:
     """The block at ``starts`` of a shard, on the host, in ``dtype``."""
     if isinstance(data, np.ndarray):  # A view of a CPU device's buffer: no copy.
         host = data[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))]
@@ -72,26 +74,34 @@ def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
         )
 
 
-def _divisor_at_most(n: int, most: int) -> int:
-    """The largest divisor of ``n`` that is at most ``most`` (at least 1)."""
+def _length_at_most(n: int, most: int, whole: bool) -> int:
+    """The chunk length along an axis of shard length ``n``: at most ``most`` (at least 1),
+    the largest divisor of ``n``; where the shard spans the whole axis (``whole``) and that
+    divisor is under half of ``most`` (``n`` prime...), ``most`` itself (the edge chunk is
+    then shorter: no chunk spans two shards either way)."""
     if most >= n:
         return n
-    for k in range(-(-n // max(most, 1)), n + 1):
+    most = max(most, 1)
+    for k in range(-(-n // most), n + 1):
         if n % k == 0:
-            return n // k
+            divisor = n // k
+            return most if whole and divisor * 2 < most else divisor
     return 1
 
 
-def chunk_shape_within(shard_shape: Sequence[int], itemsize: int, most: int) -> tuple[int, ...]:
+def chunk_shape_within(
+    shard_shape: Sequence[int], itemsize: int, most: int, whole_axes: Sequence[int] = ()
+) -> tuple[int, ...]:
     """The chunk shape of a streamed array: the shard's, cut along its first axes (each
-    chunk a contiguous block of the shard) to divisors of its dimensions until a chunk is at
-    most ``most`` bytes (one element at least)."""
+    chunk a contiguous block of the shard) until a chunk is at most ``most`` bytes (one
+    element at least). Lengths divide the shard's, except along ``whole_axes`` (where one
+    shard spans the array) when no divisor comes close."""
     chunk = [int(s) for s in shard_shape]
     for d in range(len(chunk)):
         unit = math.prod(chunk[d + 1 :]) * itemsize  # Bytes of one index along axis d.
         if chunk[d] * unit <= most:
             break
-        chunk[d] = _divisor_at_most(chunk[d], most // unit) if unit <= most else 1
+        chunk[d] = _length_at_most(chunk[d], most // unit, d in whole_axes) if unit <= most else 1
         if unit <= most:
             break
     return tuple(chunk)
@@ -105,7 +115,9 @@ def plan(
     if math.prod(shape) == 0:
         return Plan(zarr3.default_chunk_shape(shape), [])
     shards = io.shards_to_write(array, session.context, primary_lacks=primary_lacks)
-    chunk = chunk_shape_within(_shard_shape(array, shards), dtype.itemsize, most)
+    shard_shape = _shard_shape(array, shards)
+    whole = [d for d, (s, n) in enumerate(zip(shard_shape, shape, strict=True)) if s == n]
+    chunk = chunk_shape_within(shard_shape, dtype.itemsize, most, whole)
     sources = []
     for shard in shards:
         data = _kept(shard.data, session.caller_waits)
@@ -115,6 +127,6 @@ def plan(
         for local in itertools.product(*steps):
             sizes = tuple(min(c, e - o) for c, e, o in zip(chunk, extent, local, strict=True))
             index = tuple((s + o) // c for s, o, c in zip(starts, local, chunk, strict=True))
-            fetch = functools.partial(_fetch, data, tuple(local), sizes, dtype)
+            fetch = functools.partial(streamed_host_block, data, tuple(local), sizes, dtype)
             sources.append(io.ChunkSource(index, math.prod(sizes) * dtype.itemsize, fetch))
     return Plan(chunk, sources)
