@@ -133,3 +133,17 @@ def test_int4_and_dtypes_of_ml_dtypes(tmp_path) -> None:
         cp.save_pytree(tmp_path / "i4", tree)
         loaded = cp.load_pytree(tmp_path / "i4")
     np.testing.assert_array_equal(np.asarray(loaded["i4"]), np.asarray(tree["i4"]))
+
+
+def test_a_stored_dtype_cast_is_streamed_chunk_by_chunk(tmp_path, mesh_4x2) -> None:
+    """A cast makes copies: the writer fetches (and casts) each chunk when its turn comes."""
+    host = np.random.default_rng(2).standard_normal((512, 2048), dtype=np.float32)
+    tree = {"w": jax.device_put(host, NamedSharding(mesh_4x2, P("x", "y")))}
+    storage = cp.options.ArrayStorageOptions(dtype=np.float16)
+    with cp.Context(
+        memory_options=BUDGET, array_options=cp.options.ArrayOptions(storage_options=storage)
+    ):
+        cp.save_pytree(tmp_path / "f16", tree)
+        loaded = cp.load_pytree(tmp_path / "f16")
+    assert loaded["w"].dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), host.astype(np.float16))

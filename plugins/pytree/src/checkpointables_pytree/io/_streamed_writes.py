@@ -26,8 +26,9 @@ from checkpointables_pytree.zarr3 import ArrayWrite
 
 __all__ = ["ChunkSource", "Streamed", "write_streamed"]
 
-# A chunk is held up to three times while it is written: fetched, TensorStore's copy, encoded.
-_COPIES = 3
+# A chunk is held up to twice while it is written: fetched (TensorStore references it rather
+# than copying it: it is kept until its write is committed) and encoded.
+_COPIES = 2
 
 
 @attrs.frozen
@@ -66,7 +67,7 @@ async def write_streamed(
                 data = await asyncio.to_thread(source.fetch)
                 region = item.layout.region(source.index)
                 target = store if data.shape == item.layout.shape else store[region]
-                await target.write(data)
+                await target.write(data, can_reference_source_data_indefinitely=True)
                 del data
                 await asyncio.to_thread(storage.give_back_free_memory)
             finally:

@@ -235,6 +235,13 @@ class ArrayLeafHandler(ZarrLeafHandler):
                 array, dtype, session, io.piece_bytes(budget), primary_lacks=param.name in lacking
             )
             shape = tuple(int(s) for s in array.shape)
+            if plan.views:  # On CPU devices: the writer writes straight from their memory.
+                chunks = [(s.index, s.fetch()) for s in plan.sources]
+                snapshot = _Snapshot(
+                    storage, dtype, shape, plan.chunk_shape, chunks, array.sharding
+                )
+                self._record(session, param, snapshot, None)
+                continue
             snapshot = _Snapshot(storage, dtype, shape, plan.chunk_shape, [], array.sharding)
             item = self._record(session, param, snapshot, None)
             session.writer.add_streamed(io.Streamed(item, plan.sources))
@@ -406,7 +413,8 @@ class NumpyLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
     ) -> None:
-        if _array_layouts.in_bulk(session, params):
+        budget = session.context.memory_options.host_bytes
+        if budget is None and _array_layouts.in_bulk(session, params):
             _array_layouts.schedule_numpy_group(session, params)  # type: ignore[arg-type]
             return
         for param in params:
@@ -414,16 +422,20 @@ class NumpyLeafHandler(ZarrLeafHandler):
             storage = storage_options(session, param.keypath, array)
             dtype = _array_layouts.numpy_storage_dtype(param.keypath, array, array.dtype, storage)
             shape = array.shape  # A tuple of Python ints.
+            chunk_shape = shape if 0 not in shape else zarr3.default_chunk_shape(shape)
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:
                 data = array if session.caller_waits else np.array(array, copy=True)
-                chunks = [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
+                data = data if data.dtype == dtype else data.astype(dtype)
+                chunks = [((0,) * len(shape), data)]
+                if budget is not None:  # Chunks a budgeted load can read one at a time.
+                    chunk_shape, chunks = _streamed_saves.host_chunks(data, io.piece_bytes(budget))
             schedule_array(
                 session,
                 param,
                 shape=shape,
                 dtype=dtype,
-                chunk_shape=shape if 0 not in shape else zarr3.default_chunk_shape(shape),
+                chunk_shape=chunk_shape,
                 chunks=chunks,
                 storage=storage,
             )

@@ -74,9 +74,9 @@ class DeviceSink:
         self._host: list[np.ndarray | None] | None = None
         if on_host is None:
             on_host = all(
-            (d.platform if d is not None else jax.default_backend()) == "cpu"
-            for devices in self._devices
-            for d in devices
+                (d.platform if d is not None else jax.default_backend()) == "cpu"
+                for devices in self._devices
+                for d in devices
             )
         if on_host:
             self._host = [None] * len(regions)

@@ -28,15 +28,20 @@ import numpy as np
 from checkpointables_pytree import io, zarr3
 from checkpointables_pytree.leaves._session import SaveSession
 
-__all__ = ["Plan", "plan", "chunk_shape_within", "streamed_host_block"]
+__all__ = ["Plan", "plan", "chunk_shape_within", "host_chunks", "streamed_host_block"]
 
 
 @attrs.frozen
 class Plan:
-    """The chunk shape of a streamed array and the chunks this process writes."""
+    """The chunk shape of a streamed array and the chunks this process writes.
+
+    ``views``: every chunk is a view of a CPU device's buffer in the stored dtype
+    (fetching it copies nothing: the writer may take them all at once).
+    """
 
     chunk_shape: tuple[int, ...]
     sources: list[io.ChunkSource]
+    views: bool = False
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -107,6 +112,19 @@ def chunk_shape_within(
     return tuple(chunk)
 
 
+def host_chunks(
+    data: np.ndarray, most: int
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
+    """A host array's chunk shape under a budget, and its chunks (views: no copy)."""
+    shape = tuple(int(s) for s in data.shape)
+    chunk = chunk_shape_within(shape, data.dtype.itemsize, most, range(len(shape)))
+    out = []
+    for index in itertools.product(*(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))):
+        block = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk, strict=True))
+        out.append((index, data[block]))
+    return chunk, out
+
+
 def plan(
     array: jax.Array, dtype: np.dtype, session: SaveSession, most: int, *, primary_lacks: bool
 ) -> Plan:
@@ -119,8 +137,10 @@ def plan(
     whole = [d for d, (s, n) in enumerate(zip(shard_shape, shape, strict=True)) if s == n]
     chunk = chunk_shape_within(shard_shape, dtype.itemsize, most, whole)
     sources = []
+    views = array.dtype == dtype
     for shard in shards:
         data = _kept(shard.data, session.caller_waits)
+        views = views and isinstance(data, np.ndarray)
         starts = [(s.indices(d)[0]) for s, d in zip(shard.index, shape, strict=True)]
         extent = [int(n) for n in shard.data.shape]
         steps = [range(0, e, c) for e, c in zip(extent, chunk, strict=True)]
@@ -129,4 +149,4 @@ def plan(
             index = tuple((s + o) // c for s, o, c in zip(starts, local, chunk, strict=True))
             fetch = functools.partial(streamed_host_block, data, tuple(local), sizes, dtype)
             sources.append(io.ChunkSource(index, math.prod(sizes) * dtype.itemsize, fetch))
-    return Plan(chunk, sources)
+    return Plan(chunk, sources, views)
