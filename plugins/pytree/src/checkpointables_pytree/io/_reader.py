@@ -174,11 +174,11 @@ class Reader:
         streamed: list[ArrayRead] = []
         rest: list[ArrayRead] = []
         for read in self._reads:
-            large = read.stored is None or read.stored.nbytes > most
-            (streamed if read.sink is not None and large else rest).append(read)
+            (streamed if _streamed_reads.streams(read, most) else rest).append(read)
         window = _streamed_reads.window_bytes(host_bytes)
         for batch in _streamed_reads.in_windows(rest, window):
             await self._read_all(batch, context, window)
+            await asyncio.to_thread(storage.give_back_free_memory)
         limiter = ByteLimiter(host_bytes // 2)
         for read in streamed:
             await _streamed_reads.stream(read, self.array_spec(read.name), context, limiter, most)

@@ -33,7 +33,15 @@ from checkpointables_pytree.io._array_reads import (
 )
 from checkpointables_pytree.storage import ByteLimiter, settle
 
-__all__ = ["PieceSink", "piece_bytes", "window_bytes", "pieces", "stream", "in_windows"]
+__all__ = [
+    "PieceSink",
+    "piece_bytes",
+    "window_bytes",
+    "pieces",
+    "stream",
+    "streams",
+    "in_windows",
+]
 
 # A piece is held up to three times while read: the stored value, the decoded chunk, the copy
 # the driver returns.
@@ -66,6 +74,21 @@ def window_bytes(host_bytes: int) -> int:
     """Bytes of small arrays read (and converted) together under a budget: a quarter (a
     resharded array is held up to three times while it is converted)."""
     return max(1 << 20, host_bytes // 4)
+
+
+# Resharded arrays from this size on are streamed (read whole, they are held three times).
+RESHARDED_STREAM_BYTES = 1 << 20
+
+
+def streams(read: ArrayRead, most: int) -> bool:
+    """Whether a budgeted load streams ``read``: arrays larger than a piece (``most``), or
+    of a sharded target (regions) and at least ``RESHARDED_STREAM_BYTES``."""
+    if read.sink is None:
+        return False
+    if read.stored is None:
+        return True
+    nbytes = read.stored.nbytes
+    return nbytes > most or (read.regions is not None and nbytes >= RESHARDED_STREAM_BYTES)
 
 
 def in_windows(reads: Sequence[ArrayRead], window: int) -> Iterator[list[ArrayRead]]:
