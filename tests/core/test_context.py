@@ -76,3 +76,17 @@ def test_context_reaches_background_threads_of_a_save(tmp_path) -> None:
         response = cp.save_checkpointables_async(tmp_path / "c", {"r": Recorder()})
     response.result()
     assert seen == [7, True]
+
+
+def test_memory_options_budget_is_validated_and_reaches_the_context() -> None:
+    budget = cp.options.MemoryOptions(host_bytes=64 << 20)
+    assert cp.context.get_context().memory_options.host_bytes is None  # Default: unbounded.
+    with cp.Context(memory_options=budget):
+        assert cp.context.get_context().options(cp.options.MemoryOptions) is budget
+    for bad in (0, -1, cp.options.MIN_HOST_BYTES - 1):
+        with pytest.raises(cp.errors.InvalidArgumentError, match=str(cp.options.MIN_HOST_BYTES)):
+            cp.options.MemoryOptions(host_bytes=bad)
+    with pytest.raises(cp.errors.InvalidArgumentTypeError, match="int"):
+        cp.options.MemoryOptions(host_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(cp.errors.InvalidArgumentTypeError, match="MemoryOptions"):
+        cp.Context(memory_options=64 << 20)

@@ -186,6 +186,11 @@ class Context:
         """The ``CheckpointablesOptions`` in force."""
         return self._get("checkpointables_options")
 
+    @property
+    def memory_options(self) -> options_lib.MemoryOptions:
+        """The ``MemoryOptions`` in force (``host_bytes=None``: no bound)."""
+        return self._get("memory_options")
+
     def replace(self, **options: Any) -> Context:
         """Returns a context with some options replaced (``self`` is unchanged)."""
         return Context(self, **options)

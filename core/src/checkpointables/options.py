@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from checkpointables import plugins
+from checkpointables import errors, plugins
 
 __all__ = [
     "AsyncOptions",
@@ -29,6 +29,8 @@ __all__ = [
     "FileOptions",
     "PyTreeOptions",
     "CheckpointablesOptions",
+    "MemoryOptions",
+    "MIN_HOST_BYTES",
     "BUILTIN",
 ]
 
@@ -96,6 +98,51 @@ class PyTreeOptions:
     partial_load: bool = False
 
 
+# The smallest host-memory budget: a budget is cut into pieces of an eighth of it (several
+# in flight, each copied once by the storage layer), and a piece is at least 1 MiB.
+MIN_HOST_BYTES = 8 << 20
+
+
+def _check_host_bytes(instance: Any, attribute: Any, value: int | None) -> None:
+    """``host_bytes`` is ``None`` or an int of at least ``MIN_HOST_BYTES``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise errors.InvalidArgumentTypeError(
+            f"MemoryOptions.host_bytes must be an int (bytes) or None, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if value < MIN_HOST_BYTES:
+        raise errors.InvalidArgumentError(
+            f"MemoryOptions.host_bytes={value} is too small: the smallest workable budget is "
+            f"{MIN_HOST_BYTES} bytes ({MIN_HOST_BYTES >> 20} MiB; a save or load moves arrays "
+            f"in pieces of an eighth of the budget, at least 1 MiB each). Pass at least "
+            f"{MIN_HOST_BYTES}, or None for no bound."
+        )
+
+
+@attrs.frozen
+class MemoryOptions:
+    """How much host memory a save or load of pytrees may use for staging.
+
+    Example::
+
+        with cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=8 << 30)):
+            cp.save_pytree(path, state)     # device-to-host copies and writes stream
+            state = cp.load_pytree(path, abstract_state)  # reads stream onto the devices
+
+    Attributes:
+      host_bytes: the most bytes of host memory the library holds at once for
+        copies from the devices, encoding, reading and decoding of arrays
+        (what the state itself occupies, e.g. on CPU devices, is not counted).
+        ``None`` (the default): no bound, every array is staged at once (the
+        fastest). At least ``MIN_HOST_BYTES`` (8 MiB), else
+        ``cp.errors.InvalidArgumentError``. See docs/memory.md.
+    """
+
+    host_bytes: int | None = attrs.field(default=None, validator=_check_host_bytes)
+
+
 def _handler_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return dict(value or {})
 
@@ -128,6 +175,7 @@ BUILTIN: dict[str, type] = {
     "file_options": FileOptions,
     "pytree_options": PyTreeOptions,
     "checkpointables_options": CheckpointablesOptions,
+    "memory_options": MemoryOptions,
 }
 """Core's option classes by keyword of ``cp.Context`` / ``cp.configure``; plugins add theirs."""
 

@@ -17,6 +17,7 @@ It imports ``ocdbt``, ``storage`` and ``zarr3``; the leaves' sessions drive it.
 
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
+    Region,
     StoredArray,
     chunk_keys,
     convert_all,
@@ -33,10 +34,18 @@ from checkpointables_pytree.io._multiprocess import (
 from checkpointables_pytree.io._reader import INLINE_READ_KEYS, Reader, read_groups, read_values
 from checkpointables_pytree.io._remote_reads import requests_in_flight
 from checkpointables_pytree.io._small_reads import Small, read_small
+from checkpointables_pytree.io._streamed_reads import PieceSink, piece_bytes, pieces
+from checkpointables_pytree.io._streamed_writes import ChunkSource, Streamed
 from checkpointables_pytree.io._writer import DATABASE_LAYOUT, DIRECT_BYTES, Writer
 
 __all__ = [
     "ArrayRead",
+    "Region",
+    "PieceSink",
+    "piece_bytes",
+    "pieces",
+    "ChunkSource",
+    "Streamed",
     "StoredArray",
     "chunk_keys",
     "convert_all",

@@ -101,6 +101,9 @@ class ArrayRead:
       convert: turns the list of region arrays into the leaf, once its batch
         (a load's small arrays, or a group of large ones) is read, so that at
         most a few batches are held twice at once.
+      sink: under a host-memory budget, makes the ``PieceSink`` that takes the
+        array piece by piece (``_streamed_reads``) from the regions and the
+        stored dtype; ``None``: read whole (scalars, strings, small arrays).
     """
 
     label: Any
@@ -110,6 +113,7 @@ class ArrayRead:
     target_shape: tuple[int, ...] | None = None
     regions: list[Region] | None = None
     allow_resize: bool = False
+    sink: Any = None
     result: Any = None
     _whole: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     # Set by whoever knows them already (a load's session keeps them per _METADATA text).

@@ -40,7 +40,7 @@ from etils import epath
 from checkpointables_pytree import ocdbt as ocdbt_room
 from checkpointables_pytree import storage
 from checkpointables_pytree import zarr3 as zarr3_room
-from checkpointables_pytree.io import _remote_reads, _small_reads
+from checkpointables_pytree.io import _remote_reads, _small_reads, _streamed_reads
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
     assemble,
@@ -113,6 +113,7 @@ class Reader:
         cross_check: bool = False,
         fast_path: bool = True,
         index: ocdbt_room.DatabaseIndex | None = None,
+        host_bytes: int | None = None,
     ) -> None:
         """A reader of the arrays in ``directory``.
 
@@ -120,7 +121,10 @@ class Reader:
         the files ourselves; ``False`` leaves every key to TensorStore's kvstore
         (read in batches) and zarr3 driver. ``index``: the load's index of the
         database, if it made one (``opened``'s otherwise, or a new one).
+        ``host_bytes``: the host-memory budget (``cp.options.MemoryOptions``);
+        ``None``: every array is read at once.
         """
+        self._host_bytes = host_bytes
         self._directory = directory
         self._opened = opened if ocdbt and fast_path else None
         self._cross_check = cross_check
@@ -163,11 +167,36 @@ class Reader:
         if not self._reads:
             return
         context = self._opened.context if self._opened is not None else ocdbt_room.make_context()
+        if self._host_bytes is not None:
+            await self._run_within(context, self._host_bytes)
+        else:
+            await self._read_all(self._reads, context, IN_FLIGHT_BYTES)
+
+    async def _run_within(self, context: ts.Context, host_bytes: int) -> None:
+        """Reads under a budget: large arrays streamed piece by piece onto their devices, one
+        array at a time; the others a window at a time."""
+        most = _streamed_reads.piece_bytes(host_bytes)
+        streamed: list[ArrayRead] = []
+        rest: list[ArrayRead] = []
+        for read in self._reads:
+            (streamed if _streamed_reads.streams(read, most) else rest).append(read)
+        window = _streamed_reads.window_bytes(host_bytes)
+        for batch in _streamed_reads.in_windows(rest, window):
+            await self._read_all(batch, context, window)
+            await asyncio.to_thread(storage.give_back_free_memory)
+        limiter = ByteLimiter(host_bytes // 2)
+        for read in streamed:
+            await _streamed_reads.stream(read, self.array_spec(read.name), context, limiter, most)
+
+    async def _read_all(
+        self, reads: Sequence[ArrayRead], context: ts.Context, in_flight: int
+    ) -> None:
+        """Reads ``reads`` at once (the driver's at most ``in_flight`` bytes at a time)."""
         whole: list[ArrayRead] = []
         driver: list[ArrayRead] = []
-        for read in self._reads:
+        for read in reads:
             (whole if read.whole and self._ocdbt else driver).append(read)
-        limiter = ByteLimiter(IN_FLIGHT_BYTES)
+        limiter = ByteLimiter(in_flight)
         tasks = [asyncio.ensure_future(self._read_with_driver(r, context, limiter)) for r in driver]
         try:
             if whole:

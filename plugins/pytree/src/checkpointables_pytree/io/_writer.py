@@ -39,6 +39,7 @@ from checkpointables import execution
 from etils import epath
 
 from checkpointables_pytree import ocdbt, storage, zarr3
+from checkpointables_pytree.io._streamed_writes import Streamed, write_streamed
 from checkpointables_pytree.storage import settle
 from checkpointables_pytree.zarr3 import ArrayWrite
 
@@ -77,6 +78,7 @@ class Writer:
         structure_cache: dict[Any, Any] | None = None,
         *,
         fast_path: bool = True,
+        host_bytes: int | None = None,
     ) -> None:
         """A writer into ``directory``; what depends only on the tree's structure is kept
         in ``structure_cache`` (``tree.Structure.derived``) for the next save.
@@ -84,7 +86,11 @@ class Writer:
         ``fast_path``: plain arrays go into a database written here
         (``ocdbt.DatabaseFiles``); ``False`` hands every array to TensorStore's zarr3
         driver, which writes their ``zarr.json`` and the database itself.
+        ``host_bytes``: the host-memory budget of streamed arrays (``add_streamed``).
         """
+        self._host_bytes = host_bytes
+        self._streams: list[Streamed] = []
+        self.peak_staging_bytes = 0  # The most bytes of streamed chunks held at once.
         self._directory = directory
         self._fast_path = fast_path
         self._items: list[ArrayWrite] = []
@@ -97,6 +103,11 @@ class Writer:
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
         self._items.append(item)
+
+    def add_streamed(self, stream: Streamed) -> None:
+        """Schedules an array written chunk by chunk, after the others, within the budget
+        (its ``item``, without data, must be ``add``ed too: its ``zarr.json``)."""
+        self._streams.append(stream)
 
     @property
     def empty(self) -> bool:
@@ -139,6 +150,11 @@ class Writer:
             except BaseException:
                 await settle(tasks)
                 raise
+            if self._streams:
+                assert self._host_bytes is not None
+                self.peak_staging_bytes = await write_streamed(
+                    self._streams, database, context, self._host_bytes
+                )
 
     async def _write_database(
         self,

@@ -45,6 +45,7 @@ from checkpointables_pytree.leaves._options import (
     ArrayOptions,
     ArrayStorageOptions,
 )
+from checkpointables_pytree.leaves._pieces import DeviceSink, HostSink
 from checkpointables_pytree.leaves._scalar_handler import ScalarLeafHandler
 from checkpointables_pytree.leaves._session import (
     ARRAY_METADATAS_DIR,
@@ -57,9 +58,14 @@ from checkpointables_pytree.leaves._session import (
     SaveSession,
     write_text,
 )
+from checkpointables_pytree.leaves._streamed_saves import chunk_shape_within, streamed_host_block
 from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
 
 __all__ = [
+    "chunk_shape_within",
+    "streamed_host_block",
+    "DeviceSink",
+    "HostSink",
     "ArrayOptions",
     "FAST_PATH_ENVIRONMENT_VARIABLE",
     "ArrayStorageOptions",

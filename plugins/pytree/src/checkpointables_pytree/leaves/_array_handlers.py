@@ -15,7 +15,7 @@ import numpy as np
 from checkpointables.serialization import SerializationParam
 
 from checkpointables_pytree import io, tree, zarr3
-from checkpointables_pytree.leaves import _array_layouts
+from checkpointables_pytree.leaves import _array_layouts, _pieces, _streamed_saves
 from checkpointables_pytree.leaves._common import (
     ReadTarget,
     StoredLayout,
@@ -45,7 +45,7 @@ def _numpy_result(pieces: list[np.ndarray], dtype: Any = None) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
-_AS_STORED = ReadTarget(_numpy_result)  # Of every NumPy leaf loaded as saved (never changed).
+_AS_STORED = ReadTarget(_numpy_result, sink=_pieces.HostSink.maker(None))  # Never changed.
 
 
 def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
@@ -107,7 +107,7 @@ def _sharded_read(
 
         return jax.make_array_from_callback(shape, sharding, callback)
 
-    return ReadTarget(convert, shape, regions)
+    return ReadTarget(convert, shape, regions, _pieces.DeviceSink.maker(shape, dtype, sharding))
 
 
 def _host_shards(
@@ -188,9 +188,12 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
     ) -> None:
-        # The caller waits for checks and host copies; the rest is done by session.plan().
         if session.writer.linked:  # Arrays linked from an earlier checkpoint: no host copy.
             params = self._record_reused(session, params)
+        if session.context.memory_options.host_bytes is not None:
+            self._schedule_streamed(session, params, session.context.memory_options.host_bytes)
+            return
+        # The caller waits for checks and host copies; the rest is done by session.plan().
         if cp.multihost.process_count() == 1 and not session.array_options.storage_options_creator:
             values = params.values if isinstance(params, LeafGroup) else [p.value for p in params]
             shardings = list(map(_SHARDING, values))
@@ -224,6 +227,44 @@ class ArrayLeafHandler(ZarrLeafHandler):
             snapshot = _Snapshot(storage, array.dtype, shape, chunk_shape, [], array.sharding)
             self._record(session, param, snapshot, None)
         return kept
+
+    def _schedule_streamed(
+        self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]], budget: int
+    ) -> None:
+        """Under a host-memory budget: arrays written in chunks of at most a piece of the
+        budget, each read from the device when its turn comes (``_streamed_saves``)."""
+        lacking: set[str] = set()
+        if cp.multihost.process_count() > 1:
+            lacking = set(
+                io.arrays_the_primary_lacks(
+                    {p.name: p.value for p in params},
+                    session.directory,
+                    session.context,
+                    asker=type(self).__qualname__,
+                )
+            )
+        for param in params:
+            array = param.value
+            if array.is_deleted():
+                raise unsupported(
+                    param.keypath, array, "the array was deleted (or donated) before the save"
+                )
+            storage = storage_options(session, param.keypath, array)
+            dtype = storage_dtype(param.keypath, array, array.dtype, storage)
+            plan = _streamed_saves.plan(
+                array, dtype, session, io.piece_bytes(budget), primary_lacks=param.name in lacking
+            )
+            shape = tuple(int(s) for s in array.shape)
+            if plan.views:  # On CPU devices: the writer writes straight from their memory.
+                chunks = [(s.index, s.fetch()) for s in plan.sources]
+                snapshot = _Snapshot(
+                    storage, dtype, shape, plan.chunk_shape, chunks, array.sharding
+                )
+                self._record(session, param, snapshot, None)
+                continue
+            snapshot = _Snapshot(storage, dtype, shape, plan.chunk_shape, [], array.sharding)
+            item = self._record(session, param, snapshot, None)
+            session.writer.add_streamed(io.Streamed(item, plan.sources))
 
     def _schedule_array(
         self,
@@ -331,10 +372,10 @@ class ArrayLeafHandler(ZarrLeafHandler):
         param: SerializationParam[jax.Array],
         snapshot: _Snapshot,
         ext_metadata: dict[str, Any] | None,
-    ) -> None:
+    ) -> zarr3.ArrayWrite:
         """Schedules the write of one snapshotted array and records its metadata."""
         chunk_shape = snapshot.chunk_shape
-        schedule_array(
+        item = schedule_array(
             session,
             param,
             shape=snapshot.shape,
@@ -358,12 +399,15 @@ class ArrayLeafHandler(ZarrLeafHandler):
                 "ext_metadata": ext_metadata,
             }
         )
+        return item
 
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         shape, dtype, sharding = _target_of(abstract)
         if sharding is not None and shape is not None:
             return _sharded_read(shape, dtype, sharding)
-        return ReadTarget(_OnDefaultDevice(dtype), shape)
+        return ReadTarget(
+            _OnDefaultDevice(dtype), shape, sink=_pieces.DeviceSink.maker(shape, dtype, None)
+        )
 
     def _describe(
         self, session: LoadSession, entry: tree.Entry, layout: StoredLayout
@@ -389,7 +433,8 @@ class NumpyLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[np.ndarray]]
     ) -> None:
-        if _array_layouts.in_bulk(session, params):
+        budget = session.context.memory_options.host_bytes
+        if budget is None and _array_layouts.in_bulk(session, params):
             _array_layouts.schedule_numpy_group(session, params)  # type: ignore[arg-type]
             return
         for param in params:
@@ -397,16 +442,20 @@ class NumpyLeafHandler(ZarrLeafHandler):
             storage = storage_options(session, param.keypath, array)
             dtype = _array_layouts.numpy_storage_dtype(param.keypath, array, array.dtype, storage)
             shape = array.shape  # A tuple of Python ints.
+            chunk_shape = shape if 0 not in shape else zarr3.default_chunk_shape(shape)
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
             if array.size:
                 data = array if session.caller_waits else np.array(array, copy=True)
-                chunks = [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
+                data = data if data.dtype == dtype else data.astype(dtype)
+                chunks = [((0,) * len(shape), data)]
+                if budget is not None:  # Chunks a budgeted load can read one at a time.
+                    chunk_shape, chunks = _streamed_saves.host_chunks(data, io.piece_bytes(budget))
             schedule_array(
                 session,
                 param,
                 shape=shape,
                 dtype=dtype,
-                chunk_shape=shape if 0 not in shape else zarr3.default_chunk_shape(shape),
+                chunk_shape=chunk_shape,
                 chunks=chunks,
                 storage=storage,
             )
@@ -415,7 +464,9 @@ class NumpyLeafHandler(ZarrLeafHandler):
         if abstract is None:
             return _AS_STORED
         shape, dtype, _ = _target_of(abstract)
-        return ReadTarget(functools.partial(_numpy_result, dtype=dtype), shape)
+        return ReadTarget(
+            functools.partial(_numpy_result, dtype=dtype), shape, sink=_pieces.HostSink.maker(dtype)
+        )
 
     def _describe(
         self, session: LoadSession, entry: tree.Entry, layout: StoredLayout

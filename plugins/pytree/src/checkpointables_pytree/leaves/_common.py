@@ -224,8 +224,8 @@ def schedule_array(
     storage: ArrayStorageOptions,
     extra: dict[str, Any] | None = None,
     held_by_every_process: bool = True,
-) -> None:
-    """Schedules one array's chunks and records its metadata in the session.
+) -> ArrayWrite:
+    """Schedules one array's chunks and records its metadata in the session; returns its write.
 
     In a multi-process save, a value every process holds (``held_by_every_process``)
     and every array's ``zarr.json`` are written by the primary host alone.
@@ -245,17 +245,17 @@ def schedule_array(
     recorded["one_chunk_shards"] = inner is None and not compression
     if extra:
         recorded.update(extra)
-    session.writer.add(
-        ArrayWrite(
-            LeafLabel(param.keypath),
-            layout,
-            chunks,
-            inner_chunk_shape=inner,
-            compression=compression,
-            write_metadata=primary,
-        )
+    item = ArrayWrite(
+        LeafLabel(param.keypath),
+        layout,
+        chunks,
+        inner_chunk_shape=inner,
+        compression=compression,
+        write_metadata=primary,
     )
+    session.writer.add(item)
     session.extras[param.name] = recorded
+    return item
 
 
 # -- The handlers' common part ----------------------------------------------------------------
@@ -272,6 +272,7 @@ class ReadTarget:
     convert: Callable[[list[np.ndarray]], Any]
     shape: tuple[int, ...] | None = None
     regions: list[tuple[slice, ...]] | None = None
+    sink: Any = None  # Under a host-memory budget: takes the array piece by piece.
 
 
 @attrs.frozen
@@ -359,7 +360,14 @@ class ZarrLeafHandler(StandardLeafHandler):
                 check_stored_type(entry, types, self.loads_as)
             target = read_target(entry, param.value, stored)
             read = ArrayRead(
-                entry, name, stored, target.convert, target.shape, target.regions, allow_resize
+                entry,
+                name,
+                stored,
+                target.convert,
+                target.shape,
+                target.regions,
+                allow_resize,
+                target.sink,
             )
             read.keys = keys
             reads.append(read)

@@ -82,7 +82,10 @@ class SaveSession:
             context=context,
             caller_waits=caller_waits(),
             writer=Writer(
-                directory, structure_cache, fast_path=context.array_options.ocdbt_fast_path
+                directory,
+                structure_cache,
+                fast_path=context.array_options.ocdbt_fast_path,
+                host_bytes=context.memory_options.host_bytes,
             ),
             primary=cp.multihost.is_primary_host(context),
             compression=bool(context.array_options.use_compression),
@@ -214,6 +217,7 @@ class LoadSession:
             cross_check=not tree.checksum_recorded,
             fast_path=context.array_options.ocdbt_fast_path,
             index=index,
+            host_bytes=context.memory_options.host_bytes,
         )
         # Derived from the _METADATA text alone: shared by the loads of one structure.
         derived = tree.derived

@@ -17,7 +17,12 @@ build on it.
 """
 
 from checkpointables_pytree.storage._backend import storage_for
-from checkpointables_pytree.storage._buffers import ALIGNMENT, Slab, aligned_empty
+from checkpointables_pytree.storage._buffers import (
+    ALIGNMENT,
+    Slab,
+    aligned_empty,
+    give_back_free_memory,
+)
 from checkpointables_pytree.storage._errors import (
     describe_type,
     integrity_error,
@@ -49,6 +54,7 @@ __all__ = [
     "ALIGNMENT",
     "Slab",
     "aligned_empty",
+    "give_back_free_memory",
     "describe_type",
     "integrity_error",
     "listing",

@@ -11,11 +11,14 @@ kept array keeps at most one buffer's worth of other arrays' memory.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["ALIGNMENT", "Slab", "aligned_empty", "aligned_size"]
+__all__ = ["ALIGNMENT", "Slab", "aligned_empty", "aligned_size", "give_back_free_memory"]
 
 # jax.device_put aliases host buffers aligned to this on CPU instead of copying them.
 ALIGNMENT = 64
@@ -71,3 +74,24 @@ class Slab:
             return aligned_empty(nbytes)
         self._used = start + aligned_size(nbytes)
         return self._buffer[start : start + nbytes]
+
+
+@functools.cache
+def _malloc_trim() -> object | None:
+    """glibc's ``malloc_trim``, or ``None`` (another C library)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def give_back_free_memory() -> None:
+    """Hands the C allocator's free memory back to the kernel (glibc only).
+
+    Under a host-memory budget, buffers of a few MiB are freed by one thread
+    after another allocated them: glibc keeps them in per-thread arenas, so
+    without this the process's memory grows by several pieces past the budget.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)  # type: ignore[operator]

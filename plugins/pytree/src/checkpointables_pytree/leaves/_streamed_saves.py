@@ -1,0 +1,152 @@
+"""How a ``jax.Array`` is saved under a host-memory budget: chunks fetched one at a time.
+
+Each shard this process writes is cut into zarr3 chunks of at most a piece
+of the budget (the chunk shape divides the shard shape, so no chunk spans two
+shards); each chunk is a ``ChunkSource`` that slices the shard on its device
+and copies the slice to the host only when the writer gets to it.
+
+What a call holds until the writes end: on CPU devices the shards' buffers
+(a NumPy view keeps each alive after ``delete()`` or donation: no copy); on
+accelerators a synchronous save holds nothing more, an asynchronous one a copy
+of each shard in device memory, made before it returns (so the caller may
+delete or donate its arrays), streamed to storage in the background.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpointables_pytree import io, zarr3
+from checkpointables_pytree.leaves._session import SaveSession
+
+__all__ = ["Plan", "plan", "chunk_shape_within", "host_chunks", "streamed_host_block"]
+
+
+@attrs.frozen
+class Plan:
+    """The chunk shape of a streamed array and the chunks this process writes.
+
+    ``views``: every chunk is a view of a CPU device's buffer in the stored dtype
+    (fetching it copies nothing: the writer may take them all at once).
+    """
+
+    chunk_shape: tuple[int, ...]
+    sources: list[io.ChunkSource]
+    views: bool = False
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _slice(data: jax.Array, starts: tuple[jax.Array, ...], sizes: tuple[int, ...]) -> jax.Array:
+    """A block of ``data`` on its device (compiled once per block shape, not per offset)."""
+    return jax.lax.dynamic_slice(data, starts, sizes)
+
+
+def streamed_host_block(
+    data: Any, starts: tuple[int, ...], sizes: tuple[int, ...], dtype: np.dtype
+) -> Any:
+    """The block at ``starts`` of a shard, on the host, in ``dtype``."""
+    if isinstance(data, np.ndarray):  # A view of a CPU device's buffer: no copy.
+        host = data[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))]
+    elif tuple(data.shape) == sizes:
+        host = np.asarray(data)
+    else:
+        host = np.asarray(_slice(data, tuple(np.int32(s) for s in starts), sizes))
+    return host if host.dtype == dtype else host.astype(dtype)
+
+
+def _kept(data: jax.Array, caller_waits: bool) -> Any:
+    """What a chunk is fetched from: see the module's docstring."""
+    if next(iter(data.devices())).platform == "cpu":
+        return np.asarray(data)
+    return data if caller_waits else jnp.copy(data)
+
+
+def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in array.sharding.shard_shape(array.shape))
+    except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
+        return tuple(
+            max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(array.ndim)
+        )
+
+
+def _length_at_most(n: int, most: int, whole: bool) -> int:
+    """The chunk length along an axis of shard length ``n``: at most ``most`` (at least 1),
+    the largest divisor of ``n``; where the shard spans the whole axis (``whole``) and that
+    divisor is under half of ``most`` (``n`` prime...), ``most`` itself (the edge chunk is
+    then shorter: no chunk spans two shards either way)."""
+    if most >= n:
+        return n
+    most = max(most, 1)
+    for k in range(-(-n // most), n + 1):
+        if n % k == 0:
+            divisor = n // k
+            return most if whole and divisor * 2 < most else divisor
+    return 1
+
+
+def chunk_shape_within(
+    shard_shape: Sequence[int], itemsize: int, most: int, whole_axes: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """The chunk shape of a streamed array: the shard's, cut along its first axes (each
+    chunk a contiguous block of the shard) until a chunk is at most ``most`` bytes (one
+    element at least). Lengths divide the shard's, except along ``whole_axes`` (where one
+    shard spans the array) when no divisor comes close."""
+    chunk = [int(s) for s in shard_shape]
+    for d in range(len(chunk)):
+        unit = math.prod(chunk[d + 1 :]) * itemsize  # Bytes of one index along axis d.
+        if chunk[d] * unit <= most:
+            break
+        chunk[d] = _length_at_most(chunk[d], most // unit, d in whole_axes) if unit <= most else 1
+        if unit <= most:
+            break
+    return tuple(chunk)
+
+
+def host_chunks(
+    data: np.ndarray, most: int
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
+    """A host array's chunk shape under a budget, and its chunks (views: no copy)."""
+    shape = tuple(int(s) for s in data.shape)
+    chunk = chunk_shape_within(shape, data.dtype.itemsize, most, range(len(shape)))
+    out = []
+    for index in itertools.product(*(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))):
+        block = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk, strict=True))
+        out.append((index, data[block]))
+    return chunk, out
+
+
+def plan(
+    array: jax.Array, dtype: np.dtype, session: SaveSession, most: int, *, primary_lacks: bool
+) -> Plan:
+    """The chunks of ``array`` this process writes, each at most ``most`` bytes."""
+    shape = tuple(int(s) for s in array.shape)
+    if math.prod(shape) == 0:
+        return Plan(zarr3.default_chunk_shape(shape), [])
+    shards = io.shards_to_write(array, session.context, primary_lacks=primary_lacks)
+    shard_shape = _shard_shape(array, shards)
+    whole = [d for d, (s, n) in enumerate(zip(shard_shape, shape, strict=True)) if s == n]
+    chunk = chunk_shape_within(shard_shape, dtype.itemsize, most, whole)
+    sources = []
+    views = array.dtype == dtype
+    for shard in shards:
+        data = _kept(shard.data, session.caller_waits)
+        views = views and isinstance(data, np.ndarray)
+        starts = [(s.indices(d)[0]) for s, d in zip(shard.index, shape, strict=True)]
+        extent = [int(n) for n in shard.data.shape]
+        steps = [range(0, e, c) for e, c in zip(extent, chunk, strict=True)]
+        for local in itertools.product(*steps):
+            sizes = tuple(min(c, e - o) for c, e, o in zip(chunk, extent, local, strict=True))
+            index = tuple((s + o) // c for s, o, c in zip(starts, local, chunk, strict=True))
+            fetch = functools.partial(streamed_host_block, data, tuple(local), sizes, dtype)
+            sources.append(io.ChunkSource(index, math.prod(sizes) * dtype.itemsize, fetch))
+    return Plan(chunk, sources, views)

@@ -1,0 +1,133 @@
+"""Saves and loads under ``cp.options.MemoryOptions(host_bytes=...)`` keep the budget.
+
+A child process with 8 CPU devices saves and loads a state eight times the
+budget and reports, per operation, its peak RSS growth (``VmHWM`` after
+``/proc/self/clear_refs``) minus what the state itself occupies (on CPU the
+devices' memory is the host's). The same child without a budget shows that
+the measurement catches an unbounded load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import checkpointables as cp
+import numpy as np
+import pytest
+from checkpointables_pytree.io import pieces
+from checkpointables_pytree.leaves import chunk_shape_within
+
+from tests.python_subprocess import run_python
+
+BUDGET = 64 << 20
+STATE = 512 << 20
+# Beyond the budget: XLA compiling the in-place updates, TensorStore's threads, the allocator.
+SLACK = 64 << 20
+
+CHILD = """
+import ctypes, gc, json, os, sys, time
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import checkpointables as cp
+
+budget, state_bytes, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+def measured(fn, state):
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # Freed memory back first: else it looks free.
+    base = kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = fn()
+    return out, kib("VmHWM") - base - state
+
+devices = np.array(jax.devices())
+rows = 1024
+cols = state_bytes // 4 // rows
+saved = NamedSharding(Mesh(devices.reshape(8, 1), ("a", "b")), P("a", None))
+wanted = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
+host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+tree = {"w": jax.device_put(host, saved), "b": np.arange(1000, dtype=np.int64)}
+abstract = {"w": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=wanted),
+            "b": np.empty(1000, np.int64)}
+options = cp.options.MemoryOptions(host_bytes=budget or None)
+report = {}
+with cp.Context(memory_options=options):
+    small = {"w": jax.device_put(host[:64], saved)}  # Warm-up: imports, thread pools, compiles.
+    cp.save_pytree(os.path.join(root, "warm"), small)
+    warm = {"w": jax.ShapeDtypeStruct((64, cols), np.float32, sharding=wanted)}
+    cp.load_pytree(os.path.join(root, "warm"), warm)
+    path = os.path.join(root, "ckpt")
+    _, report["save"] = measured(lambda: cp.save_pytree(path, tree), 0)
+    _, report["save_async"] = measured(
+        lambda: cp.save_pytree_async(path, tree, overwrite=True).result(), 0)
+    del tree
+    gc.collect()
+    loaded, report["load_resharded"] = measured(lambda: cp.load_pytree(path, abstract), state_bytes)
+    report["exact"] = bool(np.array_equal(np.asarray(loaded["w"]), host)
+                           and np.array_equal(loaded["b"], np.arange(1000)))
+    report["sharding_kept"] = loaded["w"].sharding == wanted
+print(json.dumps(report))
+"""
+
+
+def _run(tmp_path, budget: int) -> dict[str, int]:
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    done = run_python(
+        CHILD,
+        str(budget),
+        str(STATE),
+        str(tmp_path),
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_save_and_resharded_load_stay_within_the_budget(tmp_path) -> None:
+    report = _run(tmp_path, BUDGET)
+    assert report["exact"] and report["sharding_kept"]
+    for op in ("save", "save_async", "load_resharded"):
+        assert report[op] <= BUDGET + SLACK, (op, report[op] >> 20, report)
+
+
+def test_without_a_budget_the_resharded_load_stages_more(tmp_path) -> None:
+    """The measurement can fail: an unbounded resharded load holds the state again on host."""
+    report = _run(tmp_path, 0)
+    assert report["exact"]
+    assert report["load_resharded"] > BUDGET + SLACK, report
+
+
+def test_streamed_pieces_and_chunks_cover_exactly() -> None:
+    assert chunk_shape_within((128, 131072), 4, 8 << 20) == (16, 131072)
+    # 3,000,001 = 853 * 3517: the largest divisor within 1 MiB of float32.
+    assert chunk_shape_within((7, 3_000_001), 4, 1 << 20) == (1, 3517)
+    assert chunk_shape_within((10, 10), 4, 1 << 20) == (10, 10)
+    # A prime length: chunks of the most that fit where one shard spans the axis, else 1.
+    assert chunk_shape_within((1_000_003,), 4, 1 << 20, whole_axes=[0]) == (262144,)
+    assert chunk_shape_within((1_000_003,), 4, 1 << 20) == (1,)
+    region = (slice(100, 612), slice(3, 4000))
+    covered = np.zeros((612, 4000), np.int32)
+    for piece in pieces(region, (64, 1000), 4, 64 << 10):
+        shape = [s.stop - s.start for s in piece]
+        assert np.prod(shape) * 4 <= 64 << 10
+        # Each piece lies in one stored chunk.
+        assert all(
+            s.start // c == (s.stop - 1) // c for s, c in zip(piece, (64, 1000), strict=True)
+        )
+        covered[piece] += 1
+    assert (covered[100:612, 3:4000] == 1).all() and covered.sum() == 512 * 3997
+
+
+def test_a_budget_too_small_names_the_smallest() -> None:
+    with pytest.raises(cp.errors.InvalidArgumentError, match="8388608"):
+        cp.options.MemoryOptions(host_bytes=1 << 20)
