@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 
 import checkpointables as cp
+import pytest
 
 from .helpers import assert_equal, keys, tree
 
 
+# With the fast path off, reuse stops earlier (and says that instead): kept on here.
+@pytest.mark.fast_path
 def test_reuse_from_on_s3_writes_everything_and_says_so_once(s3, bucket, caplog) -> None:
     caplog.set_level(logging.INFO, logger="checkpointables.reuse")
     cp.save_pytree(f"{bucket}/1", tree(1))

@@ -26,6 +26,10 @@ from checkpointables_pytree import reuse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# Linking is the fast path's (our own database writer's): CI's run with it off keeps it on
+# here, and one test below turns it off itself.
+pytestmark = pytest.mark.fast_path
+
 KiB = 1 << 10
 
 
@@ -89,6 +93,19 @@ def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> 
     _assert_same(cp.load_pytree(tmp_path / "3"), changed)
     _verify(tmp_path / "3")
     assert _linked_files(tmp_path / "3") == set()  # Sole owner of its files now.
+
+
+def test_with_the_fast_path_off_every_array_is_written(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    off = cp.options.ArrayOptions(ocdbt_fast_path=False)
+    with cp.Context(array_options=off):
+        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert _linked_files(tmp_path / "3") == set()
+    shutil.rmtree(tmp_path / "2")
+    _assert_same(cp.load_pytree(tmp_path / "3"), tree)
+    _verify(tmp_path / "3")
 
 
 def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
