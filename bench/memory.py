@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +165,7 @@ def measure_here(
     }
 
 
-def _trimmed_rss() -> int:
+def trimmed_rss() -> int:
     """RSS in bytes once garbage is collected and malloc handed free memory back."""
     import ctypes
 
@@ -173,6 +173,22 @@ def _trimmed_rss() -> int:
     with contextlib.suppress(OSError):  # Not glibc: RSS then includes malloc's free lists.
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     return status_kib("VmRSS") * 1024
+
+
+@contextlib.contextmanager
+def peak_growth() -> Iterator[dict[str, float]]:
+    """Measures the block: its peak RSS growth in bytes over the trimmed RSS before it
+    (``growth``), that baseline (``baseline``) and its wall time (``seconds``), filled in
+    the dict yielded once the block ends. Needs ``/proc/self/clear_refs`` (Linux)."""
+    time.sleep(0.1)
+    baseline = trimmed_rss()
+    if not reset_high_water_mark():
+        raise SystemExit("needs /proc/self/clear_refs")
+    measured: dict[str, float] = {"baseline": baseline}
+    start = time.perf_counter()
+    yield measured
+    measured["seconds"] = time.perf_counter() - start
+    measured["growth"] = status_kib("VmHWM") * 1024 - baseline
 
 
 def repeated_loads_child(args: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +208,7 @@ def repeated_loads_child(args: dict[str, Any]) -> dict[str, Any]:
     for _ in range(args["loads"]):
         loaded = cp.load_pytree(args["path"])
         del loaded
-        rss.append(_trimmed_rss())
+        rss.append(trimmed_rss())
     return {
         "leaves": groups * 100,
         "rss": rss,

@@ -23,10 +23,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-from bench.memory import _trimmed_rss, reset_high_water_mark, status_kib
+from bench.memory import peak_growth
 
 MIB = 1 << 20
 OPS = ("save", "save_async", "load", "load_resharded")
@@ -74,24 +73,28 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         op = args["op"]
         if op.startswith("load"):
             cp.save_pytree(path, tree, overwrite=True)
-            del tree
-        time.sleep(0.1)
-        # Freed memory handed back first: else a load reusing the freed tree looks free.
-        baseline = _trimmed_rss()
-        if not reset_high_water_mark():
-            raise SystemExit("needs /proc/self/clear_refs")
-        start = time.perf_counter()
+            tree = None  # Freed before the load: not held beside its result.
+        # Freed memory handed back first (peak_growth): else a load reusing the freed tree
+        # looks free.
+        measured = measured_operation(op, path, tree, one if op == "load" else mesh)
+    held = state if op.startswith("load") else 0  # The loaded state is not staging.
+    return {"staging": measured["growth"] - held, "seconds": measured["seconds"], "state": state}
+
+
+def measured_operation(op: str, path: str, tree: Any, abstract: Any) -> dict[str, float]:
+    """Runs ``op`` (``save``, ``save_async`` of ``tree``, or a load of ``abstract``) on
+    ``path`` under ``bench.memory.peak_growth``; its measurements."""
+    import checkpointables as cp
+    import jax
+
+    with peak_growth() as measured:
         if op == "save":
             cp.save_pytree(path, tree, overwrite=True)
         elif op == "save_async":
             cp.save_pytree_async(path, tree, overwrite=True).result()
         else:
-            result = cp.load_pytree(path, one if op == "load" else mesh)
-            jax.block_until_ready(result)
-        seconds = time.perf_counter() - start
-        growth = status_kib("VmHWM") * 1024 - baseline
-    held = state if op.startswith("load") else 0  # The loaded state is not staging.
-    return {"staging": growth - held, "seconds": seconds, "state": state}
+            jax.block_until_ready(cp.load_pytree(path, abstract))
+    return measured
 
 
 def measure(case: str, op: str, budget: int, size: int, root: str) -> dict[str, Any]:

@@ -133,3 +133,20 @@ def test_local_tier_case_runs_on_two_processes(tmp_path):
     assert second["one_wiped"]["peers"] > 0  # Process 1's copy came from process 0.
     assert {t["verdict"] for t in case["targets"]} <= {"PASS", "FAIL"}
     assert "local-tier-256mib: local tier" in out
+
+
+def test_accelerator_tool_runs_every_measurement(tmp_path):
+    # On CPU its numbers mean little (the state is host memory); what it measures on a GPU
+    # must still run: a case's staging with and without the budget, and the stall.
+    output = tmp_path / "accelerator.json"
+    _bench(
+        "accelerator",
+        *("--size-mib", "16", "--budget-mib", "8", "--stall-mib", "16", "--repeats", "1"),
+        *("--case", "64-arrays", "--op", "save_async", "--output", str(output)),
+    )
+    rows = json.loads(output.read_text())
+    assert [r for r in rows if "error" in r] == []
+    staging = [r for r in rows if "staging_mib" in r]
+    assert len(staging) == 2 and all(r["seconds"] > 0 for r in staging)
+    (stall,) = [r for r in rows if r.get("case") == "stall-16mib"]
+    assert stall["device_get_s"] > 0 and stall["local_tier_stall_s"] > 0
