@@ -3,8 +3,8 @@
 A frozen base of float32 weights in many arrays, trainable adapters, and Adam
 state for the adapters (mu, nu, count), saved at successive steps by a
 Checkpointer with ``reuse_unchanged`` on and off. Bytes written are counted
-from the files each step created (``du``-style: an inode already seen in an
-earlier step, a hard link, counts once). The default size is scaled down for
+from the files each step created that no other retained step holds (``du``-style:
+a hard link to another step's file is not new). The default size is scaled down for
 a 2-core machine (``--base-mib``)::
 
     uv run python -m bench.incremental                       # 256 MiB base, 10 steps
@@ -52,23 +52,30 @@ def _train_step(tree: dict) -> dict:
     return {"base": tree["base"], "adapter": adapter, "opt": {"mu": mu, "nu": nu, "count": 0}}
 
 
-def _new_bytes(step_dir: str, seen: set[tuple[int, int]]) -> int:
-    total = 0
-    for directory, _, names in os.walk(step_dir):
+def _files(root: str, skip: str | None = None) -> dict[tuple[int, int], int]:
+    """The disk bytes of each file under ``root`` (but not under ``skip``), by (device,
+    inode): a hard-linked file once."""
+    out = {}
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if os.path.join(directory, d) != skip]
         for name in names:
             st = os.stat(os.path.join(directory, name))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+            out[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return out
+
+
+def _new_bytes(root: str, step_dir: str) -> int:
+    """Bytes of ``step_dir``'s files that no other step under ``root`` holds now (not "not
+    seen before": a deleted step's inode numbers are given to new files)."""
+    others = _files(root, skip=step_dir)
+    return sum(size for key, size in _files(step_dir).items() if key not in others)
 
 
 def _disk_bytes(root: str) -> int:
-    return _new_bytes(root, set())
+    return sum(_files(root).values())
 
 
 def _run(tree: dict, steps: int, keep, reuse: bool, root: str) -> dict:
-    seen: set[tuple[int, int]] = set()
     written, times = [], []
     decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
     with cp.training.Checkpointer(
@@ -80,7 +87,7 @@ def _run(tree: dict, steps: int, keep, reuse: bool, root: str) -> dict:
             start = time.perf_counter()
             ckptr.save_pytree(step, tree)
             times.append(time.perf_counter() - start)
-            written.append(_new_bytes(os.path.join(root, str(step)), seen))
+            written.append(_new_bytes(root, os.path.join(root, str(step))))
     return {"written": written, "times": times, "disk": _disk_bytes(root)}
 
 
