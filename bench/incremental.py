@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import report
+
 MiB = 1 << 20
 
 
@@ -218,16 +220,7 @@ def _targets(result: dict, base: int, trainable: int, steps: int) -> list[dict]:
         ),
     ]
     return [
-        {
-            "case": "incremental",
-            "metric": metric,
-            "op": op,
-            "limit": limit,
-            "text": text,
-            "value": value,
-            "orbax_value": None,
-            "verdict": "PASS" if (value <= limit if op == "<=" else value >= limit) else "FAIL",
-        }
+        report.target_row("incremental", metric, op, limit, value, text)
         for metric, op, limit, value, text in rows
     ]
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import cases, memory, timing
+from bench import cases, memory, report, timing
 
 __all__ = ["CASES", "run_case"]
 
@@ -195,10 +195,6 @@ def _memory(path: str, size: int, mesh: bool, say: Callable[..., None]) -> dict[
     return out
 
 
-def _verdict(value: float | None, limit: float) -> str:
-    return "n/a" if value is None else ("PASS" if value <= limit else "FAIL")
-
-
 def _targets(name: str, times: dict | None, mem: dict) -> list[dict[str, Any]]:
     rows = []
     if times is not None:
@@ -208,16 +204,7 @@ def _targets(name: str, times: dict | None, mem: dict) -> list[dict[str, Any]]:
     fraction = mem.get("checkpointables", {}).get("fraction")
     rows.append(("mem_load", 1.1, fraction, "peak RSS growth, load <= 1.1x file size"))
     return [
-        {
-            "case": name,
-            "metric": metric,
-            "op": "<=",
-            "limit": limit,
-            "text": text,
-            "value": value,
-            "orbax_value": None,
-            "verdict": _verdict(value, limit),
-        }
+        report.target_row(name, metric, "<=", limit, value, text)
         for metric, limit, value, text in rows
     ]
 

@@ -34,6 +34,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from bench import report
+
 __all__ = ["CASES", "run_case"]
 
 THROTTLE_BYTES_PER_SEC = 1e9
@@ -153,21 +155,6 @@ def _job(total_bytes: int, scratch: str, timeout: float) -> list[dict[str, Any]]
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _row(name: str, metric: str, op: str, limit: float, value: float | None, text: str) -> dict:
-    ok = value is not None and (value <= limit if op == "<=" else value >= limit)
-    verdict = "n/a" if value is None else ("PASS" if ok else "FAIL")
-    return {
-        "case": name,
-        "metric": metric,
-        "op": op,
-        "limit": limit,
-        "text": text,
-        "value": value,
-        "orbax_value": None,
-        "verdict": verdict,
-    }
-
-
 def _targets(name: str, procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     stall = max(p["save_blocked_s"] / p["d2h_s"] for p in procs)
     wiped = max(p["one_wiped"]["secs"] for p in procs) / max(p["own_disks"]["secs"] for p in procs)
@@ -177,15 +164,15 @@ def _targets(name: str, procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for p in procs
     )
     speedup = throttled / max(p["one_wiped"]["secs"] for p in procs)
-    return [
-        _row(name, "save_stall_vs_d2h", "<=", 1.1, stall, "local save stall <= 1.1x D2H copy"),
-        _row(name, "wiped_restore_persistent_bytes", "<=", 0, from_persistent,
-             "restore, one host wiped: 0 B from persistent"),
-        _row(name, "wiped_vs_own_disks", "<=", 1.5, wiped,
-             "restore, one host wiped <= 1.5x own disks"),
-        _row(name, "peers_vs_persistent_1gbps", ">=", 10, speedup,
-             "restore from peers >= 10x persistent at 1 GB/s"),
+    rows = [
+        ("save_stall_vs_d2h", "<=", 1.1, stall, "local save stall <= 1.1x D2H copy"),
+        ("wiped_restore_persistent_bytes", "<=", 0, from_persistent,
+         "restore, one host wiped: 0 B from persistent"),
+        ("wiped_vs_own_disks", "<=", 1.5, wiped, "restore, one host wiped <= 1.5x own disks"),
+        ("peers_vs_persistent_1gbps", ">=", 10, speedup,
+         "restore from peers >= 10x persistent at 1 GB/s"),
     ]  # fmt: skip
+    return [report.target_row(name, *row) for row in rows]
 
 
 def _run(name: str, total_bytes: int, args: Any, scratch: str, say: Callable[..., None]) -> dict:

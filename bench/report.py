@@ -128,6 +128,24 @@ def evaluate(
     return rows
 
 
+def target_row(
+    case: str, metric: str, op: str, limit: float, value: float | None, text: str
+) -> dict[str, Any]:
+    """A target of a case that runs no Orbax (``op``: ``"<="`` or ``">="``), with its
+    verdict: ``n/a`` when ``value`` is None."""
+    verdict = "n/a" if value is None else ("PASS" if _COMPARE[op](value, limit) else "FAIL")
+    return {
+        "case": case,
+        "metric": metric,
+        "op": op,
+        "limit": limit,
+        "text": text,
+        "value": value,
+        "orbax_value": None,
+        "verdict": verdict,
+    }
+
+
 def _fmt(value: float | None, unit: str = "") -> str:
     if value is None:
         return "-"
