@@ -14,6 +14,7 @@ import subprocess
 import sys
 import termios
 import textwrap
+import time
 
 
 def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -63,3 +64,13 @@ def run_on_terminal(*args: str) -> str:
     shown = b"".join(chunks).decode(errors="replace")
     assert returncode == 0, shown
     return shown
+
+
+def wait_for_file(proc: subprocess.Popen, path, seconds: float = 60) -> None:
+    """Waits until ``proc`` created ``path`` (its signal that it got where a test wants it);
+    fails if ``proc`` exits first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the process ended (code {proc.returncode}) before {path}"
+        assert time.monotonic() < deadline, f"no {path} after {seconds} s"
+        time.sleep(0.02)

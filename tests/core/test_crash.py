@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import checkpointables as cp
 import pytest
+
+from ..python_subprocess import wait_for_file
 
 _SCRIPT = textwrap.dedent(
     """
@@ -41,11 +42,7 @@ def test_sigkill_mid_save(tmp_path, existing) -> None:
     started = tmp_path.parent / f"{tmp_path.name}-started"
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), str(started)])
     try:
-        deadline = time.monotonic() + 60
-        while not started.exists():
-            assert proc.poll() is None, "the saving process died early"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_file(proc, started)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(30)

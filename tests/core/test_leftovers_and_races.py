@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import checkpointables as cp
 import numpy as np
 import pytest
 
+from ..python_subprocess import wait_for_file
 from .helpers import Gate
 from .test_crash import _SCRIPT
 
@@ -22,11 +22,7 @@ def _kill_mid_save(path, started) -> None:
     """Runs a save of ``path`` with overwrite=True in another process, killed mid-way."""
     with subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), str(started)]) as proc:
         try:
-            deadline = time.monotonic() + 60
-            while not started.exists():
-                assert proc.poll() is None, "the saving process died early"
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for_file(proc, started)
             os.kill(proc.pid, signal.SIGKILL)
         finally:
             proc.wait(30)

@@ -13,6 +13,7 @@ import time
 import checkpointables as cp
 import pytest
 
+from ...python_subprocess import wait_for_file
 from .helpers import TIMEOUT, Value, load_value
 
 D = cp.training.save_decision_policies
@@ -211,11 +212,7 @@ def test_a_live_process_in_flight_save_is_left_alone(tmp_path) -> None:
         [sys.executable, "-c", _SLOW_SAVER, str(root), str(started), str(release)]
     )
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while not started.exists():
-            assert proc.poll() is None, "the saving process died"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_file(proc, started, TIMEOUT)
         (in_flight,) = os.listdir(root)
         assert ".checkpointables-tmp-" in in_flight
         ckptr = cp.training.Checkpointer(root)

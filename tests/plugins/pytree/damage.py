@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 from collections.abc import Iterator
 
@@ -66,3 +67,14 @@ def forge_root(database, offset: int, length: int) -> None:
     body = raw[14:at] + _varint(offset) + _varint(length) + raw[at + len(old) : -4]
     forged = raw[:4] + struct.pack("<Q", 14 + len(body) + 4) + raw[12:14] + body
     manifest.write_bytes(forged + struct.pack("<I", crc32c.crc32c(forged)))
+
+
+def saved_by_fast_path(tmp_path_factory, tree) -> pathlib.Path:
+    """A checkpoint of ``tree`` written by our database writer, for a module's fixture (made
+    before a ``fast_path`` mark turns that writer on, so it is turned on here)."""
+    import checkpointables as cp
+
+    path = tmp_path_factory.mktemp("saved") / "c"
+    with cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True)):
+        cp.save_pytree(path, tree)
+    return path

@@ -20,7 +20,7 @@ from checkpointables_pytree import ocdbt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .damage import forge_root, root_location
+from .damage import forge_root, root_location, saved_by_fast_path
 
 # Forged manifests and nodes of the database our fast path writes and reads.
 pytestmark = pytest.mark.fast_path
@@ -30,11 +30,7 @@ TREE = {"a": np.arange(3), "step": 5, "big": np.arange(2 << 20, dtype=np.float32
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("saved") / "c"
-    # Set here: a module's fixture is made before the fast_path mark turns the path on.
-    with cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True)):
-        cp.save_pytree(path, TREE)
-    return path
+    return saved_by_fast_path(tmp_path_factory, TREE)
 
 
 def _problems(checkpoint) -> list[str]:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ...metadata_edits import without_metadata_checksums
+from .damage import saved_by_fast_path
 
 # The saves here choose their own path (FAST_PATH_OFF where TensorStore writes): the
 # fast path stays on in CI's run without it.
@@ -82,11 +83,7 @@ def _forge_step(database) -> str:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("saved") / "c"
-    # Set here: a module's fixture is made before the fast_path mark turns the path on.
-    with cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=True)):
-        cp.save_pytree(path, TREE)
-    return path
+    return saved_by_fast_path(tmp_path_factory, TREE)
 
 
 def test_a_save_records_every_node_and_the_list_is_covered_by_checksums(saved) -> None:
