@@ -9,8 +9,10 @@ after the step it reused is deleted, and readable by Orbax.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
+import time
 
 import boto3
 import checkpointables as cp
@@ -207,3 +209,49 @@ def test_a_copy_whose_source_is_gone_fails_and_leaves_nothing(s3, bucket) -> Non
             storage.copy_objects([copy], single_copy_bytes=single, part_bytes=5 * MiB)
     assert keys(s3, f"{bucket}/new") == []
     assert not client.list_multipart_uploads(Bucket=name).get("Uploads")
+
+
+_KILLED = """
+import sys
+import numpy as np
+import checkpointables as cp
+
+rng = np.random.default_rng(0)
+base = {f"w{i}": rng.standard_normal((256, 1024), np.float32) for i in range(8)}
+keep = cp.training.preservation_policies.LatestN(2)
+every = cp.training.save_decision_policies.EveryNStepsPolicy(1)
+with cp.training.Checkpointer(
+    sys.argv[1], preservation_policy=keep, save_decision_policy=every, reuse_unchanged=True
+) as ckptr:
+    latest = ckptr.latest_step()
+    step = latest.step + 1 if latest else 0
+    while True:
+        ckptr.save_pytree(step, {"base": base, "adapter": np.full(1 << 16, step, np.float32)})
+        print(step, flush=True)
+        step += 1
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(s3, bucket) -> None:
+    root = f"{bucket}/run"
+    for delay in (0.3, 0.9, 1.6):
+        with subprocess.Popen(
+            [sys.executable, "-c", _KILLED, root], stdout=subprocess.PIPE, text=True
+        ) as process:
+            assert process.stdout is not None
+            process.stdout.readline()  # A step committed (bounded: it prints or dies).
+            time.sleep(delay)
+            process.send_signal(signal.SIGKILL)
+            process.wait(60)
+    committed = {k.split("/")[0] for k in keys(s3, root) if k.endswith("/commit_success.txt")}
+    assert committed
+    for name in committed:
+        loaded = cp.load_pytree(f"{root}/{name}")
+        assert np.array_equal(loaded["adapter"], np.full(1 << 16, int(name), np.float32))
+        _verify(f"{root}/{name}")
+    with cp.training.Checkpointer(root) as ckptr:
+        assert {str(s.step) for s in ckptr.steps()} == committed
+        ckptr.wait()  # Its cleanup of what the kills left.
+    left = {k.split("/")[0] for k in keys(s3, root)} - committed - {"metadata"}
+    assert not left, left

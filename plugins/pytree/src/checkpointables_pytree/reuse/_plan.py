@@ -8,8 +8,9 @@ process database, ignored by Orbax and TensorStore). An array whose layout
 (kind, shape, dtype, chunk shape, storage options) and every fingerprint
 equal the source's record, and whose chunks the source's b-tree places in
 data files that are there with at least the recorded bytes, is *linked*: the
-writer hard-links those files and points this database's keys at the same
-offsets (``ocdbt.Linked``); its data never reaches the host. Every other
+writer hard-links those files (on S3: copies them on the server, each copy
+conditional on the ETag listed here) and points this database's keys at the
+same offsets (``ocdbt.Linked``); its data never reaches the host. Every other
 array is written as in any save, in data files of its own (``Writer.isolate``)
 so that the next save can link them whole.
 
