@@ -58,13 +58,7 @@ def _uploaded(counts) -> int:
 
 
 def _verify(path: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "checkpointables", "verify", path],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    _cli("verify", path)
 
 
 def _checkpointer(root: str, keep=None) -> cp.training.Checkpointer:
@@ -107,6 +101,19 @@ def test_reuse_across_steps_uploads_only_the_changed_bytes(s3, proxy, bucket) ->
             client.delete_object(Bucket=name, Key=f"run/{step}/{key}")
     assert_equal(cp.load_pytree(f"{bucket}/run/3"), trees[3])
     _verify(f"{bucket}/run/3")
+    shown = _cli("inspect", f"{bucket}/run/3")
+    assert "    adapter: written" in shown and "    base.w0: reused from 2" in shown, shown
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointables", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def test_a_short_or_replaced_source_object_is_written_afresh(s3, proxy, bucket) -> None:
