@@ -124,6 +124,12 @@ def _failed(action: str, url: str, error: Exception) -> cp.errors.StorageError:
             f"deleted or replaced while the save ran. Nothing was committed; save again "
             f"(a Checkpointer keeps the step it reuses until its save ends)."
         )
+    if code in ("NotImplemented", "501"):
+        return cp.errors.StorageError(
+            f"{action} {url} failed: this S3-compatible server does not implement server-side "
+            f"copies (CopyObject, UploadPartCopy). Turn incremental saves off there: "
+            f"Checkpointer(reuse_unchanged=False), or no reuse_from. Nothing was committed."
+        )
     return cp.errors.StorageError(
         f"{action} {url} failed: {error}. Check the credentials and the endpoint "
         f"(cp.options.StorageOptions, or the AWS_* environment variables); requests that "
