@@ -19,7 +19,7 @@ import checkpointables as cp
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables_pytree import storage
+from checkpointables_pytree import reuse, storage
 
 from ...object_store_server import S3Proxy, _client_args, aws_environment
 from .helpers import assert_equal, keys, tree
@@ -116,16 +116,24 @@ def _cli(*args: str) -> str:
     return done.stdout
 
 
-def test_a_short_or_replaced_source_object_is_written_afresh(s3, proxy, bucket) -> None:
+def _damaged(body: bytes, how: str) -> bytes:
+    if how == "short":  # A torn copy: its last byte lost.
+        return body[:-1]
+    middle = len(body) // 2  # Rewritten with one bit flipped: its size, another ETag.
+    return body[:middle] + bytes([body[middle] ^ 1]) + body[middle + 1 :]
+
+
+@pytest.mark.parametrize("how", ["short", "flipped"])
+def test_a_short_or_replaced_source_object_is_written_afresh(s3, proxy, bucket, how) -> None:
     state = _state()
     cp.save_pytree(f"{bucket}/1", state, reuse_from=None)
     cp.save_pytree(f"{bucket}/2", state, reuse_from=f"{bucket}/1")
-    # Damage: every data object of step 2 loses its last byte (a torn copy).
     client = boto3.client("s3", **_client_args(s3.endpoint))
     name = bucket.removeprefix("s3://")
-    for key in keys(s3, f"{bucket}/2/pytree/d"):
+    for key in keys(s3, f"{bucket}/2/pytree/d"):  # Every array's data object.
         body = client.get_object(Bucket=name, Key=f"2/pytree/d/{key}")["Body"].read()
-        client.put_object(Bucket=name, Key=f"2/pytree/d/{key}", Body=body[:-1])
+        if len(body) > reuse.MIN_BYTES:
+            client.put_object(Bucket=name, Key=f"2/pytree/d/{key}", Body=_damaged(body, how))
     with proxy.counting() as counts:
         cp.save_pytree(f"{bucket}/3", state, reuse_from=f"{bucket}/2")
     assert _uploaded(counts) >= sum(int(a.nbytes) for a in state["base"].values())

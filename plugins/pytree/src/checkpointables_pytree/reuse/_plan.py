@@ -63,10 +63,17 @@ class ReusePlan:
     linked_bytes: int = 0
 
     def write(self, pytree_directory: epath.Path) -> None:
-        """Writes the record beside this process's database (after the directory exists)."""
+        """Writes the record beside this process's database, once its data files are
+        written (on S3 it lists them)."""
         directory = ocdbt.database_directory(pytree_directory)
         cp.storage.make_dirs(directory)  # Nothing to make on an object store.
-        text = json.dumps({"format": _FORMAT, "arrays": self.record}, separators=(",", ":"))
+        content: dict[str, Any] = {"format": _FORMAT, "arrays": self.record}
+        if not ocdbt.is_local(directory):  # The data objects' sizes and ETags, as the
+            # server recorded them: a later save copies only objects that still match.
+            root = os.fspath(directory).rstrip("/") + "/"
+            listed = storage.list_objects(f"{root}d")
+            content["files"] = {k[len(root) :]: [v.size, v.etag] for k, v in listed.items()}
+        text = json.dumps(content, separators=(",", ":"))
         cp.storage.write_text(directory / RECORD_FILE, text)
 
 
@@ -141,8 +148,9 @@ def _fingerprints(candidates: Sequence[_Candidate]) -> dict[str, list[str]]:
 
 
 def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
-    """The source's record for this process (``own``: the record in ``source`` itself;
-    ``{}``: none, or unreadable)."""
+    """The source's record for this process (``own``: the record in ``source`` itself):
+    ``{"arrays": ..., "files": ...}``, either missing if the record has none (``{}``: no
+    record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
         data = json.loads(cp.storage.read_text(path))
@@ -150,8 +158,7 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return {}
-    arrays = data.get("arrays")
-    return arrays if isinstance(arrays, dict) else {}
+    return {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
 
 
 def _entry(c: _Candidate, prints: list[str]) -> dict[str, Any]:
@@ -169,10 +176,13 @@ def _same_layout(entry: dict[str, Any], c: _Candidate) -> bool:
 
 class _Files:
     """The source's data files, each looked up once: a local file's size, or on S3 the
-    object as listed (size and ETag; one LIST per directory of data files)."""
+    object as listed (size and ETag; one LIST per directory of data files), if it is the
+    object the source's record lists."""
 
-    def __init__(self, local: bool) -> None:
-        self._local = local
+    def __init__(self, source: epath.Path, recorded: dict[str, Any]) -> None:
+        self._local = ocdbt.is_local(source)
+        self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
+        self._recorded = recorded  # On S3: "d/<name>" -> [size, ETag] when it was saved.
         self._sizes: dict[str, int] = {}
         self.listed: dict[str, storage.ObjectInfo] = {}
 
@@ -191,26 +201,36 @@ class _Files:
         return bool(size >= location.offset + location.length)
 
     def _size(self, file: str) -> int:
+        """The file's size (-1: missing, or an object other than the one recorded)."""
         if not self._local:
             found = self.listed.get(file)
-            return -1 if found is None else found.size
+            recorded = self._recorded.get(file.removeprefix(self._root))
+            if found is None or (recorded is not None and recorded != [found.size, found.etag]):
+                return -1
+            return found.size
         try:
             return os.stat(file).st_size
         except OSError:
             return -1
 
 
-async def _link(source: epath.Path, matching: Sequence[_Candidate], writer: io.Writer) -> int:
+async def _link(
+    source: epath.Path,
+    matching: Sequence[_Candidate],
+    writer: io.Writer,
+    recorded: dict[str, Any],
+) -> int:
     """Links the chunks of ``matching`` arrays the source holds in data files; returns the
-    bytes linked. An array with a chunk missing, inline, or in a short file is written."""
+    bytes linked. An array with a chunk missing, inline, in a short file, or in an object
+    other than the one ``recorded`` (S3) is written."""
     keys = [key for c in matching for _, key, _ in c.shards]
     if not keys:
         return 0
     try:
         found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
-    except (OSError, ValueError):  # A damaged source: everything is written afresh.
+    except (OSError, ValueError, cp.errors.IntegrityError):  # A damaged source: written afresh.
         return 0
-    files = _Files(ocdbt.is_local(source))
+    files = _Files(source, recorded)
     await asyncio.to_thread(files.list, list(found.values()))
     linked = 0
     for c in matching:
@@ -263,7 +283,8 @@ async def plan_reuse(
     if not _usable(directory, source, context):
         return None
     candidates = _candidates(flat, context)
-    earlier = _read_record(source) if source is not None else {}
+    recorded = _read_record(source) if source is not None else {}
+    earlier = recorded.get("arrays", {})
     frozen = reuse.frozen
     known = {}
     to_print = []
@@ -280,7 +301,7 @@ async def plan_reuse(
     plan = ReusePlan(record)
     writer.isolate = True
     if source is not None and matching:
-        plan.linked_bytes = await _link(source, matching, writer)
+        plan.linked_bytes = await _link(source, matching, writer, recorded.get("files", {}))
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
             record[name] = dict(record[name], reused_from=source.parent.name)
@@ -302,7 +323,7 @@ def reuse_report(pytree_directory: epath.Path) -> dict[str, str | None]:
         if e.is_dir and e.name.startswith("ocdbt.process_")
     ]
     for record in [pytree_directory, *databases]:
-        for name, entry in _read_record(record, own=True).items():
+        for name, entry in _read_record(record, own=True).get("arrays", {}).items():
             source = entry.get("reused_from") if isinstance(entry, dict) else None
             if report.get(name) is None:
                 report[name] = source if isinstance(source, str) else None
