@@ -9,6 +9,7 @@ a 2-core machine (``--base-mib``)::
 
     uv run python -m bench.incremental                       # 256 MiB base, 10 steps
     uv run python -m bench.incremental --base-mib 1024 --arrays 200 --adapter-mib 16
+    uv run python -m bench.incremental --s3                  # bytes uploaded to moto's S3 server
     uv run python -m bench.run --case incremental            # the issue's sizes, with targets
 """
 
@@ -148,6 +149,49 @@ def measure(base_mib: int, arrays: int, adapter_mib: int, steps: int, scratch: s
     return {"rows": rows, "alone": alone, "fingerprint": fingerprint}
 
 
+def measure_s3(tree: dict, steps: int) -> dict:
+    """Bytes uploaded per save of a reusing Checkpointer on moto's S3 server (``LatestN(2)``:
+    the server keeps its objects in memory), counted at the server by a proxy in front of it
+    (the request bodies it receives), and the saves' wall times. Save 0 writes everything."""
+    from bench.object_store import LocalS3, delete
+    from tests.object_store_server import S3Proxy
+
+    server = LocalS3()
+    proxy = S3Proxy(server.endpoint)
+    uploaded, times = [], []
+    root = f"s3://{server.bucket}/incremental"
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # botocore's copies read it too.
+    try:
+        keep = cp.training.preservation_policies.LatestN(2)
+        decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
+        with cp.training.Checkpointer(
+            root, save_decision_policy=decide, preservation_policy=keep, reuse_unchanged=True
+        ) as ckptr:
+            for step in range(steps):
+                tree = _train_step(tree)
+                jax.block_until_ready(tree)
+                with proxy.counting() as counts:
+                    start = time.perf_counter()
+                    ckptr.save_pytree(step, tree)
+                    times.append(time.perf_counter() - start)
+                uploaded.append(counts.bytes_sent["PUT"] + counts.bytes_sent["POST"])
+        delete(root)
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+        proxy.stop()
+        server.stop()
+    return {"uploaded": uploaded, "times": times}
+
+
+def _s3_line(s3: dict, trainable: int) -> str:
+    later = statistics.median(s3["uploaded"][1:])
+    return (
+        f"S3 (moto, bytes uploaded counted at the server): full save {s3['uploaded'][0] / MiB:.2f} "
+        f"MiB in {s3['times'][0]:.2f} s; reusing saves {later / MiB:.2f} MiB (median; changed "
+        f"{trainable / MiB:.2f} MiB) in {statistics.median(s3['times'][1:]):.2f} s"
+    )
+
+
 def _mode(reuse: object) -> str:
     return "frozen base declared" if callable(reuse) else ("on" if reuse else "off")
 
@@ -236,14 +280,29 @@ def run_case(args: argparse.Namespace, scratch: str, say) -> dict:
     result = measure(base_mib, arrays, adapter_mib, steps, scratch)
     say(_table(result))
     trainable = 3 * adapter_mib * MiB
+    s3 = measure_s3(_tree(base_mib, arrays, adapter_mib), 4)
+    say(_s3_line(s3, trainable))
     summary = {f"{k[0]} / {k[1]}": v for k, v in _summary(result["rows"]).items()}
+    targets = _targets(result, base_mib * MiB, trainable, steps)
+    uploaded = statistics.median(s3["uploaded"][1:]) / (trainable + MiB)
+    targets.append(
+        {
+            **targets[0],
+            "metric": "s3_uploaded_vs_changed",
+            "text": "S3 server: a reusing save uploads <= changed bytes + 1 MiB",
+            "value": uploaded,
+            "verdict": "PASS" if uploaded <= 1.0 else "FAIL",
+        }
+    )
     return {
+        "s3_uploaded": s3["uploaded"],
+        "s3_save_s": s3["times"],
         "bytes": base_mib * MiB + trainable,
         "rows": summary,
         "changed_alone_s": result["alone"],
         "fingerprint_s": result["fingerprint"][0],
         "device_reduction_s": result["fingerprint"][1],
-        "targets": _targets(result, base_mib * MiB, trainable, steps),
+        "targets": targets,
     }
 
 
@@ -273,11 +332,16 @@ def main() -> None:
     parser.add_argument("--arrays", type=int, default=50)
     parser.add_argument("--adapter-mib", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--s3", action="store_true", help="only the S3 case (moto's server)")
     args = parser.parse_args()
+    trainable = 3 * args.adapter_mib * MiB
+    if args.s3:
+        tree = _tree(args.base_mib, args.arrays, args.adapter_mib)
+        print(_s3_line(measure_s3(tree, min(args.steps, 4)), trainable))
+        return
     result = measure(
         args.base_mib, args.arrays, args.adapter_mib, args.steps, tempfile.gettempdir()
     )
-    trainable = 3 * args.adapter_mib * MiB
     print(
         f"base {args.base_mib} MiB in {args.arrays} arrays, trainable (adapters + mu + nu) "
         f"{trainable / MiB:.0f} MiB, {args.steps} steps, jax {jax.default_backend()}"

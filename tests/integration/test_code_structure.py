@@ -34,7 +34,7 @@ PYTREE_ROOMS: dict[str, set[str]] = {
     "ocdbt": {"storage", "zarr3"},
     "io": {"ocdbt", "storage", "zarr3"},
     "leaves": {"io", "ocdbt", "storage", "tree", "zarr3"},
-    "reuse": {"io", "ocdbt", "tree", "zarr3"},
+    "reuse": {"io", "ocdbt", "storage", "tree", "zarr3"},
 }
 # Internals patched by tests where their callers look them up (a counter, a range size).
 PRIVATE_IMPORTS_ALLOWED = {

@@ -65,12 +65,13 @@ def _reuse_setting(
 ) -> tuple[bool, Callable[[str], bool] | None]:
     """``(on, frozen)`` for the ``reuse_unchanged`` argument (see ``Checkpointer``)."""
     if reuse_unchanged is None:
-        # Safe: local storage links files (an object store here would rewrite them anyway).
-        # Cheap: on an accelerator a fingerprint reads device memory (TB/s); host data is
-        # hashed at about 540 MB/s per core, as slow as the write it saves.
+        # Safe: local storage links files, S3 copies objects on the server (GCS would
+        # rewrite them anyway). Cheap: on an accelerator a fingerprint reads device memory
+        # (TB/s); host data is hashed at about 540 MB/s per core, as slow as the write it saves.
         import jax
 
-        return storage.is_local(root) and jax.default_backend() != "cpu", None
+        linkable = storage.scheme_of(root) in (None, "s3")
+        return linkable and jax.default_backend() != "cpu", None
     if callable(reuse_unchanged):
         return True, reuse_unchanged
     if not isinstance(reuse_unchanged, bool):
@@ -118,9 +119,10 @@ class Checkpointer:
         back with ``metadata()``.
       reuse_unchanged: each save links the arrays that did not change since the newest
         committed step from it instead of writing them (``docs/incremental.md``); the
-        step is still complete on its own. ``None`` (default): on for a local root when
-        arrays live on an accelerator, off on CPU-only jobs (fingerprints cost about
-        what the write does there) and on object stores (no server-side copy here). A callable is a
+        step is still complete on its own. ``None`` (default): on for a local or ``s3://``
+        root (hard links; server-side copies) when arrays live on an accelerator, off on
+        CPU-only jobs (fingerprints cost about what the write does there) and on ``gs://``
+        (no server-side copy here). A callable is a
         predicate on a leaf's storage name (``"params.encoder.w"``) declaring the
         leaves it accepts frozen: those skip the fingerprint.
       local_tier: a ``cp.training.LocalTier``: also save, at its own cadence, to

@@ -137,14 +137,14 @@ async def _write_all(
         path = await directory.await_creation()
         with execution.paused_gc():
             session.write_files(path)
-            if reused is not None:  # The fingerprints a later incremental save compares.
-                reused.write(path)
             if session.primary:
                 if session.strings:
                     tree.strings_crc32c = crc32c.crc32c(session.strings_text().encode())
                 tree_room.write_tree_metadata(path, tree)
     finally:
         await asyncio.gather(arrays, others)
+    if reused is not None:  # What a later incremental save compares (its data files written).
+        await asyncio.to_thread(reused.write, path)
     if cp.multihost.process_count() == 1 and session.primary and not session.writer.empty:
         # The database is final (the writers' merged): its nodes' checksums, before the commit.
         await asyncio.to_thread(ocdbt.record_node_checksums, path)

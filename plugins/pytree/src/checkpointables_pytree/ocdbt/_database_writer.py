@@ -36,6 +36,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
+from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _context, _format
 
 __all__ = [
@@ -75,32 +76,47 @@ def _resolved(parts: Sequence[Buffer]) -> list[Buffer]:
 
 class Linked:
     """A value that is already in a data file of another database, which the new one links
-    (a hard link, ``link_files``): ``length`` bytes at ``offset`` of ``source``, linked as
-    ``name`` (``d/r<hex>``: never the name of a file the layout writes)."""
+    (``link_files``): ``length`` bytes at ``offset`` of ``source``, linked as ``name``
+    (``d/r<hex>``: never the name of a file the layout writes). On an object store,
+    ``listed`` is the source object as the save listed it (size, ETag): what is copied."""
 
-    __slots__ = ("length", "name", "offset", "source")
+    __slots__ = ("length", "listed", "name", "offset", "source")
 
-    def __init__(self, source: str, offset: int, length: int) -> None:
+    def __init__(
+        self, source: str, offset: int, length: int, listed: storage.ObjectInfo | None = None
+    ) -> None:
         self.source = source
         self.offset = offset
         self.length = length
+        self.listed = listed
         self.name = "d/r" + os.path.basename(source).lstrip("r")
 
 
 def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
-    """Hard-links the source file of every ``linked`` value into the local ``database``.
+    """Gives the ``database`` its own copy of the source file of every ``linked`` value:
+    a hard link on a local disk, a server-side copy on S3 (no byte through this host).
 
     A link adds a name, never data: the source's file is immutable, and deleting
-    the source's checkpoint leaves this one's name, so each stays whole.
+    the source's checkpoint leaves this one's name. A copy is an object of the new
+    checkpoint's own. Either way each checkpoint stays whole.
+
+    Raises:
+      cp.errors.StorageError: a server-side copy failed (its source gone or replaced).
     """
-    done = set()
-    for value in linked:
-        if value.name in done:
-            continue
+    unique = list({value.name: value for value in linked}.values())
+    if not _context.is_local(database):
+        root = os.fspath(database).rstrip("/")
+        copies = []
+        for value in unique:
+            if value.listed is None:
+                raise ValueError(f"{value.source} was not listed: it cannot be copied.")
+            copies.append(storage.ServerCopy(value.source, f"{root}/{value.name}", value.listed))
+        storage.copy_objects(copies)
+        return
+    for value in unique:
         target = os.path.join(os.fspath(database), value.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.link(value.source, target)
-        done.add(value.name)
 
 
 class DataFile:

@@ -7,7 +7,10 @@ the source saved beside its database, and hands the writer the chunks to link
 (``io.Writer.linked``); the save then writes the record of its own
 fingerprints (``ReusePlan.write``). Guide: ``docs/incremental.md``.
 
-It imports ``io``, ``ocdbt``, ``tree`` and ``zarr3``; only the handler imports it.
+Linking is a hard link on a local disk and a server-side copy on S3
+(``storage.copy_objects``, through ``ocdbt.link_files``).
+
+It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; only the handler imports it.
 """
 
 from checkpointables_pytree.reuse._fingerprint import (

@@ -8,8 +8,9 @@ process database, ignored by Orbax and TensorStore). An array whose layout
 (kind, shape, dtype, chunk shape, storage options) and every fingerprint
 equal the source's record, and whose chunks the source's b-tree places in
 data files that are there with at least the recorded bytes, is *linked*: the
-writer hard-links those files and points this database's keys at the same
-offsets (``ocdbt.Linked``); its data never reaches the host. Every other
+writer hard-links those files (on S3: copies them on the server, each copy
+conditional on the ETag listed here) and points this database's keys at the
+same offsets (``ocdbt.Linked``); its data never reaches the host. Every other
 array is written as in any save, in data files of its own (``Writer.isolate``)
 so that the next save can link them whole.
 
@@ -20,6 +21,7 @@ them as any other.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Sequence
@@ -31,7 +33,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from checkpointables_pytree import io, ocdbt, tree, zarr3
+from checkpointables_pytree import io, ocdbt, storage, tree, zarr3
 from checkpointables_pytree.reuse import _fingerprint
 
 __all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"]
@@ -61,11 +63,18 @@ class ReusePlan:
     linked_bytes: int = 0
 
     def write(self, pytree_directory: epath.Path) -> None:
-        """Writes the record beside this process's database (after the directory exists)."""
+        """Writes the record beside this process's database, once its data files are
+        written (on S3 it lists them)."""
         directory = ocdbt.database_directory(pytree_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"format": _FORMAT, "arrays": self.record}, separators=(",", ":"))
-        (directory / RECORD_FILE).write_text(text)
+        cp.storage.make_dirs(directory)  # Nothing to make on an object store.
+        content: dict[str, Any] = {"format": _FORMAT, "arrays": self.record}
+        if not ocdbt.is_local(directory):  # The data objects' sizes and ETags, as the
+            # server recorded them: a later save copies only objects that still match.
+            root = os.fspath(directory).rstrip("/") + "/"
+            listed = storage.list_objects(f"{root}d")
+            content["files"] = {k[len(root) :]: [v.size, v.etag] for k, v in listed.items()}
+        text = json.dumps(content, separators=(",", ":"))
+        cp.storage.write_text(directory / RECORD_FILE, text)
 
 
 def _signature(kind: str, array: Any, chunk_shape: Sequence[int], context: cp.Context) -> str:
@@ -139,17 +148,17 @@ def _fingerprints(candidates: Sequence[_Candidate]) -> dict[str, list[str]]:
 
 
 def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
-    """The source's record for this process (``own``: the record in ``source`` itself;
-    ``{}``: none, or unreadable)."""
+    """The source's record for this process (``own``: the record in ``source`` itself):
+    ``{"arrays": ..., "files": ...}``, either missing if the record has none (``{}``: no
+    record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(cp.storage.read_text(path))
+    except (OSError, ValueError):  # Missing or unreadable (cp.errors.StorageError: OSError).
         return {}
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return {}
-    arrays = data.get("arrays")
-    return arrays if isinstance(arrays, dict) else {}
+    return {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
 
 
 def _entry(c: _Candidate, prints: list[str]) -> dict[str, Any]:
@@ -166,40 +175,70 @@ def _same_layout(entry: dict[str, Any], c: _Candidate) -> bool:
 
 
 class _Files:
-    """Sizes of the source's data files, each looked up once."""
+    """The source's data files, each looked up once: a local file's size, or on S3 the
+    object as listed (size and ETag; one LIST per directory of data files), if it is the
+    object the source's record lists."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: epath.Path, recorded: dict[str, Any]) -> None:
+        self._local = ocdbt.is_local(source)
+        self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
+        self._recorded = recorded  # On S3: "d/<name>" -> [size, ETag] when it was saved.
         self._sizes: dict[str, int] = {}
+        self.listed: dict[str, storage.ObjectInfo] = {}
+
+    def list(self, places: Sequence[Any]) -> None:
+        """Lists the directories of ``places``' files (on S3; blocking)."""
+        if not self._local:
+            for directory in sorted({p.file.rpartition("/")[0] for p in places}):
+                self.listed.update(storage.list_objects(directory))
 
     def holds(self, location: Any) -> bool:
+        """Whether the file of ``location`` is there with at least the bytes it names."""
         size = self._sizes.get(location.file)
         if size is None:
-            try:
-                size = os.stat(location.file).st_size
-            except OSError:
-                size = -1
+            size = self._size(location.file)
             self._sizes[location.file] = size
         return bool(size >= location.offset + location.length)
 
+    def _size(self, file: str) -> int:
+        """The file's size (-1: missing, or an object other than the one recorded)."""
+        if not self._local:
+            found = self.listed.get(file)
+            recorded = self._recorded.get(file.removeprefix(self._root))
+            if found is None or (recorded is not None and recorded != [found.size, found.etag]):
+                return -1
+            return found.size
+        try:
+            return os.stat(file).st_size
+        except OSError:
+            return -1
 
-async def _link(source: epath.Path, matching: Sequence[_Candidate], writer: io.Writer) -> int:
+
+async def _link(
+    source: epath.Path,
+    matching: Sequence[_Candidate],
+    writer: io.Writer,
+    recorded: dict[str, Any],
+) -> int:
     """Links the chunks of ``matching`` arrays the source holds in data files; returns the
-    bytes linked. An array with a chunk missing, inline, or in a short file is written."""
+    bytes linked. An array with a chunk missing, inline, in a short file, or in an object
+    other than the one ``recorded`` (S3) is written."""
     keys = [key for c in matching for _, key, _ in c.shards]
     if not keys:
         return 0
     try:
         found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
-    except (OSError, ValueError):  # A damaged source: everything is written afresh.
+    except (OSError, ValueError, cp.errors.IntegrityError):  # A damaged source: written afresh.
         return 0
-    files = _Files()
+    files = _Files(source, recorded)
+    await asyncio.to_thread(files.list, list(found.values()))
     linked = 0
     for c in matching:
         places = [found.get(key) for _, key, _ in c.shards]
         if any(p is None or not files.holds(p) for p in places):
             continue
         writer.linked[c.name] = [
-            (key, ocdbt.Linked(p.file, p.offset, p.length))
+            (key, ocdbt.Linked(p.file, p.offset, p.length, files.listed.get(p.file)))
             for (_, key, _), p in zip(c.shards, places, strict=True)
             if p is not None
         ]
@@ -208,21 +247,27 @@ async def _link(source: epath.Path, matching: Sequence[_Candidate], writer: io.W
 
 
 def _usable(directory: epath.Path, source: epath.Path | None, context: cp.Context) -> bool:
-    """Whether this save can link files at all (says once in the log why not)."""
+    """Whether this save can link files at all (says once in the log why not): both on a
+    local disk (hard links), or both on S3 (server-side copies)."""
     if not context.array_options.ocdbt_fast_path:
         cp.reuse.log_once(
             "fast_path", "Incremental saves need the OCDBT fast path; writing every array."
         )
         return False
-    for path in (directory, source):
-        if path is not None and not ocdbt.is_local(path):
-            cp.reuse.log_once(
-                f"remote:{str(path).split('://')[0]}",
-                f"Incremental saves link files on local storage only; {path} has no "
-                f"server-side copy here: every array is written as in a plain save.",
-            )
-            return False
-    return True
+    paths = [os.fspath(p) for p in (directory, source) if p is not None]
+    if all(ocdbt.is_local(p) for p in paths) or storage.can_copy_on_server(*paths):
+        return True
+    remote = next(p for p in paths if not ocdbt.is_local(p))
+    scheme = remote.split("://")[0]
+    why = "botocore is not installed (pip install 'checkpointables[s3]')"
+    if scheme != "s3" or any(ocdbt.is_local(p) for p in paths):
+        why = "it has no server-side copy here"
+    cp.reuse.log_once(
+        f"remote:{scheme}",
+        f"Incremental saves link files on local storage and copy objects on S3 only; "
+        f"{remote}: {why}, so every array is written as in a plain save.",
+    )
+    return False
 
 
 async def plan_reuse(
@@ -238,7 +283,8 @@ async def plan_reuse(
     if not _usable(directory, source, context):
         return None
     candidates = _candidates(flat, context)
-    earlier = _read_record(source) if source is not None else {}
+    recorded = _read_record(source) if source is not None else {}
+    earlier = recorded.get("arrays", {})
     frozen = reuse.frozen
     known = {}
     to_print = []
@@ -255,7 +301,7 @@ async def plan_reuse(
     plan = ReusePlan(record)
     writer.isolate = True
     if source is not None and matching:
-        plan.linked_bytes = await _link(source, matching, writer)
+        plan.linked_bytes = await _link(source, matching, writer, recorded.get("files", {}))
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
             record[name] = dict(record[name], reused_from=source.parent.name)
@@ -271,8 +317,13 @@ def reuse_report(pytree_directory: epath.Path) -> dict[str, str | None]:
     """Array name -> the checkpoint its data was linked from (``None``: written), from the
     records of every process database (``{}``: saved without reuse)."""
     report: dict[str, str | None] = {}
-    for record in [pytree_directory, *pytree_directory.glob("ocdbt.process_*")]:
-        for name, entry in _read_record(record, own=True).items():
+    databases = [
+        pytree_directory / e.name
+        for e in cp.storage.list_dir(pytree_directory)
+        if e.is_dir and e.name.startswith("ocdbt.process_")
+    ]
+    for record in [pytree_directory, *databases]:
+        for name, entry in _read_record(record, own=True).get("arrays", {}).items():
             source = entry.get("reused_from") if isinstance(entry, dict) else None
             if report.get(name) is None:
                 report[name] = source if isinstance(source, str) else None

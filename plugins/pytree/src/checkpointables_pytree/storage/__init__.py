@@ -4,6 +4,8 @@
   resources from the user's configuration (``StorageOptions``, ``kvstore_spec``,
   ``context_resources``), and the ``cp.storage`` backend for those schemes
   (``storage_for``), registered by ``plugin.py``;
+* server-side copies of S3 objects (``copy_objects``, ``list_objects``), for
+  incremental saves: botocore's client, configured as TensorStore's spec;
 * local files read without TensorStore (``OpenFiles``, ``read_values``,
   ``read_into``: ``preadv`` into the arrays' own memory) and the aligned
   buffers they fill (``Slab``, ``aligned_empty``);
@@ -46,6 +48,13 @@ from checkpointables_pytree.storage._object_store import (
     s3_settings,
 )
 from checkpointables_pytree.storage._options import StorageOptions
+from checkpointables_pytree.storage._server_copy import (
+    ObjectInfo,
+    ServerCopy,
+    can_copy_on_server,
+    copy_objects,
+    list_objects,
+)
 from checkpointables_pytree.storage._ts_futures import ByteLimiter, settle, wait_all
 
 __all__ = [
@@ -71,6 +80,11 @@ __all__ = [
     "context_resources",
     "kvstore_spec",
     "s3_settings",
+    "ObjectInfo",
+    "ServerCopy",
+    "can_copy_on_server",
+    "copy_objects",
+    "list_objects",
     "ByteLimiter",
     "settle",
     "wait_all",
