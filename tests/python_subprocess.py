@@ -74,3 +74,20 @@ def wait_for_file(proc: subprocess.Popen, path, seconds: float = 60) -> None:
         assert proc.poll() is None, f"the process ended (code {proc.returncode}) before {path}"
         assert time.monotonic() < deadline, f"no {path} after {seconds} s"
         time.sleep(0.02)
+
+
+def run_command(*args: str, seconds: float = 300) -> subprocess.CompletedProcess[str]:
+    """Runs ``python -m checkpointables <args>`` (the command line a user types)."""
+    return subprocess.run(
+        [sys.executable, "-m", "checkpointables", *args],
+        capture_output=True,
+        text=True,
+        timeout=seconds,
+        check=False,
+    )
+
+
+def assert_verifies(path) -> None:
+    """Fails unless ``checkpointables verify <path>`` passes."""
+    done = run_command("verify", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr

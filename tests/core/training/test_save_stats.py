@@ -15,7 +15,10 @@ def test_each_committed_save_reports_its_cost(tmp_path, caplog) -> None:
     state = {"w": jax.numpy.ones((256, 256)), "b": np.zeros(100, np.float64), "step": 3}
     expected_bytes = 256 * 256 * 4 + 100 * 8
     caplog.set_level(logging.INFO, logger="checkpointables.training")
-    with cp.training.Checkpointer(tmp_path, save_decision_policy=EVERY_STEP) as ckptr:
+    # Every byte written at each step: reuse (the default on local disks) would link step 2's.
+    with cp.training.Checkpointer(
+        tmp_path, save_decision_policy=EVERY_STEP, reuse_unchanged=False
+    ) as ckptr:
         assert ckptr.last_save_stats is None
         ckptr.save_pytree(1, state)
         first = ckptr.last_save_stats

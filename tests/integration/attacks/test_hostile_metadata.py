@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 
 import checkpointables as cp
 import numpy as np
 import pytest
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
+from ...python_subprocess import run_command
 from .checkpoints import copy, load_outcome, save, verify_fails
 
 EDITS_AFTER = {
@@ -145,13 +144,7 @@ def test_a_deleted_checkpointable_fails_the_load_and_verify(saved, tmp_path) -> 
 def test_verify_command_exit_status_names_the_problem(saved, tmp_path) -> None:
     checkpoint = copy(saved, tmp_path / "c")
     _edited_metadata(checkpoint, "a", shape=[21])
-    result = subprocess.run(
-        [sys.executable, "-m", "checkpointables", "verify", str(checkpoint)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_command("verify", str(checkpoint))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "pytree/_METADATA" in result.stdout and "FAILED" in result.stdout
 

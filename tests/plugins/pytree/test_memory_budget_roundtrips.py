@@ -7,9 +7,6 @@ stream in many chunks and pieces; the checkpoints load without a budget too
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import checkpointables as cp
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,8 @@ from checkpointables_pytree.io import pieces
 from checkpointables_pytree.leaves import DeviceSink, streamed_host_block
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from ...python_subprocess import assert_verifies
 
 BUDGET = cp.options.MemoryOptions(host_bytes=cp.options.MIN_HOST_BYTES)
 
@@ -72,13 +71,7 @@ def test_round_trip_as_saved_and_resharded(tmp_path, mesh_4x2, mesh_2x4, compres
         _same({k: v for k, v in tree.items() if k != "numpy"}, loaded)
         np.testing.assert_array_equal(loaded["numpy"], tree["numpy"].astype(np.int16))
     _same(tree, cp.load_pytree(path))  # Without a budget: the same format.
-    done = subprocess.run(
-        [sys.executable, "-m", "checkpointables", "verify", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_verifies(path)
 
 
 def test_async_save_survives_deleting_the_arrays(tmp_path, mesh_4x2) -> None:

@@ -26,6 +26,8 @@ from checkpointables_pytree import reuse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ...python_subprocess import assert_verifies
+
 # Linking is the fast path's (our own database writer's): CI's run with it off keeps it on
 # here, and one test below turns it off itself.
 pytestmark = pytest.mark.fast_path
@@ -70,16 +72,6 @@ def _linked_files(checkpoint) -> set[str]:
     return found
 
 
-def _verify(path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "checkpointables", "verify", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> None:
     tree = _tree()
     cp.save_pytree(tmp_path / "1", tree)
@@ -91,7 +83,7 @@ def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> 
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "1")
     _assert_same(cp.load_pytree(tmp_path / "3"), changed)
-    _verify(tmp_path / "3")
+    assert_verifies(tmp_path / "3")
     assert _linked_files(tmp_path / "3") == set()  # Sole owner of its files now.
 
 
@@ -105,7 +97,7 @@ def test_with_the_fast_path_off_every_array_is_written(tmp_path) -> None:
     assert _linked_files(tmp_path / "3") == set()
     shutil.rmtree(tmp_path / "2")
     _assert_same(cp.load_pytree(tmp_path / "3"), tree)
-    _verify(tmp_path / "3")
+    assert_verifies(tmp_path / "3")
 
 
 def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
@@ -208,16 +200,16 @@ def test_checkpointer_reuses_across_steps_and_counts_bytes(tmp_path) -> None:
     assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [3, 4]
     for step in (3, 4):
         _assert_same(cp.load_pytree(tmp_path / str(step)), trees[step])
-        _verify(tmp_path / str(step))
+        assert_verifies(tmp_path / str(step))
 
 
-def test_the_default_is_off_on_cpu(tmp_path) -> None:
+def test_the_default_reuses_on_local_storage_on_cpu_too(tmp_path) -> None:
     tree = _tree()
     decide = cp.training.save_decision_policies.EveryNStepsPolicy(1)
     with cp.training.Checkpointer(tmp_path, save_decision_policy=decide) as ckptr:
         ckptr.save_pytree(0, tree)
         ckptr.save_pytree(1, tree)
-        assert ckptr.last_save_stats.bytes_reused == 0
+        assert ckptr.last_save_stats.bytes_reused > 0
 
 
 def test_checkpointer_reuse_can_be_turned_off(tmp_path) -> None:
@@ -250,7 +242,7 @@ def test_retention_waits_for_a_save_reusing_the_step(tmp_path) -> None:
         ckptr.save_pytree(2, tree)
     assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [2]
     _assert_same(cp.load_pytree(tmp_path / "2"), tree)
-    _verify(tmp_path / "2")
+    assert_verifies(tmp_path / "2")
 
 
 @pytest.mark.orbax
@@ -294,7 +286,7 @@ def test_deleting_random_steps_in_random_order_keeps_the_rest(tmp_path) -> None:
             for other in kept:
                 _assert_same(cp.load_pytree(work / str(other)), trees[other])
         for other in kept:
-            _verify(work / str(other))
+            assert_verifies(work / str(other))
 
 
 _CHANGE_SETTINGS = settings(
@@ -396,4 +388,4 @@ def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(tmp_path) -> 
         for info in steps:
             loaded = cp.load_pytree(info.path)
             assert np.asarray(loaded["w1"]).shape == (256, 1024)
-            _verify(info.path)
+            assert_verifies(info.path)
