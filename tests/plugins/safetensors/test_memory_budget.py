@@ -15,6 +15,8 @@ import checkpointables as cp
 import jax
 import numpy as np
 from checkpointables_safetensors import import_safetensors, save_pytree
+from checkpointables_safetensors import _reads
+from checkpointables_safetensors._files import open_tensor_set
 from checkpointables_safetensors._reads import THREADS, Limits, pieces
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file
@@ -123,3 +125,23 @@ def test_budgeted_exports_and_imports_are_bit_exact(tmp_path) -> None:
     for name, values in host.items():
         assert back[name].tobytes() == values.tobytes(), name
         assert np.asarray(imported[name]).tobytes() == values.tobytes(), name
+
+
+def test_regions_streamed_onto_devices_are_assembled_exactly(tmp_path) -> None:
+    """What a budgeted load does on accelerators (here forced onto CPU devices): each region
+    built on its devices from pieces of at most ``Limits.piece``, cast there."""
+    # Rows of 273 KiB: 3 rows a piece of 1 MiB; finite values, cast alike by NumPy and XLA.
+    values = np.random.default_rng(1).standard_normal((300, 70_001), dtype=np.float32)
+    save_pytree(tmp_path / "m.safetensors", {"w": values})
+    tensor = open_tensor_set(tmp_path / "m.safetensors").tensors["w"]
+    files = _reads._OpenFiles(Limits.of(BUDGET))
+    read = _reads.ArrayRead(tensor, np.dtype(BF16))
+    region = (slice(7, 299), slice(0, 70_001))
+    try:
+        on_devices = _reads._to_devices(files, read, region, jax.devices()[:2])
+    finally:
+        files.close()
+    expected = values[region].astype(BF16)
+    for array, device in zip(on_devices, jax.devices()[:2], strict=True):
+        assert array.devices() == {device}
+        assert np.asarray(array).tobytes() == expected.tobytes()
