@@ -14,8 +14,7 @@ from __future__ import annotations
 import checkpointables as cp
 import jax
 import numpy as np
-from checkpointables_safetensors import import_safetensors, save_pytree
-from checkpointables_safetensors import _reads
+from checkpointables_safetensors import _reads, import_safetensors, save_pytree
 from checkpointables_safetensors._files import open_tensor_set
 from checkpointables_safetensors._reads import THREADS, Limits, pieces
 from jax.sharding import NamedSharding, PartitionSpec
