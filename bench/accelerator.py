@@ -73,7 +73,7 @@ def staging_child(args: dict[str, Any]) -> dict[str, Any]:
         if op == "load":
             cp.save_pytree(path, tree, overwrite=True)
             tree = None  # Freed before the load: not held beside its result.
-        measured = measured_operation(op, path, tree, abstract)
+        measured = measured_operation(op, root, tree, abstract, abstract)
         # Host memory still held once the call is over while the caller keeps its arrays
         # (a training loop's frozen weights): a jax.Array keeps a host copy made of it.
         after = trimmed_rss() - measured["baseline"]

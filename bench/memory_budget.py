@@ -5,14 +5,18 @@
 The cases of issue 30: one array of ``--size-mib`` and the same bytes in 64
 arrays (float32, random), each saved (``save``, ``save_async(...).result()``)
 and loaded onto one device and onto an 8-device CPU mesh with another
-sharding (saved 8x1 by rows, loaded 2x4), without a budget and with
+sharding (saved 8x1 by rows, loaded 2x4); the same tensors as a safetensors
+file loaded onto that mesh (``st_load_resharded``), and the checkpoint
+exported as safetensors (``st_export``); without a budget and with
 ``cp.options.MemoryOptions(host_bytes=--budget-mib)``. Every measurement
 runs in a fresh process (``python -m bench.memory_budget --child``) with 8
 CPU devices: a warm-up save and load of a small tree, then the operation
 with the kernel's high-water mark reset (``bench.memory``). Staging memory
 is the peak RSS growth minus what the state itself occupies (on CPU the
-devices' memory is the host's: a load's result counts as state). Prints a
-Markdown table (the one in docs/memory.md) and writes the numbers as JSON.
+devices' memory is the host's: a load's result counts as state, and so do
+the tensors a budgeted export loads onto the default device). A save's row
+also gives the peak it reported (``_CHECKPOINT_METADATA``, ``cp.staging``).
+Prints a Markdown table (the one in docs/memory.md) and writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from bench.memory import peak_growth
 
 MIB = 1 << 20
-OPS = ("save", "save_async", "load", "load_resharded")
+OPS = ("save", "save_async", "load", "load_resharded", "st_load_resharded", "st_export")
 CASES = {"one-array": 1, "64-arrays": 64}
 
 
@@ -55,45 +59,87 @@ def _tree(size: int, count: int) -> tuple[dict[str, Any], Any, Any]:
     return tree, one, mesh
 
 
+def _prepare(op: str, tree: dict[str, Any], root: str) -> None:
+    """What a load or an export reads: the checkpoint (saved under the same budget, so that
+    its chunks stream) and, for the safetensors operations, the same tensors as a file."""
+    import checkpointables as cp
+    from checkpointables_safetensors import save_pytree
+
+    if op.startswith(("load", "st_")):
+        cp.save_pytree(os.path.join(root, "ckpt"), tree, overwrite=True)
+    if op == "st_load_resharded":
+        save_pytree(os.path.join(root, "model.safetensors"), tree, overwrite=True)
+
+
+def _run(op: str, root: str, tree: dict[str, Any] | None, one: Any, mesh: Any) -> None:
+    """The measured operation (``tree``: what a save writes)."""
+    import checkpointables as cp
+    import jax
+    from checkpointables_safetensors import export_checkpoint
+
+    path = os.path.join(root, "ckpt")
+    if op == "st_export":
+        export_checkpoint(path, os.path.join(root, "out.safetensors"), overwrite=True)
+    elif op == "st_load_resharded":
+        jax.block_until_ready(cp.load_pytree(os.path.join(root, "model.safetensors"), mesh))
+    elif op.startswith("load"):
+        jax.block_until_ready(cp.load_pytree(path, one if op == "load" else mesh))
+    elif op == "save":
+        cp.save_pytree(path, tree, overwrite=True)
+    else:
+        cp.save_pytree_async(path, tree, overwrite=True).result()
+
+
+def _held(op: str, tree: dict[str, Any], budget: int | None) -> int:
+    """What the operation's result occupies on the (CPU) devices, not counted as staging:
+    a load's state; a budgeted export's tensors larger than its batches (loaded onto the
+    default device and written from there)."""
+    sizes = [x.nbytes for x in tree.values()]
+    if op.startswith("load") or op == "st_load_resharded":
+        return sum(sizes)
+    if op == "st_export" and budget is not None:
+        return max(n for n in sizes if n > budget // 4) if max(sizes) > budget // 4 else 0
+    return 0
+
+
+def _reported_peak(root: str) -> int | None:
+    """The peak staging memory the save recorded in its ``_CHECKPOINT_METADATA``."""
+    import checkpointables as cp
+
+    with open(os.path.join(root, "ckpt", "_CHECKPOINT_METADATA")) as f:
+        return cp.staging.recorded_peak(json.load(f))
+
+
 def child(args: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this fresh process."""
     import checkpointables as cp
-    import jax
 
-    budget = args["budget"]
-    options = cp.options.MemoryOptions(host_bytes=budget * MIB if budget else None)
+    budget = args["budget"] * MIB if args["budget"] else None
     tree, one, mesh = _tree(args["size"] * MIB, args["count"])
-    state = sum(x.nbytes for x in jax.tree.leaves(tree))
-    root = args["root"]
-    with cp.Context(memory_options=options):
+    state = sum(x.nbytes for x in tree.values())
+    held = _held(args["op"], tree, budget)
+    root, op = args["root"], args["op"]
+    with cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=budget)):
         small = {"w": tree[next(iter(tree))][:64]}
         cp.save_pytree(os.path.join(root, "warm"), small, overwrite=True)
         cp.load_pytree(os.path.join(root, "warm"))
-        path = os.path.join(root, "ckpt")
-        op = args["op"]
-        if op.startswith("load"):
-            cp.save_pytree(path, tree, overwrite=True)
-            tree = None  # Freed before the load: not held beside its result.
+        _prepare(op, tree, root)
+        saved = tree if op.startswith("save") else None
+        tree = None  # Freed before the load: not held beside its result.
         # Freed memory handed back first (peak_growth): else a load reusing the freed tree
         # looks free.
-        measured = measured_operation(op, path, tree, one if op == "load" else mesh)
-    held = state if op.startswith("load") else 0  # The loaded state is not staging.
-    return {"staging": measured["growth"] - held, "seconds": measured["seconds"], "state": state}
+        measured = measured_operation(op, root, saved, one, mesh)
+    reported = _reported_peak(root) if op.startswith("save") else None
+    staging, seconds = measured["growth"] - held, measured["seconds"]
+    return {"staging": staging, "seconds": seconds, "state": state, "reported": reported}
 
 
-def measured_operation(op: str, path: str, tree: Any, abstract: Any) -> dict[str, float]:
-    """Runs ``op`` (``save``, ``save_async`` of ``tree``, or a load of ``abstract``) on
-    ``path`` under ``bench.memory.peak_growth``; its measurements."""
-    import checkpointables as cp
-    import jax
-
+def measured_operation(
+    op: str, root: str, tree: dict[str, Any] | None, one: Any, mesh: Any
+) -> dict[str, float]:
+    """Runs ``op`` (see ``_run``) under ``bench.memory.peak_growth``; its measurements."""
     with peak_growth() as measured:
-        if op == "save":
-            cp.save_pytree(path, tree, overwrite=True)
-        elif op == "save_async":
-            cp.save_pytree_async(path, tree, overwrite=True).result()
-        else:
-            jax.block_until_ready(cp.load_pytree(path, abstract))
+        _run(op, root, tree, one, mesh)
     return measured
 
 
@@ -117,19 +163,24 @@ def measure(case: str, op: str, budget: int, size: int, root: str) -> dict[str, 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:.0f} MiB"
+
+
 def table(rows: list[dict[str, Any]], budget: int) -> str:
-    """The Markdown table of ``rows``."""
+    """The Markdown table of ``rows`` (``reported``: a save's recorded peak staging)."""
     lines = [
         f"| case | operation | staging, no budget | staging, budget {budget} MiB "
-        f"| time, no budget | time, budget | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| reported, no budget | reported, budget | time, no budget | time, budget | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = r["budget"]["seconds"] / r["none"]["seconds"]
+        none, within = r["none"], r["budget"]
         lines.append(
-            f"| {r['case']} | {r['op']} | {r['none']['staging'] / MIB:.0f} MiB "
-            f"| {r['budget']['staging'] / MIB:.0f} MiB | {r['none']['seconds']:.2f} s "
-            f"| {r['budget']['seconds']:.2f} s | {ratio:.2f}x |"
+            f"| {r['case']} | {r['op']} | {_mib(none['staging'])} | {_mib(within['staging'])} "
+            f"| {_mib(none.get('reported'))} | {_mib(within.get('reported'))} "
+            f"| {none['seconds']:.2f} s | {within['seconds']:.2f} s "
+            f"| {within['seconds'] / none['seconds']:.2f}x |"
         )
     return "\n".join(lines)
 

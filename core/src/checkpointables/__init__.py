@@ -29,6 +29,7 @@ from checkpointables import (
     reuse,
     safe_json,
     serialization,
+    staging,
     storage,
     training,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "reuse",
     "safe_json",
     "serialization",
+    "staging",
     "storage",
     "training",
 ]

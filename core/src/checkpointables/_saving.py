@@ -38,6 +38,7 @@ from checkpointables import (
     storage,
 )
 from checkpointables import reuse as reuse_lib
+from checkpointables import staging as staging_lib
 from checkpointables._asyncio import (
     AsyncResponse,
     gather_awaitables,
@@ -71,6 +72,8 @@ class SaveRequest:
         be running (the Checkpointer, sole writer of its root).
       reuse: a committed checkpoint to take unchanged data from (``reuse_from``), or the
         ``cp.reuse.SaveReuse`` to hand the handlers (the Checkpointer's); ``None``: none.
+      staging: where the handlers report the host memory they staged (the Checkpointer's,
+        for ``last_save_stats``); ``None``: a new one.
     """
 
     path: epath.PathLike
@@ -82,6 +85,7 @@ class SaveRequest:
     context: Context | None = None
     replace_unfinished: bool = False
     reuse: reuse_lib.SaveReuse | epath.PathLike | None = None
+    staging: staging_lib.SaveStaging | None = None
 
 
 @attrs.frozen
@@ -98,6 +102,7 @@ class _Checked:
     primary: bool
     operation: str  # The save's name among the processes' collective operations.
     reuse: reuse_lib.SaveReuse | None = None
+    staging: staging_lib.SaveStaging = attrs.field(factory=staging_lib.SaveStaging)
     init_ns: int = attrs.field(factory=time.time_ns)
 
 
@@ -172,6 +177,7 @@ def _validate(request: SaveRequest) -> _Checked:
         if multihost.is_coordinated(context)
         else "",
         reuse=reuse,
+        staging=request.staging or staging_lib.SaveStaging(),
     )
 
 
@@ -231,8 +237,13 @@ def _blocking_phase(save: _Checked, directory: PathAwaitingCreation) -> list[Any
             ]
         )
 
-    # Handlers read options, and what they may reuse.
-    with save.context, reuse_lib.active(save.reuse), _os_errors.translated(f"saving {save.path}"):
+    # Handlers read options, what they may reuse, and where they report what they staged.
+    with (
+        save.context,
+        reuse_lib.active(save.reuse),
+        staging_lib.active(save.staging),
+        _os_errors.translated(f"saving {save.path}"),
+    ):
         return run_sync(blocking())
 
 
@@ -258,6 +269,8 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
         init_timestamp_nsecs=save.init_ns,
         commit_timestamp_nsecs=time.time_ns(),
         distributions=save.distributions,
+        # This process's (the primary's): each process reports its own to its Checkpointer.
+        performance_metrics=save.staging.performance_metrics(),
     )
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
     files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.

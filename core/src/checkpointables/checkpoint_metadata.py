@@ -98,8 +98,12 @@ def checkpoint_metadata_json(
     commit_timestamp_nsecs: int,
     metrics: Mapping[str, Any] | None = None,
     distributions: Mapping[str, tuple[str, str | None]] | None = None,
+    performance_metrics: Mapping[str, Any] | None = None,
 ) -> str:
     """The text of a ``_CHECKPOINT_METADATA`` file, in Orbax's field order.
+
+    ``performance_metrics``: what the save measured (``cp.staging``: its peak staging
+    memory, an integer, which Orbax's reader ignores).
 
     ``distributions`` maps checkpointable names to the ``(name, version)`` of the
     distribution whose plugin saved them; recorded, if not empty, under a key of
@@ -110,7 +114,7 @@ def checkpoint_metadata_json(
     fields: dict[str, Any] = {
         "item_handlers": handlers,
         "metrics": dict(metrics or {}),
-        "performance_metrics": {},
+        "performance_metrics": dict(performance_metrics or {}),
         "init_timestamp_nsecs": init_timestamp_nsecs,
         "commit_timestamp_nsecs": commit_timestamp_nsecs,
         "custom_metadata": dict(custom_metadata or {}),

@@ -119,6 +119,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  {key}: {value}{when}")
     print(f"  custom_metadata: {meta.get('custom_metadata')}")
     _print_metrics(path, meta)
+    _print_staging(meta)
     total = 0
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
@@ -153,6 +154,15 @@ def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) 
         print("  incremental save (arrays of at least 64 KiB):")
     for array, source in sorted(report.items()):
         print(f"    {array}: {'written' if source is None else f'reused from {source}'}")
+
+
+def _print_staging(meta: dict[str, Any]) -> None:
+    """The peak host memory the save staged (``cp.staging``), if it was recorded."""
+    from checkpointables import staging
+
+    peak = staging.recorded_peak(meta)
+    if peak is not None:
+        print(f"  peak staging memory of the save: {peak:,} bytes ({peak / 2**20:.1f} MiB)")
 
 
 def _print_metrics(path: Any, meta: dict[str, Any]) -> None:

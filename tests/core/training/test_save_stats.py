@@ -31,11 +31,12 @@ def test_each_committed_save_reports_its_cost(tmp_path, caplog) -> None:
     assert set(second.as_dict()) == {
         "checkpoint/bytes_written",
         "checkpoint/bytes_reused",
+        "checkpoint/peak_staging_bytes",
         "checkpoint/blocked_secs",
         "checkpoint/commit_secs",
     }
     logged = [r.getMessage() for r in caplog.records if r.name == "checkpointables.training"]
-    expected = "Saved step 1: 0.3 MiB written, 0.0 MiB reused, blocked "
+    expected = "Saved step 1: 0.3 MiB written, 0.0 MiB reused, 0.0 MiB staged at most, blocked "
     assert any(m.startswith(expected) for m in logged), logged
     assert any(m.startswith("Saved step 2: ") and "committed after" in m for m in logged)
 

@@ -9,16 +9,13 @@ the measurement catches an unbounded load.
 
 from __future__ import annotations
 
-import json
-import os
-
 import checkpointables as cp
 import numpy as np
 import pytest
 from checkpointables_pytree.io import pieces
 from checkpointables_pytree.leaves import chunk_shape_within
 
-from tests.python_subprocess import run_python
+from tests.peak_rss import run_child
 
 BUDGET = 64 << 20
 STATE = 512 << 20
@@ -26,27 +23,11 @@ STATE = 512 << 20
 SLACK = 64 << 20
 
 CHILD = """
-import ctypes, gc, json, os, sys, time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import checkpointables as cp
 
 budget, state_bytes, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-
-def kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-def measured(fn, state):
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # Freed memory back first: else it looks free.
-    base = kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    out = fn()
-    return out, kib("VmHWM") - base - state
 
 devices = np.array(jax.devices())
 rows = 1024
@@ -79,18 +60,7 @@ print(json.dumps(report))
 
 
 def _run(tmp_path, budget: int) -> dict[str, int]:
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
-    done = run_python(
-        CHILD,
-        str(budget),
-        str(STATE),
-        str(tmp_path),
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, str(budget), str(STATE), str(tmp_path))
 
 
 def test_save_and_resharded_load_stay_within_the_budget(tmp_path) -> None:

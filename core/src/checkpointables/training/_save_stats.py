@@ -33,6 +33,11 @@ class SaveStats:
         not counting those reused.
       bytes_reused: bytes of array data linked from the previous step instead of being
         written (``reuse_unchanged``, ``docs/incremental.md``).
+      peak_staging_bytes: the most host memory the save held at once for data on its way
+        to storage (device-to-host copies, dtype casts, encoded buffers; not views of CPU
+        devices' own buffers, nor the caller's NumPy arrays in a synchronous save), in
+        this process; kept within ``cp.options.MemoryOptions.host_bytes`` when a budget
+        is set (``docs/memory.md``).
       blocked_secs: how long the ``save_*`` call held the caller (waiting for
         the previous save, then copying device data to host).
       commit_secs: from the call until the checkpoint was committed.
@@ -43,12 +48,14 @@ class SaveStats:
     blocked_secs: float
     commit_secs: float
     bytes_reused: int = 0
+    peak_staging_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """The numbers under metric names, e.g. for a metrics logger."""
         return {
             "checkpoint/bytes_written": self.bytes_written,
             "checkpoint/bytes_reused": self.bytes_reused,
+            "checkpoint/peak_staging_bytes": self.peak_staging_bytes,
             "checkpoint/blocked_secs": self.blocked_secs,
             "checkpoint/commit_secs": self.commit_secs,
         }
@@ -70,10 +77,12 @@ def array_bytes(leaves: list[Any]) -> int:
 def log(stats: SaveStats) -> None:
     """Logs ``stats`` at INFO."""
     logger.info(
-        "Saved step %d: %.1f MiB written, %.1f MiB reused, blocked %.3f s, committed after %.3f s.",
+        "Saved step %d: %.1f MiB written, %.1f MiB reused, %.1f MiB staged at most, "
+        "blocked %.3f s, committed after %.3f s.",
         stats.step,
         stats.bytes_written / 2**20,
         stats.bytes_reused / 2**20,
+        stats.peak_staging_bytes / 2**20,
         stats.blocked_secs,
         stats.commit_secs,
     )

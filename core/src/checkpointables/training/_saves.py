@@ -25,6 +25,7 @@ from etils import epath
 
 from checkpointables import _commit, _pytree_api, _saving, errors, layout, multihost, storage
 from checkpointables import reuse as reuse_lib
+from checkpointables import staging as staging_lib
 from checkpointables._asyncio import AsyncResponse, completed
 from checkpointables.context import Context
 from checkpointables.training import _listing, _metrics, _readers, _save_stats
@@ -136,6 +137,7 @@ class Saves:
         self._errors.raise_pending()
         path = self._check_step(request, context)
         reuse, lease = self._reuse_source(request.step, context)
+        staging = staging_lib.SaveStaging()
         try:
             inner = _saving.start(
                 _saving.SaveRequest(
@@ -149,6 +151,7 @@ class Saves:
                     # This root's only writer: an unfinished save at the step was interrupted.
                     replace_unfinished=True,
                     reuse=reuse,
+                    staging=staging,
                 )
             )
         except BaseException:
@@ -156,7 +159,7 @@ class Saves:
             raise
         if lease is not None:  # The source step stays until the save ends (committed or not).
             inner.add_done_callback(lambda _: self._end_lease(lease))
-        return self._track(request, path, metrics, inner, started, reuse)
+        return self._track(request, path, metrics, inner, started, reuse, staging)
 
     def _end_lease(self, lease: str | None) -> None:
         """Releases the lease on a save's source step; a deletion it deferred may now run."""
@@ -209,6 +212,7 @@ class Saves:
         inner: AsyncResponse[None],
         started: float,
         reuse: reuse_lib.SaveReuse | None = None,
+        staging: staging_lib.SaveStaging | None = None,
     ) -> AsyncResponse[bool]:
         """The response of the save, finished once the step is recorded (or the save failed)."""
         blocked = time.perf_counter() - started
@@ -227,7 +231,12 @@ class Saves:
                     reused = reuse.bytes_reused if reuse is not None else 0
                     nbytes = _save_stats.array_bytes(leaves) - reused
                     self.last_stats = _save_stats.SaveStats(
-                        step, nbytes, blocked, commit, bytes_reused=reused
+                        step,
+                        nbytes,
+                        blocked,
+                        commit,
+                        bytes_reused=reused,
+                        peak_staging_bytes=staging.peak_bytes if staging is not None else 0,
                     )
                     _save_stats.log(self.last_stats)
                 except BaseException as e:

@@ -104,18 +104,22 @@ async def _write(
     metadata: Callable[[], tree_room.TreeMetadata],
     awaitables: Sequence[Any],
     reused: reuse.ReusePlan | None = None,
+    staging: cp.staging.SaveStaging | None = None,
 ) -> None:
     """The background of a save: the arrays, the leaf handlers' awaitables and the tree's files.
 
     ``metadata`` makes the tree's ``_METADATA`` once the leaf handlers' deferred
     work (``session.plan()``) is done: neither is needed before the caller gets
-    control back. Both allocate per leaf, with the collector paused.
+    control back. Both allocate per leaf, with the collector paused. The most host
+    memory the writes held at once is reported to ``staging``.
     """
     try:
         with execution.paused_gc():
             session.plan()
             tree = metadata()
         await _write_all(directory, session, tree, awaitables, reused)
+        if staging is not None:
+            staging.report(session.writer.staging.peak)
     except ValueError as e:  # TensorStore's errors: a full disk, ...
         translated = storage.write_error(e, f"the pytree in {directory.path}")
         if translated is e:
@@ -287,7 +291,9 @@ class PyTreeHandler:
                 raise
         # The _METADATA is made in the background, after what the leaf handlers deferred.
         metadata = functools.partial(saved_tree_metadata, groups, flat, session, registry)
-        return _owning(_write(directory, session, metadata, awaitables, reused), awaitables)
+        staging = cp.staging.current()  # Where the background reports what it staged.
+        background = _write(directory, session, metadata, awaitables, reused, staging)
+        return _owning(background, awaitables)
 
     def reuse_report(self, directory: epath.Path) -> dict[str, str | None]:
         """Per array an incremental save tracked: the checkpoint its data was linked from,

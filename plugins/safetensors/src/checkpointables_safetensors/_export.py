@@ -8,6 +8,11 @@ and reported; arrays of dtypes safetensors cannot store (complex128, typed
 PRNG keys) are an error naming them. A checkpoint is read in batches of about
 ``BATCH_BYTES``, in the order the files are written, so an export holds at
 most one batch in memory whatever the model's size.
+
+Under a host-memory budget (``cp.options.MemoryOptions``) batches are a quarter
+of it at most, and a tensor larger than a batch is loaded onto the default
+device (the pytree plugin's load streams it there) and written from there in
+pieces: the host never holds it whole.
 """
 
 from __future__ import annotations
@@ -132,21 +137,46 @@ def _batches(leaves: Sequence[_Leaf], limit: int) -> Iterator[list[_Leaf]]:
         yield batch
 
 
+def _on_device(leaf: _Leaf, batch_bytes: int, budget: int | None) -> Any:
+    """Under a budget, the abstract leaf that loads a tensor larger than a batch onto the
+    default device (streamed there, then copied out in pieces: never whole on the host);
+    else ``leaf.abstract`` (host memory). Dtypes JAX would narrow stay on the host."""
+    entry = leaf.entry
+    exact = jax.dtypes.canonicalize_dtype(entry.dtype) == entry.dtype
+    if budget is None or entry.nbytes <= batch_bytes or not exact or not entry.shape:
+        return leaf.abstract
+    return jax.ShapeDtypeStruct(entry.shape, entry.dtype)
+
+
 def _arrays_from_checkpoint(
     checkpoint: Any, leaves: Sequence[_Leaf], treedef: Any, count: int, batch_bytes: int
-) -> Iterator[np.ndarray]:
-    """Each leaf's array, in order, loading one batch at a time."""
+) -> Iterator[Any]:
+    """Each leaf's array, in order, loading one batch at a time (under a budget, batches of
+    a quarter of it at most, and larger tensors as ``jax.Array``s: see ``_on_device``)."""
+    budget = cp.context.get_context().memory_options.host_bytes
+    if budget is not None:
+        batch_bytes = min(batch_bytes, budget // 4)
     for batch in _batches(leaves, batch_bytes):
         abstract = [cp.PLACEHOLDER] * count
         for leaf in batch:
-            abstract[leaf.position] = leaf.abstract
+            abstract[leaf.position] = _on_device(leaf, batch_bytes, budget)
         loaded = jax.tree_util.tree_leaves(
             cp.load_pytree(checkpoint, jax.tree_util.tree_unflatten(treedef, abstract)),
             is_leaf=lambda x: x is None,
         )
         for leaf in batch:
-            yield np.asarray(loaded[leaf.position], dtype=leaf.entry.dtype)
+            value = loaded[leaf.position]
+            yield value if isinstance(value, jax.Array) else np.asarray(value, leaf.entry.dtype)
         del loaded
+
+
+def _host_or_streamed(value: Any, entry: TensorEntry) -> Any:
+    """A leaf of an in-memory tree as written: under a budget a ``jax.Array`` of the entry's
+    dtype stays one (copied to the host in pieces), else a host array."""
+    budget = cp.context.get_context().memory_options.host_bytes
+    if budget is not None and isinstance(value, jax.Array) and value.dtype == entry.dtype:
+        return value
+    return np.asarray(value, dtype=entry.dtype)
 
 
 def _plan(
@@ -214,7 +244,7 @@ def save_pytree(
     leaves, skipped, _, _ = _leaves(pytree, None)
     shards, leaves = _plan(leaves, max_shard_size)
     flat = jax.tree_util.tree_leaves(pytree, is_leaf=lambda x: x is None)
-    arrays = (np.asarray(flat[leaf.position], dtype=leaf.entry.dtype) for leaf in leaves)
+    arrays = (_host_or_streamed(flat[leaf.position], leaf.entry) for leaf in leaves)
     files = write_safetensors(
         Output.at(out),
         shards,

@@ -8,6 +8,10 @@ size. The pytree is the nested dict ``cp.load_pytree`` gives for the same
 path (``jax.Array`` leaves); the files' header metadata is kept in the
 checkpoint's custom metadata (``safetensors_metadata``), from where
 ``export`` writes it back.
+
+Under a host-memory budget (``cp.options.MemoryOptions``) batches are a quarter
+of it at most and the reads and the saves keep it; a tensor larger than a batch
+is read alone, onto the default device (on accelerators piece by piece).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from etils import epath
 from checkpointables_safetensors import _names
 from checkpointables_safetensors._export import IMPORTED_METADATA_KEY
 from checkpointables_safetensors._files import StoredTensor, open_tensor_set
-from checkpointables_safetensors._reads import ArrayRead, read_all
+from checkpointables_safetensors._reads import ArrayRead, Limits, read_all
 
 __all__ = ["ImportResult", "import_safetensors", "BATCH_BYTES"]
 
@@ -88,9 +92,13 @@ def import_safetensors(
     if not tensors:
         raise cp.errors.CheckpointError(f"{source} holds no tensor; there is nothing to import.")
     _names.nest(dict.fromkeys(tensor_set.tensors), source=source)  # Name clashes fail first.
+    limits = Limits.in_context()
+    budget = cp.context.get_context().memory_options.host_bytes
+    if budget is not None:
+        batch_bytes = min(batch_bytes, budget // 4)
     with cp.progress.bytes_progress(tensor_set.nbytes, "import"):
         for batch in _batches(tensors, batch_bytes):
-            values = read_all([ArrayRead.as_stored(t) for t in batch])
+            values = read_all([ArrayRead.as_stored(t) for t in batch], limits)
             pytree = _names.nest(
                 {t.name: v for t, v in zip(batch, values, strict=True)}, source=source
             )

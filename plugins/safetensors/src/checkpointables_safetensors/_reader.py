@@ -16,7 +16,7 @@ import numpy as np
 from etils import epath
 
 from checkpointables_safetensors import _files, _names
-from checkpointables_safetensors._reads import ArrayRead, read_all
+from checkpointables_safetensors._reads import ArrayRead, Limits, read_all
 
 __all__ = ["SafetensorsReader", "LoadPlan", "plan_load"]
 
@@ -143,9 +143,10 @@ class SafetensorsReader:
         tensor_set = _files.open_tensor_set(path)
         partial = cp.context.get_context().pytree_options.partial_load
         plan = plan_load(tensor_set, abstract_pytree, partial_load=partial)
+        limits = Limits.in_context()  # The budget (cp.options.MemoryOptions), if any.
 
         async def read() -> Any:
-            return plan.build(read_all(plan.reads))
+            return plan.build(read_all(plan.reads, limits))
 
         return read()
 

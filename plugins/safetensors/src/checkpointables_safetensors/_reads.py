@@ -18,11 +18,17 @@ Memory stays bounded, measured (see docs/safetensors.md):
 So a load holds its results plus about ``THREADS * (WINDOW_BYTES +
 PIECE_BYTES)``, 80 MiB (a 1 GiB file loads with a peak of about 1.05x its
 size, where ``safetensors.numpy.load_file`` + ``jax.device_put`` peaks at 2x).
+
+Under a host-memory budget (``cp.options.MemoryOptions(host_bytes=...)``,
+``Limits.of``) pieces and windows shrink to fit it, and on accelerators a
+region is never whole on the host: each piece goes to the devices as it is
+read, into a buffer on each device updated in place (``_to_devices``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import math
 import queue
@@ -36,7 +42,7 @@ import numpy as np
 
 from checkpointables_safetensors._files import StoredTensor, safe_open
 
-__all__ = ["ArrayRead", "read_all", "aligned_empty"]
+__all__ = ["ArrayRead", "Limits", "read_all", "aligned_empty", "pieces"]
 
 # jax.device_put aliases host buffers aligned to this on CPU instead of copying them.
 ALIGNMENT = 64
@@ -47,6 +53,33 @@ WINDOW_BYTES = 32 << 20
 THREADS = 2
 
 Region = tuple[slice, ...]
+
+
+@attrs.frozen
+class Limits:
+    """How much one reading thread holds: a piece copied out of a file, and the bytes read
+    from a mapped file before it is closed (its resident pages freed).
+
+    ``streamed``: under a budget, regions on accelerators go to the devices piece by piece.
+    """
+
+    piece: int = PIECE_BYTES
+    window: int = WINDOW_BYTES
+    streamed: bool = False
+
+    @classmethod
+    def of(cls, host_bytes: int | None) -> Limits:
+        """The limits within a budget of ``host_bytes`` (``None``: the defaults): the
+        ``THREADS`` threads hold at most three quarters of it, a piece and a window each."""
+        if host_bytes is None:
+            return cls()
+        share = host_bytes // (THREADS * 8)
+        return cls(min(PIECE_BYTES, 2 * share), min(WINDOW_BYTES, 4 * share), streamed=True)
+
+    @classmethod
+    def in_context(cls) -> Limits:
+        """The limits of the budget of the context in force."""
+        return cls.of(cp.context.get_context().memory_options.host_bytes)
 
 
 @attrs.frozen
@@ -127,9 +160,10 @@ def pieces(shape: tuple[int, ...], itemsize: int, limit: int = PIECE_BYTES) -> I
 
 
 class _OpenFiles:
-    """One reading thread's open files, each closed again after ``WINDOW_BYTES`` read."""
+    """One reading thread's open files, each closed again after ``limits.window`` bytes read."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
         self._open: dict[str, list[Any]] = {}  # file -> [handle, bytes read since opened]
 
     def read(self, tensor: StoredTensor, region: Region) -> np.ndarray:
@@ -145,7 +179,7 @@ class _OpenFiles:
                 f"{tensor.file}: cannot read tensor {tensor.name!r}: {e}"
             ) from e
         entry[1] += values.nbytes
-        if entry[1] >= WINDOW_BYTES:
+        if entry[1] >= self.limits.window:
             self.close(tensor.file)
         return values
 
@@ -156,23 +190,63 @@ class _OpenFiles:
                 entry[0].__exit__(None, None, None)
 
 
-def _read_region(files: _OpenFiles, read: ArrayRead, region: Region) -> np.ndarray:
+def _pieces_of(files: _OpenFiles, read: ArrayRead, region: Region) -> Iterator[Any]:
+    """Each piece of ``region`` (relative to it) with its values, read from the file."""
     shape = tuple(r.stop - r.start for r in region)
-    out = aligned_empty(shape, read.dtype)
-    for piece in pieces(shape, read.tensor.dtype.itemsize):
+    for piece in pieces(shape, read.tensor.dtype.itemsize, files.limits.piece):
         if math.prod(r.stop - r.start for r in piece) == 0:
             continue
         absolute = tuple(
             slice(r.start + p.start, r.start + p.stop) for r, p in zip(region, piece, strict=True)
         )
-        out[piece] = files.read(read.tensor, absolute)
+        yield piece, files.read(read.tensor, absolute)
+
+
+def _read_region(files: _OpenFiles, read: ArrayRead, region: Region) -> np.ndarray:
+    out = aligned_empty(tuple(r.stop - r.start for r in region), read.dtype)
+    for piece, values in _pieces_of(files, read, region):
+        out[piece] = values
     return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buffer: jax.Array, values: jax.Array, starts: tuple[jax.Array, ...]) -> jax.Array:
+    """``buffer`` with ``values`` at ``starts``, in place (compiled per piece shape)."""
+    return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), starts)
+
+
+def _to_devices(
+    files: _OpenFiles, read: ArrayRead, region: Region, devices: list[Any]
+) -> list[Any]:
+    """``region`` on each of ``devices``, sent piece by piece: never whole on the host."""
+    shape = tuple(r.stop - r.start for r in region)
+    buffers = [jax.numpy.zeros(shape, read.dtype, device=d) for d in devices]
+    for piece, values in _pieces_of(files, read, region):
+        starts = tuple(np.int32(p.start) for p in piece)
+        pairs = zip(buffers, devices, strict=True)
+        buffers = [_update(b, jax.device_put(values, d), starts) for b, d in pairs]
+        cp.progress.advance(values.nbytes)
+    return buffers
+
+
+def _streams(files: _OpenFiles, read: ArrayRead, devices: list[Any]) -> bool:
+    """Whether a region goes to ``devices`` piece by piece: under a budget, onto
+    accelerators (on CPU the region's host buffer becomes the array: it is not staged)."""
+    return (
+        files.limits.streamed
+        and read.to_jax
+        and devices[0] is not None
+        and any(d.platform != "cpu" for d in devices)
+    )
 
 
 def _read_one(files: _OpenFiles, read: ArrayRead) -> Any:
     """Reads every region of ``read``; returns its result."""
     parts = []
     for region, devices in read.regions():
+        if _streams(files, read, devices):
+            parts += _to_devices(files, read, region, devices)
+            continue
         host = _read_region(files, read, region)
         cp.progress.advance(host.nbytes)
         if read.to_scalar is not None:
@@ -186,14 +260,15 @@ def _read_one(files: _OpenFiles, read: ArrayRead) -> Any:
     return jax.make_array_from_single_device_arrays(read.tensor.shape, read.sharding, parts)
 
 
-def read_all(reads: Sequence[ArrayRead]) -> list[Any]:
-    """The results of ``reads``, in order, read on ``THREADS`` threads.
+def read_all(reads: Sequence[ArrayRead], limits: Limits | None = None) -> list[Any]:
+    """The results of ``reads``, in order, read on ``THREADS`` threads within ``limits``
+    (``None``: the defaults).
 
     Raises the first error of any read (a file changed or truncated since its
     header was read raises ``cp.errors.MetadataError`` naming it).
     """
     idle: queue.SimpleQueue[_OpenFiles] = queue.SimpleQueue()
-    everyone = [_OpenFiles() for _ in range(THREADS)]
+    everyone = [_OpenFiles(limits or Limits()) for _ in range(THREADS)]
     for files in everyone:
         idle.put(files)
 

@@ -21,18 +21,22 @@ Layout of a large export (``model.safetensors`` asked, 3 shards)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 import checkpointables as cp
+import jax
 import numpy as np
 
 from checkpointables_safetensors._files import INDEX_SUFFIX, SUFFIX, code_of, safe_open
+from checkpointables_safetensors._reads import Limits, pieces
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -156,12 +160,15 @@ def _header(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -> byte
     return len(text).to_bytes(8, "little") + text
 
 
-def _little_endian(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
-    if array.shape != entry.shape or array.dtype != entry.dtype:
+def _check(shape: tuple[int, ...], dtype: np.dtype, entry: TensorEntry) -> None:
+    if shape != entry.shape or dtype != entry.dtype:
         raise ValueError(
             f"Tensor {entry.name!r}: expected shape {entry.shape} and dtype {entry.dtype}, got "
-            f"{array.shape} and {array.dtype}."
+            f"{shape} and {dtype}."
         )
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
         array = array.astype(array.dtype.newbyteorder("<"))
     return np.ascontiguousarray(array)
@@ -175,19 +182,52 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _slice(array: jax.Array, starts: tuple[jax.Array, ...], sizes: tuple[int, ...]) -> jax.Array:
+    """A block of ``array`` on its devices (compiled per block shape, not per offset)."""
+    return jax.lax.dynamic_slice(array, starts, sizes)
+
+
+def _host_pieces(array: jax.Array, entry: TensorEntry, limit: int) -> Iterator[np.ndarray]:
+    """``array`` on the host in C-order pieces of at most ``limit`` bytes: on CPU devices
+    views of their buffers, else each copied from the devices when its turn comes."""
+    _check(tuple(array.shape), np.dtype(array.dtype), entry)
+    devices = array.sharding.device_set
+    # One CPU device: its buffer viewed, no copy (several would be gathered: a copy).
+    whole = (
+        np.asarray(array) if len(devices) == 1 and next(iter(devices)).platform == "cpu" else None
+    )
+    for region in pieces(entry.shape, entry.dtype.itemsize, limit):
+        if whole is not None:
+            yield whole[region]
+            continue
+        sizes = tuple(r.stop - r.start for r in region)
+        yield np.asarray(_slice(array, tuple(np.int32(r.start) for r in region), sizes))
+
+
+def _write_tensor(f: Any, array: Any, entry: TensorEntry, piece: int) -> None:
+    """Writes ``entry``'s data: a host array at once, a ``jax.Array`` (a budgeted export)
+    in pieces of at most ``piece`` bytes."""
+    if isinstance(array, jax.Array):
+        for values in _host_pieces(array, entry, piece):
+            f.write(memoryview(_little_endian(values).reshape(-1).view(np.uint8)))
+        return
+    _check(array.shape, array.dtype, entry)
+    f.write(memoryview(_little_endian(array).reshape(-1).view(np.uint8)))
+
+
 def _write_file(
     path: str,
     entries: Sequence[TensorEntry],
-    arrays: Iterator[np.ndarray],
+    arrays: Iterator[Any],
     metadata: Mapping[str, str],
 ) -> None:
+    piece = Limits.in_context().piece
     with open(path, "wb") as f:
         f.write(_header(entries, metadata))
         for entry in entries:
-            array = _little_endian(next(arrays), entry)
-            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+            _write_tensor(f, next(arrays), entry, piece)
             cp.progress.advance(entry.nbytes)
-            del array
         f.flush()
         os.fsync(f.fileno())
     with safe_open(path) as check:  # The package checks the header against the file.
@@ -198,7 +238,7 @@ def _write_file(
 def write_safetensors(
     output: Output,
     shards: Sequence[Sequence[TensorEntry]],
-    arrays: Iterable[np.ndarray],
+    arrays: Iterable[Any],
     *,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
@@ -206,7 +246,9 @@ def write_safetensors(
     """Writes the files of a ``plan_shards`` plan, Hub-style with an index if several.
 
     Returns the paths written. ``arrays`` yields each entry's array in the
-    order of ``shards``, files first then entries, so a caller can stream them.
+    order of ``shards``, files first then entries, so a caller can stream them:
+    ``np.ndarray``s, written at once, or ``jax.Array``s, copied to the host in
+    pieces within the context's budget (``cp.options.MemoryOptions``).
 
     Raises:
       FileExistsError: a file to write exists and ``overwrite`` is false.

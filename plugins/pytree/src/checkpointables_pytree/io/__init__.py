@@ -8,6 +8,7 @@
   ``storage``'s local files or few ranged GETs, checked against their
   CRC-32C), small arrays many at a time (``read_small``), and the rest
   through TensorStore's zarr3 driver.
+* ``Staging``: the host bytes a save holds for writing, and the most at once.
 * Multi-process saves: which shards this process writes
   (``shards_to_write``), and the merge of the per-process databases
   (``merge_process_databases``).
@@ -34,6 +35,7 @@ from checkpointables_pytree.io._multiprocess import (
 from checkpointables_pytree.io._reader import INLINE_READ_KEYS, Reader, read_groups, read_values
 from checkpointables_pytree.io._remote_reads import requests_in_flight
 from checkpointables_pytree.io._small_reads import Small, read_small
+from checkpointables_pytree.io._staging import Staging
 from checkpointables_pytree.io._streamed_reads import PieceSink, piece_bytes, pieces
 from checkpointables_pytree.io._streamed_writes import ChunkSource, Streamed
 from checkpointables_pytree.io._writer import DATABASE_LAYOUT, DIRECT_BYTES, Writer
@@ -63,6 +65,7 @@ __all__ = [
     "requests_in_flight",
     "Small",
     "read_small",
+    "Staging",
     "DIRECT_BYTES",
     "Writer",
     "DATABASE_LAYOUT",

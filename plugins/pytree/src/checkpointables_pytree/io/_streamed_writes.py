@@ -21,6 +21,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import ocdbt, storage
+from checkpointables_pytree.io._staging import Staging
 from checkpointables_pytree.storage import ByteLimiter, settle
 from checkpointables_pytree.zarr3 import ArrayWrite
 
@@ -49,29 +50,28 @@ class Streamed:
 
 
 async def write_streamed(
-    streams: Sequence[Streamed], database: epath.Path, context: ts.Context, host_bytes: int
-) -> int:
+    streams: Sequence[Streamed],
+    database: epath.Path,
+    context: ts.Context,
+    host_bytes: int,
+    staging: Staging,
+) -> None:
     """Writes every chunk of ``streams`` into ``database`` (whose ``zarr.json``s are written),
-    at most ``host_bytes`` held at once; flushes the data files. Returns the most bytes held."""
+    at most ``host_bytes`` held at once (counted in ``staging``); flushes the data files."""
     if not streams:
-        return 0
+        return
     base = await ocdbt.open_kvstore(database, context)
     limiter = ByteLimiter(host_bytes)
-    held = [0, 0]  # Now, most.
 
     async def one(store: Any, item: ArrayWrite, source: ChunkSource) -> None:
         async with limiter.hold(_COPIES * source.nbytes):
-            held[0] += source.nbytes
-            held[1] = max(held)
-            try:
+            with staging.held(_COPIES * source.nbytes):
                 data = await asyncio.to_thread(source.fetch)
                 region = item.layout.region(source.index)
                 target = store if data.shape == item.layout.shape else store[region]
                 await target.write(data, can_reference_source_data_indefinitely=True)
                 del data
                 await asyncio.to_thread(storage.give_back_free_memory)
-            finally:
-                held[0] -= source.nbytes
 
     tasks: list[asyncio.Future[Any]] = []
     try:
@@ -89,4 +89,3 @@ async def write_streamed(
         await settle(tasks)
         raise
     await asyncio.to_thread(ocdbt.flush_data_files, database, set())
-    return held[1]

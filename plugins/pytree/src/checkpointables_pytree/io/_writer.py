@@ -39,6 +39,7 @@ from checkpointables import execution
 from etils import epath
 
 from checkpointables_pytree import ocdbt, storage, zarr3
+from checkpointables_pytree.io._staging import Staging
 from checkpointables_pytree.io._streamed_writes import Streamed, write_streamed
 from checkpointables_pytree.storage import settle
 from checkpointables_pytree.zarr3 import ArrayWrite
@@ -90,7 +91,8 @@ class Writer:
         """
         self._host_bytes = host_bytes
         self._streams: list[Streamed] = []
-        self.peak_staging_bytes = 0  # The most bytes of streamed chunks held at once.
+        # What the save holds on the host for writing (leaf handlers count their copies).
+        self.staging = Staging()
         self._directory = directory
         self._fast_path = fast_path
         self._items: list[ArrayWrite] = []
@@ -152,8 +154,8 @@ class Writer:
                 raise
             if self._streams:
                 assert self._host_bytes is not None
-                self.peak_staging_bytes = await write_streamed(
-                    self._streams, database, context, self._host_bytes
+                await write_streamed(
+                    self._streams, database, context, self._host_bytes, self.staging
                 )
 
     async def _write_database(
@@ -191,7 +193,7 @@ class Writer:
                 # copies: one is PUT while the next is encoded.
                 if not files.local and writes:
                     await writes.pop(0)
-                writes.append(files.start(layout.data_file(n, names, values), flush=True))
+                writes.append(self._start(files, layout.data_file(n, names, values)))
             with execution.paused_gc():
                 values.extend(chunks)
             btree, manifest = layout.btree_file(names, values)
@@ -205,6 +207,17 @@ class Writer:
             await settle(writes)
             raise
 
+    def _start(self, files: ocdbt.DatabaseFiles, file: ocdbt.DataFile) -> asyncio.Future[Any]:
+        """Starts writing a data file (flushed). A remote one is a joined copy, and
+        TensorStore's own while it is PUT: both count as staged until it is written."""
+        if files.local:
+            return files.start(file, flush=True)
+        nbytes = 2 * sum(memoryview(p).nbytes for p in file.parts if type(p) is not ocdbt.Deferred)
+        self.staging.hold(nbytes)
+        written = files.start(file, flush=True)
+        written.add_done_callback(lambda _: self.staging.release(nbytes))
+        return written
+
     def _database_layout(
         self, here: Sequence[ArrayWrite], driver: Sequence[ArrayWrite], local: bool
     ) -> ocdbt.DatabaseLayout | None:
@@ -213,9 +226,11 @@ class Writer:
         this process writes or the storage differ from the last save's."""
         items = [*here, *driver]
         if self.linked or self.isolate:  # Made for this save's links and files.
-            return _layout(*_database_keys(here, driver, self.linked), local, self.isolate)
+            keys = _database_keys(here, driver, self.linked)
+            return _layout(*keys, local, self.isolate, self._host_bytes)
         signature = (
             local,
+            self._host_bytes,
             len(here),
             list(map(_LAYOUT, items)),
             list(map(_WRITE_METADATA, items)),
@@ -224,7 +239,7 @@ class Writer:
         kept = self._structure_cache.get(DATABASE_LAYOUT)
         if kept is not None and kept[0] == signature:
             return kept[1]  # type: ignore[no-any-return]
-        layout = _layout(*_database_keys(here, driver), local)
+        layout = _layout(*_database_keys(here, driver), local, host_bytes=self._host_bytes)
         self._structure_cache[DATABASE_LAYOUT] = (signature, layout)
         return layout
 
@@ -236,14 +251,18 @@ def _layout(
     breaks: frozenset[int],
     local: bool,
     isolate: bool = False,
+    host_bytes: int | None = None,
 ) -> ocdbt.DatabaseLayout | None:
     """The layout of a database of ``keys`` (``None`` if none); ``isolate``: each array's
-    chunks start a data file (``breaks``), so that a later save can link it whole."""
+    chunks start a data file (``breaks``), so that a later save can link it whole. Under a
+    budget of ``host_bytes`` a remote data file (held twice while PUT) is a quarter of it
+    at most."""
     if not keys:
         return None
     sizes = {"file_bytes": DATA_FILE_BYTES, "first_file_bytes": FIRST_DATA_FILE_BYTES}
     if not local:
-        sizes = {"file_bytes": REMOTE_DATA_FILE_BYTES}
+        most = REMOTE_DATA_FILE_BYTES if host_bytes is None else host_bytes // 4
+        sizes = {"file_bytes": min(REMOTE_DATA_FILE_BYTES, most)}
     return ocdbt.DatabaseLayout(
         keys, lengths, fixed, **sizes, breaks=breaks if isolate else frozenset()
     )

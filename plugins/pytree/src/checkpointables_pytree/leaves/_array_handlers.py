@@ -20,6 +20,7 @@ from checkpointables_pytree.leaves._common import (
     ReadTarget,
     StoredLayout,
     ZarrLeafHandler,
+    on_cpu,
     schedule_array,
     storage_dtype,
     storage_options,
@@ -385,6 +386,8 @@ class ArrayLeafHandler(ZarrLeafHandler):
             storage=snapshot.storage,
             extra=ext_metadata,
             held_by_every_process=False,  # Each process writes the shards it owns.
+            # Host copies (from accelerators, or cast); on CPU devices views of their buffers.
+            staged=snapshot.dtype != param.value.dtype or not on_cpu(param.value),
         )
         name = param.name
         session.write_shapes[name] = chunk_shape
@@ -458,6 +461,7 @@ class NumpyLeafHandler(ZarrLeafHandler):
                 chunk_shape=chunk_shape,
                 chunks=chunks,
                 storage=storage,
+                staged=not session.caller_waits or dtype != array.dtype,  # A copy, or a cast.
             )
 
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:

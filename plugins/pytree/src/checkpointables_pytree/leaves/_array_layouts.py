@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from checkpointables_pytree import tree, zarr3
-from checkpointables_pytree.leaves._common import LeafLabel, storage_dtype, unsupported
+from checkpointables_pytree.leaves._common import LeafLabel, on_cpu, storage_dtype, unsupported
 from checkpointables_pytree.leaves._groups import LeafGroup
 from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import SaveSession
@@ -127,12 +127,19 @@ def array_layouts(
 
 
 def schedule_group(
-    session: SaveSession, group: LeafGroup, plan: ArrayLayouts, data: Sequence[np.ndarray | None]
+    session: SaveSession,
+    group: LeafGroup,
+    plan: ArrayLayouts,
+    data: Sequence[np.ndarray | None],
+    staged: bool,
 ) -> None:
     """Schedules the write of each array of ``group`` (one chunk: ``data``, ``None`` for none).
 
-    Their ``_METADATA`` records are the plan's: ``group.layouts``.
+    Their ``_METADATA`` records are the plan's: ``group.layouts``. ``staged``: ``data``
+    are host copies the save made (counted in the writer's ``staging``).
     """
+    if staged:
+        session.writer.staging.hold(sum(a.nbytes for a in data if a is not None))
     keypaths = group.flat.structure.keypaths
     primary, compression = session.primary, session.compression
     add = session.writer.add
@@ -187,11 +194,11 @@ def schedule_numpy_group(session: SaveSession, group: LeafGroup) -> None:
     shapes = list(map(_SHAPE, values))
     plan = array_layouts("numpy", group, shapes, dtypes, session.compression)
     data: list[np.ndarray | None]
+    copy = not session.caller_waits
     if not session.primary:  # Every process holds the arrays: the primary writes them.
         data = [None] * len(values)
     else:
         data = [None if 0 in shape else v for v, shape in zip(values, shapes, strict=True)]
-        copy = not session.caller_waits
         if cast or copy:
             data = [
                 None
@@ -201,7 +208,7 @@ def schedule_numpy_group(session: SaveSession, group: LeafGroup) -> None:
                 else (v if v.dtype == d else v.astype(d))
                 for v, d in zip(data, dtypes, strict=True)
             ]
-    schedule_group(session, group, plan, data)
+    schedule_group(session, group, plan, data, staged=session.primary and (cast or copy))
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -244,7 +251,9 @@ def schedule_jax_group(
     ]
     if cast:
         data = [None if h is None else h.astype(d) for h, d in zip(data, dtypes, strict=True)]
-    schedule_group(session, group, plan, data)
+    # On CPU devices the hosted arrays are views of the devices' buffers: not staged.
+    staged = cast or (bool(group.values) and not on_cpu(group.values[0]))
+    schedule_group(session, group, plan, data, staged)
     described: dict[int, dict[str, Any] | None] = {}  # Per sharding (arrays share them).
     records, metadatas = session.shardings, session.array_metadatas
     for layout, record, sharding in zip(plan.layouts, plan.records, shardings, strict=True):

@@ -36,6 +36,7 @@ from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 from checkpointables_pytree.zarr3 import ArrayWrite, zarr_shape_dtype
 
 __all__ = [
+    "on_cpu",
     "JAX_ARRAY",
     "NUMPY_ARRAY",
     "SCALAR",
@@ -213,6 +214,12 @@ def choose_inner_chunk_shape(
     return tuple(chunk)
 
 
+def on_cpu(array: Any) -> bool:
+    """Whether the ``jax.Array`` ``array`` is on CPU devices (its host form is a view of their
+    buffers, not a copy). Read from its sharding: valid after the array was deleted."""
+    return bool(next(iter(array.sharding.device_set)).platform == "cpu")
+
+
 def schedule_array(
     session: SaveSession,
     param: SerializationParam[Any],
@@ -224,15 +231,20 @@ def schedule_array(
     storage: ArrayStorageOptions,
     extra: dict[str, Any] | None = None,
     held_by_every_process: bool = True,
+    staged: bool = True,
 ) -> ArrayWrite:
     """Schedules one array's chunks and records its metadata in the session; returns its write.
 
     In a multi-process save, a value every process holds (``held_by_every_process``)
-    and every array's ``zarr.json`` are written by the primary host alone.
+    and every array's ``zarr.json`` are written by the primary host alone. ``staged``:
+    the chunks are host memory the save made (copies, casts), counted in the writer's
+    ``staging`` until the writes end; ``False``: the caller's or a CPU device's memory.
     """
     primary = session.primary
     if held_by_every_process and not primary:
         chunks = []
+    if staged and chunks:
+        session.writer.staging.hold(sum(data.nbytes for _, data in chunks))
     compression = session.compression
     inner: tuple[int, ...] | None = None
     if storage.chunk_byte_size:

@@ -1,0 +1,73 @@
+"""A budget (``cp.options.MemoryOptions``) holds on an object store (moto's S3 server).
+
+A child process with 8 CPU devices saves, through a ``Checkpointer`` on
+``s3://``, a state several times the budget (one large sharded array and small
+NumPy ones, which go into the database's data files, each PUT as a copy), then
+loads it onto another mesh; it reports each operation's peak RSS growth minus
+the state, and the save's reported peak staging memory. Without a budget the
+resharded load holds the state again on the host: the measurement catches it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.peak_rss import run_child
+
+BUDGET = 32 << 20
+STATE = 192 << 20
+SLACK = 64 << 20
+
+CHILD = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import checkpointables as cp
+
+budget, state_bytes, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+devices = np.array(jax.devices())
+rows = 1024
+cols = state_bytes // 4 // rows
+saved = NamedSharding(Mesh(devices.reshape(8, 1), ("a", "b")), P("a", None))
+wanted = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
+host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+small = {f"s{i}": np.full(1 << 17, i, np.float32) for i in range(16)}  # 512 KiB each
+tree = {"w": jax.device_put(host, saved), "small": small}
+abstract = {"w": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=wanted),
+            "small": {k: np.empty_like(v) for k, v in small.items()}}
+context = cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=budget or None))
+report = {}
+with context:
+    cp.save_pytree(url + "/warm", {"w": jax.device_put(host[:64], saved)})  # Warm-up.
+    cp.load_pytree(url + "/warm", {"w": jax.ShapeDtypeStruct((64, cols), np.float32,
+                                                             sharding=wanted)})
+    ckptr = cp.training.Checkpointer(url + "/run", context=context)
+    _, report["save"] = measured(lambda: ckptr.save_pytree(0, tree), 0)
+    report["reported_peak"] = ckptr.last_save_stats.peak_staging_bytes
+    ckptr.close()
+    del tree
+    loaded, report["load_resharded"] = measured(
+        lambda: cp.load_pytree(url + "/run/0", abstract), state_bytes + (8 << 20))
+    report["exact"] = bool(np.array_equal(np.asarray(loaded["w"]), host)) and all(
+        np.array_equal(loaded["small"][k], v) for k, v in small.items())
+print(json.dumps(report))
+"""
+
+
+def _run(bucket: str, budget: int) -> dict[str, int]:
+    return run_child(CHILD, str(budget), str(STATE), bucket)
+
+
+def test_a_save_and_load_on_s3_stay_within_the_budget(bucket) -> None:
+    report = _run(bucket, BUDGET)
+    assert report["exact"], report
+    for op in ("save", "load_resharded"):
+        assert report[op] <= BUDGET + SLACK, (op, report[op] >> 20, report)
+    # What the writer counted: the data files' copies (a quarter of the budget, twice).
+    assert 0 < report["reported_peak"] <= BUDGET, report
+
+
+@pytest.mark.parametrize("budget", [0])
+def test_without_a_budget_the_resharded_load_stages_more(bucket, budget) -> None:
+    report = _run(bucket, budget)
+    assert report["exact"], report
+    assert report["load_resharded"] > BUDGET + SLACK, report

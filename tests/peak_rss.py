@@ -1,0 +1,50 @@
+"""Peak RSS of a child process: the prologue of child scripts that measure what an operation
+stages on the host (``measured``), and running them.
+
+``measured(fn, state)`` resets the peak (``/proc/self/clear_refs``), runs ``fn`` and
+returns its result with the peak RSS growth minus ``state`` (what the result itself
+occupies: on CPU devices, device memory is the host's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.python_subprocess import run_python
+
+PROLOGUE = """
+import ctypes, gc, json, os, sys
+def kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+def measured(fn, state):
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # Freed memory back first: else it looks free.
+    base = kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = fn()
+    return out, kib("VmHWM") - base - state
+"""
+
+
+def run_child(code: str, *args: str, devices: int = 8, **env: str) -> dict:
+    """Runs ``PROLOGUE + code`` with ``args`` on ``devices`` CPU devices; returns the JSON it
+    prints last. Skips where Linux's ``/proc/self/clear_refs`` is missing."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    done = run_python(
+        PROLOGUE + code,
+        *args,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        **env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
