@@ -17,7 +17,8 @@ from .launcher import run_job
 
 pytestmark = pytest.mark.multiprocess
 
-# argv: root, local base, mode ("save" or "restore"), the host directory of each process
+# argv: root, local base, mode ("save", "restore", "half": a restore without the dataset),
+# the host directory of each process
 # (a permutation: "1,0" gives process 0 the directory process 1 wrote before).
 BODY = """
 import json
@@ -28,6 +29,8 @@ root, base, mode, hosts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].spl
 local_every, persistent_every = map(int, sys.argv[5].split(","))
 MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
 SPECS = {"sharded": P("x", "y"), "by_row": P("x"), "replicated": P()}
+if mode == "half":  # Another sharding too: a device's rows span two saved shards.
+    SPECS["sharded"] = P("x")
 
 def value(name, step):
     return {"sharded": np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + step,
@@ -60,10 +63,13 @@ def restore(ckptr, tag):
                                            sharding=NamedSharding(MESH, spec))
                 for name, spec in SPECS.items()}
     abstract["host_numpy"] = np.empty(3, np.int64)
+    # Grain's iterator states are per process: another process count starts the data afresh.
+    resumed = iter(dataset()) if mode != "half" else None
+    items = {"state": abstract, "config": None}
+    if resumed is not None:
+        items["dataset"] = resumed
     try:
-        resumed = iter(dataset())
-        restored = ckptr.load_checkpointables(
-            None, {"state": abstract, "config": None, "dataset": resumed})
+        restored = ckptr.load_checkpointables(None, items)
     except cp.training.errors.StepNotFoundError:
         print(tag, json.dumps({"step": -1}), flush=True)
         os._exit(0)
@@ -75,7 +81,7 @@ def restore(ckptr, tag):
             np.testing.assert_array_equal(np.asarray(shard.data), expected)
     np.testing.assert_array_equal(restored["state"]["host_numpy"], np.arange(3) + step)
     # The iterator resumes exactly after the step's element of this process's shard.
-    assert next(resumed) == list(dataset())[step + 1]
+    assert resumed is None or next(resumed) == list(dataset())[step + 1]
     print(tag, json.dumps({"step": stats.step, "tier": stats.tier,
                            "local": stats.bytes_from_local, "peers": stats.bytes_from_peers,
                            "persistent": stats.bytes_from_persistent}), flush=True)
@@ -129,6 +135,7 @@ def _tagged(results, tag: str) -> list:
 
 
 def _job(tmp_path, mode: str, hosts: str = "0,1", cadences: str = "10,25", n: int = 2) -> list:
+    """Runs BODY in ``mode``: "save", "restore", or "half" (a restore without the dataset)."""
     args = [str(tmp_path / "persistent"), str(tmp_path / "local"), mode, hosts, cadences]
     results = run_job(BODY, args=args, timeout=150, num_processes=n, devices_per_process=4 // n)
     return _tagged(results, "LOCAL" if mode == "save" else "STATS")
@@ -196,15 +203,43 @@ def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> No
     assert second["peers"] > 0
 
 
-def test_four_processes_in_a_ring_restore_a_wiped_host_from_its_buddy(tmp_path) -> None:
-    # Each process keeps the copy of the process before it: host 2's files are on host 3.
-    assert _job(tmp_path, "save", hosts="0,1,2,3", n=4)[0] == [20, 30]
-    assert sorted(os.listdir(tmp_path / "local" / "host3" / "30")) == [
+@pytest.fixture(scope="module")
+def saved_by_four(tmp_path_factory):
+    """A run of 4 processes: persistent 0, 25; local 20, 30, each host holding its own copy
+    and the copy of the process before it (host 2's files are on host 3)."""
+    tmp = tmp_path_factory.mktemp("local_tier_four")
+    assert _job(tmp, "save", hosts="0,1,2,3", n=4)[0] == [20, 30]
+    assert sorted(os.listdir(tmp / "local" / "host3" / "30")) == [
         "p2-of-4", "p2-of-4.manifest.json", "p3-of-4", "p3-of-4.manifest.json"]  # fmt: skip
+    return tmp
+
+
+def test_four_processes_in_a_ring_restore_a_wiped_host_from_its_buddy(
+    saved_by_four, tmp_path
+) -> None:
+    shutil.copytree(saved_by_four, tmp_path, dirs_exist_ok=True)
     shutil.rmtree(tmp_path / "local" / "host2")
     stats = _job(tmp_path, "restore", hosts="0,1,2,3", n=4)
     assert [(s["step"], s["tier"], s["persistent"]) for s in stats] == [(30, "local", 0)] * 4
     assert [s["peers"] > 0 for s in stats] == [False, False, True, False]
+
+
+def test_half_the_processes_restore_from_several_hosts_copies(saved_by_four, tmp_path) -> None:
+    # 2 processes on the hosts of 0 and 2: each needs the shards of two of the 4 writers
+    # (process 0: p0 and p1, on hosts 0 and 2; process 1: p2 and p3, on hosts 2 and 0),
+    # and its own index's items (p1-of-4's are on host 2, its buddy's copy); "sharded" is
+    # now split by rows only, so each device needs parts of two saved shards.
+    shutil.copytree(saved_by_four, tmp_path, dirs_exist_ok=True)
+    first, second = _job(tmp_path, "half", hosts="0,2", n=2)
+    for stats in (first, second):
+        assert (stats["step"], stats["tier"], stats["persistent"]) == (30, "local", 0)
+        assert stats["local"] > 0 and stats["peers"] > 0
+    # With the hosts of 0 and 1 no host holds p2-of-4's files: the persistent step.
+    shutil.rmtree(tmp_path)
+    shutil.copytree(saved_by_four, tmp_path)
+    for stats in _job(tmp_path, "half", hosts="0,1", n=2):
+        assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
+            25, "persistent", 0, 0)  # fmt: skip
 
 
 def test_a_host_that_does_not_answer_is_named_within_the_timeout(run_dir) -> None:

@@ -25,7 +25,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Manifest", "describe_shards", "needed_shards", "build", "write", "read", "problems"]
+__all__ = [
+    "Manifest",
+    "describe_shards",
+    "needed_shards",
+    "uncovered",
+    "build",
+    "write",
+    "read",
+    "problems",
+]
 
 SUFFIX = ".manifest.json"
 _CHUNK = 1 << 20
@@ -105,6 +114,33 @@ def needed_shards(abstract: Mapping[str, Any] | None) -> dict[str, set[Index]] |
     return needed
 
 
+def _volume(box: Index) -> int:
+    size = 1
+    for start, stop in box:
+        size *= max(stop - start, 0)
+    return size
+
+
+def _overlap(a: Index, b: Index) -> int:
+    pairs = zip(a, b, strict=True)
+    return _volume(tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in pairs))
+
+
+def uncovered(needed: Mapping[str, set[Index]], held: Mapping[str, Iterable[Index]]) -> int:
+    """How many elements of the shards in ``needed`` no shard in ``held`` holds.
+
+    The shards held, of one save, tile each array (two are equal or disjoint), so
+    a needed shard's elements held are the sum of its overlaps with the distinct ones:
+    a needed shard may span several held ones (another mesh) or lie in one.
+    """
+    missing = 0
+    for key, boxes in needed.items():
+        have: set[Index] = set(held.get(key, ()))
+        for box in boxes:
+            missing += _volume(box) - sum(_overlap(box, h) for h in have)
+    return missing
+
+
 @attrs.frozen
 class Manifest:
     """What one copy of a host's local step holds (see the module's docstring)."""
@@ -124,10 +160,6 @@ class Manifest:
     def nbytes(self) -> int:
         """The copy's size: the sum of its files' sizes."""
         return sum(size for size, _ in self.files.values())
-
-    def covers(self, needed: Mapping[str, set[Index]]) -> bool:
-        """Whether this copy holds every shard in ``needed``."""
-        return all(set(map(tuple, self.held.get(k, ()))) >= v for k, v in needed.items())
 
     def to_json(self) -> str:
         """The manifest as compact JSON."""
