@@ -206,11 +206,25 @@ def test_permuted_process_ids_with_a_wiped_host_restore_from_data(run_dir) -> No
 @pytest.fixture(scope="module")
 def saved_by_four(tmp_path_factory):
     """A run of 4 processes: persistent 0, 25; local 20, 30, each host holding its own copy
-    and the copy of the process before it (host 2's files are on host 3)."""
+    and the copy of the process before it (host 2's files are on host 3), and the small
+    items (JSON, iterator) of every process."""
     tmp = tmp_path_factory.mktemp("local_tier_four")
     assert _job(tmp, "save", hosts="0,1,2,3", n=4)[0] == [20, 30]
-    assert sorted(os.listdir(tmp / "local" / "host3" / "30")) == [
-        "p2-of-4", "p2-of-4.manifest.json", "p3-of-4", "p3-of-4.manifest.json"]  # fmt: skip
+    for host in range(4):
+        step = tmp / "local" / f"host{host}" / "30"
+        manifests = {
+            w: json.loads((step / f"{w}.manifest.json").read_text())
+            for w in ("p0-of-4", "p1-of-4", "p2-of-4", "p3-of-4")
+        }
+        # Its own copy and its buddy's whole; every other process's small items only.
+        whole = {f"p{host}-of-4", f"p{(host - 1) % 4}-of-4"}
+        assert {w for w, m in manifests.items() if not m["partial"]} == whole
+        for writer, manifest in manifests.items():
+            assert manifest["small"] == ["config", "dataset"]
+            items = {p.name for p in (step / writer).iterdir() if p.is_dir()}
+            assert items == (
+                {"config", "dataset", "state"} if writer in whole else {"config", "dataset"}
+            )
     return tmp
 
 

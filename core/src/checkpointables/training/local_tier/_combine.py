@@ -9,7 +9,9 @@ checkpointable that the copies hold several parts of and whose handler is a
 from every copy's directory, so its arrays hold the union of their shards.
 Everything else (JSON, a dataset iterator, custom handlers' items) is the
 first copy's: the restore puts the copy saved by the process of its own
-index first. ``_CHECKSUMS`` is recorded anew for what was built.
+index first (a partial copy, of that process's small items only, may be
+first: the arrays' checkpointables then come from the others).
+``_CHECKSUMS`` is recorded anew for what was built.
 """
 
 from __future__ import annotations
@@ -63,15 +65,17 @@ def combine(copies: Sequence[str], target: str, context: Context) -> str:
     os.makedirs(target)
     first = copies[0]
     opened = _loading.open_for_load(epath.Path(first), context)
+    names = {n for c in copies for n in os.listdir(c) if os.path.isdir(os.path.join(c, n))}
     for name in sorted(os.listdir(first)):
-        source, built = os.path.join(first, name), os.path.join(target, name)
-        if not os.path.isdir(source):
-            shutil.copyfile(source, built)  # Small; and _CHECKSUMS is rewritten below.
-            continue
+        if not os.path.isdir(os.path.join(first, name)):
+            # Small; and _CHECKSUMS is rewritten below.
+            shutil.copyfile(os.path.join(first, name), os.path.join(target, name))
+    for name in sorted(names):
+        built = os.path.join(target, name)
         holders = [c for c in copies if os.path.isdir(os.path.join(c, name))]
         combiner = _combiner(opened, name, context) if len(holders) > 1 else None
         if combiner is None:
-            _link_tree(source, built)
+            _link_tree(os.path.join(holders[0], name), built)
             continue
         os.makedirs(built)
         parts = []

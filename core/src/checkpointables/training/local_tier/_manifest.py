@@ -8,7 +8,10 @@ presence is the copy's commit). It records:
   copy is checked before it is used and a fetched copy before it is kept;
 - ``held``: the global shards (array key, index) the copy holds, and
   ``shards``: every shard of each array, so that completeness of a step is
-  decided from data (which shards exist somewhere), not from process ids.
+  decided from data (which shards exist somewhere), not from process ids;
+- ``small``: the checkpointables without a ``jax.Array`` (JSON, iterators,
+  custom handlers' items), which every host keeps a copy of: a *partial* copy
+  (``partial``) holds only them and the copy's top-level files, and no shard.
 
 Checksums are CRC-32C when the ``crc32c`` module is installed (the pytree
 plugin depends on it), else CRC-32 (``zlib``); the manifest names which.
@@ -29,6 +32,7 @@ __all__ = [
     "Manifest",
     "describe_shards",
     "needed_shards",
+    "small_items",
     "uncovered",
     "build",
     "write",
@@ -102,6 +106,12 @@ def describe_shards(
     return held, every
 
 
+def small_items(checkpointables: Mapping[str, Any]) -> list[str]:
+    """The names of the checkpointables that hold no ``jax.Array`` (every host keeps them)."""
+    with_arrays = {key.split("/", 1)[0] for key, _ in _array_leaves(checkpointables)}
+    return sorted(n for n in checkpointables if n not in with_arrays)
+
+
 def needed_shards(abstract: Mapping[str, Any] | None) -> dict[str, set[Index]] | None:
     """Per array key, the shards this process's devices need (``None``: unknown)."""
     if abstract is None:
@@ -155,6 +165,17 @@ class Manifest:
     shards: dict[str, list[Index]]
     metrics: dict[str, Any] = attrs.field(factory=dict)
     commit_timestamp_nsecs: int = 0
+    small: list[str] = attrs.field(factory=list)
+    partial: bool = False
+
+    def small_part(self) -> Manifest:
+        """The manifest of this copy's small part, which every host keeps: its top-level
+        files and its ``small`` checkpointables (those without a ``jax.Array``: JSON,
+        dataset iterators, custom handlers' items). It holds no shard."""
+        files = {
+            k: v for k, v in self.files.items() if "/" not in k or k.split("/")[0] in self.small
+        }
+        return attrs.evolve(self, files=files, held={}, partial=True)
 
     @property
     def nbytes(self) -> int:

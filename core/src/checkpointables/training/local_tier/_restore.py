@@ -6,8 +6,9 @@ tier is restored. At equal steps the local tier wins (it is faster).
 1. Every host reports the copies on its disk that have a manifest (their
    commit); an all-gather gives every process the same reports. A local step
    is a *candidate* when every process that saved it (``p<i>-of-<n>`` for
-   every ``i < n``) has a copy on some live host. A persistent step is one
-   once committed.
+   every ``i < n``) has a copy on some live host (a partial one, of its small
+   items, counts) and every shard of every array is in one of them. A
+   persistent step is one once committed.
 2. For the newest candidate, each process gathers the copies its devices
    need: first the copy saved by the process of the same index (its
    per-process items, e.g. a dataset iterator, belong to that index),
@@ -65,9 +66,23 @@ class Inventory:
             if len(counts) != 1:
                 continue  # Copies of different runs' saves: not one step.
             (n,) = counts
-            if all(writer_name(i, n) in holders for i in range(n)):
+            if all(writer_name(i, n) in holders for i in range(n)) and _every_shard_held(holders):
                 complete.append(step)
         return sorted(complete, reverse=True)
+
+
+def _every_shard_held(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
+    """Whether every shard of every array of the step is in some copy (a partial copy,
+    of a process's small items only, holds none)."""
+    every: dict[str, set[Index]] = {}
+    held: dict[str, set[Index]] = {}
+    for copies in holders.values():
+        for _, m in copies:
+            for key, shards in m.shards.items():
+                every.setdefault(key, set()).update(shards)
+            for key, shards in m.held.items():
+                held.setdefault(key, set()).update(shards)
+    return all(shards <= held.get(key, set()) for key, shards in every.items())
 
 
 def gather(store: Store, exchange: Exchange, address: str, name: str, timeout: float) -> Inventory:
@@ -117,6 +132,7 @@ def _arrays_split(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
         any(set(m.held.get(k, ())) != set(v) for k, v in m.shards.items())
         for copies in holders.values()
         for _, m in copies
+        if not m.partial
     )
 
 
@@ -134,9 +150,11 @@ def options(
     ranked = []
     for writer, copies in holders.items():
         for process, manifest in copies:
+            if needed is None and manifest.partial:
+                continue  # Without shardings, one copy is read: a whole one.
             same_index = manifest.process_index == me
             same_count = same_index and manifest.process_count == count
-            key = (not same_count, not same_index, process != me, process, writer)
+            key = (not same_count, not same_index, manifest.partial, process != me, process, writer)
             ranked.append((key, (process, manifest)))
     return [option for _, option in sorted(ranked, key=lambda r: r[0])]
 
@@ -185,12 +203,12 @@ def obtain(
     """
     why: list[str] = []
     got: list[str] = []
-    writers: set[str] = set()
+    whole: set[str] = set()  # Writers of the whole copies got (not partial).
     held: dict[str, list[Index]] = {}
     local = peers = 0
     missing = -1 if needed is None else _manifest.uncovered(needed, held)
     for process, manifest in choices:
-        if got and (needed is None or manifest.writer in writers):
+        if got and (needed is None or manifest.writer in whole):
             continue
         merged = {k: held.get(k, []) + list(v) for k, v in manifest.held.items()}
         after = -1 if needed is None else _manifest.uncovered(needed, {**held, **merged})
@@ -201,8 +219,10 @@ def obtain(
         except _transport.FetchError as e:
             why.append(f"process {process}: {e}" if process != me else str(e))
             continue
-        got.append(path)
-        writers.add(manifest.writer)
+        if path not in got:  # A whole copy fetched over a partial one got before.
+            got.append(path)
+        if not manifest.partial:
+            whole.add(manifest.writer)
         held.update(merged)
         local, peers, missing = local + from_local, peers + from_peers, after
         if missing <= 0:
