@@ -468,6 +468,10 @@ def _restart(rng, n: int) -> tuple[list[int], list[tuple[int, ...]]]:
     """Where the processes restart (process -> host) and whose devices' shards each needs:
     all of them permuted, or (of 4) half of them on 2 random hosts."""
     if n == 4 and rng.random() < 0.6:
+        # Mostly on hosts that together hold every process's files (in a ring with one
+        # replica: 0 and 2, or 1 and 3), else on any two.
+        if rng.random() < 0.75:
+            return rng.choice([[0, 2], [2, 0], [1, 3], [3, 1]]), [(0, 1), (2, 3)]
         return rng.sample(range(4), 2), [(0, 1), (2, 3)]
     hosts = list(range(n))
     rng.shuffle(hosts)
