@@ -24,6 +24,7 @@ __all__ = [
     "Finalizable",
     "Verifiable",
     "Mergeable",
+    "CombinesShards",
     "ExplainsUnhandleable",
     "ReportsReuse",
     "typestr",
@@ -46,8 +47,8 @@ class CheckpointableHandler(Protocol, Generic[T, AbstractT]):
 
     A handler class must be constructible with no arguments. It may also
     declare optional capabilities by meeting the protocols ``Recognizing``,
-    ``Finalizable``, ``Verifiable``, ``Mergeable`` and ``ExplainsUnhandleable``
-    of this module.
+    ``Finalizable``, ``Verifiable``, ``Mergeable``, ``CombinesShards`` and
+    ``ExplainsUnhandleable`` of this module.
 
     Example::
 
@@ -193,6 +194,32 @@ class Mergeable(Protocol):
         the merged result may refer to their files instead of copying them. ``target``
         holds nothing but the sources' subdirectories when this is called (core removes
         what an interrupted earlier merge built); an interrupted merge is called again.
+        """
+        ...
+
+
+@runtime_checkable
+class CombinesShards(Protocol):
+    """A handler that builds one checkpointable from several process-local saves of it,
+    each holding different shards of the same global arrays.
+
+    The local tier of ``cp.training.Checkpointer`` saves every process's own shards
+    (``MultiprocessingOptions(primary_host=None)``); a restart with fewer processes,
+    or onto another mesh, needs shards from several of those saves at once. Core
+    then asks the handler of each checkpointable for the union; a handler without
+    this capability is loaded from one save only.
+    """
+
+    async def combine_shards(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
+        """Builds in ``target`` the checkpointable whose arrays hold every shard stored in
+        any of ``sources`` (directories this handler's ``save`` wrote for the same item,
+        from the same save on different processes); everything that is not an array's
+        shard (the tree's structure, values every process holds) is ``sources[0]``'s.
+
+        Each source sits inside ``target`` and stays there while the result is used, so
+        the result may refer to the sources' files instead of copying them; the sources
+        are read-only (they may be hard links of another checkpoint's files). A shard
+        stored in several sources is identical in each (any of them may be used).
         """
         ...
 

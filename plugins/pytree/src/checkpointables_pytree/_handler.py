@@ -424,6 +424,18 @@ class PyTreeHandler:
 
         _partial.merge_partial_saves(sources, target)
 
+    async def combine_shards(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
+        """Builds the pytree at ``target`` whose arrays hold every shard stored in any of
+        ``sources`` (process-local saves of one pytree, from the local tier's copies).
+
+        Used by the training Checkpointer's local tier (``cp.protocols.CombinesShards``).
+        The ``sources`` must sit inside ``target`` and stay there: no array data is
+        copied, the combined database refers to theirs.
+        """
+        from checkpointables_pytree import _combine
+
+        _combine.combine_shards(sources, target)
+
 
 def _many_leaves(directory: epath.Path) -> bool:
     """Whether the ``_METADATA`` in ``directory`` records many leaves (by its size)."""

@@ -8,7 +8,10 @@ presence is the copy's commit). It records:
   copy is checked before it is used and a fetched copy before it is kept;
 - ``held``: the global shards (array key, index) the copy holds, and
   ``shards``: every shard of each array, so that completeness of a step is
-  decided from data (which shards exist somewhere), not from process ids.
+  decided from data (which shards exist somewhere), not from process ids;
+- ``small``: the checkpointables without a ``jax.Array`` (JSON, iterators,
+  custom handlers' items), which every host keeps a copy of: a *partial* copy
+  (``partial``) holds only them and the copy's top-level files, and no shard.
 
 Checksums are CRC-32C when the ``crc32c`` module is installed (the pytree
 plugin depends on it), else CRC-32 (``zlib``); the manifest names which.
@@ -25,7 +28,17 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Manifest", "describe_shards", "needed_shards", "build", "write", "read", "problems"]
+__all__ = [
+    "Manifest",
+    "describe_shards",
+    "needed_shards",
+    "small_items",
+    "uncovered",
+    "build",
+    "write",
+    "read",
+    "problems",
+]
 
 SUFFIX = ".manifest.json"
 _CHUNK = 1 << 20
@@ -93,6 +106,12 @@ def describe_shards(
     return held, every
 
 
+def small_items(checkpointables: Mapping[str, Any]) -> list[str]:
+    """The names of the checkpointables that hold no ``jax.Array`` (every host keeps them)."""
+    with_arrays = {key.split("/", 1)[0] for key, _ in _array_leaves(checkpointables)}
+    return sorted(n for n in checkpointables if n not in with_arrays)
+
+
 def needed_shards(abstract: Mapping[str, Any] | None) -> dict[str, set[Index]] | None:
     """Per array key, the shards this process's devices need (``None``: unknown)."""
     if abstract is None:
@@ -103,6 +122,33 @@ def needed_shards(abstract: Mapping[str, Any] | None) -> dict[str, set[Index]] |
         mine = leaf.sharding.addressable_devices_indices_map(shape).values()
         needed[key] = {_index(i, shape) for i in mine}
     return needed
+
+
+def _volume(box: Index) -> int:
+    size = 1
+    for start, stop in box:
+        size *= max(stop - start, 0)
+    return size
+
+
+def _overlap(a: Index, b: Index) -> int:
+    pairs = zip(a, b, strict=True)
+    return _volume(tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in pairs))
+
+
+def uncovered(needed: Mapping[str, set[Index]], held: Mapping[str, Iterable[Index]]) -> int:
+    """How many elements of the shards in ``needed`` no shard in ``held`` holds.
+
+    The shards held, of one save, tile each array (two are equal or disjoint), so
+    a needed shard's elements held are the sum of its overlaps with the distinct ones:
+    a needed shard may span several held ones (another mesh) or lie in one.
+    """
+    missing = 0
+    for key, boxes in needed.items():
+        have: set[Index] = set(held.get(key, ()))
+        for box in boxes:
+            missing += _volume(box) - sum(_overlap(box, h) for h in have)
+    return missing
 
 
 @attrs.frozen
@@ -119,15 +165,22 @@ class Manifest:
     shards: dict[str, list[Index]]
     metrics: dict[str, Any] = attrs.field(factory=dict)
     commit_timestamp_nsecs: int = 0
+    small: list[str] = attrs.field(factory=list)
+    partial: bool = False
+
+    def small_part(self) -> Manifest:
+        """The manifest of this copy's small part, which every host keeps: its top-level
+        files and its ``small`` checkpointables (those without a ``jax.Array``: JSON,
+        dataset iterators, custom handlers' items). It holds no shard."""
+        files = {
+            k: v for k, v in self.files.items() if "/" not in k or k.split("/")[0] in self.small
+        }
+        return attrs.evolve(self, files=files, held={}, partial=True)
 
     @property
     def nbytes(self) -> int:
         """The copy's size: the sum of its files' sizes."""
         return sum(size for size, _ in self.files.values())
-
-    def covers(self, needed: Mapping[str, set[Index]]) -> bool:
-        """Whether this copy holds every shard in ``needed``."""
-        return all(set(map(tuple, self.held.get(k, ()))) >= v for k, v in needed.items())
 
     def to_json(self) -> str:
         """The manifest as compact JSON."""

@@ -6,15 +6,19 @@ tier is restored. At equal steps the local tier wins (it is faster).
 1. Every host reports the copies on its disk that have a manifest (their
    commit); an all-gather gives every process the same reports. A local step
    is a *candidate* when every process that saved it (``p<i>-of-<n>`` for
-   every ``i < n``) has a copy on some live host. A persistent step is one
-   once committed.
-2. For the newest candidate, each process takes the copy its devices need:
-   one whose shards (from its manifest) cover the shards the abstract tree's
-   shardings place on this process, preferring the copy saved by the process
-   of the same index (its per-process items, e.g. a dataset iterator, belong
-   to that index), then one on its own disk. A copy on its disk is checked
-   against its checksums; a copy elsewhere is fetched and checked. A damaged
-   or unreachable copy is passed over for the next holder.
+   every ``i < n``) has a copy on some live host (a partial one, of its small
+   items, counts) and every shard of every array is in one of them. A
+   persistent step is one once committed.
+2. For the newest candidate, each process gathers the copies its devices
+   need: first the copy saved by the process of the same index (its
+   per-process items, e.g. a dataset iterator, belong to that index),
+   preferring one on its own disk, then further copies, own disk first,
+   until their shards (from the manifests) cover those the abstract tree's
+   shardings place on this process (fewer processes than saved the step, or
+   another mesh, need several). A copy on its disk is checked against its
+   checksums; a copy elsewhere is fetched and checked. A damaged or
+   unreachable copy is passed over for the next holder. Several copies are
+   combined into one checkpoint on this disk (``_combine``).
 3. A second all-gather says whether every process got a valid copy; if one
    did not, every process moves on to the next candidate together. So the
    step restored is never incomplete, never damaged, and never older than a
@@ -62,9 +66,23 @@ class Inventory:
             if len(counts) != 1:
                 continue  # Copies of different runs' saves: not one step.
             (n,) = counts
-            if all(writer_name(i, n) in holders for i in range(n)):
+            if all(writer_name(i, n) in holders for i in range(n)) and _every_shard_held(holders):
                 complete.append(step)
         return sorted(complete, reverse=True)
+
+
+def _every_shard_held(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
+    """Whether every shard of every array of the step is in some copy (a partial copy,
+    of a process's small items only, holds none)."""
+    every: dict[str, set[Index]] = {}
+    held: dict[str, set[Index]] = {}
+    for copies in holders.values():
+        for _, m in copies:
+            for key, shards in m.shards.items():
+                every.setdefault(key, set()).update(shards)
+            for key, shards in m.held.items():
+                held.setdefault(key, set()).update(shards)
+    return all(shards <= held.get(key, set()) for key, shards in every.items())
 
 
 def gather(store: Store, exchange: Exchange, address: str, name: str, timeout: float) -> Inventory:
@@ -114,6 +132,7 @@ def _arrays_split(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
         any(set(m.held.get(k, ())) != set(v) for k, v in m.shards.items())
         for copies in holders.values()
         for _, m in copies
+        if not m.partial
     )
 
 
@@ -123,26 +142,48 @@ def options(
     count: int,
     needed: dict[str, set[Index]] | None,
 ) -> list[tuple[int, Manifest]]:
-    """The copies this process may read (holder process, manifest), best first."""
+    """The copies this process may read (holder process, manifest), best first: the copy
+    saved by the process of its index (of the same count first), then those on its own
+    disk. ``obtain`` takes the first and adds the next ones until they hold ``needed``."""
     if needed is None and _arrays_split(holders):
         return []  # Without shardings to say what this process needs, no copy is whole.
     ranked = []
     for writer, copies in holders.items():
         for process, manifest in copies:
-            if needed is not None and not manifest.covers(needed):
-                continue
-            same_index = manifest.process_index == me and manifest.process_count == count
-            ranked.append(((not same_index, process != me, process, writer), (process, manifest)))
+            if needed is None and manifest.partial:
+                continue  # Without shardings, one copy is read: a whole one.
+            same_index = manifest.process_index == me
+            same_count = same_index and manifest.process_count == count
+            key = (not same_count, not same_index, manifest.partial, process != me, process, writer)
+            ranked.append((key, (process, manifest)))
     return [option for _, option in sorted(ranked, key=lambda r: r[0])]
 
 
 @attrs.frozen
 class Obtained:
-    """A copy on this host's disk, ready to load, and what getting it cost."""
+    """Copies on this host's disk that together hold what this process needs (the first
+    one supplies everything that is not an array's shard), and what getting them cost."""
 
-    path: str
+    paths: tuple[str, ...]
     bytes_local: int
     bytes_peers: int
+
+
+def _get(store: Store, inventory: Inventory, process: int, manifest: Manifest, me: int,
+         timeout: float) -> tuple[str, int, int]:  # fmt: skip
+    """The copy on this host's disk, checked (fetched if elsewhere): (path, local, peers).
+
+    Raises:
+      _transport.FetchError: it is damaged or could not be fetched.
+    """
+    path = store.copy_dir(manifest.step, manifest.writer)
+    if process != me:
+        received = _transport.fetch_copy(inventory.addresses[process], manifest, store, timeout)
+        return path, 0, received
+    bad = _manifest.problems(path, manifest)
+    if bad:
+        raise _transport.FetchError(f"own copy {manifest.writer} is damaged ({'; '.join(bad[:2])})")
+    return path, manifest.nbytes, 0
 
 
 def obtain(
@@ -151,25 +192,41 @@ def obtain(
     choices: list[tuple[int, Manifest]],
     me: int,
     timeout: float,
+    needed: dict[str, set[Index]] | None = None,
 ) -> Obtained:
-    """The first of ``choices`` that is valid, on this host's disk (fetched if elsewhere).
+    """The first valid one of ``choices``, and the next ones that hold more of ``needed``
+    (``None``: the first one alone), until they hold all of it; on this host's disk.
 
     Raises:
-      _transport.FetchError: no choice is valid and reachable; the message says why
-        for each.
+      _transport.FetchError: the valid, reachable choices do not hold what is needed;
+        the message says why for each one passed over.
     """
-    why = []
+    why: list[str] = []
+    got: list[str] = []
+    whole: set[str] = set()  # Writers of the whole copies got (not partial).
+    held: dict[str, list[Index]] = {}
+    local = peers = 0
+    missing = -1 if needed is None else _manifest.uncovered(needed, held)
     for process, manifest in choices:
-        path = store.copy_dir(manifest.step, manifest.writer)
-        if process == me:
-            bad = _manifest.problems(path, manifest)
-            if not bad:
-                return Obtained(path, manifest.nbytes, 0)
-            why.append(f"own copy {manifest.writer} is damaged ({'; '.join(bad[:2])})")
+        if got and (needed is None or manifest.writer in whole):
             continue
+        merged = {k: held.get(k, []) + list(v) for k, v in manifest.held.items()}
+        after = -1 if needed is None else _manifest.uncovered(needed, {**held, **merged})
+        if got and after >= missing:
+            continue  # Holds nothing more of what is needed.
         try:
-            received = _transport.fetch_copy(inventory.addresses[process], manifest, store, timeout)
-            return Obtained(path, 0, received)
+            path, from_local, from_peers = _get(store, inventory, process, manifest, me, timeout)
         except _transport.FetchError as e:
-            why.append(f"process {process}: {e}")
+            why.append(f"process {process}: {e}" if process != me else str(e))
+            continue
+        if path not in got:  # A whole copy fetched over a partial one got before.
+            got.append(path)
+        if not manifest.partial:
+            whole.add(manifest.writer)
+        held.update(merged)
+        local, peers, missing = local + from_local, peers + from_peers, after
+        if missing <= 0:
+            return Obtained(tuple(got), local, peers)
+    if got:
+        why.append(f"the valid copies hold {missing} elements less than this process needs")
     raise _transport.FetchError("; ".join(why) or "no copy holds the shards this process needs")

@@ -11,9 +11,11 @@ A local save of step ``s`` by process ``i`` of ``n``:
    it; the save's response finishes here;
 4. **replicate** (background, in order): the manifest and this process's
    address are published; the copies of the ``replicas`` processes before
-   this one (``i-1, i-2, ...`` mod ``n``) are fetched from them, each wait
-   bounded; a failure is logged with the host it names (fewer copies, never a
-   wrong step: restores decide from what hosts really hold);
+   this one (``i-1, i-2, ...`` mod ``n``) are fetched from them, and from
+   every other process the small part of its copy (its checkpointables
+   without arrays: JSON, iterators, custom items; ``Manifest.small_part``),
+   all within one bound; a failure is logged with the host it names (fewer
+   copies, never a wrong step: restores decide from what hosts really hold);
 5. **retain**: all but the newest ``keep`` steps are removed from this host
    (at the commit, before the response finishes, and after replication).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +50,10 @@ from checkpointables.training.step_info import StepInfo
 logger = logging.getLogger("checkpointables.training")
 
 __all__ = ["LocalSaves", "local_context"]
+
+# What a wait gets when the shared bound has passed: a peer that published long ago
+# still answers.
+_MIN_WAIT_SECS = 0.5
 
 
 def local_context(context: Context) -> Context:
@@ -161,6 +168,7 @@ class LocalSaves:
             "process_count": self._exchange.count,
             "held": held,
             "shards": every,
+            "small": _manifest.small_items(request.checkpointables),
             "metrics": metrics,
         }
         response: AsyncResponse[bool] = AsyncResponse(f"local save of step {request.step}")
@@ -208,13 +216,20 @@ class LocalSaves:
             self._exchange.publish(
                 name, json.dumps({"address": self._address(), "manifest": manifest.to_json()})
             )
-            for source in self._sources():
+            sources = self._sources()
+            others = [
+                p for p in range(self._exchange.count) if p not in (self._exchange.me, *sources)
+            ]
+            # One bound for all: a dead peer costs one timeout, not one per peer.
+            deadline = time.monotonic() + self._config.timeout_secs
+            for source in sources + others:
                 try:
-                    offer = json.loads(self._exchange.get(name, source, self._config.timeout_secs))
+                    remaining = max(deadline - time.monotonic(), _MIN_WAIT_SECS)
+                    offer = json.loads(self._exchange.get(name, source, remaining))
                     theirs = Manifest.from_json(offer["manifest"])
-                    _transport.fetch_copy(
-                        offer["address"], theirs, self._store, self._config.timeout_secs
-                    )
+                    if source not in sources:
+                        theirs = theirs.small_part()  # Small items: on every host.
+                    _transport.fetch_copy(offer["address"], theirs, self._store, remaining)
                 except (OSError, multihost.BarrierTimeoutError) as e:
                     logger.warning(
                         "Local tier: no copy of process %d's step %d on this host: %s",

@@ -15,17 +15,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import attrs
 from etils import epath
 
-from checkpointables import multihost
+from checkpointables import errors, multihost
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
 from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.local_tier import _manifest, _restore, _transport
+from checkpointables.training.local_tier._combine import COMBINED_PREFIX, combine
 from checkpointables.training.local_tier._config import LocalTier, RestoreStats
 from checkpointables.training.local_tier._exchange import Exchange
 from checkpointables.training.local_tier._saves import LocalSaves, local_context
-from checkpointables.training.local_tier._store import Store
+from checkpointables.training.local_tier._store import Store, writer_name
 from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
@@ -125,13 +127,13 @@ class LocalTierRuntime:
                     self._record(candidate.step, "persistent", 0, 0, nbytes, began)
                     return result  # type: ignore[no-any-return]
                 obtained = self._obtain(
-                    inventory, candidate.step, needed, f"{name}/verdict-{candidate.step}"
+                    inventory, candidate.step, needed, f"{name}/verdict-{candidate.step}", context
                 )
                 if obtained is None:
                     tried.append(candidate.step)
                     continue
                 with local_context(context):
-                    result = start(epath.Path(obtained.path)).result()
+                    result = start(epath.Path(obtained.paths[0])).result()
                 self._record(
                     candidate.step, "local", obtained.bytes_local, obtained.bytes_peers, 0, began
                 )
@@ -146,16 +148,28 @@ class LocalTierRuntime:
         return start_background(run, f"restore of step {step if step is not None else 'latest'}")
 
     def _obtain(
-        self, inventory: _restore.Inventory, step: int, needed: Any, name: str
+        self, inventory: _restore.Inventory, step: int, needed: Any, name: str, context: Context
     ) -> _restore.Obtained | None:
-        """This process's copy of local ``step``, if every process can get one (else None)."""
+        """The copies of local ``step`` this process needs, combined into one checkpoint
+        (the path first) if several, when every process got its own (else None)."""
         me, count = self.exchange.me, self.exchange.count
         choices = _restore.options(inventory.holders(step), me, count, needed)
         obtained, problem = None, ""
         try:
-            obtained = _restore.obtain(self.store, inventory, choices, me, self.config.timeout_secs)
+            obtained = _restore.obtain(
+                self.store, inventory, choices, me, self.config.timeout_secs, needed
+            )
+            if len(obtained.paths) > 1:
+                writer = writer_name(me, count)
+                target = os.path.join(self.store.step_dir(step), f"{COMBINED_PREFIX}{writer}")
+                local = local_context(context)
+                with local:
+                    combined = combine(obtained.paths, target, local)
+                obtained = attrs.evolve(obtained, paths=(combined, *obtained.paths))
         except _transport.FetchError as e:
             problem = str(e) or "no valid copy"
+        except (OSError, ValueError, errors.CheckpointError) as e:
+            problem = f"combining the copies {obtained.paths if obtained else ''}: {e}"
         verdicts = self.exchange.all_gather(name, problem, self.config.timeout_secs)
         failed = {p: v for p, v in verdicts.items() if v}
         if failed:
