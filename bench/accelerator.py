@@ -77,12 +77,21 @@ def staging_child(args: dict[str, Any]) -> dict[str, Any]:
         # Host memory still held once the call is over while the caller keeps its arrays
         # (a training loop's frozen weights): a jax.Array keeps a host copy made of it.
         after = trimmed_rss() - measured["baseline"]
+        same = tree is None or _same(tree, cp.load_pytree(path, abstract))
     growth = measured["growth"]
     return {
         "staging_mib": growth / MIB,
         "held_after_mib": after / MIB,
         "seconds": measured["seconds"],
+        "roundtrip_ok": same,
     }
+
+
+def _same(tree: dict[str, Any], loaded: dict[str, Any]) -> bool:
+    """Whether a save wrote ``tree`` bit for bit (compared on the device)."""
+    import jax.numpy as jnp
+
+    return all(bool(jnp.array_equal(tree[k], loaded[k])) for k in tree)
 
 
 def _fresh(tree: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +121,7 @@ def stall_child(args: dict[str, Any]) -> dict[str, Any]:
         response = cp.save_pytree_async(os.path.join(root, f"a{i}"), tree, overwrite=True)
         stalls.append(time.perf_counter() - start)
         response.result()
+    same = _same(tree, cp.load_pytree(os.path.join(root, f"a{repeats}")))
     local = cp.training.LocalTier(
         os.path.join(root, "local"),
         save_decision_policy=policies.EveryNStepsPolicy(1),
@@ -139,6 +149,7 @@ def stall_child(args: dict[str, Any]) -> dict[str, Any]:
         "local_tier_stall_s": med["tier"],
         "async_over_copy": med["async"] / med["copy"],
         "tier_over_copy": med["tier"] / med["copy"],
+        "roundtrip_ok": same,
     }
 
 

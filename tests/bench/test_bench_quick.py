@@ -150,3 +150,4 @@ def test_accelerator_tool_runs_every_measurement(tmp_path):
     assert len(staging) == 2 and all(r["seconds"] > 0 for r in staging)
     (stall,) = [r for r in rows if r.get("case") == "stall-16mib"]
     assert stall["device_get_s"] > 0 and stall["local_tier_stall_s"] > 0
+    assert stall["roundtrip_ok"] and all(r["roundtrip_ok"] for r in staging)

@@ -25,6 +25,7 @@ from checkpointables_pytree.leaves._common import (
     choose_inner_chunk_shape,
 )
 from checkpointables_pytree.leaves._groups import ArrayRecords, LeafGroup
+from checkpointables_pytree.leaves._host_copies import host_copies
 from checkpointables_pytree.leaves._keys import (
     PRNG_KEY,
     AbstractPRNGKey,
@@ -63,6 +64,7 @@ from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, Strin
 
 __all__ = [
     "chunk_shape_within",
+    "host_copies",
     "streamed_host_block",
     "DeviceSink",
     "HostSink",

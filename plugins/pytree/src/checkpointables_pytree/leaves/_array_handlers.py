@@ -27,6 +27,7 @@ from checkpointables_pytree.leaves._common import (
     unsupported,
 )
 from checkpointables_pytree.leaves._groups import LeafGroup
+from checkpointables_pytree.leaves._host_copies import host_copies
 from checkpointables_pytree.leaves._metadata import ArrayMetadata, NumpyMetadata, StorageMetadata
 from checkpointables_pytree.leaves._options import ArrayStorageOptions
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
@@ -121,7 +122,7 @@ def _host_shards(
     ):
         # One shard, the whole array: skip building Shard objects (a third of the
         # blocking phase of a save of many single-device arrays).
-        data = np.asarray(array)
+        (data,) = host_copies([array])
         return shape, [((0,) * len(shape), data if data.dtype == dtype else data.astype(dtype))]
     shards = io.shards_to_write(array, context, primary_lacks=primary_lacks)
     try:
@@ -130,13 +131,10 @@ def _host_shards(
         chunk_shape = tuple(
             max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(len(shape))
         )
-    for shard in shards:  # Start every transfer before waiting for any.
-        shard.data.copy_to_host_async()
     chunks = []
-    for shard in shards:
-        # On an accelerator a fresh host copy; on CPU a view that holds the device
-        # buffer (it outlives delete() and donation): an async save needs no copy.
-        data = np.asarray(shard.data)
+    # On an accelerator a fresh host copy; on CPU a view that holds the device buffer (it
+    # outlives delete() and donation): an async save needs no copy.
+    for shard, data in zip(shards, host_copies([s.data for s in shards]), strict=True):
         if data.dtype != dtype:
             data = data.astype(dtype)
         index = tuple(
@@ -150,16 +148,6 @@ def _host_shards(
 _SHARDING = operator.attrgetter("sharding")
 _IS_DELETED = operator.methodcaller("is_deleted")
 _SINGLE = jax.sharding.SingleDeviceSharding
-
-
-def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
-    """Starts the device-to-host copy of every array, before waiting for any (on CPU,
-    ``np.asarray`` of an array is a view of its buffer: nothing to start)."""
-    if jax.default_backend() == "cpu":
-        return
-    for array in arrays:
-        if not array.is_deleted():
-            array.copy_to_host_async()
 
 
 @attrs.frozen
@@ -320,15 +308,18 @@ class ArrayLeafHandler(ZarrLeafHandler):
         Single-device arrays (most leaves of most trees) are put on host in one pass
         and checked once per dtype; the rest waits for ``_record_all``.
         """
-        _start_host_copies(values)
         if set(map(type, shardings)) == {_SINGLE} and not any(map(_IS_DELETED, values)):
-            hosted: list[np.ndarray | _Snapshot] = list(map(np.asarray, values))
+            hosted: list[np.ndarray | _Snapshot] = list(host_copies(values))
         else:
-            hosted = [
-                np.asarray(v)
-                if type(s) is _SINGLE and not v.is_deleted()
-                else self._snapshot(session, params[i], primary_lacks=False)
+            single = [
+                i
                 for i, (v, s) in enumerate(zip(values, shardings, strict=True))
+                if type(s) is _SINGLE and not v.is_deleted()
+            ]
+            copies = dict(zip(single, host_copies([values[i] for i in single]), strict=True))
+            hosted = [
+                copies[i] if i in copies else self._snapshot(session, p, primary_lacks=False)
+                for i, p in enumerate(params)
             ]
         storage = session.array_options.storage_options
         for dtype in {h.dtype for h in hosted if type(h) is np.ndarray}:
