@@ -25,11 +25,9 @@ from checkpointables_pytree import storage
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
     Region,
-    check_against_metadata,
-    check_shape,
+    open_stored,
     read_region,
     region_shape,
-    regions_of,
 )
 from checkpointables_pytree.storage import ByteLimiter, settle
 
@@ -54,7 +52,10 @@ class PieceSink(Protocol):
 
     def put(self, n: int, offset: tuple[int, ...], data: np.ndarray) -> Any:
         """Places ``data`` at ``offset`` in region ``n``; returns what to wait for before the
-        host copy may be freed (``jax.block_until_ready`` of it), or ``None``."""
+        host copy may be freed or reused (``jax.block_until_ready`` of it), or ``None``.
+        ``data`` may be a view of a buffer the reader reuses: keep a copy, never ``data``.
+        Puts into one region come one at a time; puts into distinct regions may come from
+        several threads at once."""
 
     def finish(self) -> Any:
         """The leaf, once every piece was put."""
@@ -169,17 +170,10 @@ async def stream(
     limiter: ByteLimiter,
     most: int,
 ) -> None:
-    """Reads ``read`` piece by piece into its sink, at most ``limiter``'s bytes in flight."""
-    try:
-        store = await ts.open(
-            {**spec, "fill_missing_data_reads": False}, context=context, open=True
-        )
-    except ValueError as e:
-        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
-    stored_shape = tuple(int(s) for s in store.shape)
-    dtype = store.dtype.numpy_dtype
-    check_against_metadata(read, stored_shape, dtype)
-    regions = regions_of(read, check_shape(read, stored_shape))
+    """Reads ``read`` piece by piece through the zarr3 driver into its sink, at most
+    ``limiter``'s bytes in flight."""
+    opened = await open_stored(read, spec, context)
+    store, stored_shape, dtype, regions = opened.store, opened.shape, opened.dtype, opened.regions
     read_chunk = store.chunk_layout.read_chunk.shape or stored_shape
     chunk_shape = tuple(int(c or 1) for c in read_chunk)
     assert read.sink is not None

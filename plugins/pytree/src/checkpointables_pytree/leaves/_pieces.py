@@ -100,7 +100,8 @@ class DeviceSink:
         buffers = self._buffers[n]
         placed = []
         for device in self._devices[n]:
-            piece = jax.device_put(data, device)
+            # Never an alias (on CPU devices it could be): the reader reuses its buffers.
+            piece = jax.device_put(data, device, may_alias=False)
             placed.append(piece)
             if data.shape == shape:  # The whole region in one piece.
                 buffers[device] = piece
