@@ -41,6 +41,7 @@ import numpy as np
 from checkpointables_pytree import ocdbt, storage, zarr3
 from checkpointables_pytree.io._array_reads import ArrayRead, Region, region_shape
 from checkpointables_pytree.io._small_reads import checksum_error, layout_error
+from checkpointables_pytree.io._streamed_reads import PieceDestinations
 from checkpointables_pytree.storage import ByteLimiter
 
 __all__ = ["PieceBuffers", "RangeSource", "chunk_pieces", "plan", "stream_ranges"]
@@ -294,6 +295,22 @@ def _fill(
         raise layout_error(read, key, "is cut short")
 
 
+def _destination(
+    state: _Stream, piece: Region, targets: list[tuple[int, Region]]
+) -> np.ndarray | None:
+    """The bytes of the region's buffer a piece fills, where it lies whole in one region whose
+    buffer takes it as one block; else ``None``."""
+    if len(targets) != 1 or targets[0][1] != piece:
+        return None
+    if not isinstance(state.sink, PieceDestinations):
+        return None
+    n = targets[0][0]
+    offset = tuple(p.start - r.start for p, r in zip(piece, state.regions[n], strict=True))
+    with state.locks[n]:
+        into = state.sink.destination(n, offset, region_shape(piece))
+    return None if into is None else into.reshape(-1).view(np.uint8)
+
+
 def _put(
     state: _Stream,
     piece: Region,
@@ -307,6 +324,10 @@ def _put(
     puts its parts into their regions (in a worker thread); waits until the devices hold
     them, so that the buffer may be reused. Returns the CRC-32C so far."""
     if fill is not None:
+        into = _destination(state, piece, targets)
+        if into is not None:  # Read straight into the array being loaded: no copy.
+            fill(into)
+            return crc32c.crc32c(into, crc) if verify else crc
         fill(buffer)
     if verify:
         crc = crc32c.crc32c(buffer, crc)

@@ -33,6 +33,7 @@ from checkpointables_pytree.storage import ByteLimiter, settle
 
 __all__ = [
     "PieceSink",
+    "PieceDestinations",
     "piece_bytes",
     "window_bytes",
     "pieces",
@@ -59,6 +60,18 @@ class PieceSink(Protocol):
 
     def finish(self) -> Any:
         """The leaf, once every piece was put."""
+
+
+@runtime_checkable
+class PieceDestinations(Protocol):
+    """A ``PieceSink`` whose regions are host buffers a piece can be read straight into."""
+
+    def destination(
+        self, n: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The part of region ``n`` at ``offset`` of ``shape``, writable and C-contiguous, to
+        read a piece of the stored dtype into (then no ``put`` for it); ``None`` where it is
+        not one block of memory, or the region is of another dtype."""
 
 
 SinkFactory = Callable[[list[Region], np.dtype], PieceSink]
