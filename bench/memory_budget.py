@@ -6,7 +6,8 @@ The cases of issue 30: one array of ``--size-mib`` and the same bytes in 64
 arrays (float32, random), each saved (``save``, ``save_async(...).result()``)
 and loaded onto one device and onto an 8-device CPU mesh with another
 sharding (saved 8x1 by rows, loaded 2x4), without a budget and with
-``cp.options.MemoryOptions(host_bytes=--budget-mib)``. Every measurement
+``cp.options.MemoryOptions(host_bytes=--budget-mib)``; ``load_unbudgeted_save``
+loads onto the mesh a checkpoint saved without a budget (one chunk per shard). Every measurement
 runs in a fresh process (``python -m bench.memory_budget --child``) with 8
 CPU devices: a warm-up save and load of a small tree, then the operation
 with the kernel's high-water mark reset (``bench.memory``). Staging memory
@@ -29,7 +30,7 @@ from typing import Any
 from bench.memory import _trimmed_rss, reset_high_water_mark, status_kib
 
 MIB = 1 << 20
-OPS = ("save", "save_async", "load", "load_resharded")
+OPS = ("save", "save_async", "load", "load_resharded", "load_unbudgeted_save")
 CASES = {"one-array": 1, "64-arrays": 64}
 
 
@@ -72,7 +73,11 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         cp.load_pytree(os.path.join(root, "warm"))
         path = os.path.join(root, "ckpt")
         op = args["op"]
-        if op.startswith("load"):
+        if op == "load_unbudgeted_save":  # One chunk per shard, many pieces large.
+            with cp.Context(memory_options=cp.options.MemoryOptions()):
+                cp.save_pytree(path, tree, overwrite=True)
+            del tree
+        elif op.startswith("load"):
             cp.save_pytree(path, tree, overwrite=True)
             del tree
         time.sleep(0.1)
@@ -86,7 +91,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         elif op == "save_async":
             cp.save_pytree_async(path, tree, overwrite=True).result()
         else:
-            result = cp.load_pytree(path, one if op == "load" else mesh)
+            result = cp.load_pytree(path, mesh if op.startswith("load_") else one)
             jax.block_until_ready(result)
         seconds = time.perf_counter() - start
         growth = status_kib("VmHWM") * 1024 - baseline

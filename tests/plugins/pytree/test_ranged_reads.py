@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from checkpointables_pytree import ocdbt, zarr3
-from checkpointables_pytree.io._ranged_reads import chunk_pieces
+from checkpointables_pytree.io import chunk_pieces
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
