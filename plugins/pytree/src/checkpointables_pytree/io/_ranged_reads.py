@@ -44,7 +44,7 @@ from checkpointables_pytree.io._small_reads import checksum_error, layout_error
 from checkpointables_pytree.io._streamed_reads import PieceDestinations
 from checkpointables_pytree.storage import ByteLimiter
 
-__all__ = ["PieceBuffers", "RangeSource", "chunk_pieces", "plan", "stream_ranges"]
+__all__ = ["PieceBuffers", "RangeSource", "Shared", "chunk_pieces", "plan", "stream_ranges"]
 
 _CRC = struct.Struct("<I")
 
@@ -188,6 +188,18 @@ class RangeSource:
         self.files.close()
 
 
+class Shared:
+    """What the streamed reads of one load share: the limit on the bytes in flight
+    (``limiter``), the buffers, and how many chunks are read at once (enough to fill the
+    limit; the other chunks wait here, not all on the limiter: each release would wake
+    them all)."""
+
+    def __init__(self, limiter: ByteLimiter, limit: int, piece: int) -> None:
+        self.limiter = limiter
+        self.buffers = PieceBuffers(piece)
+        self.chunks = asyncio.Semaphore(max(2, limit // piece + 1))
+
+
 @dataclasses.dataclass
 class _Stream:
     """What the chunks of one streamed read share."""
@@ -204,8 +216,7 @@ async def stream_ranges(
     regions: list[Region],
     chunks: list[_Chunk],
     source: RangeSource,
-    limiter: ByteLimiter,
-    buffers: PieceBuffers,
+    shared: Shared,
     *,
     verify: bool,
 ) -> None:
@@ -219,10 +230,9 @@ async def stream_ranges(
         stored.dtype,
         [threading.Lock() for _ in regions],
     )
-    cut = chunk_pieces(stored.chunk_shape, stored.dtype.itemsize, buffers.size)
+    cut = chunk_pieces(stored.chunk_shape, stored.dtype.itemsize, shared.buffers.size)
     tasks = [
-        asyncio.ensure_future(_chunk(state, chunk, cut, source, limiter, buffers, verify))
-        for chunk in chunks
+        asyncio.ensure_future(_chunk(state, chunk, cut, source, shared, verify)) for chunk in chunks
     ]
     try:
         await asyncio.gather(*tasks)
@@ -237,11 +247,22 @@ async def _chunk(
     chunk: _Chunk,
     cut: list[tuple[Region, int, int]],
     source: RangeSource,
-    limiter: ByteLimiter,
-    buffers: PieceBuffers,
+    shared: Shared,
     verify: bool,
 ) -> None:
     """Reads one chunk front to back, its CRC-32C computed over the pieces as they pass."""
+    async with shared.chunks:
+        await _chunk_in_turn(state, chunk, cut, source, shared, verify)
+
+
+async def _chunk_in_turn(
+    state: _Stream,
+    chunk: _Chunk,
+    cut: list[tuple[Region, int, int]],
+    source: RangeSource,
+    shared: Shared,
+    verify: bool,
+) -> None:
     stored = state.read.stored
     assert stored is not None
     nbytes = stored.chunk_nbytes
@@ -263,7 +284,8 @@ async def _chunk(
         ]
         if not targets and not verify:
             continue
-        async with limiter.hold(max(length, buffers.size)):  # What the buffer holds.
+        buffers = shared.buffers
+        async with shared.limiter.hold(max(length, buffers.size)):  # What the buffer holds.
             buffer = buffers.take(length)
             try:
                 data = buffer[:length]

@@ -187,12 +187,13 @@ class Reader:
         if not streamed:
             return
         # One limit for every piece in flight, of every streamed array.
-        limiter = ByteLimiter(host_bytes // 2)
+        limit = host_bytes // 2
+        limiter = ByteLimiter(limit)
         found = await self._locate_streamed(streamed, context)
         source = (
             None if self._index is None else _ranged_reads.RangeSource(self._index, self._local)
         )
-        buffers = _ranged_reads.PieceBuffers(most)
+        shared = _ranged_reads.Shared(limiter, limit, most)
 
         async def one(read: ArrayRead) -> None:
             if source is not None and read.stored is not None:
@@ -200,7 +201,7 @@ class Reader:
                 chunks = _ranged_reads.plan(read, regions, found)
                 if chunks is not None:
                     await _ranged_reads.stream_ranges(
-                        read, regions, chunks, source, limiter, buffers, verify=self._verify
+                        read, regions, chunks, source, shared, verify=self._verify
                     )
                     return
             spec = self.array_spec(read.name)
