@@ -18,6 +18,12 @@ two paths per array:
   arrays, a part of a large array) through TensorStore's zarr3 driver,
   which checks the CRC-32C itself; at most ``IN_FLIGHT_BYTES`` are decoded
   at once.
+
+Under a host-memory budget (``_run_within``) small arrays take those paths a
+window at a time, and large ones are streamed onto their devices, several at
+once under one limit: by ``_ranged_reads`` (byte ranges of the chunks, where
+this library wrote them and the b-tree locates them) or by
+``_streamed_reads`` (the driver).
 """
 
 from __future__ import annotations
