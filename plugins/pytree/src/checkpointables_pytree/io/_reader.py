@@ -184,8 +184,10 @@ class Reader:
         most = _streamed_reads.piece_bytes(host_bytes)
         streamed: list[ArrayRead] = []
         rest: list[ArrayRead] = []
+        ranged = self._index is not None  # Arrays stored directly can be read as ranges.
         for read in self._reads:
-            (streamed if _streamed_reads.streams(read, most) else rest).append(read)
+            streams = _streamed_reads.streams(read, most, ranged=ranged)
+            (streamed if streams else rest).append(read)
         window = _streamed_reads.window_bytes(host_bytes)
         for batch in _streamed_reads.in_windows(rest, window):
             await self._read_all(batch, context, window)

@@ -94,15 +94,17 @@ def window_bytes(host_bytes: int) -> int:
 RESHARDED_STREAM_BYTES = 1 << 20
 
 
-def streams(read: ArrayRead, most: int) -> bool:
+def streams(read: ArrayRead, most: int, *, ranged: bool = False) -> bool:
     """Whether a budgeted load streams ``read``: arrays larger than a piece (``most``), or
-    of a sharded target (regions) and at least ``RESHARDED_STREAM_BYTES``."""
+    of at least ``RESHARDED_STREAM_BYTES`` and either of a sharded target (regions) or
+    stored directly where ``ranged`` reads are possible (read straight into the result)."""
     if read.sink is None:
         return False
     if read.stored is None:
         return True
     nbytes = read.stored.nbytes
-    return nbytes > most or (read.regions is not None and nbytes >= RESHARDED_STREAM_BYTES)
+    others = read.regions is not None or (ranged and read.stored.direct)
+    return nbytes > most or (others and nbytes >= RESHARDED_STREAM_BYTES)
 
 
 def in_windows(reads: Sequence[ArrayRead], window: int) -> Iterator[list[ArrayRead]]:
