@@ -6,7 +6,10 @@ can), each piece is read by TensorStore's zarr3 driver (which checks its
 CRC-32C) and handed at once to the read's ``PieceSink``, which puts it on the
 devices (into a buffer there) and says when the host copy may go. A
 ``ByteLimiter`` of the budget bounds the pieces in flight. Small arrays are
-read by the reader's usual paths, a window of them at a time.
+read by the reader's usual paths, a window of them at a time. Arrays this
+library wrote are read as byte ranges of their chunks instead, where the
+b-tree locates them (``_ranged_reads``); the sinks and the pieces' sizes
+are defined here for both.
 """
 
 from __future__ import annotations
