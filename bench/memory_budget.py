@@ -5,10 +5,11 @@
 The cases of issue 30: one array of ``--size-mib`` and the same bytes in 64
 arrays (float32, random), each saved (``save``, ``save_async(...).result()``)
 and loaded onto one device and onto an 8-device CPU mesh with another
-sharding (saved 8x1 by rows, loaded 2x4); the same tensors as a safetensors
-file loaded onto that mesh (``st_load_resharded``), and the checkpoint
-exported as safetensors (``st_export``); without a budget and with
-``cp.options.MemoryOptions(host_bytes=--budget-mib)``. Every measurement
+sharding (saved 8x1 by rows, loaded 2x4); ``load_unbudgeted_save`` loads onto
+the mesh a checkpoint saved without a budget (one chunk per shard); the same
+tensors as a safetensors file loaded onto that mesh (``st_load_resharded``),
+and the checkpoint exported as safetensors (``st_export``); without a budget
+and with ``cp.options.MemoryOptions(host_bytes=--budget-mib)``. Every measurement
 runs in a fresh process (``python -m bench.memory_budget --child``) with 8
 CPU devices: a warm-up save and load of a small tree, then the operation
 with the kernel's high-water mark reset (``bench.memory``). Staging memory
@@ -32,7 +33,15 @@ from typing import Any
 from bench.memory import peak_growth
 
 MIB = 1 << 20
-OPS = ("save", "save_async", "load", "load_resharded", "st_load_resharded", "st_export")
+OPS = (
+    "save",
+    "save_async",
+    "load",
+    "load_resharded",
+    "load_unbudgeted_save",
+    "st_load_resharded",
+    "st_export",
+)
 CASES = {"one-array": 1, "64-arrays": 64}
 
 
@@ -65,7 +74,10 @@ def _prepare(op: str, tree: dict[str, Any], root: str) -> None:
     import checkpointables as cp
     from checkpointables_safetensors import save_pytree
 
-    if op.startswith(("load", "st_")):
+    if op == "load_unbudgeted_save":  # One chunk per shard, many pieces large.
+        with cp.Context(memory_options=cp.options.MemoryOptions()):
+            cp.save_pytree(os.path.join(root, "ckpt"), tree, overwrite=True)
+    elif op.startswith(("load", "st_")):
         cp.save_pytree(os.path.join(root, "ckpt"), tree, overwrite=True)
     if op == "st_load_resharded":
         save_pytree(os.path.join(root, "model.safetensors"), tree, overwrite=True)

@@ -7,7 +7,9 @@
   reads plain shards in bulk (located by ``ocdbt.DatabaseIndex``, read by
   ``storage``'s local files or few ranged GETs, checked against their
   CRC-32C), small arrays many at a time (``read_small``), and the rest
-  through TensorStore's zarr3 driver.
+  through TensorStore's zarr3 driver. Under a host-memory budget, large
+  arrays are streamed: those this library wrote as byte ranges of their
+  chunks (``chunk_pieces``), the others piece by piece through the driver.
 * ``Staging``: the host bytes a save holds for writing, and the most at once.
 * Multi-process saves: which shards this process writes
   (``shards_to_write``), and the merge of the per-process databases
@@ -32,6 +34,7 @@ from checkpointables_pytree.io._multiprocess import (
     merge_process_databases,
     shards_to_write,
 )
+from checkpointables_pytree.io._ranged_reads import chunk_pieces
 from checkpointables_pytree.io._reader import INLINE_READ_KEYS, Reader, read_groups, read_values
 from checkpointables_pytree.io._remote_reads import requests_in_flight
 from checkpointables_pytree.io._small_reads import Small, read_small
@@ -44,6 +47,7 @@ __all__ = [
     "ArrayRead",
     "Region",
     "PieceSink",
+    "chunk_pieces",
     "piece_bytes",
     "pieces",
     "ChunkSource",

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import checkpointables as cp
 import numpy as np
+import tensorstore as ts
 
 from checkpointables_pytree import storage, zarr3
 from checkpointables_pytree.storage import aligned_empty
@@ -26,6 +27,8 @@ from checkpointables_pytree.storage import aligned_empty
 __all__ = [
     "ArrayRead",
     "BatchConvert",
+    "OpenedArray",
+    "open_stored",
     "assemble",
     "check_against_metadata",
     "check_fits_in_memory",
@@ -366,3 +369,32 @@ def tiling_box(regions: Sequence[Region]) -> Region | None:
     if sum(math.prod(region_shape(r)) for r in regions) != math.prod(region_shape(box)):
         return None
     return box
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpenedArray:
+    """A stored array opened for TensorStore's zarr3 driver, checked against the load."""
+
+    store: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    regions: list[Region]  # The regions the load asks for (the whole target if none).
+
+
+async def open_stored(read: ArrayRead, spec: dict[str, Any], context: ts.Context) -> OpenedArray:
+    """Opens ``read``'s array with the driver (a missing chunk is damage, not zeros).
+
+    Raises:
+      cp.errors.IntegrityError: its ``zarr.json`` disagrees with ``_METADATA``.
+      cp.errors.TreeMismatchError: the target's shape differs from the stored one.
+      cp.errors.CheckpointError: it cannot be opened (``IntegrityError`` where it is damaged).
+    """
+    try:
+        spec = {**spec, "fill_missing_data_reads": False}
+        store = await ts.open(spec, context=context, open=True)
+    except ValueError as e:
+        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
+    shape = tuple(int(s) for s in store.shape)
+    dtype = store.dtype.numpy_dtype
+    check_against_metadata(read, shape, dtype)
+    return OpenedArray(store, shape, dtype, regions_of(read, check_shape(read, shape)))

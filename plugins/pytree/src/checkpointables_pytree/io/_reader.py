@@ -18,6 +18,12 @@ two paths per array:
   arrays, a part of a large array) through TensorStore's zarr3 driver,
   which checks the CRC-32C itself; at most ``IN_FLIGHT_BYTES`` are decoded
   at once.
+
+Under a host-memory budget (``_run_within``) small arrays take those paths a
+window at a time, and large ones are streamed onto their devices, several at
+once under one limit: by ``_ranged_reads`` (byte ranges of the chunks, where
+this library wrote them and the b-tree locates them) or by
+``_streamed_reads`` (the driver).
 """
 
 from __future__ import annotations
@@ -40,14 +46,14 @@ from etils import epath
 from checkpointables_pytree import ocdbt as ocdbt_room
 from checkpointables_pytree import storage
 from checkpointables_pytree import zarr3 as zarr3_room
-from checkpointables_pytree.io import _remote_reads, _small_reads, _streamed_reads
+from checkpointables_pytree.io import _ranged_reads, _remote_reads, _small_reads, _streamed_reads
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
     assemble,
-    check_against_metadata,
     check_fits_in_memory,
     check_shape,
     convert_all,
+    open_stored,
     pieces_of,
     read_region,
     region_shape,
@@ -173,20 +179,67 @@ class Reader:
             await self._read_all(self._reads, context, IN_FLIGHT_BYTES)
 
     async def _run_within(self, context: ts.Context, host_bytes: int) -> None:
-        """Reads under a budget: large arrays streamed piece by piece onto their devices, one
-        array at a time; the others a window at a time."""
+        """Reads under a budget: the small arrays a window at a time, then the large ones
+        streamed piece by piece onto their devices, several arrays at once."""
         most = _streamed_reads.piece_bytes(host_bytes)
         streamed: list[ArrayRead] = []
         rest: list[ArrayRead] = []
+        ranged = self._index is not None  # Arrays stored directly can be read as ranges.
         for read in self._reads:
-            (streamed if _streamed_reads.streams(read, most) else rest).append(read)
+            streams = _streamed_reads.streams(read, most, ranged=ranged)
+            (streamed if streams else rest).append(read)
         window = _streamed_reads.window_bytes(host_bytes)
         for batch in _streamed_reads.in_windows(rest, window):
             await self._read_all(batch, context, window)
             await asyncio.to_thread(storage.give_back_free_memory)
-        limiter = ByteLimiter(host_bytes // 2)
-        for read in streamed:
-            await _streamed_reads.stream(read, self.array_spec(read.name), context, limiter, most)
+        if not streamed:
+            return
+        # One limit for every piece in flight, of every streamed array.
+        limit = host_bytes // 2
+        limiter = ByteLimiter(limit)
+        found = await self._locate_streamed(streamed, context)
+        source = (
+            None if self._index is None else _ranged_reads.RangeSource(self._index, self._local)
+        )
+        shared = _ranged_reads.Shared(limiter, limit, most)
+
+        async def one(read: ArrayRead) -> None:
+            if source is not None and read.stored is not None:
+                regions = regions_of(read, check_shape(read, read.stored.shape))
+                chunks = _ranged_reads.plan(read, regions, found)
+                if chunks is not None:
+                    await _ranged_reads.stream_ranges(
+                        read, regions, chunks, source, shared, verify=self._verify
+                    )
+                    return
+            spec = self.array_spec(read.name)
+            await _streamed_reads.stream(read, spec, context, limiter, most)
+
+        tasks = [asyncio.ensure_future(one(read)) for read in streamed]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            await settle(tasks)
+            raise
+        finally:
+            if source is not None:
+                source.close()
+            await asyncio.to_thread(storage.give_back_free_memory)
+
+    async def _locate_streamed(
+        self, reads: Sequence[ArrayRead], context: ts.Context
+    ) -> dict[bytes, bytes | ocdbt_room.ValueLocation]:
+        """Where the chunks of the streamed arrays stored directly are (``{}``: none found,
+        or no index: the driver reads them)."""
+        direct = [r for r in reads if r.stored is not None and r.stored.direct]
+        if self._index is None or not direct:
+            return {}
+        if self._cross_check:
+            await self._check_zarr_json(await self._kvstore(context), direct)
+        try:
+            return await self._index.find([k for r in direct for k in r.chunk_keys])
+        except ValueError:  # An index TensorStore cannot decode: its reads report the damage.
+            return {}
 
     async def _read_all(
         self, reads: Sequence[ArrayRead], context: ts.Context, in_flight: int
@@ -374,17 +427,9 @@ class Reader:
     async def _read_with_driver(
         self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter
     ) -> None:
-        spec = self.array_spec(read.name)
-        spec["fill_missing_data_reads"] = False  # A missing chunk is damage, not zeros.
-        try:
-            store = await ts.open(spec, context=context, open=True)
-        except ValueError as e:
-            raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
-        stored_shape = tuple(int(s) for s in store.shape)
-        dtype = store.dtype.numpy_dtype
-        check_against_metadata(read, stored_shape, dtype)
-        regions = regions_of(read, check_shape(read, stored_shape))
-        nbytes = sum(math.prod(region_shape(r)) for r in regions) * dtype.itemsize
+        opened = await open_stored(read, self.array_spec(read.name), context)
+        store, stored_shape, regions = opened.store, opened.shape, opened.regions
+        nbytes = sum(math.prod(region_shape(r)) for r in regions) * opened.dtype.itemsize
         check_fits_in_memory(read, nbytes)
         # The regions of one process's devices usually tile one block: read it once
         # rather than every chunk once per region that touches it.

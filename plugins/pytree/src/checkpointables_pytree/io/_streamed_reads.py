@@ -6,7 +6,10 @@ can), each piece is read by TensorStore's zarr3 driver (which checks its
 CRC-32C) and handed at once to the read's ``PieceSink``, which puts it on the
 devices (into a buffer there) and says when the host copy may go. A
 ``ByteLimiter`` of the budget bounds the pieces in flight. Small arrays are
-read by the reader's usual paths, a window of them at a time.
+read by the reader's usual paths, a window of them at a time. Arrays this
+library wrote are read as byte ranges of their chunks instead, where the
+b-tree locates them (``_ranged_reads``); the sinks and the pieces' sizes
+are defined here for both.
 """
 
 from __future__ import annotations
@@ -25,16 +28,15 @@ from checkpointables_pytree import storage
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
     Region,
-    check_against_metadata,
-    check_shape,
+    open_stored,
     read_region,
     region_shape,
-    regions_of,
 )
 from checkpointables_pytree.storage import ByteLimiter, settle
 
 __all__ = [
     "PieceSink",
+    "PieceDestinations",
     "piece_bytes",
     "window_bytes",
     "pieces",
@@ -54,10 +56,25 @@ class PieceSink(Protocol):
 
     def put(self, n: int, offset: tuple[int, ...], data: np.ndarray) -> Any:
         """Places ``data`` at ``offset`` in region ``n``; returns what to wait for before the
-        host copy may be freed (``jax.block_until_ready`` of it), or ``None``."""
+        host copy may be freed or reused (``jax.block_until_ready`` of it), or ``None``.
+        ``data`` may be a view of a buffer the reader reuses: keep a copy, never ``data``.
+        Puts into one region come one at a time; puts into distinct regions may come from
+        several threads at once."""
 
     def finish(self) -> Any:
         """The leaf, once every piece was put."""
+
+
+@runtime_checkable
+class PieceDestinations(Protocol):
+    """A ``PieceSink`` whose regions are host buffers a piece can be read straight into."""
+
+    def destination(
+        self, n: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The part of region ``n`` at ``offset`` of ``shape``, writable and C-contiguous, to
+        read a piece of the stored dtype into (then no ``put`` for it); ``None`` where it is
+        not one block of memory, or the region is of another dtype."""
 
 
 SinkFactory = Callable[[list[Region], np.dtype], PieceSink]
@@ -80,15 +97,17 @@ def window_bytes(host_bytes: int) -> int:
 RESHARDED_STREAM_BYTES = 1 << 20
 
 
-def streams(read: ArrayRead, most: int) -> bool:
+def streams(read: ArrayRead, most: int, *, ranged: bool = False) -> bool:
     """Whether a budgeted load streams ``read``: arrays larger than a piece (``most``), or
-    of a sharded target (regions) and at least ``RESHARDED_STREAM_BYTES``."""
+    of at least ``RESHARDED_STREAM_BYTES`` and either of a sharded target (regions) or
+    stored directly where ``ranged`` reads are possible (read straight into the result)."""
     if read.sink is None:
         return False
     if read.stored is None:
         return True
     nbytes = read.stored.nbytes
-    return nbytes > most or (read.regions is not None and nbytes >= RESHARDED_STREAM_BYTES)
+    others = read.regions is not None or (ranged and read.stored.direct)
+    return nbytes > most or (others and nbytes >= RESHARDED_STREAM_BYTES)
 
 
 def in_windows(reads: Sequence[ArrayRead], window: int) -> Iterator[list[ArrayRead]]:
@@ -169,17 +188,10 @@ async def stream(
     limiter: ByteLimiter,
     most: int,
 ) -> None:
-    """Reads ``read`` piece by piece into its sink, at most ``limiter``'s bytes in flight."""
-    try:
-        store = await ts.open(
-            {**spec, "fill_missing_data_reads": False}, context=context, open=True
-        )
-    except ValueError as e:
-        raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
-    stored_shape = tuple(int(s) for s in store.shape)
-    dtype = store.dtype.numpy_dtype
-    check_against_metadata(read, stored_shape, dtype)
-    regions = regions_of(read, check_shape(read, stored_shape))
+    """Reads ``read`` piece by piece through the zarr3 driver into its sink, at most
+    ``limiter``'s bytes in flight."""
+    opened = await open_stored(read, spec, context)
+    store, stored_shape, dtype, regions = opened.store, opened.shape, opened.dtype, opened.regions
     read_chunk = store.chunk_layout.read_chunk.shape or stored_shape
     chunk_shape = tuple(int(c or 1) for c in read_chunk)
     assert read.sink is not None

@@ -41,6 +41,14 @@ def _update(buffer: jax.Array, piece: jax.Array, *offset: jax.Array) -> jax.Arra
     return jax.lax.dynamic_update_slice(buffer, piece, offset)
 
 
+def _block(
+    buffer: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> np.ndarray | None:
+    """``buffer``'s part of ``shape`` at ``offset``, if it is C-contiguous (else ``None``)."""
+    view = buffer[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+    return view if view.flags.c_contiguous else None
+
+
 class DeviceSink:
     """Builds a ``jax.Array`` (of ``sharding``, or uncommitted on the default device) from
     pieces of its regions."""
@@ -58,6 +66,7 @@ class DeviceSink:
         """``on_host``: build the regions in host buffers (``None``: when every device is a
         CPU; ``False`` updates buffers on the devices, as on accelerators)."""
         self._dtype = np.dtype(dtype) if dtype is not None else stored_dtype
+        self._stored_dtype = stored_dtype
         self._sharding = sharding
         self._regions = regions
         self._shape = shape
@@ -100,7 +109,8 @@ class DeviceSink:
         buffers = self._buffers[n]
         placed = []
         for device in self._devices[n]:
-            piece = jax.device_put(data, device)
+            # Never an alias (on CPU devices it could be): the reader reuses its buffers.
+            piece = jax.device_put(data, device, may_alias=False)
             placed.append(piece)
             if data.shape == shape:  # The whole region in one piece.
                 buffers[device] = piece
@@ -111,15 +121,29 @@ class DeviceSink:
             buffers[device] = _update(buffer, piece, *offset)
         return placed
 
-    def _into_host(
-        self, n: int, shape: tuple[int, ...], offset: tuple[int, ...], data: np.ndarray
-    ) -> None:
+    def destination(
+        self, n: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The part of region ``n``'s host buffer a piece of ``shape`` at ``offset`` fills,
+        where it is one block and needs no cast (on CPU devices); else ``None``."""
+        if self._host is None or self._dtype != self._stored_dtype:
+            return None
+        region = tuple(s.stop - s.start for s in self._regions[n])
+        return _block(self._host_buffer(n, region), offset, shape)
+
+    def _host_buffer(self, n: int, shape: tuple[int, ...]) -> np.ndarray:
         assert self._host is not None
         buffer = self._host[n]
         if buffer is None:
             nbytes = math.prod(shape) * self._dtype.itemsize
             buffer = storage.aligned_empty(nbytes).view(self._dtype).reshape(shape)
             self._host[n] = buffer
+        return buffer
+
+    def _into_host(
+        self, n: int, shape: tuple[int, ...], offset: tuple[int, ...], data: np.ndarray
+    ) -> None:
+        buffer = self._host_buffer(n, shape)
         buffer[tuple(slice(o, o + s) for o, s in zip(offset, data.shape, strict=True))] = data
 
     def finish(self) -> jax.Array:
@@ -144,11 +168,21 @@ class HostSink:
     def __init__(self, dtype: Any, regions: list[Region], stored_dtype: np.dtype) -> None:
         shape = tuple(s.stop - s.start for s in regions[0])
         self._array = np.empty(shape, np.dtype(dtype) if dtype is not None else stored_dtype)
+        self._stored_dtype = stored_dtype
 
     @classmethod
     def maker(cls, dtype: Any) -> Callable[[list[Region], np.dtype], HostSink]:
         """What ``ArrayRead.sink`` holds: makes the sink once the regions are known."""
         return functools.partial(cls, dtype)
+
+    def destination(
+        self, n: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The part of the array a piece of ``shape`` at ``offset`` fills, where it is one
+        block and of the stored dtype; else ``None``."""
+        if self._array.dtype != self._stored_dtype:
+            return None
+        return _block(self._array, offset, shape)
 
     def put(self, n: int, offset: tuple[int, ...], data: np.ndarray) -> None:
         """Copies a piece into the array (nothing to wait for)."""
