@@ -62,7 +62,10 @@ def _files(root: str, skip: str | None = None) -> dict[tuple[int, int], int]:
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if os.path.join(directory, d) != skip]
         for name in names:
-            st = os.stat(os.path.join(directory, name))
+            try:
+                st = os.stat(os.path.join(directory, name))
+            except FileNotFoundError:  # A step the preservation policy is deleting now.
+                continue
             out[(st.st_dev, st.st_ino)] = st.st_blocks * 512
     return out
 

@@ -108,6 +108,10 @@ restore("one_wiped")
 shutil.rmtree(f"{base}/host{me}")
 restore("persistent")
 print("RESULT " + json.dumps(out), flush=True)
+# Both done before either leaves: process 0 runs the coordination service, and a process
+# whose service vanished mid-restore is aborted by JAX.
+cp.multihost.sync_global_processes("bench-local-tier-done")
+jax.distributed.shutdown()
 os._exit(0)
 """
 
