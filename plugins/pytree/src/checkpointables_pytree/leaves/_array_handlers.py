@@ -152,6 +152,32 @@ _IS_DELETED = operator.methodcaller("is_deleted")
 _SINGLE = jax.sharding.SingleDeviceSharding
 
 
+def _linked_flags(session: SaveSession, group: LeafGroup) -> list[bool]:
+    """Whether the writer links each array of ``group`` from an earlier checkpoint."""
+    names, linked = group.flat.structure.storage_names, session.writer.linked
+    return [names[i] in linked for i in group.indices]
+
+
+def _links_in_bulk(session: SaveSession, params: Sequence[SerializationParam[jax.Array]]) -> bool:
+    """Whether the arrays the writer links (``reuse``) are scheduled in one pass with the
+    others: a one-process save, without a memory budget, of a group with one storage
+    option for all, whose linked arrays are single-device (each then stands in by
+    ``_stand_in``: never copied to host)."""
+    if session.context.memory_options.host_bytes is not None:
+        return False
+    if cp.multihost.process_count() != 1 or not _array_layouts.in_bulk(session, params):
+        return False
+    assert isinstance(params, LeafGroup)  # As in_bulk requires.
+    flags = _linked_flags(session, params)
+    return all(type(v.sharding) is _SINGLE for v, k in zip(params.values, flags, strict=True) if k)
+
+
+def _stand_in(array: jax.Array) -> np.ndarray:
+    """A linked array as the bulk path sees it: its shape and dtype, no data (a zero-strided
+    view of one element; ``schedule_jax_group`` gives the writer no chunk of it)."""
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+
+
 def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
     """Starts the device-to-host copy of every array, before waiting for any (on CPU,
     ``np.asarray`` of an array is a view of its buffer: nothing to start)."""
@@ -189,7 +215,8 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
     ) -> None:
-        if session.writer.linked:  # Arrays linked from an earlier checkpoint: no host copy.
+        if session.writer.linked and not _links_in_bulk(session, params):
+            # Arrays linked from an earlier checkpoint: recorded apart, with no host copy.
             params = self._record_reused(session, params)
         if session.context.memory_options.host_bytes is not None:
             self._schedule_streamed(session, params, session.context.memory_options.host_bytes)
@@ -320,12 +347,26 @@ class ArrayLeafHandler(ZarrLeafHandler):
         Single-device arrays (most leaves of most trees) are put on host in one pass
         and checked once per dtype; the rest waits for ``_record_all``.
         """
-        _start_host_copies(values)
+        linked = None  # Arrays the writer links are still in a group (``_links_in_bulk``).
+        if session.writer.linked and isinstance(params, LeafGroup):
+            linked = _linked_flags(session, params)
+        if linked is None:
+            _start_host_copies(values)
+        else:  # Linked arrays (single-device: ``_links_in_bulk``) are not copied to host.
+            _start_host_copies([v for v, k in zip(values, linked, strict=True) if not k])
         if set(map(type, shardings)) == {_SINGLE} and not any(map(_IS_DELETED, values)):
-            hosted: list[np.ndarray | _Snapshot] = list(map(np.asarray, values))
+            if linked is None:
+                hosted: list[np.ndarray | _Snapshot] = list(map(np.asarray, values))
+            else:
+                hosted = [
+                    _stand_in(v) if k else np.asarray(v)
+                    for v, k in zip(values, linked, strict=True)
+                ]
         else:
             hosted = [
-                np.asarray(v)
+                _stand_in(v)
+                if linked is not None and linked[i]
+                else np.asarray(v)
                 if type(s) is _SINGLE and not v.is_deleted()
                 else self._snapshot(session, params[i], primary_lacks=False)
                 for i, (v, s) in enumerate(zip(values, shardings, strict=True))
@@ -360,7 +401,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
                     dtypes[item.dtype] = dtype
                 shape = item.shape
                 data = item if item.dtype == dtype else item.astype(dtype)
-                if 0 in shape:
+                if 0 in shape or param.name in session.writer.linked:  # Linked: no data.
                     chunk_shape, chunks = zarr3.default_chunk_shape(shape), []
                 else:
                     chunk_shape, chunks = shape, [((0,) * len(shape), data)]

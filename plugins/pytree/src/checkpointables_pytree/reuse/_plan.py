@@ -144,9 +144,9 @@ async def plan_reuse(
     recorded = _read_record(source) if source is not None else {}
     earlier = recorded.get("arrays", {})
     # The source's b-tree is read on a worker thread while the arrays are looked at.
-    located = None
+    located, origin = None, ""
     if source is not None and earlier:
-        located = Source(source, recorded.get("files", {}))
+        located, origin = Source(source, recorded.get("files", {})), source.parent.name
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     writer.isolate = True
@@ -169,7 +169,7 @@ async def plan_reuse(
         plan.linked_bytes = _link(located, matching, places[0], writer)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
-            record[name] = dict(record[name], reused_from=source.parent.name)
+            record[name] = dict(record[name], reused_from=origin)
     return plan
 
 
@@ -190,10 +190,11 @@ def _compare_layouts(
     linkable = []
     for c in found:
         entry = earlier.get(c.name)
-        same = bool(entry) and _same_layout(entry, c)
-        if same:
-            linkable.append(c)
-        if same and frozen is not None and frozen(c.name):
+        if not entry or not _same_layout(entry, c):
+            to_print.append(c)
+            continue
+        linkable.append(c)
+        if frozen is not None and frozen(c.name):
             # Declared frozen: the source's fingerprints stand (not where it came from).
             known[c.name] = {"signature": entry["signature"], "shards": entry["shards"]}
         else:
