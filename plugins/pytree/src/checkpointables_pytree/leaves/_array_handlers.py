@@ -175,7 +175,16 @@ def _links_in_bulk(session: SaveSession, params: Sequence[SerializationParam[jax
 def _stand_in(array: jax.Array) -> np.ndarray:
     """A linked array as the bulk path sees it: its shape and dtype, no data (a zero-strided
     view of one element; ``schedule_jax_group`` gives the writer no chunk of it)."""
-    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
+    shape = array.shape
+    return np.ndarray(shape, array.dtype, _zero(array.dtype), strides=(0,) * len(shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _zero(dtype: np.dtype) -> np.ndarray:
+    """One zero element of ``dtype``: what every stand-in of that dtype views."""
+    zero = np.zeros((), dtype)
+    zero.flags.writeable = False
+    return zero
 
 
 def _start_host_copies(arrays: Sequence[jax.Array]) -> None:
