@@ -231,8 +231,18 @@ def fsync_tree(root: epath.Path) -> None:
         targets.extend((os.path.join(dirpath, f), False) for f in filenames)
         targets.append((dirpath, True))
     # Files and directories at once: each must be on disk before the commit's rename, in
-    # no particular order, and flushes issued together share journal commits.
-    concurrently(lambda target: _fsync(*target), targets)
+    # no particular order, and flushes issued together share journal commits. In slices, one
+    # per worker: a task per file cost more than flushing it (225 files: 7 ms against 3.7).
+    slices = [targets[i::_FSYNC_WORKERS] for i in range(min(_FSYNC_WORKERS, len(targets)))]
+    concurrently(_fsync_all, slices)
+
+
+_FSYNC_WORKERS = 16  # ``concurrently``'s threads.
+
+
+def _fsync_all(targets: list[tuple[str, bool]]) -> None:
+    for path, directory in targets:
+        _fsync(path, directory)
 
 
 def rename_durably(source: epath.PathLike, target: epath.PathLike) -> None:

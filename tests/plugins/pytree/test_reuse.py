@@ -117,6 +117,39 @@ def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
     assert "    host: reused from 2" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("sharded_changes", [True, False])
+def test_sharded_and_single_device_leaves_link_and_load(tmp_path, mesh_4x2, sharded_changes):
+    # A linked sharded array leaves the leaf group to the per-array path; linked single-device
+    # arrays beside a written sharded one go through the group's (standing in for their data).
+    rng = np.random.default_rng(3)
+    sharding = jax.sharding.NamedSharding(mesh_4x2, jax.sharding.PartitionSpec("x", "y"))
+    tree = {
+        "single": jnp.asarray(rng.standard_normal((128, 256), np.float32)),
+        "sharded": jax.device_put(rng.standard_normal((512, 512)).astype(np.float32), sharding),
+        "moved": jnp.asarray(rng.standard_normal((128, 256), np.float32)),
+    }
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    changed = dict(tree, moved=tree["moved"] + 1)
+    changed["sharded" if sharded_changes else "single"] = (
+        tree["sharded"] * 2 + 1 if sharded_changes else tree["single"] - 1
+    )
+    assert len(changed["sharded"].sharding.device_set) == 8
+    cp.save_pytree(tmp_path / "3", changed, reuse_from=tmp_path / "2")
+    (pytree,) = [p for p in (tmp_path / "3").iterdir() if (p / reuse.RECORD_FILE).exists()]
+    kept = "single" if sharded_changes else "sharded"
+    assert reuse.reuse_report(pytree) == {
+        kept: "2",
+        "moved": None,
+        ("sharded" if sharded_changes else "single"): None,
+    }
+    shutil.rmtree(tmp_path / "2")
+    shutil.rmtree(tmp_path / "1")
+    loaded = cp.load_pytree(tmp_path / "3")
+    _assert_same(loaded, changed)
+    assert_verifies(tmp_path / "3")
+
+
 def test_prng_keys_and_small_leaves_are_written(tmp_path) -> None:
     tree = {"keys": jax.random.split(jax.random.key(0), 8192), "tiny": np.ones(3)}
     tree["big"] = np.arange(reuse.MIN_BYTES, dtype=np.uint8)

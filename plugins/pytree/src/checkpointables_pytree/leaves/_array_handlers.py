@@ -150,6 +150,41 @@ _IS_DELETED = operator.methodcaller("is_deleted")
 _SINGLE = jax.sharding.SingleDeviceSharding
 
 
+def _linked_flags(session: SaveSession, group: LeafGroup) -> list[bool]:
+    """Whether the writer links each array of ``group`` from an earlier checkpoint."""
+    names, linked = group.flat.structure.storage_names, session.writer.linked
+    return [names[i] in linked for i in group.indices]
+
+
+def _links_in_bulk(session: SaveSession, params: Sequence[SerializationParam[jax.Array]]) -> bool:
+    """Whether the arrays the writer links (``reuse``) are scheduled in one pass with the
+    others: a one-process save, without a memory budget, of a group with one storage
+    option for all, whose linked arrays are single-device (each then stands in by
+    ``_stand_in``: never copied to host)."""
+    if session.context.memory_options.host_bytes is not None:
+        return False
+    if cp.multihost.process_count() != 1 or not _array_layouts.in_bulk(session, params):
+        return False
+    assert isinstance(params, LeafGroup)  # As in_bulk requires.
+    flags = _linked_flags(session, params)
+    return all(type(v.sharding) is _SINGLE for v, k in zip(params.values, flags, strict=True) if k)
+
+
+def _stand_in(array: jax.Array) -> np.ndarray:
+    """A linked array as the bulk path sees it: its shape and dtype, no data (a zero-strided
+    view of one element; ``schedule_jax_group`` gives the writer no chunk of it)."""
+    shape = array.shape
+    return np.ndarray(shape, array.dtype, _zero(array.dtype), strides=(0,) * len(shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _zero(dtype: np.dtype) -> np.ndarray:
+    """One zero element of ``dtype``: what every stand-in of that dtype views."""
+    zero = np.zeros((), dtype)
+    zero.flags.writeable = False
+    return zero
+
+
 @attrs.frozen
 class _Snapshot:
     """One array of a save as the blocking phase leaves it: checked, its shards on host."""
@@ -177,7 +212,8 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _schedule_writes(
         self, session: SaveSession, params: Sequence[SerializationParam[jax.Array]]
     ) -> None:
-        if session.writer.linked:  # Arrays linked from an earlier checkpoint: no host copy.
+        if session.writer.linked and not _links_in_bulk(session, params):
+            # Arrays linked from an earlier checkpoint: recorded apart, with no host copy.
             params = self._record_reused(session, params)
         if session.context.memory_options.host_bytes is not None:
             self._schedule_streamed(session, params, session.context.memory_options.host_bytes)
@@ -308,18 +344,26 @@ class ArrayLeafHandler(ZarrLeafHandler):
         Single-device arrays (most leaves of most trees) are put on host in one pass
         and checked once per dtype; the rest waits for ``_record_all``.
         """
-        if set(map(type, shardings)) == {_SINGLE} and not any(map(_IS_DELETED, values)):
+        linked = [False] * len(values)  # Linked arrays stay in a group (``_links_in_bulk``).
+        if session.writer.linked and isinstance(params, LeafGroup):
+            linked = _linked_flags(session, params)
+        all_single = set(map(type, shardings)) == {_SINGLE} and not any(map(_IS_DELETED, values))
+        if all_single and not any(linked):
             hosted: list[np.ndarray | _Snapshot] = list(host_copies(values))
-        else:
+        else:  # Linked arrays (single-device: ``_links_in_bulk``) are not copied to host.
             single = [
                 i
-                for i, (v, s) in enumerate(zip(values, shardings, strict=True))
-                if type(s) is _SINGLE and not v.is_deleted()
+                for i, (v, s, k) in enumerate(zip(values, shardings, linked, strict=True))
+                if not k and type(s) is _SINGLE and not v.is_deleted()
             ]
             copies = dict(zip(single, host_copies([values[i] for i in single]), strict=True))
             hosted = [
-                copies[i] if i in copies else self._snapshot(session, p, primary_lacks=False)
-                for i, p in enumerate(params)
+                _stand_in(v)
+                if k
+                else copies[i]
+                if i in copies
+                else self._snapshot(session, params[i], primary_lacks=False)
+                for i, (v, k) in enumerate(zip(values, linked, strict=True))
             ]
         storage = session.array_options.storage_options
         for dtype in {h.dtype for h in hosted if type(h) is np.ndarray}:
@@ -351,7 +395,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
                     dtypes[item.dtype] = dtype
                 shape = item.shape
                 data = item if item.dtype == dtype else item.astype(dtype)
-                if 0 in shape:
+                if 0 in shape or param.name in session.writer.linked:  # Linked: no data.
                     chunk_shape, chunks = zarr3.default_chunk_shape(shape), []
                 else:
                     chunk_shape, chunks = shape, [((0,) * len(shape), data)]

@@ -249,6 +249,9 @@ def schedule_jax_group(
     data: list[np.ndarray | None] = [
         None if 0 in shape else h for h, shape in zip(hosted, shapes, strict=True)
     ]
+    if linked := session.writer.linked:  # Stand-ins for data the writer links (``reuse``).
+        layouts = plan.layouts
+        data = [None if layouts[n].name in linked else h for n, h in enumerate(data)]
     if cast:
         data = [None if h is None else h.astype(d) for h, d in zip(data, dtypes, strict=True)]
     # On CPU devices the hosted arrays are views of the devices' buffers: not staged.

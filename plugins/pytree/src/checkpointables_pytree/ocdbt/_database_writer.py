@@ -113,10 +113,11 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
             copies.append(storage.ServerCopy(value.source, f"{root}/{value.name}", value.listed))
         storage.copy_objects(copies)
         return
+    root = os.fspath(database)
+    for directory in {os.path.dirname(value.name) for value in unique}:  # Once each ("d").
+        os.makedirs(os.path.join(root, directory), exist_ok=True)
     for value in unique:
-        target = os.path.join(os.fspath(database), value.name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.link(value.source, target)
+        os.link(value.source, os.path.join(root, value.name))
 
 
 class DataFile:

@@ -29,29 +29,17 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
-import jax
-import numpy as np
 from etils import epath
 
-from checkpointables_pytree import io, ocdbt, storage, tree, zarr3
+from checkpointables_pytree import io, ocdbt, storage, tree
 from checkpointables_pytree.reuse import _fingerprint
+from checkpointables_pytree.reuse._candidates import MIN_BYTES, Candidate, candidates
+from checkpointables_pytree.reuse._sources import Source
 
 __all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"]
 
 RECORD_FILE = "_REUSE.json"
-# Smaller arrays are rewritten: a few KiB cost less than their fingerprint and link.
-MIN_BYTES = 64 << 10
 _FORMAT = 1
-
-
-@attrs.frozen
-class _Candidate:
-    """One array this process may link: its shards (start, chunk key, data)."""
-
-    name: str
-    signature: str
-    shards: list[tuple[list[int], str, Any]]
-    on_device: bool
 
 
 @attrs.define
@@ -77,71 +65,14 @@ class ReusePlan:
         cp.storage.write_text(directory / RECORD_FILE, text)
 
 
-def _signature(kind: str, array: Any, chunk_shape: Sequence[int], context: cp.Context) -> str:
-    options = context.array_options
-    return json.dumps(
-        [
-            kind,
-            [int(s) for s in array.shape],
-            np.dtype(array.dtype).str,
-            [int(c) for c in chunk_shape],
-            bool(options.use_compression),
-            repr(options.storage_options),
-        ]
-    )
-
-
-def _jax_candidate(name: str, array: jax.Array, context: cp.Context) -> _Candidate | None:
-    if array.is_deleted() or not _fingerprint.supported(array.dtype):
-        return None
-    if cp.multihost.process_count() > 1 and array.is_fully_addressable:
-        return None  # A value every process holds: who writes it is decided later.
-    chunk_shape = io.chunk_shape_of(array)
-    shape = tuple(int(s) for s in array.shape)
-    shards = []
-    for shard in array.addressable_shards:
-        if shard.replica_id != 0:
-            continue
-        starts = [s.indices(d)[0] for s, d in zip(shard.index, shape, strict=True)]
-        index = [b // c if c else 0 for b, c in zip(starts, chunk_shape, strict=True)]
-        shards.append((starts, zarr3.chunk_key(name, index), shard.data))
-    if not shards:
-        return None  # Another process writes every part of it.
-    signature = _signature("jax", array, chunk_shape, context)
-    return _Candidate(name, signature, shards, True)
-
-
-def _candidates(flat: tree.Flat, context: cp.Context) -> list[_Candidate]:
-    """The arrays worth linking that this process writes."""
-    options = context.array_options
-    if options.storage_options_creator is not None or options.storage_options.dtype is not None:
-        return []  # Per-leaf options or casts: layouts this module does not predict.
-    found = []
-    single = cp.multihost.process_count() == 1
-    names = flat.structure.storage_names
-    for name, value in zip(names, flat.values, strict=True):
-        if int(getattr(value, "nbytes", 0)) < MIN_BYTES:
-            continue
-        if isinstance(value, jax.Array):
-            candidate = _jax_candidate(name, value, context)
-            if candidate is not None:
-                found.append(candidate)
-        elif type(value) is np.ndarray and single and value.dtype.kind in "biufc":
-            shape = tuple(value.shape)
-            signature = _signature("numpy", value, shape, context)
-            key = zarr3.chunk_key(name, (0,) * len(shape))
-            found.append(_Candidate(name, signature, [([0] * len(shape), key, value)], False))
-    return found
-
-
-def _fingerprints(candidates: Sequence[_Candidate]) -> dict[str, list[str]]:
+def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
     """Name -> the fingerprint of each of its shards (device ones computed on device)."""
-    device = [s[2] for c in candidates if c.on_device for s in c.shards]
-    host = [s[2] for c in candidates if not c.on_device for s in c.shards]
+    device = [s[2] for c in found if c.on_device for s in c.shards]
+    host = [s[2] for c in found if not c.on_device for s in c.shards]
     prints = iter(_fingerprint.fingerprint_shards(device))
     host_prints = iter(_fingerprint.fingerprint_numpy(host))
     result = {}
-    for c in candidates:
+    for c in found:
         source = prints if c.on_device else host_prints
         result[c.name] = [next(source) for _ in c.shards]
     return result
@@ -161,89 +92,17 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     return {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
 
 
-def _entry(c: _Candidate, prints: list[str]) -> dict[str, Any]:
+def _entry(c: Candidate, prints: list[str]) -> dict[str, Any]:
     shards = [[starts, p] for (starts, _, _), p in zip(c.shards, prints, strict=True)]
     return {"signature": c.signature, "shards": shards}
 
 
-def _same_layout(entry: dict[str, Any], c: _Candidate) -> bool:
+def _same_layout(entry: dict[str, Any], c: Candidate) -> bool:
     """Whether a recorded array has ``c``'s layout and shards (fingerprints aside)."""
     shards = entry.get("shards") or []
     return entry.get("signature") == c.signature and [s[0] for s in shards] == [
         s[0] for s in c.shards
     ]
-
-
-class _Files:
-    """The source's data files, each looked up once: a local file's size, or on S3 the
-    object as listed (size and ETag; one LIST per directory of data files), if it is the
-    object the source's record lists."""
-
-    def __init__(self, source: epath.Path, recorded: dict[str, Any]) -> None:
-        self._local = ocdbt.is_local(source)
-        self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
-        self._recorded = recorded  # On S3: "d/<name>" -> [size, ETag] when it was saved.
-        self._sizes: dict[str, int] = {}
-        self.listed: dict[str, storage.ObjectInfo] = {}
-
-    def list(self, places: Sequence[Any]) -> None:
-        """Lists the directories of ``places``' files (on S3; blocking)."""
-        if not self._local:
-            for directory in sorted({p.file.rpartition("/")[0] for p in places}):
-                self.listed.update(storage.list_objects(directory))
-
-    def holds(self, location: Any) -> bool:
-        """Whether the file of ``location`` is there with at least the bytes it names."""
-        size = self._sizes.get(location.file)
-        if size is None:
-            size = self._size(location.file)
-            self._sizes[location.file] = size
-        return bool(size >= location.offset + location.length)
-
-    def _size(self, file: str) -> int:
-        """The file's size (-1: missing, or an object other than the one recorded)."""
-        if not self._local:
-            found = self.listed.get(file)
-            recorded = self._recorded.get(file.removeprefix(self._root))
-            if found is None or (recorded is not None and recorded != [found.size, found.etag]):
-                return -1
-            return found.size
-        try:
-            return os.stat(file).st_size
-        except OSError:
-            return -1
-
-
-async def _link(
-    source: epath.Path,
-    matching: Sequence[_Candidate],
-    writer: io.Writer,
-    recorded: dict[str, Any],
-) -> int:
-    """Links the chunks of ``matching`` arrays the source holds in data files; returns the
-    bytes linked. An array with a chunk missing, inline, in a short file, or in an object
-    other than the one ``recorded`` (S3) is written."""
-    keys = [key for c in matching for _, key, _ in c.shards]
-    if not keys:
-        return 0
-    try:
-        found = await ocdbt.locate(ocdbt.DatabaseIndex(source), keys)
-    except (OSError, ValueError, cp.errors.IntegrityError):  # A damaged source: written afresh.
-        return 0
-    files = _Files(source, recorded)
-    await asyncio.to_thread(files.list, list(found.values()))
-    linked = 0
-    for c in matching:
-        places = [found.get(key) for _, key, _ in c.shards]
-        if any(p is None or not files.holds(p) for p in places):
-            continue
-        writer.linked[c.name] = [
-            (key, ocdbt.Linked(p.file, p.offset, p.length, files.listed.get(p.file)))
-            for (_, key, _), p in zip(c.shards, places, strict=True)
-            if p is not None
-        ]
-        linked += sum(int(data.nbytes) for _, _, data in c.shards)
-    return linked
 
 
 def _usable(directory: epath.Path, source: epath.Path | None, context: cp.Context) -> bool:
@@ -282,30 +141,82 @@ async def plan_reuse(
     source = reuse.source_of(directory.name)
     if not _usable(directory, source, context):
         return None
-    candidates = _candidates(flat, context)
     recorded = _read_record(source) if source is not None else {}
     earlier = recorded.get("arrays", {})
-    frozen = reuse.frozen
-    known = {}
-    to_print = []
-    for c in candidates:
-        entry = earlier.get(c.name)
-        if frozen is not None and entry and frozen(c.name) and _same_layout(entry, c):
-            known[c.name] = entry  # Declared frozen: the source's fingerprints stand.
-            continue
-        to_print.append(c)
-    prints = _fingerprints(to_print)
+    # The source's b-tree is read on a worker thread while the arrays are looked at.
+    located, origin = None, ""
+    if source is not None and earlier:
+        located, origin = Source(source, recorded.get("files", {})), source.parent.name
+    found = candidates(flat, context)
+    known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
+    writer.isolate = True
+    # The fingerprints (BLAKE3's threads, or the devices) while the source's files are
+    # looked up: the chunks of every array that may match, whether it does or not.
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
+    if located is not None and linkable:
+        keys = [key for c in linkable for _, key, _ in c.shards]
+        tasks.append(asyncio.ensure_future(located.locate(keys)))
+    try:
+        prints, *places = await asyncio.gather(*tasks)
+    except BaseException:
+        await storage.settle(tasks)
+        raise
     record = {c.name: _entry(c, prints[c.name]) for c in to_print}
     record.update(known)
-    matching = [c for c in candidates if _same(earlier.get(c.name), record[c.name])]
     plan = ReusePlan(record)
-    writer.isolate = True
-    if source is not None and matching:
-        plan.linked_bytes = await _link(source, matching, writer, recorded.get("files", {}))
+    if located is not None and places:
+        matching = [c for c in linkable if _same(earlier[c.name], record[c.name])]
+        plan.linked_bytes = _link(located, matching, places[0], writer)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
-            record[name] = dict(record[name], reused_from=source.parent.name)
+            record[name] = dict(record[name], reused_from=origin)
     return plan
+
+
+async def _fingerprinted(found: Sequence[Candidate]) -> dict[str, list[str]]:
+    """``_fingerprints`` on a worker thread (its waits are the hashing threads' or the
+    devices'), so that the event loop reads the source meanwhile."""
+    return await asyncio.to_thread(_fingerprints, found) if found else {}
+
+
+def _compare_layouts(
+    found: Sequence[Candidate], earlier: dict[str, Any], frozen: cp.reuse.Frozen | None
+) -> tuple[dict[str, Any], list[Candidate], list[Candidate]]:
+    """The record of the arrays declared frozen that the source holds with their layout
+    (its fingerprints stand), the arrays to fingerprint, and those with the layout the
+    source recorded (which may be linked)."""
+    known: dict[str, Any] = {}
+    to_print = []
+    linkable = []
+    for c in found:
+        entry = earlier.get(c.name)
+        if not entry or not _same_layout(entry, c):
+            to_print.append(c)
+            continue
+        linkable.append(c)
+        if frozen is not None and frozen(c.name):
+            # Declared frozen: the source's fingerprints stand (not where it came from).
+            known[c.name] = {"signature": entry["signature"], "shards": entry["shards"]}
+        else:
+            to_print.append(c)
+    return known, to_print, linkable
+
+
+def _link(
+    located: Source,
+    matching: Sequence[Candidate],
+    places: dict[str, ocdbt.ValueLocation],
+    writer: io.Writer,
+) -> int:
+    """Links the ``matching`` arrays whose every chunk the source holds in a data file
+    that is there (``places``); returns the bytes linked. Others are written."""
+    linked = 0
+    for c in matching:
+        keys = [key for _, key, _ in c.shards]
+        if all(key in places for key in keys):
+            writer.linked[c.name] = located.linked(keys, places)
+            linked += sum(int(data.nbytes) for _, _, data in c.shards)
+    return linked
 
 
 def _same(earlier: dict[str, Any] | None, now: dict[str, Any]) -> bool:

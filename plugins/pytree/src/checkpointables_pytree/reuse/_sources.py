@@ -1,0 +1,88 @@
+"""Where the source holds the chunks a save may link, checked against its files.
+
+``Source`` reads the source's b-tree (``ocdbt.DatabaseIndex``: started as soon
+as the save knows its source, on the index's worker thread, while the arrays
+are fingerprinted) and checks each data file it names once: a local file's
+size (one ``stat``), or on S3 the object as listed (size and ETag; one LIST per
+directory of data files) against the record of the save that wrote it. A
+chunk is linkable only if its file is there with at least the bytes the
+b-tree names; nothing of this is cached across saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import checkpointables as cp
+from etils import epath
+
+from checkpointables_pytree import ocdbt, storage
+
+__all__ = ["Source"]
+
+
+class Source:
+    """The data files of a source checkpoint's database, as its b-tree places chunks."""
+
+    def __init__(self, source: epath.Path, recorded_files: dict[str, Any]) -> None:
+        """Starts reading the b-tree of ``source`` (a pytree directory) in the background.
+
+        ``recorded_files``: on S3, ``"d/<name>" -> [size, ETag]`` as the source's save
+        recorded them (its ``_REUSE.json``).
+        """
+        self._local = ocdbt.is_local(source)
+        self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
+        self._recorded = recorded_files
+        self._index = ocdbt.DatabaseIndex(source)
+        self._index.prefetch()  # The manifest and the root node, on the index's thread.
+        self.listed: dict[str, storage.ObjectInfo] = {}
+
+    async def locate(self, keys: Collection[str]) -> dict[str, ocdbt.ValueLocation]:
+        """The chunks of ``keys`` that are in data files there with at least the bytes the
+        b-tree names (``{}``: a damaged source, whose data is then written afresh)."""
+        if not keys:
+            return {}
+        try:
+            found = await ocdbt.locate(self._index, keys)
+        except (OSError, ValueError, cp.errors.IntegrityError):
+            return {}
+        return await asyncio.to_thread(self._present, found)
+
+    def _present(self, found: dict[str, ocdbt.ValueLocation]) -> dict[str, ocdbt.ValueLocation]:
+        """The entries of ``found`` whose file holds their bytes (each file looked at once)."""
+        if not self._local:
+            for directory in sorted({p.file.rpartition("/")[0] for p in found.values()}):
+                self.listed.update(storage.list_objects(directory))
+        sizes: dict[str, int] = {}
+        present = {}
+        for key, place in found.items():
+            size = sizes.get(place.file)
+            if size is None:
+                size = sizes[place.file] = self._size(place.file)
+            if size >= place.offset + place.length:
+                present[key] = place
+        return present
+
+    def _size(self, file: str) -> int:
+        """The file's size (-1: missing, or an object other than the one recorded)."""
+        if not self._local:
+            found = self.listed.get(file)
+            recorded = self._recorded.get(file.removeprefix(self._root))
+            if found is None or (recorded is not None and recorded != [found.size, found.etag]):
+                return -1
+            return int(found.size)
+        try:
+            return os.stat(file).st_size
+        except OSError:
+            return -1
+
+    def linked(self, keys: Sequence[str], places: dict[str, ocdbt.ValueLocation]) -> list[Any]:
+        """``(key, ocdbt.Linked)`` for each of ``keys`` (all in ``places``)."""
+        out = []
+        for key in keys:
+            p = places[key]
+            out.append((key, ocdbt.Linked(p.file, p.offset, p.length, self.listed.get(p.file))))
+        return out
