@@ -10,7 +10,10 @@ resharded load holds the state again on the host: the measurement catches it.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE
 
 from tests.peak_rss import run_child
 
@@ -62,8 +65,10 @@ def test_a_save_and_load_on_s3_stay_within_the_budget(bucket) -> None:
     assert report["exact"], report
     for op in ("save", "load_resharded"):
         assert report[op] <= BUDGET + SLACK, (op, report[op] >> 20, report)
-    # What the writer counted: the data files' copies (a quarter of the budget, twice).
-    assert 0 < report["reported_peak"] <= BUDGET, report
+    # What the writer counted: the data files' copies (a quarter of the budget, twice); with
+    # the fast path off TensorStore's driver writes them, and the writer counts nothing.
+    fast_path_off = os.environ.get(FAST_PATH_ENVIRONMENT_VARIABLE) == "0"
+    assert (0 if fast_path_off else 1) <= report["reported_peak"] <= BUDGET, report
 
 
 @pytest.mark.parametrize("budget", [0])

@@ -9,11 +9,13 @@ the measurement catches an unbounded load.
 
 from __future__ import annotations
 
+import os
+
 import checkpointables as cp
 import numpy as np
 import pytest
 from checkpointables_pytree.io import pieces
-from checkpointables_pytree.leaves import chunk_shape_within
+from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE, chunk_shape_within
 
 from tests.peak_rss import run_child
 
@@ -75,8 +77,12 @@ def _run(tmp_path, budget: int) -> dict[str, int]:
 def test_save_and_resharded_load_stay_within_the_budget(tmp_path) -> None:
     report = _run(tmp_path, BUDGET)
     assert report["exact"] and report["sharding_kept"]
-    for op in ("save", "save_async", "load_resharded", "load_unbudgeted_save"):
+    for op in ("save", "save_async", "load_resharded"):
         assert report[op] <= BUDGET + SLACK, (op, report[op] >> 20, report)
+    # Ranged reads need chunks our writer wrote; TensorStore's (the fast path off) are read
+    # whole through its driver: one 64 MiB chunk besides the budget (docs/memory.md, Limits).
+    whole_chunk = 64 << 20 if os.environ.get(FAST_PATH_ENVIRONMENT_VARIABLE) == "0" else 0
+    assert report["load_unbudgeted_save"] <= BUDGET + SLACK + whole_chunk, report
 
 
 def test_without_a_budget_the_resharded_load_stages_more(tmp_path) -> None:
