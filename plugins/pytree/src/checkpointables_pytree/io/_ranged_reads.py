@@ -234,11 +234,7 @@ async def stream_ranges(
     tasks = [
         asyncio.ensure_future(_chunk(state, chunk, cut, source, shared, verify)) for chunk in chunks
     ]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        await storage.settle(tasks)
-        raise
+    await storage.gather_settled(tasks)
     read.result = state.sink.finish()
 
 

@@ -61,7 +61,7 @@ from checkpointables_pytree.io._array_reads import (
     tiling_box,
     within,
 )
-from checkpointables_pytree.storage import ByteLimiter, settle
+from checkpointables_pytree.storage import ByteLimiter, gather_settled, settle
 
 __all__ = ["Reader", "read_values"]
 
@@ -217,10 +217,7 @@ class Reader:
 
         tasks = [asyncio.ensure_future(one(read)) for read in streamed]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            await settle(tasks)
-            raise
+            await gather_settled(tasks)
         finally:
             if source is not None:
                 source.close()
@@ -304,10 +301,7 @@ class Reader:
 
         tasks = [asyncio.ensure_future(one(g)) for g in groups if g]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            await settle(tasks)
-            raise
+            await gather_settled(tasks)
         finally:
             files.close()
 

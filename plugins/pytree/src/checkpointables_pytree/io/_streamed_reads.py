@@ -32,7 +32,7 @@ from checkpointables_pytree.io._array_reads import (
     read_region,
     region_shape,
 )
-from checkpointables_pytree.storage import ByteLimiter, settle
+from checkpointables_pytree.storage import ByteLimiter, gather_settled
 
 __all__ = [
     "PieceSink",
@@ -212,9 +212,5 @@ async def stream(
         for n, region in enumerate(regions)
         for piece in pieces(region, chunk_shape, dtype.itemsize, most)
     ]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        await settle(tasks)
-        raise
+    await gather_settled(tasks)
     read.result = sink.finish()

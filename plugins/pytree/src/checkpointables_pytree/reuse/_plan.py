@@ -156,11 +156,7 @@ async def plan_reuse(
     if located is not None and linkable:
         keys = [key for c in linkable for _, key, _ in c.shards]
         tasks.append(asyncio.ensure_future(located.locate(keys)))
-    try:
-        prints, *places = await asyncio.gather(*tasks)
-    except BaseException:
-        await storage.settle(tasks)
-        raise
+    prints, *places = await storage.gather_settled(tasks)
     record = {c.name: _entry(c, prints[c.name]) for c in to_print}
     record.update(known)
     plan = ReusePlan(record)

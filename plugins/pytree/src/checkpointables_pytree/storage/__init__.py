@@ -10,7 +10,7 @@
   ``read_into``: ``preadv`` into the arrays' own memory) and the aligned
   buffers they fill (``Slab``, ``aligned_empty``);
 * waiting for many TensorStore futures from an event loop (``wait_all``,
-  ``settle``, ``ByteLimiter``);
+  ``settle``, ``gather_settled``, ``ByteLimiter``);
 * TensorStore's failures turned into the library's documented errors
   (``storage_error``, ``integrity_error``, ``object_store_failures``).
 
@@ -55,9 +55,10 @@ from checkpointables_pytree.storage._server_copy import (
     copy_objects,
     list_objects,
 )
-from checkpointables_pytree.storage._ts_futures import ByteLimiter, settle, wait_all
+from checkpointables_pytree.storage._ts_futures import ByteLimiter, gather_settled, settle, wait_all
 
 __all__ = [
+    "gather_settled",
     "StorageOptions",
     "storage_for",
     "ALIGNMENT",

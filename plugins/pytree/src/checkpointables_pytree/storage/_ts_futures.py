@@ -90,3 +90,13 @@ async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
     the I/O ends; waiting for them is safe, and bounded by their I/O.
     """
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def gather_settled(tasks: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """``asyncio.gather`` of ``tasks``; if one fails, the others are let finish
+    (``settle``) before its error is raised."""
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        await settle(tasks)
+        raise
