@@ -49,10 +49,19 @@ def persistent_bytes(path: epath.Path, restored: Any) -> int:
 
         return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(restored))
     return sum(
-        os.path.getsize(os.path.join(parent, name))
+        _size(os.path.join(parent, name))
         for parent, _, names in os.walk(os.fspath(path))
         for name in names
     )
+
+
+def _size(file: str) -> int:
+    # Once the read ended its lease is gone, and retention may be deleting the step now: a
+    # statistic must not fail the load that already succeeded.
+    try:
+        return os.path.getsize(file)
+    except FileNotFoundError:
+        return 0
 
 
 # The n-th local tier this process opened: the same n on every process, which open the
