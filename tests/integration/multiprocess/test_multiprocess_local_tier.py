@@ -22,6 +22,7 @@ pytestmark = pytest.mark.multiprocess
 # (a permutation: "1,0" gives process 0 the directory process 1 wrote before).
 BODY = """
 import json
+import time
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -50,6 +51,24 @@ def tree(step):
     return out
 
 policy = cp.training.save_decision_policies.EveryNStepsPolicy
+
+class Held:  # Its persistent save of step 10 (the drain of a step both tiers choose) hangs.
+    def __init__(self, step=-1):
+        self.step = step
+
+    async def save(self, directory):
+        async def write():
+            path = await directory.await_creation()
+            (path / "step").write_text(str(self.step))
+            if self.step == 10 and str(path).startswith(root):
+                open(f"{base}/draining{PROCESS_ID}", "w").close()
+                time.sleep(600)  # Until the test kills the job.
+        return write()
+
+    async def load(self, directory):
+        async def read():
+            self.step = int((directory / "step").read_text())
+        return read()
 
 def checkpointer():
     tier = cp.training.LocalTier(f"{base}/host{hosts[PROCESS_ID]}",
@@ -108,6 +127,12 @@ with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=60)):
                 step, {"state": tree(step), "config": {"step": step}, "dataset": iterator})
             with open(f"{base}/progress{PROCESS_ID}", "w") as f:
                 f.write(str(step))
+    if mode == "drain":  # Local 0, 5, 10; persistent 0, then 10, which never commits.
+        for step in range(11):
+            next(iterator)
+            ckptr.save_checkpointables(step, {"state": tree(step), "config": {"step": step},
+                                              "dataset": iterator, "held": Held(step)})
+        ckptr.wait()  # Killed in here.
     if mode == "save":
         for step in range(31):
             next(iterator)
@@ -290,6 +315,45 @@ def test_a_step_whose_only_copies_of_one_host_are_damaged_is_skipped(run_dir) ->
             0,
         )
         assert stats["persistent"] > 0
+
+
+def test_a_job_killed_while_draining_a_step_restores_that_step_from_the_local_tier(
+    tmp_path,
+) -> None:
+    # Step 10 is chosen by both tiers: its local copies commit and replicate while its
+    # persistent save (the drain) is still writing; a process is killed there, then all.
+    import signal
+    import time
+
+    local = tmp_path / "local"
+    local.mkdir()
+    copies = [
+        local / f"host{h}" / "10" / f"p{w}-of-2.manifest.json" for h in (0, 1) for w in (0, 1)
+    ]
+    drains = [local / "draining0", local / "draining1"]
+
+    def reached() -> bool:
+        return any(f.is_file() for f in drains) and all(f.is_file() for f in copies)
+
+    def kill(procs) -> None:
+        deadline = time.monotonic() + 90
+        while not reached() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        for proc in procs:
+            proc.kill()
+
+    args = [str(tmp_path / "persistent"), str(local), "drain", "0,1", "5,10"]
+    run_job(BODY, args=args, timeout=120, on_started=kill)
+    assert reached(), "the job never reached the drain of step 10"
+    import checkpointables as cp
+
+    persistent = cp.training.Checkpointer(tmp_path / "persistent")
+    assert [s.step for s in persistent.steps()] == [0]  # The unfinished drain is not a step.
+    persistent.close()
+    for stats in _job(tmp_path, "restore", hosts="1,0", cadences="5,10"):
+        assert (stats["step"], stats["tier"], stats["peers"], stats["persistent"]) == (
+            10, "local", 0, 0)  # fmt: skip
 
 
 # Fault schedules over the saved runs' files (of 2 processes, and of 4). Each schedule
