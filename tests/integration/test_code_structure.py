@@ -39,7 +39,7 @@ PYTREE_ROOMS: dict[str, set[str]] = {
 # Internals patched by tests where their callers look them up (a counter, a range size).
 PRIVATE_IMPORTS_ALLOWED = {
     "tests/integration/object_store/test_ranged_reads.py": {f"{PYTREE}.io._remote_reads"},
-    "tests/plugins/pytree/test_small_reads.py": {f"{PYTREE}.io._small_reads"},
+    "tests/plugins/pytree/io/test_small_reads.py": {f"{PYTREE}.io._small_reads"},
     "bench/phases.py": {f"{PYTREE}.ocdbt._database_writer", f"{PYTREE}.tree._metadata_file"},
 }
 

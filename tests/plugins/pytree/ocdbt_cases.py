@@ -1,4 +1,4 @@
-"""Random inputs for the OCDBT conformance tests (``test_ocdbt_conformance.py``).
+"""Random inputs for the OCDBT conformance tests (``ocdbt/test_ocdbt_conformance.py``).
 
 Strategies draw small descriptions (sizes, dtypes, shapes, seeds), not the
 bytes themselves: hypothesis shrinks a failure to a short description that

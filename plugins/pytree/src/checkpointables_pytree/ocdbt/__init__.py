@@ -33,7 +33,7 @@ then TensorStore writes and reads every key. It is held to TensorStore by
 tests: TensorStore's ``ocdbt`` and ``zarr3`` drivers and ``ts.ocdbt.dump`` read
 what ``DatabaseFiles`` writes bit-exact, TensorStore commits on top of it, and
 the index decodes what TensorStore writes or declines it
-(``tests/plugins/pytree/test_ocdbt_conformance.py``). It imports ``storage``
+(``tests/plugins/pytree/ocdbt/test_ocdbt_conformance.py``). It imports ``storage``
 and ``zarr3`` only.
 """
 

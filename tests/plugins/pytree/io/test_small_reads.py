@@ -16,9 +16,9 @@ from checkpointables_pytree import io, storage, zarr3
 from checkpointables_pytree.io import ArrayRead, StoredArray, _small_reads
 from checkpointables_pytree.ocdbt import ValueLocation
 
-from ...special_files import bounded
-from .damage import flip
-from .test_btree_nodes import _uncompressed_copy
+from ....special_files import bounded
+from ..damage import flip
+from ..ocdbt.test_btree_nodes import _uncompressed_copy
 
 # Tests of the OCDBT fast path itself: on even where CI turns it off.
 pytestmark = pytest.mark.fast_path

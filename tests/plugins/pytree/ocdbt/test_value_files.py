@@ -15,7 +15,7 @@ from checkpointables_pytree import ocdbt
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .opens import load_recording_opens
+from ..opens import load_recording_opens
 
 # Tests of the OCDBT fast path itself: on even where CI turns it off.
 pytestmark = pytest.mark.fast_path

@@ -26,7 +26,7 @@ from checkpointables_pytree import reuse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ...python_subprocess import assert_verifies
+from ....python_subprocess import assert_verifies
 
 # Linking is the fast path's (our own database writer's): CI's run with it off keeps it on
 # here, and one test below turns it off itself.

@@ -9,7 +9,7 @@ import pytest
 from checkpointables_pytree import io
 from checkpointables_pytree.io import ArrayRead, StoredArray
 
-from .opens import load_recording_opens
+from ..opens import load_recording_opens
 
 # Tests of the OCDBT fast path itself: on even where CI turns it off.
 pytestmark = pytest.mark.fast_path

@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from .damage import flip
+from ..damage import flip
 
 # Written by the code before this library checked zarr3's CRC-32C itself: its _METADATA
 # records checksums of its own ("crc32" for small arrays, "sums_crc32" for large ones).
-BEFORE = Path(__file__).parent / "fixtures" / "before-standard-crc32c"
+BEFORE = Path(__file__).parents[1] / "fixtures" / "before-standard-crc32c"
 
 
 def _verify(checkpoint) -> list[str]:

@@ -17,7 +17,7 @@ The default run takes about a minute on two cores. The ``slow`` variants run whe
 (a fifth as many of Orbax's saves; 200 take about two minutes more)::
 
     CHECKPOINTABLES_CONFORMANCE_EXAMPLES=200 uv run pytest \
-        tests/plugins/pytree/test_ocdbt_conformance.py
+        tests/plugins/pytree/ocdbt/test_ocdbt_conformance.py
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from checkpointables_pytree import ocdbt
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from . import ocdbt_cases as cases
+from .. import ocdbt_cases as cases
 
 _SLOW_EXAMPLES = int(os.environ.get("CHECKPOINTABLES_CONFORMANCE_EXAMPLES", "200"))
 # The variants with more examples run when asked for (CI keeps the default size).

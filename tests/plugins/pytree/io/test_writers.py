@@ -23,7 +23,7 @@ from checkpointables_pytree import io, ocdbt
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 
-from .damage import flip
+from ..damage import flip
 
 # Three groups' worth of large arrays (each just over a group), and small ones.
 BIG_ELEMENTS = ocdbt.LARGE_GROUP_BYTES // 4 + 1024

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from checkpointables_pytree import io, ocdbt, storage
 
-from .damage import copies_with_a_flipped_bit, flip
+from ..damage import copies_with_a_flipped_bit, flip
 
 _RNG = np.random.default_rng(7)
 # Sizes on both sides of OCDBT's 1 KiB inline limit, 1-D and 2-D, several dtypes.

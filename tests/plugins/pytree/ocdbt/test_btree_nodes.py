@@ -14,7 +14,7 @@ import tensorstore as ts
 from checkpointables_pytree import ocdbt
 from etils import epath
 
-from .damage import flip
+from ..damage import flip
 
 _RNG = np.random.default_rng(3)
 _UNCOMPRESSED = {"compression": None}
