@@ -45,6 +45,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -165,8 +166,19 @@ class LocalStorage:
 
     def read_bytes(self, path: str) -> bytes:
         """The contents of a regular file (anything else: ``cp.errors.IntegrityError``)."""
-        with open(open_regular_file(path), "rb") as f:
-            return f.read()
+        fd, size = _open_regular(path)
+        try:
+            # Plain reads of the size fstat gave (one byte more: a file grown since reads on),
+            # not a buffered file object: a load opens a few small files, and that object's own
+            # checks cost as much as the read (0.1 ms a file here).
+            chunk = os.read(fd, size + 1)
+            parts = []
+            while chunk:
+                parts.append(chunk)
+                chunk = os.read(fd, _READ_BYTES)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
 
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
         """Writes a file (flushed to disk only if ``durable``)."""
@@ -260,6 +272,17 @@ def open_regular_file(path: os.PathLike[str] | str) -> int:
       FileNotFoundError: nothing is at ``path`` (other ``OSError``s as ``os.open``).
       cp.errors.IntegrityError: what is at ``path`` is not a regular file.
     """
+    fd, _ = _open_regular(path)
+    os.set_blocking(fd, True)  # Reads then block as usual, on every system.
+    return fd
+
+
+_READ_BYTES = 1 << 24  # What one read asks for after the first.
+
+
+def _open_regular(path: os.PathLike[str] | str) -> tuple[int, int]:
+    """``open_regular_file`` and the file's size then; on Linux, which ignores it for
+    regular files, the descriptor keeps ``O_NONBLOCK`` (two system calls fewer)."""
     text = os.fspath(path)
     try:
         # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer.
@@ -269,15 +292,15 @@ def open_regular_file(path: os.PathLike[str] | str) -> int:
             raise
         raise not_a_regular_file(text, os.stat(text).st_mode) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_a_regular_file(text, mode)
-        # Reads then block as usual (regular files ignore the flag on Linux; not everywhere).
-        os.set_blocking(fd, True)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise not_a_regular_file(text, info.st_mode)
+        if sys.platform != "linux":  # Linux ignores the flag for regular files; not everywhere.
+            os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, info.st_size
 
 
 def scheme_of(path: os.PathLike[str] | str) -> str | None:
