@@ -305,3 +305,16 @@ def build_database(directory: Any, case: DatabaseCase) -> None:
                 into = store.with_transaction(transaction)
                 for source in sources:
                     source.experimental_copy_range_to(into).result()
+
+
+def as_dump(node: Any) -> list[dict[str, Any]]:
+    """A decoded leaf node's entries as ``ts.ocdbt.dump`` shows them."""
+    entries = []
+    for i, key in enumerate(node.keys):
+        if node.inline(i) is not None:
+            entries.append({"key": key, "inline_value": node.inline(i)})
+        else:
+            file = node.files[node.file_ids[i]]
+            where = f"value:{file}:{node.offsets[i]}:{node.lengths[i]}"
+            entries.append({"key": key, "indirect_value": where})
+    return entries

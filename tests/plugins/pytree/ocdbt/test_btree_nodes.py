@@ -15,6 +15,7 @@ from checkpointables_pytree import ocdbt
 from etils import epath
 
 from ..damage import flip
+from ..ocdbt_cases import as_dump
 
 _RNG = np.random.default_rng(3)
 _UNCOMPRESSED = {"compression": None}
@@ -39,19 +40,6 @@ def _values(count: int) -> dict[str, bytes]:
     values["a"] = b""
     values["\xff/last"] = b"end"
     return values
-
-
-def _as_dump(node) -> list[dict]:
-    """A decoded leaf node's entries as ``ts.ocdbt.dump`` shows them."""
-    entries = []
-    for i, key in enumerate(node.keys):
-        if node.inline(i) is not None:
-            entries.append({"key": key, "inline_value": node.inline(i)})
-        else:
-            file = node.files[node.file_ids[i]]
-            where = f"value:{file}:{node.offsets[i]}:{node.lengths[i]}"
-            entries.append({"key": key, "indirect_value": where})
-    return entries
 
 
 def _node_bytes(directory, location: str) -> bytes:
@@ -88,7 +76,7 @@ def test_every_node_decodes_as_tensorstore_decodes_it(tmp_path, max_node_bytes) 
         base = ocdbt.split_location(location)[0]
         decoded = ocdbt.decode(_node_bytes(tmp_path, location), base)
         if dumped["height"] == 0:
-            assert _as_dump(decoded) == dumped["entries"], location
+            assert as_dump(decoded) == dumped["entries"], location
             kinds.update("inline_value" in e for e in dumped["entries"])
         else:
             expected = [
@@ -207,5 +195,5 @@ def test_a_node_decoded_before_is_reused_only_for_the_same_bytes(tmp_path) -> No
     # Other bytes at a location seen before (a checkpoint written again) are decoded anew.
     again = ocdbt.decoded(second, location)["entries"]
     base = ocdbt.split_location(location)[0]
-    assert _as_dump(again) == _as_dump(ocdbt.decode(second, base))
-    assert _as_dump(again) != _as_dump(decoded["entries"])
+    assert as_dump(again) == as_dump(ocdbt.decode(second, base))
+    assert as_dump(again) != as_dump(decoded["entries"])

@@ -166,24 +166,11 @@ def _assert_nodes_decode_as_dump(directory: Any) -> int:
             assert decoded is None, location
             compressed += 1
         elif dumped["height"] == 0:
-            assert _as_dump(decoded) == dumped["entries"], location
+            assert cases.as_dump(decoded) == dumped["entries"], location
         else:
             fields = ("key", "subtree_common_prefix", "location")
             assert decoded == [{k: e.get(k, b"") for k in fields} for e in dumped["entries"]]
     return compressed
-
-
-def _as_dump(node: Any) -> list[dict[str, Any]]:
-    """A decoded leaf node's entries as ``ts.ocdbt.dump`` shows them."""
-    entries = []
-    for i, key in enumerate(node.keys):
-        if node.inline(i) is not None:
-            entries.append({"key": key, "inline_value": node.inline(i)})
-        else:
-            file = node.files[node.file_ids[i]]
-            where = f"value:{file}:{node.offsets[i]}:{node.lengths[i]}"
-            entries.append({"key": key, "indirect_value": where})
-    return entries
 
 
 def _commit_on_top(
