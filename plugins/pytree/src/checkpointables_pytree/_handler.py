@@ -334,13 +334,16 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened, index = None, None
+        opened, index, many = None, None, False
         if context.array_options.ocdbt_fast_path:
-            opened = ocdbt.OpenedDatabase.start(directory, many_values=_many_leaves(directory))
+            many = _many_leaves(directory)
+            opened = ocdbt.OpenedDatabase.start(directory, many_values=many)
             index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
         # Meanwhile the b-tree is checked against the save's record (a forged node can
-        # point a key at any bytes), by the index, which then reads no node again.
-        checking = ocdbt.start_node_check(directory, index)
+        # point a key at any bytes), by the index, which then reads no node again: on its
+        # thread, or here for a local database of a few values (TensorStore reads them; the
+        # index's thread would read its root for nothing, a fifth of a tiny load).
+        checking = ocdbt.start_node_check(directory, index, here=opened is not None and not many)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
         session = LoadSession(directory, tree, context, opened, index)
