@@ -33,6 +33,23 @@ def measured(fn, state):
     return out, kib("VmHWM") - base - state
 """
 
+# The start of a budget test's child, run with the arguments (budget, state bytes, where):
+# ``host``, a float32 state of about ``state_bytes``, sharded by rows over 8 devices
+# (``saved``), and the sharding a resharded load puts it onto (``wanted``).
+RESHARDED_STATE = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import checkpointables as cp
+
+budget, state_bytes, where = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+devices = np.array(jax.devices())
+rows = 1024
+cols = state_bytes // 4 // rows
+saved = NamedSharding(Mesh(devices.reshape(8, 1), ("a", "b")), P("a", None))
+wanted = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
+host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+"""
+
 
 def run_child(code: str, *args: str, devices: int = 8, **env: str) -> dict:
     """Runs ``PROLOGUE + code`` with ``args`` on ``devices`` CPU devices; returns the JSON it

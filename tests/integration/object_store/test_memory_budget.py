@@ -15,24 +15,16 @@ import os
 import pytest
 from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE
 
-from tests.peak_rss import run_child
+from tests.peak_rss import RESHARDED_STATE, run_child
 
 BUDGET = 32 << 20
 STATE = 192 << 20
 SLACK = 64 << 20
 
-CHILD = """
-import jax, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import checkpointables as cp
-
-budget, state_bytes, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-devices = np.array(jax.devices())
-rows = 1024
-cols = state_bytes // 4 // rows
-saved = NamedSharding(Mesh(devices.reshape(8, 1), ("a", "b")), P("a", None))
-wanted = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
-host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+CHILD = (
+    RESHARDED_STATE
+    + """
+url = where
 small = {f"s{i}": np.full(1 << 17, i, np.float32) for i in range(16)}  # 512 KiB each
 tree = {"w": jax.device_put(host, saved), "small": small}
 abstract = {"w": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=wanted),
@@ -54,6 +46,7 @@ with context:
         np.array_equal(loaded["small"][k], v) for k, v in small.items())
 print(json.dumps(report))
 """
+)
 
 
 def _run(bucket: str, budget: int) -> dict[str, int]:

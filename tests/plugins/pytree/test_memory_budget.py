@@ -17,26 +17,17 @@ import pytest
 from checkpointables_pytree.io import pieces
 from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE, chunk_shape_within
 
-from tests.peak_rss import run_child
+from tests.peak_rss import RESHARDED_STATE, run_child
 
 BUDGET = 64 << 20
 STATE = 512 << 20
 # Beyond the budget: XLA compiling the in-place updates, TensorStore's threads, the allocator.
 SLACK = 64 << 20
 
-CHILD = """
-import jax, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import checkpointables as cp
-
-budget, state_bytes, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-
-devices = np.array(jax.devices())
-rows = 1024
-cols = state_bytes // 4 // rows
-saved = NamedSharding(Mesh(devices.reshape(8, 1), ("a", "b")), P("a", None))
-wanted = NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", "a"))
-host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+CHILD = (
+    RESHARDED_STATE
+    + """
+root = where
 tree = {"w": jax.device_put(host, saved), "b": np.arange(1000, dtype=np.int64)}
 abstract = {"w": jax.ShapeDtypeStruct((rows, cols), np.float32, sharding=wanted),
             "b": np.empty(1000, np.int64)}
@@ -68,6 +59,7 @@ with cp.Context(memory_options=options):
     report["exact"] = report["exact"] and bool(np.array_equal(np.asarray(again["w"]), host))
 print(json.dumps(report))
 """
+)
 
 
 def _run(tmp_path, budget: int) -> dict[str, int]:
