@@ -333,17 +333,7 @@ class PyTreeHandler:
     ) -> Awaitable[Any]:
         context = cp.context.get_context()
         registry = leaf_registry(context)
-        # TensorStore reads the database's manifest and root while _METADATA is parsed.
-        opened, index, many = None, None, False
-        if context.array_options.ocdbt_fast_path:
-            many = _many_leaves(directory)
-            opened = ocdbt.OpenedDatabase.start(directory, many_values=many)
-            index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
-        # Meanwhile the b-tree is checked against the save's record (a forged node can
-        # point a key at any bytes), by the index, which then reads no node again: on its
-        # thread, or here for a local database of a few values (TensorStore reads them; the
-        # index's thread would read its root for nothing, a fifth of a tiny load).
-        checking = ocdbt.start_node_check(directory, index, here=opened is not None and not many)
+        opened, index, checking = _open_database(directory, context)
         tree = _read_tree_metadata(directory)
         check_array_count(tree, directory)  # Before planning what the metadata claims.
         session = LoadSession(directory, tree, context, opened, index)
@@ -438,6 +428,26 @@ class PyTreeHandler:
         from checkpointables_pytree import _combine
 
         _combine.combine_shards(sources, target)
+
+
+def _open_database(
+    directory: epath.Path, context: cp.Context
+) -> tuple[ocdbt.OpenedDatabase | None, ocdbt.DatabaseIndex | None, Any]:
+    """A load's database (TensorStore reads its manifest and root while ``_METADATA`` is
+    parsed), its index, and the check of its b-tree against the save's record (a forged
+    node can point a key at any bytes), for ``ocdbt.wait_for_node_check``.
+
+    The index checks, and then reads no node again: on its thread, or here for a local
+    database of a few values (TensorStore reads them; the index's thread would read its
+    root for nothing, a fifth of a tiny load).
+    """
+    opened, index, many = None, None, False
+    if context.array_options.ocdbt_fast_path:
+        many = _many_leaves(directory)
+        opened = ocdbt.OpenedDatabase.start(directory, many_values=many)
+        index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
+    here = opened is not None and not many
+    return opened, index, ocdbt.start_node_check(directory, index, here=here)
 
 
 def _many_leaves(directory: epath.Path) -> bool:
