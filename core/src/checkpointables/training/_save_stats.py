@@ -13,6 +13,7 @@ own metrics::
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,7 +72,15 @@ def leaves(checkpointables: Mapping[str, Any]) -> list[Any]:
 
 def array_bytes(leaves: list[Any]) -> int:
     """Bytes of the arrays among ``leaves`` (other objects count 0)."""
-    return sum(int(getattr(leaf, "nbytes", 0)) for leaf in leaves)
+    import jax
+
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):  # Its ``nbytes`` is a Python property: the same product.
+            total += math.prod(leaf.shape) * leaf.dtype.itemsize
+        else:
+            total += int(getattr(leaf, "nbytes", 0))
+    return total
 
 
 def log(stats: SaveStats) -> None:

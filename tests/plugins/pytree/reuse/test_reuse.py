@@ -100,6 +100,23 @@ def test_with_the_fast_path_off_every_array_is_written(tmp_path) -> None:
     assert_verifies(tmp_path / "3")
 
 
+def test_a_record_of_an_earlier_fingerprint_kind_links_nothing(tmp_path) -> None:
+    # Earlier versions hashed host data with BLAKE3 ("b") and SHA-256 ("s"): the same
+    # digits under another kind letter must not count as a match.
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")  # Records its prints.
+    record = tmp_path / "2" / "pytree" / reuse.RECORD_FILE
+    text = record.read_text()
+    assert text.count('"x') == 7  # XXH3 prints of the host-resident (here: CPU) arrays.
+    record.write_text(text.replace('"x', '"b'))
+    cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert _linked_files(tmp_path / "3") == set()
+    cp.save_pytree(tmp_path / "4", tree, reuse_from=tmp_path / "3")  # Its own prints match.
+    assert len(_linked_files(tmp_path / "4")) == 7
+    _assert_same(cp.load_pytree(tmp_path / "4"), tree)
+
+
 def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
     tree = _tree()
     cp.save_pytree(tmp_path / "1", tree, reuse_from=None)

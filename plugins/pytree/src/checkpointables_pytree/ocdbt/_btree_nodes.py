@@ -84,6 +84,17 @@ def split_location(text: str) -> tuple[str, str, int, int]:
     return base, relative, int(offset), int(length)
 
 
+def _joined(directory: str, base: str, relative: str) -> str:
+    """``os.path.join(directory, base, relative)`` for relative parts, without its frames
+    (a reusing save's source names a file per array: 200 here)."""
+    if base.startswith("/") or relative.startswith("/"):
+        return os.path.join(directory, base, relative)
+    file = directory
+    for part in (base, relative):
+        file = f"{file}{part}" if not file or file.endswith("/") else f"{file}/{part}"
+    return file
+
+
 def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocation | None:
     """The location named by a dump's ``"<kind>:<base>:<relative>:<offset>:<length>"``.
 
@@ -97,7 +108,7 @@ def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocat
         return None
     if not text.startswith(kind + ":") or offset < 0 or length < 0:
         return None
-    file = os.path.join(directory, base, relative)
+    file = _joined(directory, base, relative)
     # A name with no ".." that is not absolute stays inside (a node names hundreds of
     # files, each checked here: the full check costs 25 us).
     if not directory or ".." in file or base.startswith("/") or relative.startswith("/"):

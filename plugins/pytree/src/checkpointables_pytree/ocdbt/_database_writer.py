@@ -113,11 +113,11 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
             copies.append(storage.ServerCopy(value.source, f"{root}/{value.name}", value.listed))
         storage.copy_objects(copies)
         return
-    root = os.fspath(database)
+    root = os.fspath(database).rstrip("/")
     for directory in {os.path.dirname(value.name) for value in unique}:  # Once each ("d").
         os.makedirs(os.path.join(root, directory), exist_ok=True)
-    for value in unique:
-        os.link(value.source, os.path.join(root, value.name))
+    for value in unique:  # Names are relative ("d/r<hex>"): no os.path.join per file.
+        os.link(value.source, f"{root}/{value.name}")
 
 
 class DataFile:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ class Candidate:
     signature: str
     shards: list[tuple[list[int], str, Any]]
     on_device: bool
+    nbytes: int  # Of the shards this process writes.
 
 
 @functools.lru_cache(maxsize=256)
@@ -71,15 +73,20 @@ class _Signatures:
         return text
 
 
-def _whole(name: str, signature: str, data: Any, on_device: bool) -> Candidate:
+def _whole(name: str, signature: str, data: Any, on_device: bool, nbytes: int) -> Candidate:
     """An array written as one chunk (at the origin): one shard, the array itself."""
     origin = (0,) * len(data.shape)
     shard = (list(origin), zarr3.chunk_key(name, origin), data)
-    return Candidate(name, signature, [shard], on_device)
+    return Candidate(name, signature, [shard], on_device, nbytes)
+
+
+def _jax_nbytes(array: jax.Array) -> int:
+    # ``jax.Array.nbytes`` is a Python property (np.size of the array): this is its value.
+    return math.prod(array.shape) * array.dtype.itemsize
 
 
 def _jax_candidate(
-    name: str, array: jax.Array, signatures: _Signatures, single_process: bool
+    name: str, array: jax.Array, nbytes: int, signatures: _Signatures, single_process: bool
 ) -> Candidate | None:
     if array.is_deleted() or not _supported(array.dtype):
         return None
@@ -88,18 +95,21 @@ def _jax_candidate(
     shape = array.shape
     if type(array.sharding) is jax.sharding.SingleDeviceSharding:
         # One shard, the whole array: its own chunk, at the origin.
-        return _whole(name, signatures("jax", shape, array.dtype, shape), array, True)
+        return _whole(name, signatures("jax", shape, array.dtype, shape), array, True, nbytes)
     chunk_shape = io.chunk_shape_of(array)
     shards = []
+    written = 0
     for shard in array.addressable_shards:
         if shard.replica_id != 0:
             continue
         starts = [s.indices(d)[0] for s, d in zip(shard.index, shape, strict=True)]
         index = [b // c if c else 0 for b, c in zip(starts, chunk_shape, strict=True)]
         shards.append((starts, zarr3.chunk_key(name, index), shard.data))
+        written += _jax_nbytes(shard.data)
     if not shards:
         return None  # Another process writes every part of it.
-    return Candidate(name, signatures("jax", shape, array.dtype, chunk_shape), shards, True)
+    signature = signatures("jax", shape, array.dtype, chunk_shape)
+    return Candidate(name, signature, shards, True, written)
 
 
 def candidates(flat: tree.Flat, context: cp.Context) -> list[Candidate]:
@@ -117,9 +127,9 @@ def candidates(flat: tree.Flat, context: cp.Context) -> list[Candidate]:
             if value.nbytes < MIN_BYTES or not single or value.dtype.kind not in "biufc":
                 continue
             signature = signatures("numpy", value.shape, value.dtype, value.shape)
-            found.append(_whole(name, signature, value, False))
-        elif isinstance(value, jax.Array) and int(value.nbytes) >= MIN_BYTES:
-            candidate = _jax_candidate(name, value, signatures, single)
+            found.append(_whole(name, signature, value, False, value.nbytes))
+        elif isinstance(value, jax.Array) and (nbytes := _jax_nbytes(value)) >= MIN_BYTES:
+            candidate = _jax_candidate(name, value, nbytes, signatures, single)
             if candidate is not None:
                 found.append(candidate)
     return found

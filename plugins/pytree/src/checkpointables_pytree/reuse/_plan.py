@@ -150,7 +150,7 @@ async def plan_reuse(
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     writer.isolate = True
-    # The fingerprints (BLAKE3's threads, or the devices) while the source's files are
+    # The fingerprints (XXH3's threads, or the devices) while the source's files are
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
     if located is not None and linkable:
@@ -211,7 +211,7 @@ def _link(
         keys = [key for _, key, _ in c.shards]
         if all(key in places for key in keys):
             writer.linked[c.name] = located.linked(keys, places)
-            linked += sum(int(data.nbytes) for _, _, data in c.shards)
+            linked += c.nbytes
     return linked
 
 
