@@ -108,6 +108,13 @@ def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocat
         return None
     if not text.startswith(kind + ":") or offset < 0 or length < 0:
         return None
+    file = file_inside(directory, base, relative)
+    return None if file is None else ValueLocation(file, offset, length)
+
+
+def file_inside(directory: str, base: str, relative: str) -> str | None:
+    """The path of a node's data file ``(base, relative)`` under ``directory``; ``None`` if
+    it names a file outside (``..``, an absolute path)."""
     file = _joined(directory, base, relative)
     # A name with no ".." that is not absolute stays inside (a node names hundreds of
     # files, each checked here: the full check costs 25 us).
@@ -115,7 +122,7 @@ def parse_location(text: str, directory: str, kind: str = "value") -> ValueLocat
         root = os.path.normpath(directory)
         if os.path.commonpath([os.path.normpath(file), root]) != root:
             return None
-    return ValueLocation(file, offset, length)
+    return file
 
 
 def read(base: ts.KvStore, location: str) -> Any:

@@ -339,8 +339,12 @@ class _Walk:
 
 
 def _parse_file(text: str, root: str) -> str | None:
-    location = parse_location(f"{text}:0:0", root)
-    return None if location is None else location.file
+    """The path of ``"value:<base>:<relative>"`` under ``root`` (``None``: another form, or
+    outside: see ``parse_location``)."""
+    base, colon, relative = text.removeprefix("value:").partition(":")
+    if not colon or not text.startswith("value:"):
+        return None
+    return _btree_nodes.file_inside(root, base, relative)
 
 
 async def locate(
