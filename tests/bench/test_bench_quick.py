@@ -45,6 +45,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     assert set(doc["cases"]) == CASES | INTEROP_CASES | {"incremental"}
     incremental = doc["cases"]["incremental"]
     assert incremental["rows"]["LatestN(3) / on"]["written"] > 0, incremental
+    assert incremental["rows"]["LatestN(3) / on"]["alone"] > 0, incremental  # Paired.
     for name in INTEROP_CASES:
         case = doc["cases"][name]
         assert "error" not in case, case

@@ -5,7 +5,8 @@ Checkpointer with ``reuse_unchanged``), ``plan_reuse`` fingerprints the arrays
 of a save on their devices (``_fingerprint``), compares them with the record
 the source saved beside its database, and hands the writer the chunks to link
 (``io.Writer.linked``); the save then writes the record of its own
-fingerprints (``ReusePlan.write``). Guide: ``docs/incremental.md``.
+fingerprints (``ReusePlan.write``). A ``jax.Array`` object fingerprinted once keeps its
+fingerprints while it lives (``kept_prints``). Guide: ``docs/incremental.md``.
 
 Linking is a hard link on a local disk and a server-side copy on S3
 (``storage.copy_objects``, through ``ocdbt.link_files``).
@@ -19,6 +20,7 @@ from checkpointables_pytree.reuse._fingerprint import (
     fingerprint_shards,
     supported,
 )
+from checkpointables_pytree.reuse._known import kept_count, kept_prints
 from checkpointables_pytree.reuse._plan import (
     MIN_BYTES,
     RECORD_FILE,
@@ -32,6 +34,8 @@ __all__ = [
     "fingerprint_numpy",
     "fingerprint_shards",
     "supported",
+    "kept_count",
+    "kept_prints",
     "MIN_BYTES",
     "RECORD_FILE",
     "ReusePlan",

@@ -41,6 +41,7 @@ class Candidate:
     shards: list[tuple[list[int], str, Any]]
     on_device: bool
     nbytes: int  # Of the shards this process writes.
+    array: Any = None  # The jax.Array itself (immutable: ``_known``); None for NumPy.
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,7 +78,7 @@ def _whole(name: str, signature: str, data: Any, on_device: bool, nbytes: int) -
     """An array written as one chunk (at the origin): one shard, the array itself."""
     origin = (0,) * len(data.shape)
     shard = (list(origin), zarr3.chunk_key(name, origin), data)
-    return Candidate(name, signature, [shard], on_device, nbytes)
+    return Candidate(name, signature, [shard], on_device, nbytes, data if on_device else None)
 
 
 def _jax_nbytes(array: jax.Array) -> int:
@@ -109,7 +110,7 @@ def _jax_candidate(
     if not shards:
         return None  # Another process writes every part of it.
     signature = signatures("jax", shape, array.dtype, chunk_shape)
-    return Candidate(name, signature, shards, True, written)
+    return Candidate(name, signature, shards, True, written, array)
 
 
 def candidates(flat: tree.Flat, context: cp.Context) -> list[Candidate]:

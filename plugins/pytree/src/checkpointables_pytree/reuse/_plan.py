@@ -32,7 +32,7 @@ import checkpointables as cp
 from etils import epath
 
 from checkpointables_pytree import io, ocdbt, storage, tree
-from checkpointables_pytree.reuse import _fingerprint
+from checkpointables_pytree.reuse import _fingerprint, _known
 from checkpointables_pytree.reuse._candidates import MIN_BYTES, Candidate, candidates
 from checkpointables_pytree.reuse._sources import Source
 
@@ -66,15 +66,22 @@ class ReusePlan:
 
 
 def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
-    """Name -> the fingerprint of each of its shards (device ones computed on device)."""
+    """Name -> the fingerprint of each of its shards (device ones computed on device; those
+    of a ``jax.Array`` object fingerprinted before, kept: ``_known``)."""
+    result = {}
+    for c in found:
+        if c.array is not None and (kept := _known.kept_prints(c.array)) is not None:
+            result[c.name] = kept
+    found = [c for c in found if c.name not in result]
     device = [s[2] for c in found if c.on_device for s in c.shards]
     host = [s[2] for c in found if not c.on_device for s in c.shards]
     prints = iter(_fingerprint.fingerprint_shards(device))
     host_prints = iter(_fingerprint.fingerprint_numpy(host))
-    result = {}
     for c in found:
         source = prints if c.on_device else host_prints
         result[c.name] = [next(source) for _ in c.shards]
+        if c.array is not None:
+            _known.keep_prints(c.array, result[c.name])
     return result
 
 

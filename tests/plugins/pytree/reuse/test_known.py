@@ -1,0 +1,67 @@
+"""A ``jax.Array`` object saved by a reusing save keeps its fingerprints while it lives."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import checkpointables as cp
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpointables_pytree import reuse
+
+pytestmark = pytest.mark.fast_path
+
+
+def _recorded_prints(checkpoint) -> dict[str, list[str]]:
+    record = json.loads((checkpoint / "pytree" / reuse.RECORD_FILE).read_text())
+    return {name: [p for _, p in e["shards"]] for name, e in record["arrays"].items()}
+
+
+def _linked(checkpoint) -> int:
+    data = checkpoint / "pytree" / "d"
+    return sum(os.stat(data / name).st_nlink > 1 for name in os.listdir(data))
+
+
+def test_a_saved_array_keeps_its_prints_and_links_with_them(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    frozen = {f"w{i}": jnp.asarray(rng.standard_normal((128, 256), np.float32)) for i in range(3)}
+    host = rng.standard_normal((128, 256)).astype(np.float32)
+    cp.save_pytree(tmp_path / "1", {"frozen": frozen, "host": host})
+    cp.save_pytree(tmp_path / "2", {"frozen": frozen, "host": host}, reuse_from=tmp_path / "1")
+    recorded = _recorded_prints(tmp_path / "2")
+    for name, array in frozen.items():
+        assert reuse.kept_prints(array) == recorded[f"frozen.{name}"]
+    assert reuse.kept_prints(jnp.array(frozen["w0"], copy=True)) is None  # Another object.
+    assert reuse.kept_prints(host) is None  # NumPy arrays can change in place.
+    # The kept prints are what the next save compares: every array links.
+    cp.save_pytree(tmp_path / "3", {"frozen": frozen, "host": host}, reuse_from=tmp_path / "2")
+    assert _linked(tmp_path / "3") == 4
+    loaded = cp.load_pytree(tmp_path / "3")
+    assert all(np.array_equal(loaded["frozen"][k], v) for k, v in frozen.items())
+
+
+def test_a_changed_value_in_a_new_array_is_written(tmp_path) -> None:
+    w = jnp.arange(64 * 1024, dtype=jnp.float32)
+    cp.save_pytree(tmp_path / "1", {"w": w})
+    cp.save_pytree(tmp_path / "2", {"w": w}, reuse_from=tmp_path / "1")
+    changed = w.at[7].add(1.0)  # A new object: fingerprinted, not taken from w's.
+    cp.save_pytree(tmp_path / "3", {"w": changed}, reuse_from=tmp_path / "2")
+    assert _linked(tmp_path / "3") == 0
+    assert np.array_equal(cp.load_pytree(tmp_path / "3")["w"], changed)
+
+
+def test_prints_go_with_their_array(tmp_path) -> None:
+    arrays = {f"a{i}": jnp.full((64, 1024), float(i)) for i in range(4)}
+    cp.save_pytree(tmp_path / "1", arrays)
+    cp.save_pytree(tmp_path / "2", arrays, reuse_from=tmp_path / "1")
+    before = reuse.kept_count()
+    deleted = arrays.pop("a0")
+    deleted.delete()  # Deleted (as a donated array is): its data is gone.
+    assert reuse.kept_prints(deleted) is None
+    del deleted
+    arrays.clear()
+    gc.collect()
+    assert reuse.kept_count() <= before - 4  # (Others of earlier tests may go too.)
