@@ -21,7 +21,8 @@ from typing import Any
 
 __all__ = ["kept_prints", "keep_prints", "kept_count"]
 
-_lock = threading.Lock()
+# Reentrant: a collection inside ``keep_prints`` may run a ``forget`` on this thread.
+_lock = threading.RLock()
 _prints: dict[int, tuple[weakref.ref[Any], list[str]]] = {}
 
 
