@@ -394,6 +394,10 @@ def test_fingerprints_differ_for_any_single_element_change(dtype, size, data) ->
     raw[index, byte] ^= np.uint8(1 << data.draw(st.integers(0, 7)))
     host = reuse.fingerprint_numpy([values, changed])
     assert host[0] != host[1] and reuse.fingerprint_numpy([values]) == host[:1]
+    # Large arrays are hashed in pieces (here of 64 bytes): a flipped bit in any is seen.
+    pieces = reuse.fingerprint_numpy([values, changed], piece_bytes=64)
+    assert pieces[0] != pieces[1]
+    assert reuse.fingerprint_numpy([values], piece_bytes=64) == pieces[:1]
     # The accelerators' reduction, run here on the CPU device: a flipped bit changes one
     # 32-bit word, which changes every lane.
     lanes = reuse.fingerprint_lanes([jnp.asarray(values), jnp.asarray(changed)])

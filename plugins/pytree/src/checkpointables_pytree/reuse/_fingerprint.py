@@ -30,7 +30,9 @@ array, as for the device reduction (no adversary crafting collisions is
 assumed). The kinds are told apart by a prefix, so a fingerprint is only
 ever compared with one of its own kind (a record of another kind, such as
 the BLAKE3 "b" and SHA-256 "s" prints of earlier versions, matches nothing:
-that array is written once more).
+that array is written once more). An array over ``PIECE_BYTES`` is hashed in
+pieces on several threads, and its fingerprint is the hash of their hashes
+(a false match then needs two pieces' or the outer hashes to collide).
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 import xxhash
 
-__all__ = ["fingerprint_shards", "fingerprint_numpy", "fingerprint_lanes", "supported"]
+__all__ = [
+    "PIECE_BYTES",
+    "fingerprint_shards",
+    "fingerprint_numpy",
+    "fingerprint_lanes",
+    "supported",
+]
 
 _SEEDS = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
 _MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
@@ -141,20 +149,33 @@ def fingerprint_shards(shards: Sequence[jax.Array]) -> list[str]:
     return out
 
 
+# An array larger than this is hashed in pieces of this size, on several threads at once;
+# its fingerprint is then the hash of its pieces' hashes.
+PIECE_BYTES = 64 << 20
+
+
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    # xxhash releases the GIL while it hashes: one array per core (a few at most).
+    # xxhash releases the GIL while it hashes: one piece per core (a few at most).
     workers = min(4, os.cpu_count() or 1)
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cp-fingerprint")
 
 
-def _xxh3(array: np.ndarray) -> str:
-    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return "x" + xxhash.xxh3_128_digest(raw).hex()
-
-
-def fingerprint_numpy(arrays: Sequence[np.ndarray]) -> list[str]:
-    """The fingerprint of each host array's raw bytes (XXH3's 128-bit hash)."""
-    if len(arrays) < 2:
-        return [_xxh3(a) for a in arrays]
-    return list(_pool().map(_xxh3, arrays))
+def fingerprint_numpy(arrays: Sequence[np.ndarray], piece_bytes: int = PIECE_BYTES) -> list[str]:
+    """The fingerprint of each host array's raw bytes: XXH3's 128-bit hash of them, or of
+    the hashes of their pieces of ``piece_bytes`` for a larger array (saves use
+    ``PIECE_BYTES``: a record compares only with prints of the same piece size)."""
+    raws = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    starts = [range(0, max(raw.size, 1), piece_bytes) for raw in raws]
+    pieces = [raw[s : s + piece_bytes] for raw, at in zip(raws, starts, strict=True) for s in at]
+    hashed = iter(
+        _pool().map(xxhash.xxh3_128_digest, pieces)
+        if len(pieces) > 1
+        else map(xxhash.xxh3_128_digest, pieces)
+    )
+    out = []
+    for at in starts:
+        digests = [next(hashed) for _ in at]
+        whole = digests[0] if len(digests) == 1 else xxhash.xxh3_128_digest(b"".join(digests))
+        out.append("x" + whole.hex())
+    return out
