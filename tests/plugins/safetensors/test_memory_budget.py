@@ -26,8 +26,13 @@ from tests.plugins.safetensors.files import BF16, random_bits
 BUDGET = 8 << 20
 LARGE = 256 << 20  # One float32 tensor of 32x the budget; and 32 tensors of 4 MiB.
 SMALL, SMALL_COUNT = 4 << 20, 32
-# Beyond the budget: XLA compiling the updates, the threads' stacks, the allocator.
-SLACK = 24 << 20
+# Beyond the budget, per operation. The export compiles XLA updates (its slices of
+# jax.Arrays); a load onto CPU devices compiles nothing (regions are aliased, not
+# streamed), so only the threads' stacks and the allocator's rounding remain.
+# Measured on the 2-core CI machine, 10 runs each: budgeted, load 7-9 MiB and export
+# 5-13 MiB; unbudgeted, load 30-102 MiB (at least about one 32 MiB window of mapped
+# pages) and export 97-130 MiB. The bounds sit between, with room on both sides.
+SLACK = {"load_on_mesh": 8 << 20, "export": 24 << 20}
 
 CHILD = """
 import jax, numpy as np
@@ -83,7 +88,7 @@ def test_load_onto_a_mesh_and_export_stay_within_the_budget(tmp_path) -> None:
     report = _run(tmp_path, BUDGET)
     assert report["exact"] and report["on_mesh"] and report["exported_exact"], report
     for op in ("load_on_mesh", "export"):
-        assert report[op] <= BUDGET + SLACK, (op, report[op] >> 20, report)
+        assert report[op] <= BUDGET + SLACK[op], (op, report[op] >> 20, report)
 
 
 def test_without_a_budget_they_stage_more(tmp_path) -> None:
@@ -92,7 +97,7 @@ def test_without_a_budget_they_stage_more(tmp_path) -> None:
     report = _run(tmp_path, 0)
     assert report["exact"] and report["exported_exact"], report
     for op in ("load_on_mesh", "export"):
-        assert report[op] > BUDGET + SLACK, (op, report[op] >> 20, report)
+        assert report[op] > BUDGET + SLACK[op], (op, report[op] >> 20, report)
 
 
 def test_the_limits_fit_the_budget() -> None:
