@@ -7,13 +7,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 
 import checkpointables as cp
 import numpy as np
 import pytest
 
 from ..python_subprocess import wait_for_file
+from ..races import load_while_overwriting
 from .helpers import Gate
 from .test_crash import _SCRIPT
 
@@ -52,29 +52,9 @@ def test_killed_overwrites_leave_temporaries_the_next_save_removes(tmp_path) -> 
 
 
 def test_loads_racing_overwrites_return_one_checkpoint_whole_or_say_it_changed(tmp_path) -> None:
-    path = tmp_path / "ckpt"
     versions = [{f"leaf{i}": np.full(100, v) for i in range(40)} | {"n": v} for v in range(2)]
-    cp.save_pytree(path, versions[0])
-    done = threading.Event()
-
-    def overwrite() -> None:
-        for i in range(30):
-            cp.save_pytree(path, versions[(i + 1) % 2], overwrite=True)
-        done.set()
-
-    writer = threading.Thread(target=overwrite)
-    writer.start()
-    outcomes = set()
-    while not (done.is_set() and "whole" in outcomes):  # Once the writer is done: whole.
-        try:
-            loaded = cp.load_pytree(path)
-        except cp.errors.CheckpointChangedError:
-            outcomes.add("changed")
-            continue
-        values = {int(v) for k, leaf in loaded.items() if k != "n" for v in np.unique(leaf)}
-        assert values == {loaded["n"]}, "a mix of two checkpoints"
-        outcomes.add("whole")
-    writer.join()
+    outcomes = load_while_overwriting(tmp_path / "ckpt", versions, 30)
+    assert "whole" in outcomes
     assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import boto3
 import checkpointables as cp
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from ...python_subprocess import run_python
+from ...races import load_while_overwriting
 from .helpers import assert_equal, dead_pid, keys, plant_unfinished, tree
 
 
@@ -110,32 +110,8 @@ def test_a_save_that_may_still_run_is_not_replaced_without_overwrite(s3, bucket)
 
 
 def test_loads_racing_overwrites_return_one_checkpoint_whole_or_say_it_changed(bucket) -> None:
-    path = f"{bucket}/raced"
     versions = [{"v": np.full(1000, v, np.int64), "n": v} for v in range(2)]
-    cp.save_pytree(path, versions[0])
-    done = threading.Event()
-
-    def overwrite() -> None:
-        for i in range(12):
-            cp.save_pytree(path, versions[(i + 1) % 2], overwrite=True)
-        done.set()
-
-    writer = threading.Thread(target=overwrite)
-    writer.start()
-    outcomes = set()
-    while not (done.is_set() and "whole" in outcomes):  # Once the writer is done: whole.
-        try:
-            loaded = cp.load_pytree(path)
-        except cp.errors.CheckpointChangedError:
-            outcomes.add("changed")
-            continue
-        except (cp.errors.NotACheckpointError, FileNotFoundError):
-            outcomes.add("absent")  # Between the old marker's deletion and the new one's.
-            continue
-        # Whole: every leaf from the same save.
-        assert set(np.unique(loaded["v"]).tolist()) == {loaded["n"]}
-        outcomes.add("whole")
-    writer.join()
+    outcomes = load_while_overwriting(f"{bucket}/raced", versions, 12, absent=True)
     assert "whole" in outcomes
 
 
