@@ -332,8 +332,7 @@ def _table(result: dict) -> str:
     fingerprint = result["fingerprint"]
     lines.append(
         f"saving the changed arrays alone, at the end: {result['alone']:.3f} s; fingerprints of "
-        f"the whole "
-        f"tree: {fingerprint[0]:.3f} s (the device reduction on {jax.default_backend()}: "
+        f"the whole tree: {fingerprint[0]:.3f} s (the device reduction on {jax.default_backend()}: "
         f"{fingerprint[1]:.3f} s)"
     )
     return "\n".join(lines)
