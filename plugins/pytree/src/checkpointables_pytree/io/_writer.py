@@ -178,13 +178,15 @@ class Writer:
         layout = self._database_layout(here, driver, files.local)
         if layout is None:
             return
-        if self.linked:
-            links = [value for item in self.linked.values() for _, value in item]
-            await asyncio.to_thread(ocdbt.link_files, database, links)
         names = layout.file_names()
         values: list[Sequence[Any]] = []
         chunks = _chunk_values(here)
         writes: list[asyncio.Future[Any]] = []
+        if self.linked:  # Beside the writes of this save's own data files (other names),
+            # submitted to the executor before them.
+            links = [value for item in self.linked.values() for _, value in item]
+            loop = asyncio.get_running_loop()
+            writes.append(loop.run_in_executor(None, ocdbt.link_files, database, links))
         try:
             for n in range(layout.data_files):
                 with execution.paused_gc():
