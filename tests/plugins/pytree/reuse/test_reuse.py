@@ -281,6 +281,28 @@ def test_frozen_predicate_skips_fingerprints(tmp_path) -> None:
         assert ckptr.last_save_stats.bytes_reused >= base_bytes
 
 
+def test_arrays_declared_frozen_share_data_files_and_stay_whole(tmp_path) -> None:
+    # Always linked together, the frozen arrays share a data file: the next save makes one
+    # link, not one per array; and a step stays whole when the one it linked from goes.
+    rng = np.random.default_rng(3)
+    base = {f"w{i}": jnp.asarray(rng.standard_normal((64, 512), np.float32)) for i in range(8)}
+    tree = {"base": base, "adapter": jnp.asarray(rng.standard_normal((128, 256), np.float32))}
+    frozen = lambda name: name.startswith("base.")  # noqa: E731
+    with _checkpointer(tmp_path, reuse_unchanged=frozen) as ckptr:
+        ckptr.save_pytree(0, tree)
+        # A frozen array of another shape is written; the others of its file still link.
+        changed = {
+            "base": dict(base, w3=base["w3"].reshape(128, 256)),
+            "adapter": tree["adapter"] + 1,
+        }
+        ckptr.save_pytree(1, changed)
+        assert ckptr.last_save_stats.bytes_reused == 7 * 128 * KiB
+    assert len(_linked_files(tmp_path / "1")) == 1
+    shutil.rmtree(tmp_path / "0")
+    _assert_same(cp.load_pytree(tmp_path / "1"), changed)
+    assert_verifies(tmp_path / "1")
+
+
 def test_retention_waits_for_a_save_reusing_the_step(tmp_path) -> None:
     """LatestN(1) deletes step 0 after step 1 commits: never while step 1 links from it."""
     tree = _tree()

@@ -98,9 +98,12 @@ class Writer:
         self._items: list[ArrayWrite] = []
         self._structure_cache = structure_cache if structure_cache is not None else {}
         # Incremental saves (``reuse``): arrays whose chunk keys are linked from an earlier
-        # checkpoint's data files, by name; and whether each array gets files of its own.
+        # checkpoint's data files, by name; and whether each array gets files of its own,
+        # but for the arrays declared frozen (``together``): always linked together, they
+        # share files (fewer links for the next save to make).
         self.linked: dict[str, list[tuple[str, ocdbt.Linked]]] = {}
         self.isolate = False
+        self.together: frozenset[str] = frozenset()
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -228,7 +231,7 @@ class Writer:
         this process writes or the storage differ from the last save's."""
         items = [*here, *driver]
         if self.linked or self.isolate:  # Made for this save's links and files.
-            keys = _database_keys(here, driver, self.linked)
+            keys = _database_keys(here, driver, self.linked, self.together)
             return _layout(*keys, local, self.isolate, self._host_bytes)
         signature = (
             local,
@@ -274,10 +277,12 @@ def _database_keys(
     here: Sequence[ArrayWrite],
     driver: Sequence[ArrayWrite],
     linked: dict[str, list[tuple[str, ocdbt.Linked]]] | None = None,
+    together: frozenset[str] = frozenset(),
 ) -> tuple[list[str], list[int], list[Any], frozenset[int]]:
     """The keys of the database, their values' lengths, the values that are fixed (every
     array's ``zarr.json``, the ``linked`` chunks), then the chunks of those encoded
-    ``here`` (given each save); and the positions where an array's chunks start."""
+    ``here`` (given each save); and the positions where an array's chunks start (but
+    where one of the arrays ``together`` follows another)."""
     keys: list[str] = []
     lengths: list[int] = []
     fixed: list[Any] = []
@@ -293,8 +298,12 @@ def _database_keys(
             keys.append(key)
             lengths.append(value.length)
             fixed.append(value)
+    after_together = False
     for item in here:
-        breaks.add(len(keys))
+        is_together = item.layout.name in together
+        if not (is_together and after_together):
+            breaks.add(len(keys))
+        after_together = is_together
         for index, _ in item.chunks:
             keys.append(zarr3.chunk_key(item.layout.name, index))
             lengths.append(item.layout.chunk_nbytes + zarr3.SHARD_TRAILER_BYTES)

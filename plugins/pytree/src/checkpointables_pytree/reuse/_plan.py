@@ -157,6 +157,8 @@ async def plan_reuse(
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     writer.isolate = True
+    if reuse.frozen is not None:
+        writer.together = frozenset(c.name for c in found if reuse.frozen(c.name))
     # The fingerprints (XXH3's threads, or the devices) while the source's files are
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
