@@ -15,9 +15,12 @@ It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; only the hand
 """
 
 from checkpointables_pytree.reuse._fingerprint import (
+    PROBE_KIND,
     fingerprint_lanes,
     fingerprint_numpy,
     fingerprint_shards,
+    host_bytes,
+    probe,
     supported,
 )
 from checkpointables_pytree.reuse._known import kept_count, kept_prints
@@ -30,9 +33,12 @@ from checkpointables_pytree.reuse._plan import (
 )
 
 __all__ = [
+    "PROBE_KIND",
     "fingerprint_lanes",
     "fingerprint_numpy",
     "fingerprint_shards",
+    "host_bytes",
+    "probe",
     "supported",
     "kept_count",
     "kept_prints",

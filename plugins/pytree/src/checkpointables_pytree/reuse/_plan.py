@@ -12,7 +12,14 @@ writer hard-links those files (on S3: copies them on the server, each copy
 conditional on the ETag listed here) and points this database's keys at the
 same offsets (``ocdbt.Linked``); its data never reaches the host. Every other
 array is written as in any save, in data files of its own (``Writer.isolate``)
-so that the next save can link them whole.
+so that the next save can link them whole; arrays declared frozen, always
+linked together, share theirs (``Writer.together``).
+
+On a local disk, arrays on CPU devices are probed first (``_probe``): those
+whose probes differ from the record's have changed and are written without a
+fingerprint (the record holds ``None`` for it, and their probes); an array
+with equal probes against such a record is linked only if its bytes equal
+the source's chunk (``_same_bytes``), and gets its fingerprint recorded.
 
 Reused chunks keep the CRC-32C the source wrote with them (in the shard's
 bytes): nothing is recomputed, and loads and ``checkpointables verify`` check
@@ -29,9 +36,10 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
+import numpy as np
 from etils import epath
 
-from checkpointables_pytree import io, ocdbt, storage, tree
+from checkpointables_pytree import io, ocdbt, storage, tree, zarr3
 from checkpointables_pytree.reuse import _fingerprint, _known
 from checkpointables_pytree.reuse._candidates import MIN_BYTES, Candidate, candidates
 from checkpointables_pytree.reuse._sources import Source
@@ -99,9 +107,16 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     return {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
 
 
-def _entry(c: Candidate, prints: list[str]) -> dict[str, Any]:
+def _entry(
+    c: Candidate, prints: Sequence[str | None], probes: list[str] | None = None
+) -> dict[str, Any]:
+    """``c``'s record: its layout, each shard's fingerprint (``None``: not computed, for an
+    array whose probes showed that it changed) and, where taken, its probes."""
     shards = [[starts, p] for (starts, _, _), p in zip(c.shards, prints, strict=True)]
-    return {"signature": c.signature, "shards": shards}
+    entry: dict[str, Any] = {"signature": c.signature, "shards": shards}
+    if probes is not None:
+        entry["probes"] = probes
+    return entry
 
 
 def _same_layout(entry: dict[str, Any], c: Candidate) -> bool:
@@ -156,6 +171,12 @@ async def plan_reuse(
         located, origin = Source(source, recorded.get("files", {})), source.parent.name
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
+    probed = _Probed()
+    if ocdbt.is_local(directory) and not context.array_options.use_compression:
+        probed = _probe(to_print, earlier)
+    if probed.changed:  # Written, not fingerprinted, not looked up in the source.
+        to_print = [c for c in to_print if c.name not in probed.changed]
+        linkable = [c for c in linkable if c.name not in probed.changed]
     writer.isolate = True
     if reuse.frozen is not None:
         writer.together = frozenset(c.name for c in found if reuse.frozen(c.name))
@@ -166,11 +187,15 @@ async def plan_reuse(
         keys = [key for c in linkable for _, key, _ in c.shards]
         tasks.append(asyncio.ensure_future(located.locate(keys)))
     prints, *places = await storage.gather_settled(tasks)
-    record = {c.name: _entry(c, prints[c.name]) for c in to_print}
+    record = {c.name: _entry(c, prints[c.name], probed.probes.get(c.name)) for c in to_print}
+    for c in probed.changed.values():
+        record[c.name] = _entry(c, [None] * len(c.shards), probed.probes[c.name])
     record.update(known)
     plan = ReusePlan(record)
     if located is not None and places:
         matching = [c for c in linkable if _same(earlier[c.name], record[c.name])]
+        if probed.unprinted:  # Recorded without fingerprints: their bytes are compared.
+            matching += await asyncio.to_thread(_same_bytes, probed, places[0])
         plan.linked_bytes = _link(located, matching, places[0], writer)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
@@ -201,10 +226,94 @@ def _compare_layouts(
         linkable.append(c)
         if frozen is not None and frozen(c.name):
             # Declared frozen: the source's fingerprints stand (not where it came from).
-            known[c.name] = {"signature": entry["signature"], "shards": entry["shards"]}
+            known[c.name] = {k: entry[k] for k in ("signature", "shards", "probes") if k in entry}
         else:
             to_print.append(c)
     return known, to_print, linkable
+
+
+@attrs.define
+class _Probed:
+    """What the probes of the arrays on CPU devices showed (``_probe``)."""
+
+    probes: dict[str, list[str]] = attrs.field(factory=dict)  # Per shard, for the record.
+    views: dict[str, list[np.ndarray]] = attrs.field(factory=dict)  # Their shards' bytes.
+    # Surely changed (probes differ from the source's): written without a fingerprint.
+    changed: dict[str, Candidate] = attrs.field(factory=dict)
+    # Equal probes, but the source recorded no fingerprint: their bytes are compared.
+    unprinted: list[Candidate] = attrs.field(factory=list)
+
+
+def _probe(to_print: Sequence[Candidate], earlier: dict[str, Any]) -> _Probed:
+    """Probes (``_fingerprint.probe``) every array of ``to_print`` on CPU devices, whose
+    bytes are in host memory already, and sorts those the source holds with their layout.
+
+    Only arrays whose chunks hold their bytes as they are (no padding; the save
+    is uncompressed and local) are left without a fingerprint: a later save
+    with equal probes can then compare their bytes with the chunk itself.
+    """
+    probed = _Probed()
+    for c in to_print:
+        views = _host_views(c)
+        if views is None:
+            continue
+        probes = probed.probes[c.name] = [_fingerprint.probe(v) for v in views]
+        entry = earlier.get(c.name)
+        recorded = entry.get("probes") if entry and _same_layout(entry, c) else None
+        if not _comparable(recorded, probes) or _known.kept_prints(c.array) is not None:
+            continue  # Fingerprinted (a new array or layout, or prints kept).
+        if recorded != probes:
+            if _unpadded(c):
+                probed.changed[c.name] = c
+        elif any(p is None for _, p in entry["shards"]):  # type: ignore[index]
+            probed.views[c.name] = views
+            probed.unprinted.append(c)
+    return probed
+
+
+def _host_views(c: Candidate) -> list[np.ndarray] | None:
+    """The bytes of each shard of a ``jax.Array`` on CPU devices, viewed (no copy), or
+    ``None`` for others (NumPy arrays; accelerators fingerprint on the device)."""
+    if c.array is None or any(d.platform != "cpu" for d in c.array.devices()):
+        return None
+    return [_fingerprint.host_bytes(np.asarray(data)) for _, _, data in c.shards]
+
+
+def _comparable(recorded: Any, probes: list[str]) -> bool:
+    """Whether ``recorded`` are probes of this kind, one per shard (earlier records, and
+    those of other storage, have none)."""
+    return (
+        isinstance(recorded, list)
+        and len(recorded) == len(probes)
+        and all(isinstance(p, str) and p.startswith(_fingerprint.PROBE_KIND) for p in recorded)
+    )
+
+
+def _unpadded(c: Candidate) -> bool:
+    """Whether each shard of ``c`` fills its chunk (the chunk's bytes are the shard's)."""
+    chunk_shape = json.loads(c.signature)[3]
+    return all(list(data.shape) == chunk_shape for _, _, data in c.shards)
+
+
+def _same_bytes(probed: _Probed, places: dict[str, ocdbt.ValueLocation]) -> list[Candidate]:
+    """The arrays of ``probed.unprinted`` whose every shard equals, byte for byte, the chunk
+    the source holds (in a local file, as the shard's bytes and the shard's end)."""
+    same = []
+    for c in probed.unprinted:
+        shards = zip(c.shards, probed.views[c.name], strict=True)
+        if all(_chunk_equals(places.get(key), view) for (_, key, _), view in shards):
+            same.append(c)
+    return same
+
+
+def _chunk_equals(place: ocdbt.ValueLocation | None, view: np.ndarray) -> bool:
+    if place is None or place.length != view.nbytes + zarr3.SHARD_TRAILER_BYTES:
+        return False  # Not there, or not a plain chunk of these bytes: written.
+    try:
+        stored = np.fromfile(place.file, np.uint8, count=view.nbytes, offset=place.offset)
+    except (OSError, ValueError):
+        return False
+    return stored.size == view.size and bool(np.array_equal(stored, view))
 
 
 def _link(
