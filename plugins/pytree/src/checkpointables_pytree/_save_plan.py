@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import checkpointables as cp
@@ -134,7 +134,9 @@ def _template(structure: tree.Structure) -> _Template:
         heads=heads,
         places=places[: len(structure.names)],
         tails=[
-            None if kinds[k] is None else tree.entry_tail(kinds[k], True, None, None, encode)
+            None
+            if kinds[k] is None
+            else tree.entry_tail(cast(str, kinds[k]), True, None, None, encode)
             for k in order
         ],
         tuple_paths=frozenset(tree.key_names(p) for p in structure.tuples),
@@ -169,8 +171,8 @@ def saved_tree_metadata(
             if id(entry) not in own_types:
                 own_types[id(entry)] = _own_value_type(registry, entry)
         if group.layouts is not None:
-            for i, text in zip(group.indices, _group_texts(group, own_types, encode), strict=True):
-                tails[places[i]] = text
+            for i, laid in zip(group.indices, _group_texts(group, own_types, encode), strict=True):
+                tails[places[i]] = laid
             continue
         for i, value in zip(group.indices, group.values, strict=True):
             entry = group.entries[type(value)]

@@ -193,10 +193,9 @@ def _host_pieces(array: jax.Array, entry: TensorEntry, limit: int) -> Iterator[n
     views of their buffers, else each copied from the devices when its turn comes."""
     _check(tuple(array.shape), np.dtype(array.dtype), entry)
     devices = array.sharding.device_set
+    first: Any = next(iter(devices))  # Typed Any: JAX's stubs leave ``Device`` unresolved.
     # One CPU device: its buffer viewed, no copy (several would be gathered: a copy).
-    whole = (
-        np.asarray(array) if len(devices) == 1 and next(iter(devices)).platform == "cpu" else None
-    )
+    whole = np.asarray(array) if len(devices) == 1 and first.platform == "cpu" else None
     for region in pieces(entry.shape, entry.dtype.itemsize, limit):
         if whole is not None:
             yield whole[region]
@@ -210,10 +209,10 @@ def _write_tensor(f: Any, array: Any, entry: TensorEntry, piece: int) -> None:
     in pieces of at most ``piece`` bytes."""
     if isinstance(array, jax.Array):
         for values in _host_pieces(array, entry, piece):
-            f.write(memoryview(_little_endian(values).reshape(-1).view(np.uint8)))
+            f.write(_little_endian(values).reshape(-1).view(np.uint8).data)
         return
     _check(array.shape, array.dtype, entry)
-    f.write(memoryview(_little_endian(array).reshape(-1).view(np.uint8)))
+    f.write(_little_endian(array).reshape(-1).view(np.uint8).data)
 
 
 def _write_file(

@@ -261,7 +261,8 @@ def convert_all(done: Sequence[tuple[ArrayRead, list[np.ndarray]]]) -> None:
     """
     batches: dict[Any, list[tuple[ArrayRead, list[np.ndarray]]]] = collections.defaultdict(list)
     for read, pieces in done:
-        many = _convert_many_of(type(read.convert))
+        kind: type = type(read.convert)  # Typed: mypy finds no hash on type[Callable].
+        many = _convert_many_of(kind)
         if many is None:
             read.result = read.convert(pieces)
         else:

@@ -178,7 +178,8 @@ class RangeSource:
         """``read`` of a local file, in the calling thread."""
         try:
             fd = self.files.fd(location.file)
-            storage.read_into(fd, [memoryview(into)], location.offset + start)
+            # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+            storage.read_into(fd, [memoryview(into)], location.offset + start)  # type: ignore[arg-type]
         except (OSError, EOFError):
             return False
         return True
@@ -296,7 +297,8 @@ async def _chunk_in_turn(
                 crc = await asyncio.to_thread(_put, state, piece, targets, data, crc, verify, fill)
             finally:
                 buffers.give(buffer)
-    if verify and crc != _CRC.unpack_from(trailer)[0]:
+    # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+    if verify and crc != _CRC.unpack_from(trailer)[0]:  # type: ignore[arg-type]
         raise checksum_error(state.read)
 
 
@@ -345,10 +347,12 @@ def _put(
         into = _destination(state, piece, targets)
         if into is not None:  # Read straight into the array being loaded: no copy.
             fill(into)
-            return crc32c.crc32c(into, crc) if verify else crc
+            # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+            return crc32c.crc32c(into, crc) if verify else crc  # type: ignore[arg-type]
         fill(buffer)
     if verify:
-        crc = crc32c.crc32c(buffer, crc)
+        # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+        crc = crc32c.crc32c(buffer, crc)  # type: ignore[arg-type]
     data = buffer.view(state.dtype).reshape(region_shape(piece))
     pending = []
     for n, part in targets:

@@ -35,7 +35,7 @@ import operator
 import os
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import crc32c
 import numpy as np
@@ -49,6 +49,7 @@ from checkpointables_pytree import zarr3 as zarr3_room
 from checkpointables_pytree.io import _ranged_reads, _remote_reads, _small_reads, _streamed_reads
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
+    StoredArray,
     assemble,
     check_fits_in_memory,
     check_shape,
@@ -349,20 +350,21 @@ class Reader:
         located = [v if type(v) is location else None for v in values]
         if any(located):
             assert self._index is not None
+            fetched: Sequence[memoryview | np.ndarray | None]
             if self._local:
-                read = await asyncio.to_thread(storage.read_values, files, located)
+                fetched = await asyncio.to_thread(storage.read_values, files, located)
             else:
-                read = await _remote_reads.read_values(self._index, located, requests)
-            values = [v if r is None else r for v, r in zip(values, read, strict=True)]
+                fetched = await _remote_reads.read_values(self._index, located, requests)
+            values = [v if r is None else r for v, r in zip(values, fetched, strict=True)]
         values = [None if type(v) is location else v for v in values]
         rest = [i for i, v in enumerate(values) if v is None]
         if rest:
-            keys = [k.decode() for _, read_keys in group for k in read_keys]
+            names = [k.decode() for _, read_keys in group for k in read_keys]
             try:
-                found_rest = await read_values(kvstore, [keys[i] for i in rest])
+                found_rest = await read_values(kvstore, [names[i] for i in rest])
             except ValueError:  # A node that fails to decode, a file cut short: name the leaf.
                 owners = [r for r, read_keys in group for _ in read_keys]
-                found_rest = [await _read_one(kvstore, keys[i], owners[i]) for i in rest]
+                found_rest = [await _read_one(kvstore, names[i], owners[i]) for i in rest]
             for i, value in zip(rest, found_rest, strict=True):
                 values[i] = value
         return values
@@ -474,4 +476,4 @@ def _budget(total: int, most: int, threads: int) -> int:
 
 
 def _nbytes(reads: Iterable[ArrayRead]) -> int:
-    return sum(r.stored.nbytes for r in reads)  # type: ignore[union-attr]
+    return sum(cast(StoredArray, r.stored).nbytes for r in reads)  # Every one recorded.

@@ -23,7 +23,7 @@ import itertools
 import operator
 import os
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import crc32c
 import numpy as np
@@ -104,7 +104,7 @@ def split(
             if 0 < nbytes <= SMALL_ARRAY_BYTES and (
                 target is None or tuple(target) == stored.shape
             ):
-                value = get(read_keys[0])
+                value: Any = get(read_keys[0])  # A ValueLocation, bytes or None: by kind.
                 kind = type(value)
                 if kind is location_type:
                     if value.length == nbytes + _TRAILER:
@@ -139,11 +139,12 @@ def read_small(files: OpenFiles, smalls: Sequence[Small], verify: bool) -> list[
     places = np.empty_like(ends)
     places[0], places[1:] = 0, ends[:-1]
     buffer = aligned_empty(int(ends[-1]))
-    view, at = memoryview(buffer), places.tolist()
+    # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+    view, at = memoryview(buffer), places.tolist()  # type: ignore[arg-type]
     if not _read_values(files, [values[i] for i in located], view, at[: len(located)]):
         return None
     for i, place in zip(order[len(located) :], at[len(located) :], strict=True):
-        view[place : place + len(values[i])] = values[i]  # type: ignore[arg-type]
+        view[place : place + len(values[i])] = cast(bytes, values[i])  # Inline: bytes.
     arrays: list[Any] = [None] * len(smalls)
     for i, place in zip(order, at, strict=True):
         stored = smalls[i].read.stored
@@ -213,7 +214,8 @@ def _check(
     if verify:
         recorded = np.ascontiguousarray(trailers[:, :4]).view("<u4").ravel()
         # Over memoryviews: crc32c takes an ndarray's buffer three times as slowly.
-        view = memoryview(buffer)
+        # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+        view = memoryview(buffer)  # type: ignore[arg-type]
         data = [view[p : p + n] for p, n in zip(places.tolist(), nbytes.tolist(), strict=True)]
         sums = np.fromiter(map(crc32c.crc32c, data), np.int64, len(data))
         wrong = np.zeros(len(smalls), bool)

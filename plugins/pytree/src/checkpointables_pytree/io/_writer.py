@@ -146,7 +146,7 @@ class Writer:
             written = asyncio.ensure_future(
                 self._write_database(database, context, here, [*driver, *linked])
             )
-            tasks = [written]
+            tasks: list[asyncio.Future[Any]] = [written]
             try:
                 # TensorStore's threads encode those arrays while this thread encodes these.
                 large = ocdbt.DriverWrites(write_metadata=not self._fast_path)
@@ -329,4 +329,5 @@ def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any
 
 def _shard_end(chunk: np.ndarray) -> bytes:
     """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
-    return crc32c.crc32c(chunk).to_bytes(4, "little") + zarr3.shard_trailer(chunk.nbytes)
+    # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+    return crc32c.crc32c(chunk).to_bytes(4, "little") + zarr3.shard_trailer(chunk.nbytes)  # type: ignore[arg-type]

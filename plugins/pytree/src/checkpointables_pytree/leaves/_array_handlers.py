@@ -6,7 +6,7 @@ import functools
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import checkpointables as cp
@@ -94,6 +94,7 @@ def _sharded_read(
     regions: list[tuple[slice, ...]] = []
     position: dict[tuple[tuple[int, int], ...], int] = {}
     for index in indices.values():
+        assert index is not None  # Every device's index (JAX's own callbacks assert it).
         region = _normalize(tuple(index), shape)
         key = tuple((s.start, s.stop) for s in region)
         if key not in position:
@@ -103,7 +104,8 @@ def _sharded_read(
     def convert(pieces: list[np.ndarray]) -> jax.Array:
         pieces = [_cast(p, dtype) for p in pieces]
 
-        def callback(index: tuple[slice, ...]) -> np.ndarray:
+        def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+            assert index is not None  # JAX passes each device's index (and asserts it).
             region = _normalize(tuple(index), shape)
             return pieces[position[tuple((s.start, s.stop) for s in region)]]
 
@@ -326,6 +328,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
             storage = storage_options(session, param.keypath, array)
         dtype = storage_dtype(param.keypath, array, array.dtype, storage)
         shape = tuple(int(s) for s in array.shape)
+        chunks: list[tuple[tuple[int, ...], np.ndarray]]
         if math.prod(shape) == 0:
             chunk_shape, chunks = zarr3.default_chunk_shape(shape), []
         else:
@@ -400,7 +403,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
                 else:
                     chunk_shape, chunks = shape, [((0,) * len(shape), data)]
                 item = _Snapshot(storage, dtype, shape, chunk_shape, chunks, sharding)
-            self._record(session, param, item, None)
+            self._record(session, param, cast(_Snapshot, item), None)  # Host arrays made one.
 
     @staticmethod
     def _record(

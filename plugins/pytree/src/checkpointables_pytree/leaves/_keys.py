@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import checkpointables as cp
@@ -75,10 +75,12 @@ def key_array_type() -> type:
         from jax._src.random.prng import PRNGKeyArray
     except ImportError:
         try:
-            from jax._src.prng import PRNGKeyArray  # Where older JAX releases keep it.
+            # Where older JAX releases keep it.
+            from jax._src.prng import PRNGKeyArray as OlderPRNGKeyArray
         except ImportError:  # Moved again: make a key (this initializes JAX's backend).
             return type(jax.random.key(0))
-    return PRNGKeyArray  # type: ignore[no-any-return]
+        return OlderPRNGKeyArray  # type: ignore[no-any-return]
+    return PRNGKeyArray
 
 
 def is_key_dtype(dtype: Any) -> bool:
@@ -145,7 +147,7 @@ def _impl_of_dtype(dtype: Any) -> str | None:
     return None
 
 
-def _pad_spec(spec: Sequence[Any], ndim: int) -> tuple[Any, ...]:
+def _pad_spec(spec: jax.sharding.PartitionSpec, ndim: int) -> tuple[Any, ...]:
     return (*spec, *([None] * (ndim - len(spec))))
 
 
@@ -326,7 +328,7 @@ class PRNGKeyLeafHandler(ArrayLeafHandler):
         _, trailing, _ = _layout_or_raise(impl, entry.keystr)
         return PRNGKeyMetadata(
             layout.shape[: len(layout.shape) - len(trailing)],
-            impl,
+            cast(str, impl),  # _layout_or_raise raised unless it is a str.
             sharding_metadata=session.sharding_record(session.tree.storage_name(entry.names)),
             storage=StorageMetadata(layout.chunk_shape, entry.write_shape),
         )

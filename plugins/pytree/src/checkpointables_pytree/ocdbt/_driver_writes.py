@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import tensorstore as ts
 from etils import epath
@@ -37,6 +37,13 @@ WRITERS = 4
 # data PUT: more writers keep more PUTs in flight (see docs/performance.md, "Object stores").
 REMOTE_WRITERS = 16
 WRITER_PREFIX = "ocdbt.writer_"
+
+
+class _MetadataOptions(TypedDict, total=False):
+    """The keyword arguments of ``ts.open`` that say how it treats an array's ``zarr.json``."""
+
+    create: bool
+    assume_metadata: bool
 
 
 class DriverWrites:
@@ -68,7 +75,7 @@ class DriverWrites:
             stores[writer] = await _context.open_kvstore(writer, context, create=True)
         limiter = ByteLimiter(IN_FLIGHT_BYTES)
         committed = [asyncio.get_running_loop().create_future() for _ in groups]
-        tasks = [
+        tasks: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(
                 self._write_large(
                     group, writers[n % len(writers)], stores, context, limiter, committed[n]
@@ -87,7 +94,12 @@ class DriverWrites:
     def _zarr3_spec(self, item: ArrayWrite) -> ts.Spec:
         """The zarr3 spec of ``item`` (without its kvstore), parsed once per distinct layout."""
         layout = item.layout
-        key = (layout.shape, layout.dtype, layout.chunk_shape, item.inner_chunk_shape)
+        key: tuple[Any, ...] = (
+            layout.shape,
+            layout.dtype,
+            layout.chunk_shape,
+            item.inner_chunk_shape,
+        )
         key += (item.compression,)
         spec = self._specs.get(key)
         if spec is None:
@@ -100,7 +112,7 @@ class DriverWrites:
             )
         return spec
 
-    def _metadata_options(self, item: ArrayWrite) -> dict[str, bool]:
+    def _metadata_options(self, item: ArrayWrite) -> _MetadataOptions:
         """How ``ts.open`` treats the array's ``zarr.json``: written by the caller's own
         database (assumed here), or created here (with the array's first chunks)."""
         if self._write_metadata and item.write_metadata:

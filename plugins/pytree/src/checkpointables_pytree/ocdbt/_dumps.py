@@ -80,6 +80,7 @@ def dump_leaks() -> bool:
     try:
         store = ts.KvStore.open({"driver": "ocdbt", "base": "memory://"}).result()
         store.write("probe", b"probe value").result()
+        assert store.base is not None  # An ocdbt store's base: the memory store above.
         manifest = ts.ocdbt.dump(store.base).result()
     except ValueError:  # TensorStore's errors: no probe.
         return False

@@ -54,7 +54,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _varints(values: Sequence[int]) -> bytes:
+def _varints(values: Sequence[int] | np.ndarray) -> bytes:
     """Unsigned LEB128 of every value, concatenated (NumPy: one pass per byte of the longest)."""
     if not len(values):
         return b""

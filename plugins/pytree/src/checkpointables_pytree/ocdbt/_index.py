@@ -23,7 +23,7 @@ import itertools
 import operator
 import os
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 import checkpointables as cp
 import numpy as np
@@ -206,9 +206,11 @@ class DatabaseIndex:
             return found
         location, node = root
         self._nodes.setdefault(location, node)
-        wanted = frozenset(keys)  # Loads ask for thousands of bytes keys: taken as they are.
-        if type(next(iter(wanted), b"")) is str:
-            wanted = frozenset(k.encode() for k in wanted)  # type: ignore[union-attr]
+        given = frozenset(keys)  # Loads ask for thousands of bytes keys: taken as they are.
+        if type(next(iter(given), b"")) is str:
+            wanted = frozenset(k.encode() for k in cast("frozenset[str]", given))
+        else:
+            wanted = cast("frozenset[bytes]", given)
         walk = _Walk(self, self._nodes, wanted, found, self.root)
         await walk.node(location, b"")
         return found

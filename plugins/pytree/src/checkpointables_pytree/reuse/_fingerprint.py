@@ -179,7 +179,8 @@ def fingerprint_numpy(arrays: Sequence[np.ndarray], piece_bytes: int = PIECE_BYT
     hashed = iter(
         _pool().map(xxhash.xxh3_128_digest, pieces)
         if len(pieces) > 1
-        else map(xxhash.xxh3_128_digest, pieces)
+        # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+        else map(xxhash.xxh3_128_digest, pieces)  # type: ignore[arg-type]
     )
     out = []
     for at in starts:

@@ -29,7 +29,11 @@ _prints: dict[int, tuple[weakref.ref[Any], list[str]]] = {}
 def kept_prints(array: Any) -> list[str] | None:
     """The fingerprints ``keep_prints`` kept for ``array`` (this very object), or ``None``."""
     entry = _prints.get(id(array))
-    if entry is None or entry[0]() is not array or array.is_deleted():
+    if entry is None:
+        return None
+    # Typed Any: comparing ``array`` itself by ``is`` would narrow it to ``Any | None``.
+    referent: Any = entry[0]()
+    if referent is not array or referent.is_deleted():
         return None
     return entry[1]
 

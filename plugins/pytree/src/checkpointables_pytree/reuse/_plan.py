@@ -335,7 +335,9 @@ def _link(
 
 def _same(earlier: dict[str, Any] | None, now: dict[str, Any]) -> bool:
     """Whether a recorded array has the layout and fingerprints of one saved now."""
-    return bool(earlier) and all(earlier.get(k) == now[k] for k in ("signature", "shards"))
+    if not earlier:
+        return False
+    return all(earlier.get(k) == now[k] for k in ("signature", "shards"))
 
 
 def reuse_report(pytree_directory: epath.Path) -> dict[str, str | None]:

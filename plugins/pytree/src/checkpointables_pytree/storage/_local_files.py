@@ -127,7 +127,8 @@ def _read_file(
         if call and not _joins(locations[call[-1][0]], len(call), offset):  # type: ignore[arg-type]
             _read_call(fd, call, locations, values)
             call = []
-        call.append((i, memoryview(slab_of[i].take(length))))
+        # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+        call.append((i, memoryview(slab_of[i].take(length))))  # type: ignore[arg-type]
     if call:
         _read_call(fd, call, locations, values)
 

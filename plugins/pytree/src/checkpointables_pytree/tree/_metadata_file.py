@@ -25,7 +25,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import checkpointables as cp
 from etils import epath
@@ -326,7 +326,7 @@ def parse_tree_metadata_uncached(path: epath.Path, text: str | bytes) -> TreeMet
     entries = [_parse_entry(path, k, v) for k, v in document["tree_metadata"].items()]
     extra = document.get(EXTRA)
     ours = isinstance(extra, Mapping)
-    extra = dict(extra) if ours else {}
+    extra = dict(cast(Mapping[str, Any], extra)) if ours else {}  # ours: a Mapping.
     tuples = extra.get("tuples") or []
     if not isinstance(tuples, list) or not all(isinstance(t, list) for t in tuples):
         raise _bad(path, f"malformed {EXTRA!r}.tuples")

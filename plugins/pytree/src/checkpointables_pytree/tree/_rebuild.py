@@ -195,11 +195,11 @@ class Recipe:
                 refs.append(self._count)
             else:
                 refs.append(self._add(child))
-        pick: Callable[[list[Any]], Any] = (
-            operator.itemgetter(*refs)
-            if len(refs) > 1
-            else lambda pool, r=refs: [pool[i] for i in r]
-        )
+
+        def gather(pool: list[Any], r: list[int] = refs) -> list[Any]:
+            return [pool[i] for i in r]
+
+        pick: Callable[[list[Any]], Any] = operator.itemgetter(*refs) if len(refs) > 1 else gather
         self._steps.append((type(node), list(node) if type(node) is dict else [], pick))
         return self._count + len(self._steps)
 
