@@ -46,6 +46,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
     incremental = doc["cases"]["incremental"]
     assert incremental["rows"]["LatestN(3) / on"]["written"] > 0, incremental
     assert incremental["rows"]["LatestN(3) / on"]["alone"] > 0, incremental  # Paired.
+    assert incremental["full_change_s"]["plan"] > 0, incremental  # The detection was timed.
     for name in INTEROP_CASES:
         case = doc["cases"][name]
         assert "error" not in case, case
@@ -76,7 +77,7 @@ def test_quick_mode_runs_every_case_library_and_target(tmp_path):
         assert len(repeated["rss"]) == 8 and min(repeated["rss"]) > 0, repeated
 
     verdicts = {(t["case"], t["text"]): t["verdict"] for t in doc["targets"]}
-    assert len(verdicts) == 16 + 3 + 5 + 8  # Incremental: 7 on a local disk, 1 on S3.
+    assert len(verdicts) == 16 + 3 + 5 + 9  # Incremental: 8 on a local disk, 1 on S3.
     assert set(verdicts.values()) <= {"PASS", "FAIL"}, verdicts
     assert "== targets" in out
 
