@@ -219,7 +219,7 @@ def test_a_short_source_file_is_written_afresh(tmp_path) -> None:
 
 def _checkpointer(root, keep=None, **kwargs):
     keep = keep or cp.training.preservation_policies.PreserveAll()
-    kwargs.setdefault("reuse_unchanged", True)  # Off by default on CPU-only jobs.
+    kwargs.setdefault("reuse_unchanged", True)
     return cp.training.Checkpointer(
         root,
         preservation_policy=keep,
@@ -301,6 +301,50 @@ def test_arrays_declared_frozen_share_data_files_and_stay_whole(tmp_path) -> Non
     shutil.rmtree(tmp_path / "0")
     _assert_same(cp.load_pytree(tmp_path / "1"), changed)
     assert_verifies(tmp_path / "1")
+
+
+def _data_files(checkpoint) -> list[str]:
+    """The names of the files in ``checkpoint``'s data directories (``d/``): data files,
+    linked or written, and the b-tree's."""
+    return [
+        name
+        for directory, _, names in os.walk(checkpoint)
+        if os.path.basename(directory) == "d"
+        for name in names
+    ]
+
+
+@pytest.mark.parametrize("as_array", [jnp.asarray, np.asarray], ids=["probed", "fingerprinted"])
+def test_arrays_changing_at_every_save_share_files_and_an_ema_keeps_its_own(
+    tmp_path, as_array
+) -> None:
+    # Arrays that the source wrote too and that changed again (adapters, a full fine-tune)
+    # share data files, as in a plain save; an array reused before and changed now (an
+    # EMA) gets a file of its own, which the next save links whole. A change is shown by
+    # the probes (arrays on CPU devices) or by the fingerprints (NumPy arrays).
+    rng = np.random.default_rng(4)
+    tree = {f"w{i}": as_array(rng.standard_normal((64, 512), np.float32)) for i in range(6)}
+    tree["ema"] = as_array(rng.standard_normal((64, 512), np.float32))
+    steps = [tree]
+    for ema_changes in (False, True, False):
+        trained = {k: v + 1 for k, v in steps[-1].items() if k != "ema"}
+        ema = steps[-1]["ema"] * (0.5 if ema_changes else 1.0)
+        steps.append({**trained, "ema": ema})
+    with _checkpointer(tmp_path) as ckptr:
+        for step, state in enumerate(steps):
+            ckptr.save_pytree(step, state)
+    # Each step also has its b-tree's file.
+    assert len(_data_files(tmp_path / "0")) == 7 + 1  # No record to go by: a file each.
+    # The EMA's file linked, the six changed weights written together.
+    assert len(_data_files(tmp_path / "1")) == 2 + 1
+    assert len(_data_files(tmp_path / "2")) == 2 + 1  # The weights, and the EMA alone.
+    assert len(linked := _linked_files(tmp_path / "3")) == 1  # The EMA's file, whole:
+    (ema_file,) = [p for p in (tmp_path / "3").rglob("*") if p.name in linked]
+    assert ema_file.stat().st_size < 2 * tree["ema"].nbytes  # its bytes, not the weights'.
+    for step in (0, 1, 2):
+        shutil.rmtree(tmp_path / str(step))
+    _assert_same(cp.load_pytree(tmp_path / "3"), steps[3])
+    assert_verifies(tmp_path / "3")
 
 
 def test_retention_waits_for_a_save_reusing_the_step(tmp_path) -> None:

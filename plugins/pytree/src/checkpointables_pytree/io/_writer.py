@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -99,11 +99,12 @@ class Writer:
         self._structure_cache = structure_cache if structure_cache is not None else {}
         # Incremental saves (``reuse``): arrays whose chunk keys are linked from an earlier
         # checkpoint's data files, by name; and whether each array gets files of its own,
-        # but for the arrays declared frozen (``together``): always linked together, they
-        # share files (fewer links for the next save to make).
+        # but for the arrays ``shared``, by group: consecutive arrays of one group share
+        # files (those declared frozen, always linked together: fewer links for the next
+        # save to make; those written at every save, never linked: fewer files to flush).
         self.linked: dict[str, list[tuple[str, ocdbt.Linked]]] = {}
         self.isolate = False
-        self.together: frozenset[str] = frozenset()
+        self.shared: dict[str, str] = {}
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -231,7 +232,7 @@ class Writer:
         this process writes or the storage differ from the last save's."""
         items = [*here, *driver]
         if self.linked or self.isolate:  # Made for this save's links and files.
-            keys = _database_keys(here, driver, self.linked, self.together)
+            keys = _database_keys(here, driver, self.linked, self.shared)
             return _layout(*keys, local, self.isolate, self._host_bytes)
         signature = (
             local,
@@ -277,12 +278,12 @@ def _database_keys(
     here: Sequence[ArrayWrite],
     driver: Sequence[ArrayWrite],
     linked: dict[str, list[tuple[str, ocdbt.Linked]]] | None = None,
-    together: frozenset[str] = frozenset(),
+    shared: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[int], list[Any], frozenset[int]]:
     """The keys of the database, their values' lengths, the values that are fixed (every
     array's ``zarr.json``, the ``linked`` chunks), then the chunks of those encoded
     ``here`` (given each save); and the positions where an array's chunks start (but
-    where one of the arrays ``together`` follows another)."""
+    where it follows an array of its group of ``shared`` files)."""
     keys: list[str] = []
     lengths: list[int] = []
     fixed: list[Any] = []
@@ -298,12 +299,13 @@ def _database_keys(
             keys.append(key)
             lengths.append(value.length)
             fixed.append(value)
-    after_together = False
+    shared = shared or {}
+    previous = None  # The group of the array before (``None``: files of its own).
     for item in here:
-        is_together = item.layout.name in together
-        if not (is_together and after_together):
+        group = shared.get(item.layout.name)
+        if group is None or group != previous:
             breaks.add(len(keys))
-        after_together = is_together
+        previous = group
         for index, _ in item.chunks:
             keys.append(zarr3.chunk_key(item.layout.name, index))
             lengths.append(item.layout.chunk_nbytes + zarr3.SHARD_TRAILER_BYTES)

@@ -13,7 +13,8 @@ conditional on the ETag listed here) and points this database's keys at the
 same offsets (``ocdbt.Linked``); its data never reaches the host. Every other
 array is written as in any save, in data files of its own (``Writer.isolate``)
 so that the next save can link them whole; arrays declared frozen, always
-linked together, share theirs (``Writer.together``).
+linked together, share theirs, and so do the arrays that the source wrote too
+(``_rewritten``: they change at every save) (``Writer.shared``).
 
 On a local disk, arrays on CPU devices are probed first (``_probe``): those
 whose probes differ from the record's have changed and are written without a
@@ -179,7 +180,7 @@ async def plan_reuse(
         linkable = [c for c in linkable if c.name not in probed.changed]
     writer.isolate = True
     if reuse.frozen is not None:
-        writer.together = frozenset(c.name for c in found if reuse.frozen(c.name))
+        writer.shared = {c.name: "frozen" for c in found if reuse.frozen(c.name)}
     # The fingerprints (XXH3's threads, or the devices) while the source's files are
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
@@ -200,7 +201,42 @@ async def plan_reuse(
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
             record[name] = dict(record[name], reused_from=origin)
+    for name in _rewritten(record, earlier, probed, writer):
+        writer.shared.setdefault(name, "rewritten")
     return plan
+
+
+def _rewritten(
+    record: dict[str, Any], earlier: dict[str, Any], probed: _Probed, writer: io.Writer
+) -> list[str]:
+    """The arrays that changed since the source, which wrote them too (did not link them):
+    those that change at every save (adapters and their optimizer state, the weights of a
+    full fine-tune). The next save will most likely write them again, so files of their
+    own would only cost this save a file each to write and flush; they share files as in
+    a plain save. An array reused before (an EMA updated now and then), new, or written
+    for want of a comparable record keeps files of its own, for the next save to link."""
+    return [
+        name
+        for name, now in record.items()
+        if name not in writer.linked
+        and (entry := earlier.get(name))
+        and "reused_from" not in entry
+        and (name in probed.changed or _changed(entry, now))
+    ]
+
+
+def _changed(entry: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the fingerprints prove a change: recorded for every shard, of one kind, the
+    layout the same, and not all equal."""
+    shards = entry.get("shards") or []
+    before, after = [p for _, p in shards], [p for _, p in now["shards"]]
+    return (
+        entry.get("signature") == now["signature"]
+        and [s[0] for s in shards] == [s[0] for s in now["shards"]]
+        and all(isinstance(p, str) and p for p in (*before, *after))
+        and [p[0] for p in before] == [p[0] for p in after]
+        and before != after
+    )
 
 
 async def _fingerprinted(found: Sequence[Candidate]) -> dict[str, list[str]]:
