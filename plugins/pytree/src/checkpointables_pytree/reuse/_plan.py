@@ -13,8 +13,9 @@ conditional on the ETag listed here) and points this database's keys at the
 same offsets (``ocdbt.Linked``); its data never reaches the host. Every other
 array is written as in any save, in data files of its own (``Writer.isolate``)
 so that the next save can link them whole; arrays declared frozen, always
-linked together, share theirs, and so do the arrays that the source wrote too
-(``_rewritten``: they change at every save) (``Writer.shared``).
+linked together, share theirs (``Writer.shared``), and so do the arrays that
+changed since the source, which wrote them too (``_rewritten``): most likely
+they change at every save, and no later save links them.
 
 On a local disk, arrays on CPU devices are probed first (``_probe``): those
 whose probes differ from the record's have changed and are written without a
