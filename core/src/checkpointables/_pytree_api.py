@@ -72,8 +72,8 @@ def save_pytree_async(
     """Saves a pytree; returns once device data is copied to host.
 
     The caller may change or delete its arrays as soon as this returns. ``reuse_from``: a
-    committed checkpoint whose unchanged arrays are linked rather than written
-    (``docs/incremental.md``).
+    committed checkpoint whose unchanged arrays are linked rather than written, from its
+    ``pytree`` (the name ``save_pytree`` gives a tree; ``docs/incremental.md``).
     """
     return _saving.start(
         _saving.SaveRequest(

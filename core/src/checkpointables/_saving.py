@@ -365,6 +365,9 @@ def save_checkpointables_async(
     Each checkpointable goes to ``path/<name>/`` through the handler chosen for
     it (see ``cp.handlers``). Nothing counts as a checkpoint at ``path`` until
     every handler finished and the checkpoint is committed (see ``_commit``).
+    ``reuse_from``: a committed checkpoint; each checkpointable may take what did not
+    change from the one of the same name there (``reuse_from/<name>``;
+    ``docs/incremental.md``).
 
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.

@@ -7,6 +7,7 @@ linked; linked files are hard links of the source's.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -115,6 +116,24 @@ def test_a_record_of_an_earlier_fingerprint_kind_links_nothing(tmp_path) -> None
     cp.save_pytree(tmp_path / "4", tree, reuse_from=tmp_path / "3")  # Its own prints match.
     assert len(_linked_files(tmp_path / "4")) == 7
     _assert_same(cp.load_pytree(tmp_path / "4"), tree)
+
+
+def test_a_source_that_cannot_help_says_why_in_the_log(tmp_path, caplog) -> None:
+    # Saved without reuse (no record), or holding no checkpointable of the save's name:
+    # every array is written, and the log says why, naming the source and the name.
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    with caplog.at_level(logging.INFO, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+        cp.save_checkpointables(tmp_path / "3", {"state": tree}, reuse_from=tmp_path / "2")
+    said = [r.getMessage() for r in caplog.records if r.name == "checkpointables.reuse"]
+    assert any(f"reuse_from={tmp_path / '1'}: its 'pytree' has no record" in m for m in said)
+    assert any(
+        f"reuse_from={tmp_path / '2'}: it holds no checkpointable 'state'" in m for m in said
+    )
+    assert _linked_files(tmp_path / "2") == _linked_files(tmp_path / "3") == set()
+    cp.save_checkpointables(tmp_path / "4", {"state": tree}, reuse_from=tmp_path / "3")
+    assert len(_linked_files(tmp_path / "4")) == 7  # Same name, recorded: linked.
 
 
 def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:

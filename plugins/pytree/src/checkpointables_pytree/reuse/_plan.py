@@ -166,6 +166,8 @@ async def plan_reuse(
     if not _usable(directory, source, context):
         return None
     recorded = _read_record(source) if source is not None else {}
+    if source is not None and not recorded:
+        _say_why_nothing_is_linked(source)
     earlier = recorded.get("arrays", {})
     # The source's b-tree is read on a worker thread while the arrays are looked at.
     located, origin = None, ""
@@ -205,6 +207,24 @@ async def plan_reuse(
     for name in _rewritten(record, earlier, probed, writer):
         writer.shared.setdefault(name, "rewritten")
     return plan
+
+
+def _say_why_nothing_is_linked(source: epath.Path) -> None:
+    """Logs once (``checkpointables.reuse``, INFO) why a save with a source links nothing:
+    the source holds no checkpointable of this name, or was saved without reuse."""
+    name, checkpoint = source.name, source.parent
+    if not cp.storage.exists(source):
+        why = (
+            f"it holds no checkpointable {name!r} (reuse matches checkpointables by name: "
+            f"cp.save_pytree saves its tree as 'pytree')"
+        )
+    else:
+        why = f"its {name!r} has no record of fingerprints (it was saved without reuse)"
+    cp.reuse.log_once(
+        f"no-record:{source}",
+        f"reuse_from={checkpoint}: {why}, so this save writes every array of {name!r} and "
+        f"records them for the next save to compare.",
+    )
 
 
 def _rewritten(
