@@ -166,18 +166,16 @@ async def plan_reuse(
     if not _usable(directory, source, context):
         return None
     recorded = _read_record(source) if source is not None else {}
-    if source is not None and not recorded:
-        _say_why_nothing_is_linked(source)
     earlier = recorded.get("arrays", {})
     # The source's b-tree is read on a worker thread while the arrays are looked at.
-    located, origin = None, ""
-    if source is not None and earlier:
-        located, origin = Source(source, recorded.get("files", {})), source.parent.name
+    located, origin = _located(source, recorded, _bytes_comparable(directory, context))
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
-    if ocdbt.is_local(directory) and not context.array_options.use_compression:
+    if _bytes_comparable(directory, context):
         probed = _probe(to_print, earlier)
+    if located is not None and not earlier:  # No record: what can be compared is looked up.
+        linkable = [c for c in to_print if c.name in probed.probes and _unpadded(c)]
     if probed.changed:  # Written, not fingerprinted, not looked up in the source.
         to_print = [c for c in to_print if c.name not in probed.changed]
         linkable = [c for c in linkable if c.name not in probed.changed]
@@ -197,9 +195,11 @@ async def plan_reuse(
     record.update(known)
     plan = ReusePlan(record)
     if located is not None and places:
-        matching = [c for c in linkable if _same(earlier[c.name], record[c.name])]
+        matching = [c for c in linkable if _same(earlier.get(c.name), record[c.name])]
         if probed.unprinted:  # Recorded without fingerprints: their bytes are compared.
             matching += await asyncio.to_thread(_same_bytes, probed, places[0])
+        if not earlier:  # A source saved without reuse: what it stored is compared.
+            matching += await asyncio.to_thread(_same_stored, linkable, probed, places[0])
         plan.linked_bytes = _link(located, matching, places[0], writer)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
@@ -209,21 +209,49 @@ async def plan_reuse(
     return plan
 
 
-def _say_why_nothing_is_linked(source: epath.Path) -> None:
-    """Logs once (``checkpointables.reuse``, INFO) why a save with a source links nothing:
-    the source holds no checkpointable of this name, or was saved without reuse."""
+def _bytes_comparable(directory: epath.Path, context: cp.Context) -> bool:
+    """Whether this save's chunks hold their arrays' bytes as they are, in local files
+    that can be read back (probes and byte comparisons apply)."""
+    return ocdbt.is_local(directory) and not context.array_options.use_compression
+
+
+def _located(
+    source: epath.Path | None, recorded: dict[str, Any], comparable: bool
+) -> tuple[Source | None, str]:
+    """The source to link from and its name (``None``: nothing can be linked). A source
+    without a record (saved without reuse) is one only where its stored bytes can be
+    compared (``comparable``); either way the log says once what happens."""
+    if source is None:
+        return None, ""
+    if not recorded.get("arrays"):
+        present = cp.storage.exists(source)
+        _say_why_nothing_is_linked(source, present, comparable)
+        if not (present and comparable):
+            return None, ""
+    return Source(source, recorded.get("files", {})), source.parent.name
+
+
+def _say_why_nothing_is_linked(source: epath.Path, present: bool, comparable: bool) -> None:
+    """Logs once (``checkpointables.reuse``, INFO) what a save does with a source without a
+    record: none of this checkpointable's name, or one saved without reuse."""
     name, checkpoint = source.name, source.parent
-    if not cp.storage.exists(source):
-        why = (
+    if not present:
+        what = (
             f"it holds no checkpointable {name!r} (reuse matches checkpointables by name: "
-            f"cp.save_pytree saves its tree as 'pytree')"
+            f"cp.save_pytree saves its tree as 'pytree'), so this save writes every array of "
+            f"{name!r}"
         )
     else:
-        why = f"its {name!r} has no record of fingerprints (it was saved without reuse)"
+        what = f"its {name!r} has no record of fingerprints (it was saved without reuse), so "
+        what += (
+            "this save links the arrays on CPU devices whose bytes equal what it stored and "
+            "writes the others"
+            if comparable
+            else f"this save writes every array of {name!r}"
+        )
     cp.reuse.log_once(
         f"no-record:{source}",
-        f"reuse_from={checkpoint}: {why}, so this save writes every array of {name!r} and "
-        f"records them for the next save to compare.",
+        f"reuse_from={checkpoint}: {what}; it records fingerprints for the next save.",
     )
 
 
@@ -371,6 +399,40 @@ def _chunk_equals(place: ocdbt.ValueLocation | None, view: np.ndarray) -> bool:
     except (OSError, ValueError):
         return False
     return stored.size == view.size and bool(np.array_equal(stored, view))
+
+
+def _same_stored(
+    found: Sequence[Candidate], probed: _Probed, places: dict[str, ocdbt.ValueLocation]
+) -> list[Candidate]:
+    """The arrays of ``found`` (probed, unpadded) each of whose shards the source, saved
+    without a record, stores as exactly what this save would write: the same probe, then
+    the same shard index and the same bytes, compared in full."""
+    same = []
+    for c in found:
+        views = _host_views(c)
+        if views is None:
+            continue
+        shards = zip(c.shards, views, probed.probes[c.name], strict=True)
+        if all(_stored_equals(places.get(key), view, p) for (_, key, _), view, p in shards):
+            same.append(c)
+    return same
+
+
+def _stored_equals(place: ocdbt.ValueLocation | None, view: np.ndarray, probe: str) -> bool:
+    """Whether the value at ``place`` (a local file) is a plain chunk of ``view``'s bytes.
+    Its checksum is not recomputed: loads and ``verify`` check it, as for any link."""
+    nbytes = view.nbytes
+    if place is None or place.length != nbytes + zarr3.SHARD_TRAILER_BYTES:
+        return False
+    try:  # Mapped: the probe reads a few pages; only an array that passes it is read whole.
+        stored = np.memmap(place.file, np.uint8, "r", place.offset, (place.length,))
+    except (OSError, ValueError):  # Gone, or shorter than the b-tree says.
+        return False
+    return (
+        _fingerprint.probe(stored[:nbytes]) == probe
+        and stored[nbytes + 4 :].tobytes() == zarr3.shard_trailer(nbytes)
+        and bool(np.array_equal(stored[:nbytes], view))
+    )
 
 
 def _link(
