@@ -225,13 +225,13 @@ def _located(
         return None, ""
     if not recorded.get("arrays"):
         present = cp.storage.exists(source)
-        _say_why_nothing_is_linked(source, present, comparable)
+        _say_what_without_a_record(source, present, comparable)
         if not (present and comparable):
             return None, ""
     return Source(source, recorded.get("files", {})), source.parent.name
 
 
-def _say_why_nothing_is_linked(source: epath.Path, present: bool, comparable: bool) -> None:
+def _say_what_without_a_record(source: epath.Path, present: bool, comparable: bool) -> None:
     """Logs once (``checkpointables.reuse``, INFO) what a save does with a source without a
     record: none of this checkpointable's name, or one saved without reuse."""
     name, checkpoint = source.name, source.parent
