@@ -21,7 +21,7 @@ On a local disk, arrays on CPU devices are probed first (``_probe``): those
 whose probes differ from the record's have changed and are written without a
 fingerprint (the record holds ``None`` for it, and their probes); an array
 with equal probes against such a record is linked only if its bytes equal
-the source's chunk (``_same_bytes``), and gets its fingerprint recorded.
+the source's chunk (``_same_stored``), and gets its fingerprint recorded.
 
 Reused chunks keep the CRC-32C the source wrote with them (in the shard's
 bytes): nothing is recomputed, and loads and ``checkpointables verify`` check
@@ -197,7 +197,7 @@ async def plan_reuse(
     if located is not None and places:
         matching = [c for c in linkable if _same(earlier.get(c.name), record[c.name])]
         if probed.unprinted:  # Recorded without fingerprints: their bytes are compared.
-            matching += await asyncio.to_thread(_same_bytes, probed, places[0])
+            matching += await asyncio.to_thread(_same_stored, probed.unprinted, probed, places[0])
         if not earlier:  # A source saved without reuse: what it stored is compared.
             matching += await asyncio.to_thread(_same_stored, linkable, probed, places[0])
         plan.linked_bytes = _link(located, matching, places[0], writer)
@@ -380,36 +380,16 @@ def _unpadded(c: Candidate) -> bool:
     return all(list(data.shape) == chunk_shape for _, _, data in c.shards)
 
 
-def _same_bytes(probed: _Probed, places: dict[str, ocdbt.ValueLocation]) -> list[Candidate]:
-    """The arrays of ``probed.unprinted`` whose every shard equals, byte for byte, the chunk
-    the source holds (in a local file, as the shard's bytes and the shard's end)."""
-    same = []
-    for c in probed.unprinted:
-        shards = zip(c.shards, probed.views[c.name], strict=True)
-        if all(_chunk_equals(places.get(key), view) for (_, key, _), view in shards):
-            same.append(c)
-    return same
-
-
-def _chunk_equals(place: ocdbt.ValueLocation | None, view: np.ndarray) -> bool:
-    if place is None or place.length != view.nbytes + zarr3.SHARD_TRAILER_BYTES:
-        return False  # Not there, or not a plain chunk of these bytes: written.
-    try:
-        stored = np.fromfile(place.file, np.uint8, count=view.nbytes, offset=place.offset)
-    except (OSError, ValueError):
-        return False
-    return stored.size == view.size and bool(np.array_equal(stored, view))
-
-
 def _same_stored(
     found: Sequence[Candidate], probed: _Probed, places: dict[str, ocdbt.ValueLocation]
 ) -> list[Candidate]:
-    """The arrays of ``found`` (probed, unpadded) each of whose shards the source, saved
-    without a record, stores as exactly what this save would write: the same probe, then
-    the same shard index and the same bytes, compared in full."""
+    """The arrays of ``found`` (probed, unpadded) each of whose shards the source stores as
+    exactly what this save would write: the same probe, then the same shard index and the
+    same bytes, compared in full. For arrays the source recorded without fingerprints
+    (``probed.unprinted``) and for sources saved without a record."""
     same = []
     for c in found:
-        views = _host_views(c)
+        views = probed.views.get(c.name) or _host_views(c)
         if views is None:
             continue
         shards = zip(c.shards, views, probed.probes[c.name], strict=True)
