@@ -72,8 +72,10 @@ def save_pytree_async(
     """Saves a pytree; returns once device data is copied to host.
 
     The caller may change or delete its arrays as soon as this returns. ``reuse_from``: a
-    committed checkpoint whose unchanged arrays are linked rather than written, from its
-    ``pytree`` (the name ``save_pytree`` gives a tree; ``docs/incremental.md``).
+    committed checkpoint on the same storage whose unchanged arrays are linked rather
+    than written, from its checkpointable of this one's name (``pytree`` by default; a
+    Checkpointer's steps name it ``state``), or else its only pytree
+    (``docs/incremental.md``).
     """
     return _saving.start(
         _saving.SaveRequest(
@@ -99,9 +101,16 @@ def save_pytree(
 ) -> None:
     """Saves a pytree of arrays and scalars, and waits until it is committed.
 
+    ``reuse_from``: an earlier committed checkpoint on the same storage; the arrays
+    that did not change since it are linked (hard links; on S3, server-side copies)
+    rather than written, and the new checkpoint stays complete on its own (see
+    ``save_pytree_async`` and ``docs/incremental.md``).
+
     Example::
 
         cp.save_pytree("/tmp/ckpt/100", {"params": params, "step": 100})
+        cp.save_pytree("/tmp/ckpt/200", {"params": params, "step": 200},
+                       reuse_from="/tmp/ckpt/100")
     """
 
 

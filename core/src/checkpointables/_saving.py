@@ -366,8 +366,8 @@ def save_checkpointables_async(
     it (see ``cp.handlers``). Nothing counts as a checkpoint at ``path`` until
     every handler finished and the checkpoint is committed (see ``_commit``).
     ``reuse_from``: a committed checkpoint; each checkpointable may take what did not
-    change from the one of the same name there (``reuse_from/<name>``;
-    ``docs/incremental.md``).
+    change from the one of the same name there (``reuse_from/<name>``; a pytree whose
+    name is not there, from its only pytree: ``docs/incremental.md``).
 
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
@@ -391,6 +391,9 @@ def save_checkpointables(
     reuse_from: epath.PathLike | None = None,
 ) -> None:
     """Saves several checkpointables into one checkpoint and waits until it is committed.
+
+    ``reuse_from``: an earlier committed checkpoint to link unchanged arrays from (see
+    ``save_checkpointables_async``).
 
     Example::
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -34,7 +35,15 @@ from etils import epath
 
 from checkpointables import errors, layout, storage
 
-__all__ = ["SaveReuse", "current", "active", "checked_source", "log_once", "Frozen"]
+__all__ = [
+    "SaveReuse",
+    "current",
+    "active",
+    "checked_source",
+    "checked_frozen",
+    "log_once",
+    "Frozen",
+]
 
 logger = logging.getLogger("checkpointables.reuse")
 
@@ -62,7 +71,7 @@ class SaveReuse:
 
     def __init__(self, source: epath.Path | None, frozen: Frozen | None = None) -> None:
         self.source = source
-        self.frozen = frozen
+        self.frozen = None if frozen is None else checked_frozen(frozen)
         self.bytes_reused = 0
         self._lock = threading.Lock()
 
@@ -119,11 +128,71 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
     return source
 
 
-def log_once(key: str, message: str) -> None:
-    """Logs ``message`` at INFO the first time ``key`` is seen in this process (a backend
-    that cannot reuse says so once, not at every save)."""
+def checked_frozen(predicate: Frozen) -> Frozen:
+    """``predicate`` (``reuse_unchanged``'s declaration of frozen leaves), checked: it must
+    take one argument, and answer ``True`` or ``False`` for every leaf name. A leaf it
+    declares frozen is saved without a fingerprint, so a wrong answer is never guessed at.
+
+    Raises:
+      cp.errors.InvalidArgumentTypeError: ``predicate`` does not take one argument (at
+        once), or returns something other than a bool (at the save that asks it).
+      cp.errors.InvalidArgumentError: ``predicate`` raised on a leaf name (at the save).
+
+    Example::
+
+        frozen = cp.reuse.checked_frozen(lambda name: name.startswith("base."))
+        frozen("base.w")  # True
+    """
+    if getattr(predicate, "_checked_frozen", False):
+        return predicate
+    try:
+        inspect.signature(predicate).bind("params.w")
+    except ValueError:  # No signature to read (some builtins): the first call tells.
+        pass
+    except TypeError as e:
+        raise errors.InvalidArgumentTypeError(
+            f"reuse_unchanged must be a predicate of one argument, a leaf's name as stored "
+            f"(e.g. 'params.w'); {predicate!r} cannot be called so: {e}."
+        ) from None
+
+    def is_frozen(name: str) -> bool:
+        try:
+            answer = predicate(name)
+        except Exception as e:
+            raise errors.InvalidArgumentError(
+                f"reuse_unchanged's predicate raised {e!r} on the leaf {name!r}: it must "
+                f"answer True or False for every leaf name (names as stored, e.g. 'params.w')."
+            ) from e
+        if not _is_bool(answer):
+            raise errors.InvalidArgumentTypeError(
+                f"reuse_unchanged's predicate returned {answer!r} for the leaf {name!r}; it "
+                f"must return True or False (a leaf declared frozen is saved without a "
+                f"fingerprint, so nothing else is taken for an answer)."
+            )
+        return bool(answer)
+
+    is_frozen._checked_frozen = True  # type: ignore[attr-defined]
+    return is_frozen
+
+
+def _is_bool(answer: object) -> bool:
+    """Whether ``answer`` is True or False: Python's, or NumPy's (a comparison's result)."""
+    kind = type(answer)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
+def log_once(key: str, message: str, level: int = logging.INFO) -> None:
+    """Logs ``message`` (at ``level``, INFO by default) the first time ``key`` is seen in
+    this process: a backend that cannot reuse says so once, not at every save. A WARNING
+    is for reuse that was asked for and cannot happen as asked (a ``reuse_from`` holding
+    no checkpointable of the save's name).
+
+    Example::
+
+        cp.reuse.log_once(f"remote:{scheme}", f"{scheme}:// cannot copy on the server.")
+    """
     with _logged_lock:
         if key in _logged:
             return
         _logged.add(key)
-    logger.info(message)
+    logger.log(level, message)

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from etils import epath
 
 from checkpointables import _loading, _pytree_api, multihost, storage
+from checkpointables import reuse as reuse_lib
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
 from checkpointables.context import Context
@@ -71,7 +72,7 @@ def _reuse_setting(
         # fraction of the write it saves.
         return storage.scheme_of(root) in (None, "s3"), None
     if callable(reuse_unchanged):
-        return True, reuse_unchanged
+        return True, reuse_lib.checked_frozen(reuse_unchanged)
     if not isinstance(reuse_unchanged, bool):
         raise TypeError(
             f"reuse_unchanged must be True, False, None or a predicate on leaf names, got "

@@ -26,12 +26,15 @@ commits on top of it (merges of other writers' databases).
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import secrets
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
+import checkpointables as cp
 import numpy as np
 import tensorstore as ts
 from etils import epath
@@ -117,7 +120,35 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
     for directory in {os.path.dirname(value.name) for value in unique}:  # Once each ("d").
         os.makedirs(os.path.join(root, directory), exist_ok=True)
     for value in unique:  # Names are relative ("d/r<hex>"): no os.path.join per file.
-        os.link(value.source, f"{root}/{value.name}")
+        target = f"{root}/{value.name}"
+        try:
+            os.link(value.source, target)
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINK:
+                raise
+            _copy_instead(value.source, target, e)
+
+
+# A file system that cannot link this file here: another file system (a save's
+# checkpoint moved or mounted elsewhere), none at all (some network and FUSE file
+# systems), or a file at its link limit (ext4: 65,000 names).
+_NO_HARD_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
+def _copy_instead(source: str, target: str, why: OSError) -> None:
+    """Copies ``source`` to ``target``, flushed, where it cannot be hard-linked (said once
+    in the log): the checkpoint is the same, at the cost of the file's bytes."""
+    cp.reuse.log_once(
+        f"no-link:{why.errno}",
+        f"Cannot hard-link {source} ({why.strerror}): reused files are copied instead "
+        f"(in the kernel: their bytes are written again, not sent through Python).",
+    )
+    shutil.copyfile(source, target)  # sendfile on Linux: in the kernel.
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class DataFile:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -129,28 +130,65 @@ def _same_layout(entry: dict[str, Any], c: Candidate) -> bool:
     ]
 
 
-def _usable(directory: epath.Path, source: epath.Path | None, context: cp.Context) -> bool:
-    """Whether this save can link files at all (says once in the log why not): both on a
-    local disk (hard links), or both on S3 (server-side copies)."""
+def _linkable(directory: epath.Path, context: cp.Context) -> bool:
+    """Whether this save can link files at all (says once in the log why not): on a local
+    disk (hard links), or on S3 (server-side copies)."""
     if not context.array_options.ocdbt_fast_path:
         cp.reuse.log_once(
             "fast_path", "Incremental saves need the OCDBT fast path; writing every array."
         )
         return False
-    paths = [os.fspath(p) for p in (directory, source) if p is not None]
-    if all(ocdbt.is_local(p) for p in paths) or storage.can_copy_on_server(*paths):
+    path = os.fspath(directory)
+    if ocdbt.is_local(path) or storage.can_copy_on_server(path):
         return True
-    remote = next(p for p in paths if not ocdbt.is_local(p))
-    scheme = remote.split("://")[0]
-    why = "botocore is not installed (pip install 'checkpointables[s3]')"
-    if scheme != "s3" or any(ocdbt.is_local(p) for p in paths):
-        why = "it has no server-side copy here"
+    scheme = path.split("://")[0]
+    why = "it has no server-side copy here"
+    if scheme == "s3":
+        why = "botocore is not installed (pip install 'checkpointables[s3]')"
     cp.reuse.log_once(
         f"remote:{scheme}",
         f"Incremental saves link files on local storage and copy objects on S3 only; "
-        f"{remote}: {why}, so every array is written as in a plain save.",
+        f"{path}: {why}, so every array is written as in a plain save.",
     )
     return False
+
+
+def _reachable(directory: epath.Path, source: epath.Path | None) -> epath.Path | None:
+    """``source`` if this save can link its files: both on one local file system (hard
+    links do not cross file systems), or both on S3. Otherwise ``None`` (said once in the
+    log): the save writes every array, and records fingerprints for the saves after it."""
+    if source is None:
+        return None
+    here, there = os.fspath(directory), os.fspath(source)
+    if ocdbt.is_local(here) and ocdbt.is_local(there):
+        if _file_system(here) == _file_system(there):
+            return source
+        why = "is on another file system than this save (hard links cannot cross them)"
+    elif storage.can_copy_on_server(here, there):
+        return source
+    else:
+        why = "is on other storage than this save (links and server-side copies work "
+        why += "within one local file system, or within S3)"
+    cp.reuse.log_once(
+        f"elsewhere:{there}",
+        f"reuse_from={source.parent} {why}: this save writes every array and records "
+        f"fingerprints for the saves after it.",
+    )
+    return None
+
+
+def _file_system(path: str) -> int:
+    """The device number of the file system holding ``path`` (or its nearest existing
+    parent: a save's directory may not exist yet)."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            return os.stat(path).st_dev
+        except FileNotFoundError:
+            parent = os.path.dirname(path.rstrip("/"))
+            if parent == path:
+                raise
+            path = parent
 
 
 async def plan_reuse(
@@ -162,17 +200,18 @@ async def plan_reuse(
 ) -> ReusePlan | None:
     """Fingerprints the arrays of ``flat``, links the unchanged ones into ``writer`` and
     returns the record to write with the save (``None``: storage that cannot link)."""
-    source = reuse.source_of(directory.name)
-    if not _usable(directory, source, context):
+    if not _linkable(directory, context):
         return None
+    source = _reachable(directory, _named(reuse.source_of(directory.name)))
     recorded = _read_record(source) if source is not None else {}
     earlier = recorded.get("arrays", {})
+    comparable = _bytes_comparable(directory, context)
     # The source's b-tree is read on a worker thread while the arrays are looked at.
-    located, origin = _located(source, recorded, _bytes_comparable(directory, context))
+    located, origin = _located(directory, source, recorded, comparable)
     found = candidates(flat, context)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
-    if _bytes_comparable(directory, context):
+    if comparable:
         probed = _probe(to_print, earlier)
     if located is not None and not earlier:  # No record: what can be compared is looked up.
         linkable = [c for c in to_print if c.name in probed.probes and _unpadded(c)]
@@ -215,43 +254,75 @@ def _bytes_comparable(directory: epath.Path, context: cp.Context) -> bool:
     return ocdbt.is_local(directory) and not context.array_options.use_compression
 
 
+def _named(source: epath.Path | None) -> epath.Path | None:
+    """The source's checkpointable that this one reuses from: the one of its name or,
+    where there is none, the source's only pytree (a Checkpointer saves its tree as
+    ``state``, ``cp.save_pytree`` as ``pytree``: an export of a training step reuses
+    from it). Where neither is there, says so (a warning: reuse was asked for, and this
+    checkpointable gets none) and returns ``None``."""
+    if source is None or cp.storage.exists(source):
+        return source
+    checkpoint, name = source.parent, source.name
+    held = sorted(e.name for e in cp.storage.list_dir(checkpoint) if e.is_dir)
+    pytrees = [n for n in held if cp.storage.exists(checkpoint / n / ocdbt.MANIFEST_FILE)]
+    if len(pytrees) == 1:
+        cp.reuse.log_once(
+            f"renamed:{source}",
+            f"reuse_from={checkpoint} holds no checkpointable {name!r}: {name!r} reuses "
+            f"from its only pytree, {pytrees[0]!r}.",
+        )
+        return checkpoint / pytrees[0]
+    cp.reuse.log_once(
+        f"unnamed:{source}",
+        f"reuse_from={checkpoint} holds no checkpointable {name!r} (it holds "
+        f"{', '.join(map(repr, held)) or 'none'}), so this save writes every array of "
+        f"{name!r}. Checkpointables reuse from the source's of the same name: pass "
+        f"checkpointable_name= (cp.save_pytree saves its tree as 'pytree', a "
+        f"Checkpointer as 'state'), or save_checkpointables with the source's names.",
+        level=logging.WARNING,
+    )
+    return None
+
+
 def _located(
-    source: epath.Path | None, recorded: dict[str, Any], comparable: bool
+    directory: epath.Path, source: epath.Path | None, recorded: dict[str, Any], comparable: bool
 ) -> tuple[Source | None, str]:
-    """The source to link from and its name (``None``: nothing can be linked). A source
-    without a record (saved without reuse) is one only where its stored bytes can be
-    compared (``comparable``); either way the log says once what happens."""
+    """The source to link from and how the record names it (``None``: nothing can be
+    linked). A source without a record (saved without reuse) is one only where its stored
+    bytes can be compared (``comparable``); the log says once what happens."""
     if source is None:
         return None, ""
     if not recorded.get("arrays"):
-        present = cp.storage.exists(source)
-        _say_what_without_a_record(source, present, comparable)
-        if not (present and comparable):
+        _say_what_without_a_record(source, comparable)
+        if not comparable:
             return None, ""
-    return Source(source, recorded.get("files", {})), source.parent.name
+    return Source(source, recorded.get("files", {})), _origin(directory, source)
 
 
-def _say_what_without_a_record(source: epath.Path, present: bool, comparable: bool) -> None:
-    """Logs once (``checkpointables.reuse``, INFO) what a save does with a source without a
-    record: none of this checkpointable's name, or one saved without reuse."""
-    name, checkpoint = source.name, source.parent
-    if not present:
-        what = (
-            f"it holds no checkpointable {name!r} (reuse matches checkpointables by name: "
-            f"cp.save_pytree saves its tree as 'pytree'), so this save writes every array of "
-            f"{name!r}"
-        )
-    else:
-        what = f"its {name!r} has no record of fingerprints (it was saved without reuse), so "
-        what += (
-            "this save links the arrays on CPU devices whose bytes equal what it stored and "
-            "writes the others"
-            if comparable
-            else f"this save writes every array of {name!r}"
-        )
+def _origin(directory: epath.Path, source: epath.Path) -> str:
+    """How the record names the source checkpoint: by its name beside this one (a
+    Checkpointer's step), else by its path."""
+    checkpoint, beside = os.fspath(source.parent), os.fspath(directory.parent.parent)
+    if ocdbt.is_local(checkpoint):
+        checkpoint, beside = os.path.abspath(checkpoint), os.path.abspath(beside)
+    if os.path.dirname(checkpoint) == beside:
+        return source.parent.name
+    return checkpoint
+
+
+def _say_what_without_a_record(source: epath.Path, comparable: bool) -> None:
+    """Logs once (``checkpointables.reuse``, INFO) what a save does with a source saved
+    without reuse (no record of fingerprints)."""
+    what = (
+        "this save links the arrays on CPU devices whose bytes equal what it stored and "
+        "writes the others"
+        if comparable
+        else f"this save writes every array of {source.name!r}"
+    )
     cp.reuse.log_once(
         f"no-record:{source}",
-        f"reuse_from={checkpoint}: {what}; it records fingerprints for the next save.",
+        f"reuse_from={source.parent}: its {source.name!r} has no record of fingerprints (it "
+        f"was saved without reuse), so {what}; it records fingerprints for the next save.",
     )
 
 
@@ -345,10 +416,11 @@ def _probe(to_print: Sequence[Candidate], earlier: dict[str, Any]) -> _Probed:
         probes = probed.probes[c.name] = [_fingerprint.probe(v) for v in views]
         entry = earlier.get(c.name)
         recorded = entry.get("probes") if entry and _same_layout(entry, c) else None
-        if not _comparable(recorded, probes) or _known.kept_prints(c.array) is not None:
-            continue  # Fingerprinted (a new array or layout, or prints kept).
+        if not _comparable(recorded, probes):
+            continue  # Fingerprinted: a new array or layout.
+        kept = _known.kept_prints(c.array) is not None  # Its fingerprints cost nothing.
         if recorded != probes:
-            if _unpadded(c):
+            if _unpadded(c) and not kept:
                 probed.changed[c.name] = c
         elif any(p is None for _, p in entry["shards"]):  # type: ignore[index]
             probed.views[c.name] = views

@@ -1,0 +1,117 @@
+"""Which source a reusing save takes its data from, on real files: the checkpointable of
+its name, or the source's only pytree; and a source it cannot link (another file system,
+or one holding several pytrees of other names), from which it writes every array, says
+why, and still records fingerprints for the saves after it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+
+import checkpointables as cp
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpointables_pytree import ocdbt, reuse
+
+from ....python_subprocess import assert_verifies
+
+pytestmark = pytest.mark.fast_path  # Linking is the fast path's.
+
+
+def _tree(shift: float = 0.0) -> dict:
+    rng = np.random.default_rng(0)
+    base = {f"w{i}": jnp.asarray(rng.standard_normal((64, 512), np.float32)) for i in range(3)}
+    return {"base": base, "adapter": jnp.full((128, 256), shift, jnp.float32)}
+
+
+def _linked(pytree_directory) -> set[str]:
+    return {a for a, source in reuse.reuse_report(pytree_directory).items() if source}
+
+
+def test_an_export_of_a_checkpointer_step_reuses_from_its_state(tmp_path, caplog) -> None:
+    with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
+        ckptr.save_pytree(0, _tree())
+        ckptr.save_pytree(1, _tree(1.0))
+    step = tmp_path / "run" / "1"
+    assert (step / "state").is_dir() and not (step / "pytree").exists()
+    exported = _tree(2.0)
+    with caplog.at_level(logging.INFO, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "export", exported, reuse_from=step)
+    assert "holds no checkpointable 'pytree': 'pytree' reuses from its only pytree" in caplog.text
+    report = reuse.reuse_report(tmp_path / "export" / "pytree")
+    # Not a step beside it: the record names the source by its path, for `inspect`.
+    assert report == {
+        **dict.fromkeys(["base.w0", "base.w1", "base.w2"], str(step)),
+        "adapter": None,
+    }
+    shutil.rmtree(tmp_path / "run")
+    loaded = cp.load_pytree(tmp_path / "export")
+    for name in ("w0", "w1", "w2"):
+        assert np.array_equal(loaded["base"][name], exported["base"][name])
+    assert np.array_equal(loaded["adapter"], exported["adapter"])
+    assert_verifies(tmp_path / "export")
+
+
+def test_a_source_of_several_other_pytrees_is_named_in_a_warning(tmp_path, caplog) -> None:
+    tree = _tree()
+    cp.save_checkpointables(tmp_path / "1", {"params": tree, "ema": tree})
+    with caplog.at_level(logging.WARNING, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    text = warning.getMessage()
+    assert str(tmp_path / "1") in text and "'ema', 'params'" in text, text
+    assert "checkpointable_name=" in text, text
+    assert not _linked(tmp_path / "2" / "pytree")
+    # Named as the source names it, the same save links.
+    cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "1", checkpointable_name="ema")
+    assert _linked(tmp_path / "3" / "ema") == {"base.w0", "base.w1", "base.w2", "adapter"}
+
+
+def _other_file_system(tmp_path):
+    """A directory on a file system other than ``tmp_path``'s (a tmpfs), or a skip."""
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system (/dev/shm) on this machine")
+    directory = os.path.join(shm, f"checkpointables-test-{uuid.uuid4().hex}")
+    os.makedirs(directory)
+    return directory
+
+
+@pytest.fixture
+def elsewhere(tmp_path):
+    directory = _other_file_system(tmp_path)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_source_on_another_file_system_is_written_and_recorded(
+    tmp_path, elsewhere, caplog
+) -> None:
+    tree = _tree()
+    source = os.path.join(elsewhere, "1")
+    cp.save_pytree(source, tree)
+    cp.save_pytree(os.path.join(elsewhere, "2"), tree, reuse_from=source)
+    with caplog.at_level(logging.INFO, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "a", tree, reuse_from=os.path.join(elsewhere, "2"))
+    assert "is on another file system than this save" in caplog.text
+    assert reuse.reuse_report(tmp_path / "a" / "pytree") == dict.fromkeys(
+        ["base.w0", "base.w1", "base.w2", "adapter"]
+    )  # Written, and recorded: the next save on this file system links from it.
+    cp.save_pytree(tmp_path / "b", tree, reuse_from=tmp_path / "a")
+    assert _linked(tmp_path / "b" / "pytree") == {"base.w0", "base.w1", "base.w2", "adapter"}
+    assert_verifies(tmp_path / "b")
+
+
+def test_a_file_that_cannot_be_hard_linked_is_copied(tmp_path, elsewhere) -> None:
+    source = os.path.join(elsewhere, "d", "0a1b")
+    os.makedirs(os.path.dirname(source))
+    content = os.urandom(100_000)
+    with open(source, "wb") as f:
+        f.write(content)
+    linked = ocdbt.Linked(source, offset=0, length=len(content))
+    ocdbt.link_files(tmp_path, [linked])  # Says so once per process in the log.
+    copied = tmp_path / "d" / "r0a1b"
+    assert copied.read_bytes() == content and os.stat(copied).st_nlink == 1
