@@ -153,7 +153,14 @@ def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) 
     if report:
         print("  incremental save (arrays of at least 64 KiB):")
     for array, source in sorted(report.items()):
-        print(f"    {array}: {'written' if source is None else f'reused from {source}'}")
+        how = "written" if source is None else f"reused from {_printable(source)}"
+        print(f"    {_printable(array)}: {how}")
+
+
+def _printable(text: str) -> str:
+    """``text`` as recorded, or quoted with escapes where it holds control characters (a
+    forged record must not drive the terminal)."""
+    return text if text.isprintable() else repr(text)
 
 
 def _print_staging(meta: dict[str, Any]) -> None:

@@ -193,6 +193,24 @@ def test_reuse_between_local_disk_and_s3_writes_everything_and_says_so_once(
     assert len(said) == 1 and "is on other storage than this save" in said[0], said
 
 
+def test_an_export_of_a_step_on_s3_copies_from_its_state(s3, bucket) -> None:
+    # A Checkpointer names its tree "state", cp.save_pytree "pytree": the export reuses
+    # from the step's only pytree, and the record names the step by its path.
+    state = _state()
+    with _checkpointer(f"{bucket}/run") as ckptr:
+        ckptr.save_pytree(0, state)
+    cp.save_pytree(f"{bucket}/export", state, reuse_from=f"{bucket}/run/0")
+    report = reuse.reuse_report(cp.path.as_path(f"{bucket}/export/pytree"))
+    assert report == dict.fromkeys(
+        ["adapter", "base.w0", "base.w1", "base.w2", "base.w3", "ema"], f"{bucket}/run/0"
+    ), report
+    client = boto3.client("s3", **_client_args(s3.endpoint))
+    for key in keys(s3, f"{bucket}/run/0"):
+        client.delete_object(Bucket=bucket.removeprefix("s3://"), Key=f"run/0/{key}")
+    assert_equal(cp.load_pytree(f"{bucket}/export"), state)
+    _verify(f"{bucket}/export")
+
+
 def test_a_checkpointer_on_s3_reuses_by_default(bucket) -> None:
     with cp.training.Checkpointer(f"{bucket}/run") as ckptr:
         ckptr.save_pytree(0, tree(1), force=True)

@@ -7,6 +7,7 @@ linked; linked files are hard links of the source's.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -153,6 +154,25 @@ def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
     assert "    adapter: written" in done.stdout, done.stdout
     assert "    base.w0: reused from 2" in done.stdout, done.stdout
     assert "    host: reused from 2" in done.stdout, done.stdout
+
+
+def test_inspect_quotes_control_characters_of_a_forged_record(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree, reuse_from=None)
+    cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    record_file = tmp_path / "2" / "pytree" / reuse.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    record["arrays"]["evil\x1b[2J"] = {"reused_from": "\x1b]0;owned\x07"}
+    record_file.write_text(json.dumps(record))
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpointables", "inspect", str(tmp_path / "2")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "    'evil\\x1b[2J': reused from '\\x1b]0;owned\\x07'" in done.stdout, done.stdout
+    assert "    base.w0: reused from 1" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("sharded_changes", [True, False])
