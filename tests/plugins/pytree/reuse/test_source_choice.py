@@ -115,3 +115,14 @@ def test_a_file_that_cannot_be_hard_linked_is_copied(tmp_path, elsewhere) -> Non
     ocdbt.link_files(tmp_path, [linked])  # Says so once per process in the log.
     copied = tmp_path / "d" / "r0a1b"
     assert copied.read_bytes() == content and os.stat(copied).st_nlink == 1
+
+
+def test_a_source_that_tracked_no_array_is_not_called_unrecorded(tmp_path, caplog) -> None:
+    small = {"a": np.ones(10, np.float32), "b": jnp.zeros(100)}  # Under 64 KiB: untracked.
+    cp.save_pytree(tmp_path / "1", small)
+    cp.save_pytree(tmp_path / "2", small, reuse_from=tmp_path / "1")
+    assert (tmp_path / "2" / "pytree" / reuse.RECORD_FILE).exists()
+    with caplog.at_level(logging.INFO, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "3", small, reuse_from=tmp_path / "2")
+    assert str(tmp_path / "2") not in caplog.text  # A record of no arrays: nothing to say.
+    assert np.array_equal(cp.load_pytree(tmp_path / "3")["b"], small["b"])

@@ -290,8 +290,8 @@ def _located(
     """The source to link from and how the record names it (``None``: nothing can be
     linked). A source without a record (saved without reuse) is one only where its stored
     bytes can be compared (``comparable``); the log says once what happens."""
-    if source is None:
-        return None, ""
+    if source is None or recorded.get("arrays") == {}:
+        return None, ""  # None, or a record of no arrays (all small): nothing to link.
     if not recorded.get("arrays"):
         _say_what_without_a_record(source, comparable)
         if not comparable:
