@@ -33,7 +33,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import errors, layout, storage
+from checkpointables import _confinement, errors, layout, storage
 
 __all__ = [
     "SaveReuse",
@@ -107,6 +107,8 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
       FileNotFoundError: nothing is at ``reuse_from``.
       cp.errors.NotACheckpointError: it is not a committed checkpoint.
       cp.errors.InvalidArgumentError: it is the checkpoint being saved.
+      cp.errors.OutsideCheckpointError: a symbolic link in it leads outside it.
+      cp.errors.IntegrityError: it holds a named pipe, a socket or a device.
     """
     from checkpointables.path._parse import as_path
 
@@ -125,6 +127,8 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
             f"reuse_from={source} is not a committed checkpoint (no commit marker); pass a "
             f"committed checkpoint, or None to write everything."
         )
+    # As a load would: no file outside it is compared, linked or copied into the new one.
+    _confinement.check_contained(source)
     return source
 
 

@@ -162,7 +162,8 @@ def test_inspect_quotes_control_characters_of_a_forged_record(tmp_path) -> None:
     cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
     record_file = tmp_path / "2" / "pytree" / reuse.RECORD_FILE
     record = json.loads(record_file.read_text())
-    record["arrays"]["evil\x1b[2J"] = {"reused_from": "\x1b]0;owned\x07"}
+    forged = {"signature": "s", "shards": [], "reused_from": "\x1b]0;owned\x07"}
+    record["arrays"]["evil\x1b[2J"] = forged
     record_file.write_text(json.dumps(record))
     done = subprocess.run(
         [sys.executable, "-m", "checkpointables", "inspect", str(tmp_path / "2")],

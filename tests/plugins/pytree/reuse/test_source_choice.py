@@ -113,7 +113,7 @@ def test_a_file_that_cannot_be_hard_linked_is_copied(tmp_path, elsewhere) -> Non
         f.write(content)
     linked = ocdbt.Linked(source, offset=0, length=len(content))
     ocdbt.link_files(tmp_path, [linked])  # Says so once per process in the log.
-    copied = tmp_path / "d" / "r0a1b"
+    copied = tmp_path / linked.name
     assert copied.read_bytes() == content and os.stat(copied).st_nlink == 1
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import itertools
 import os
 import secrets
@@ -80,7 +81,7 @@ def _resolved(parts: Sequence[Buffer]) -> list[Buffer]:
 class Linked:
     """A value that is already in a data file of another database, which the new one links
     (``link_files``): ``length`` bytes at ``offset`` of ``source``, linked as ``name``
-    (``d/r<hex>``: never the name of a file the layout writes). On an object store,
+    (``linked_name``: never the name of a file the layout writes). On an object store,
     ``listed`` is the source object as the save listed it (size, ETag): what is copied."""
 
     __slots__ = ("length", "listed", "name", "offset", "source")
@@ -92,7 +93,15 @@ class Linked:
         self.offset = offset
         self.length = length
         self.listed = listed
-        self.name = "d/r" + os.path.basename(source).lstrip("r")
+        self.name = linked_name(source)
+
+
+def linked_name(source: str) -> str:
+    """The name (``d/r<hex>``) a database gives its link of the file at ``source``: a hash
+    of the whole path, so that two source files never share one (a source's ``d/x`` and
+    ``d/rx``, or ``d/x`` and ``e/x``: a forged b-tree may name both), and no name of a
+    file the layout writes (``d/<hex>``)."""
+    return "d/r" + hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
 
 
 def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:

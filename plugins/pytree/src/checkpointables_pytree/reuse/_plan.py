@@ -102,12 +102,41 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
-        data = json.loads(cp.storage.read_text(path))
-    except (OSError, ValueError):  # Missing or unreadable (cp.errors.StorageError: OSError).
-        return {}
+        data = cp.safe_json.loads(cp.storage.read_bytes(path), source=path)
+    except (OSError, ValueError):  # Missing, unreadable (cp.errors.StorageError: OSError),
+        return {}  # or damaged (cp.errors.MetadataError: ValueError): nothing recorded.
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return {}
-    return {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
+    found = {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
+    if "arrays" in found:
+        found["arrays"] = {k: v for k, v in found["arrays"].items() if _well_formed(v)}
+    return found
+
+
+def _well_formed(entry: Any) -> bool:
+    """Whether a recorded array has the form ``_entry`` gives it. Others (a damaged or
+    forged record's) are left out: their arrays are written, never compared."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("signature"), str):
+        return False
+    shards, probes = entry.get("shards"), entry.get("probes", [])
+    return (
+        isinstance(shards, list)
+        and all(_well_formed_shard(shard) for shard in shards)
+        and isinstance(probes, list)
+        and all(isinstance(p, str) for p in probes)
+        and isinstance(entry.get("reused_from", ""), str)
+    )
+
+
+def _well_formed_shard(shard: Any) -> bool:
+    """``[starts, fingerprint]``: a list of ints, and a string or ``None``."""
+    return (
+        isinstance(shard, list)
+        and len(shard) == 2
+        and isinstance(shard[0], list)
+        and all(type(i) is int for i in shard[0])
+        and (shard[1] is None or isinstance(shard[1], str))
+    )
 
 
 def _entry(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -67,7 +68,8 @@ class Source:
         return present
 
     def _size(self, file: str) -> int:
-        """The file's size (-1: missing, or an object other than the one recorded)."""
+        """The file's size (-1: missing, not a regular file, or an object other than the one
+        recorded)."""
         if not self._local:
             found = self.listed.get(file)
             recorded = self._recorded.get(file.removeprefix(self._root))
@@ -75,9 +77,12 @@ class Source:
                 return -1
             return int(found.size)
         try:
-            return os.stat(file).st_size
+            status = os.lstat(file)
         except OSError:
             return -1
+        # A regular file only: a symbolic link would be linked as one (and may lead out of
+        # the source), a directory or a pipe cannot be.
+        return status.st_size if stat.S_ISREG(status.st_mode) else -1
 
     def linked(self, keys: Sequence[str], places: dict[str, ocdbt.ValueLocation]) -> list[Any]:
         """``(key, ocdbt.Linked)`` for each of ``keys`` (all in ``places``)."""

@@ -1,0 +1,176 @@
+"""A ``reuse_from`` source that someone else controls, on real files: a save from it
+either commits exactly the tree it was given, with no symbolic link and no file from
+outside the source, or fails with a documented error and commits nothing.
+
+(A record forged to claim the save's fingerprints is trusted, as documented in
+``docs/integrity.md``; not tested here.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import checkpointables as cp
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from checkpointables_pytree import ocdbt, reuse
+
+from ....python_subprocess import assert_verifies
+
+pytestmark = pytest.mark.fast_path  # Linking is the fast path's.
+
+
+def _tree() -> dict:
+    a = jnp.arange(64 * 1024, dtype=jnp.float32).reshape(256, 256)
+    return {"a": a, "b": a * 3 + 1, "n": np.arange(32 * 1024, dtype=np.float64) * 7}
+
+
+def _assert_saved_exactly(path, tree) -> None:
+    loaded = cp.load_pytree(path)
+    for name, value in tree.items():
+        assert np.asarray(loaded[name]).tobytes() == np.asarray(value).tobytes(), name
+    for directory, names, files in os.walk(path):
+        for name in names + files:
+            assert not os.path.islink(os.path.join(directory, name)), (directory, name)
+    assert_verifies(path)
+
+
+def _place(database: str, placement: dict[str, str]) -> None:
+    """Rewrites ``database`` (an OCDBT database of ours) so that the values of the keys in
+    ``placement`` lie in data files of the given names; the others in ``d/rest``."""
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{database}/"}).result()
+    values = {k.decode(): store.read(k).result().value for k in store.list().result()}
+    for name in (ocdbt.MANIFEST_FILE, "_btree_checksums", "d"):
+        path = os.path.join(database, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    files: dict[str, bytearray] = {}
+    keys, lengths, fixed = sorted(values), [], []
+    for key in keys:
+        value = values[key]
+        lengths.append(len(value))
+        if len(value) <= ocdbt.MAX_INLINE_VALUE_BYTES:
+            fixed.append(value)
+            continue
+        name = placement.get(key, "d/rest")
+        content = files.setdefault(name, bytearray())
+        linked = ocdbt.Linked(os.path.join(database, name), len(content), len(value))
+        linked.name = name  # Where the b-tree places it.
+        content += value
+        fixed.append(linked)
+    for name, content in files.items():
+        os.makedirs(os.path.dirname(os.path.join(database, name)), exist_ok=True)
+        with open(os.path.join(database, name), "wb") as f:
+            f.write(content)
+    layout = ocdbt.DatabaseLayout(keys, lengths, fixed, file_bytes=32 << 20)
+    btree, manifest = layout.btree_file(layout.file_names(), [])
+    ocdbt.write_local_file(database, btree, flush=False)
+    with open(os.path.join(database, ocdbt.MANIFEST_FILE), "wb") as f:
+        f.write(manifest)
+
+
+@pytest.mark.parametrize("second", ["d/rX", "e/X"], ids=["r-prefixed", "another-directory"])
+def test_two_source_files_of_one_name_are_linked_apart(tmp_path, second) -> None:
+    tree = _tree()
+    source = tmp_path / "source"
+    cp.save_pytree(source, tree)  # No record: its bytes are compared in full.
+    _place(str(source / "pytree"), {"a/c/0/0": "d/X", "b/c/0/0": second})
+    cp.metadata_checksums.record(source)
+    _assert_saved_exactly(source, tree)  # The source itself is sound.
+    cp.save_pytree(tmp_path / "new", tree, reuse_from=source)
+    linked = {a for a, s in reuse.reuse_report(tmp_path / "new" / "pytree").items() if s}
+    assert linked == {"a", "b"}
+    _assert_saved_exactly(tmp_path / "new", tree)
+
+
+def _data_files(pytree_directory) -> list[str]:
+    data = os.path.join(pytree_directory, "d")
+    return [os.path.join(data, name) for name in os.listdir(data)]
+
+
+def test_a_data_file_that_is_a_link_out_of_the_source_is_refused(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "source", tree)
+    (tmp_path / "outside").mkdir()
+    for file in _data_files(tmp_path / "source" / "pytree"):  # Same bytes, elsewhere.
+        moved = tmp_path / "outside" / os.path.basename(file)
+        shutil.move(file, moved)
+        os.symlink(moved, file)
+    with pytest.raises(cp.errors.OutsideCheckpointError, match="outside the checkpoint"):
+        cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
+    assert not (tmp_path / "new").exists()
+
+
+def _recorded_source(root, tree):
+    """A checkpoint whose record lists every array, each in data files of its own (a
+    reusing Checkpointer's first step), and its pytree's directory."""
+    with cp.training.Checkpointer(root, reuse_unchanged=True) as ckptr:
+        ckptr.save_pytree(0, tree)
+    return root / "0", root / "0" / "state"
+
+
+@pytest.mark.parametrize("inside", ["symlink", "directory"])
+def test_a_data_file_that_is_not_a_regular_file_is_not_linked(tmp_path, inside) -> None:
+    tree = _tree()
+    source, pytree = _recorded_source(tmp_path / "run", tree)
+    for file in _data_files(pytree):
+        size = os.path.getsize(file)
+        if size < reuse.MIN_BYTES:
+            continue  # The b-tree's file.
+        if inside == "symlink":  # To a file inside the checkpoint: allowed there.
+            moved = source / f"moved-{os.path.basename(file)}"
+            shutil.move(file, moved)
+            os.symlink(moved, file)
+            continue
+        os.remove(file)  # A directory at least as large: its size passes for a file's.
+        os.mkdir(file)
+        for i in range(20_000):
+            if os.path.getsize(file) >= size:
+                break
+            open(os.path.join(file, f"{i:0200d}"), "w").close()
+        else:
+            pytest.skip("this file system's directories do not grow with their entries")
+    cp.save_pytree(tmp_path / "new", tree, reuse_from=source)
+    assert not any(reuse.reuse_report(tmp_path / "new" / "pytree").values())
+    _assert_saved_exactly(tmp_path / "new", tree)
+
+
+_MALFORMED = {
+    "entry-a-string": "x",
+    "shards-an-int": {"signature": "s", "shards": 3},
+    "shard-an-int": {"signature": "s", "shards": [3]},
+    "shard-of-three": {"signature": "s", "shards": [[[0], "p", "q"]]},
+    "shard-empty": {"signature": "s", "shards": [[]]},
+    "starts-of-floats": {"signature": "s", "shards": [[[0.5], "p"]]},
+    "probes-of-ints": {"signature": "s", "shards": [[[0], "p"]], "probes": [1]},
+    "signature-a-list": {"signature": ["s"], "shards": []},
+}
+
+
+@pytest.mark.parametrize("entry", list(_MALFORMED), ids=list(_MALFORMED))
+def test_a_malformed_record_entry_is_ignored(tmp_path, entry) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    cp.save_pytree(tmp_path / "source", tree, reuse_from=tmp_path / "1")
+    record_file = tmp_path / "source" / "pytree" / reuse.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    good = record["arrays"]["b"]
+    record["arrays"] = {"a": _MALFORMED[entry], "b": good, "n": _MALFORMED[entry]}
+    record_file.write_text(json.dumps(record))
+    cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
+    linked = {a for a, s in reuse.reuse_report(tmp_path / "new" / "pytree").items() if s}
+    assert "b" in linked and "n" not in linked  # The well-formed entry still counts.
+    _assert_saved_exactly(tmp_path / "new", tree)
+
+
+def test_a_record_nested_too_deeply_counts_as_none(tmp_path) -> None:
+    tree = _tree()
+    cp.save_pytree(tmp_path / "1", tree)
+    cp.save_pytree(tmp_path / "source", tree, reuse_from=tmp_path / "1")
+    record_file = tmp_path / "source" / "pytree" / reuse.RECORD_FILE
+    record_file.write_text("[" * 100_000 + "]" * 100_000)
+    cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
+    _assert_saved_exactly(tmp_path / "new", tree)
