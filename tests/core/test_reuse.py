@@ -43,6 +43,7 @@ def test_a_predicate_that_does_not_answer_true_or_false_fails_the_save(
 def test_numpy_booleans_are_answers(tmp_path) -> None:
     frozen = cp.reuse.checked_frozen(lambda name: np.str_(name).startswith("base."))
     assert frozen("base.w") is True and frozen("adapter") is False
+    assert cp.reuse.checked_frozen(frozen) is frozen  # Checked once, not wrapped twice.
     with cp.training.Checkpointer(tmp_path, reuse_unchanged=lambda n: np.bool_(n == "base.w")) as c:
         c.save_pytree(0, _tree())
         c.save_pytree(1, _tree())

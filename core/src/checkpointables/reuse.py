@@ -147,7 +147,7 @@ def checked_frozen(predicate: Frozen) -> Frozen:
         frozen = cp.reuse.checked_frozen(lambda name: name.startswith("base."))
         frozen("base.w")  # True
     """
-    if getattr(predicate, "_checked_frozen", False):
+    if isinstance(predicate, _CheckedFrozen):
         return predicate
     try:
         inspect.signature(predicate).bind("params.w")
@@ -158,10 +158,18 @@ def checked_frozen(predicate: Frozen) -> Frozen:
             f"reuse_unchanged must be a predicate of one argument, a leaf's name as stored "
             f"(e.g. 'params.w'); {predicate!r} cannot be called so: {e}."
         ) from None
+    return _CheckedFrozen(predicate)
 
-    def is_frozen(name: str) -> bool:
+
+class _CheckedFrozen:
+    """A declaration of frozen leaves whose every answer is checked (``checked_frozen``)."""
+
+    def __init__(self, predicate: Frozen) -> None:
+        self._predicate = predicate
+
+    def __call__(self, name: str) -> bool:
         try:
-            answer = predicate(name)
+            answer = self._predicate(name)
         except Exception as e:
             raise errors.InvalidArgumentError(
                 f"reuse_unchanged's predicate raised {e!r} on the leaf {name!r}: it must "
@@ -174,9 +182,6 @@ def checked_frozen(predicate: Frozen) -> Frozen:
                 f"fingerprint, so nothing else is taken for an answer)."
             )
         return bool(answer)
-
-    is_frozen._checked_frozen = True  # type: ignore[attr-defined]
-    return is_frozen
 
 
 def _is_bool(answer: object) -> bool:
