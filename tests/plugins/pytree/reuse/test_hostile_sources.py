@@ -20,6 +20,7 @@ import tensorstore as ts
 from checkpointables_pytree import ocdbt, reuse
 
 from ....python_subprocess import assert_verifies
+from .helpers import linked_names
 
 pytestmark = pytest.mark.fast_path  # Linking is the fast path's.
 
@@ -81,7 +82,7 @@ def test_two_source_files_of_one_name_are_linked_apart(tmp_path, second) -> None
     cp.metadata_checksums.record(source)
     _assert_saved_exactly(source, tree)  # The source itself is sound.
     cp.save_pytree(tmp_path / "new", tree, reuse_from=source)
-    linked = {a for a, s in reuse.reuse_report(tmp_path / "new" / "pytree").items() if s}
+    linked = linked_names(tmp_path / "new")
     assert linked == {"a", "b"}
     _assert_saved_exactly(tmp_path / "new", tree)
 
@@ -161,7 +162,7 @@ def test_a_malformed_record_entry_is_ignored(tmp_path, entry) -> None:
     record["arrays"] = {"a": _MALFORMED[entry], "b": good, "n": _MALFORMED[entry]}
     record_file.write_text(json.dumps(record))
     cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
-    linked = {a for a, s in reuse.reuse_report(tmp_path / "new" / "pytree").items() if s}
+    linked = linked_names(tmp_path / "new")
     assert "b" in linked and "n" not in linked  # The well-formed entry still counts.
     _assert_saved_exactly(tmp_path / "new", tree)
 

@@ -15,18 +15,13 @@ import checkpointables as cp
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables_pytree import reuse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ....python_subprocess import assert_verifies
+from .helpers import linked_names
 
 pytestmark = pytest.mark.fast_path
-
-
-def _linked_names(checkpoint) -> set[str]:
-    report = reuse.reuse_report(checkpoint / "pytree")
-    return {name for name, source in report.items() if source is not None}
 
 
 def _tree(seed: int) -> dict:
@@ -47,12 +42,12 @@ def test_unchanged_arrays_link_from_a_plain_checkpoint_and_stay_whole(tmp_path, 
     changed = dict(tree, w1=tree["w1"].at[3, 7].add(1.0))
     with caplog.at_level(logging.INFO, logger="checkpointables.reuse"):
         cp.save_pytree(tmp_path / "1", changed, reuse_from=tmp_path / "base")
-    assert _linked_names(tmp_path / "1") == {"w0", "w2"}
+    assert linked_names(tmp_path / "1") == {"w0", "w2"}
     said = [r.getMessage() for r in caplog.records if r.name == "checkpointables.reuse"]
     assert any("links the arrays on CPU devices whose bytes equal" in m for m in said), said
     # Fingerprints recorded: the next save links from this one by them.
     cp.save_pytree(tmp_path / "2", changed, reuse_from=tmp_path / "1")
-    assert _linked_names(tmp_path / "2") == {"w0", "w1", "w2", "host"}
+    assert linked_names(tmp_path / "2") == {"w0", "w1", "w2", "host"}
     shutil.rmtree(tmp_path / "base")
     shutil.rmtree(tmp_path / "2")
     _assert_loads(tmp_path / "1", changed)
@@ -73,7 +68,7 @@ def test_a_single_bit_changed_since_a_plain_source_is_never_linked(
     index = data.draw(st.integers(0, size - 1))
     changed.view(np.uint32)[index] ^= np.uint32(1 << data.draw(st.integers(0, 31)))
     cp.save_pytree(root / "1", {"w": jnp.asarray(changed)}, reuse_from=root / "base")
-    assert _linked_names(root / "1") == set()
+    assert linked_names(root / "1") == set()
     assert np.asarray(cp.load_pytree(root / "1")["w"]).tobytes() == changed.tobytes()
 
 
@@ -87,13 +82,13 @@ def test_a_damaged_or_compressed_source_links_nothing(tmp_path) -> None:
         raw[at] ^= 0xFF
     target.write_bytes(bytes(raw))
     cp.save_pytree(tmp_path / "1", tree, reuse_from=tmp_path / "base")
-    assert _linked_names(tmp_path / "1") == set()
+    assert linked_names(tmp_path / "1") == set()
     _assert_loads(tmp_path / "1", tree)
     assert_verifies(tmp_path / "1")
     with cp.Context(array_options=cp.options.ArrayOptions(use_compression=True)):
         cp.save_pytree(tmp_path / "zipped", tree)
     cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "zipped")
-    assert _linked_names(tmp_path / "2") == set()
+    assert linked_names(tmp_path / "2") == set()
 
 
 def test_a_source_of_another_shape_links_only_identical_chunks(tmp_path) -> None:
@@ -106,6 +101,6 @@ def test_a_source_of_another_shape_links_only_identical_chunks(tmp_path) -> None
     _assert_loads(tmp_path / "1", tree)
     cp.save_pytree(tmp_path / "other", {"w": jnp.asarray(values[:32])})
     cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "other")
-    assert _linked_names(tmp_path / "2") == set()
+    assert linked_names(tmp_path / "2") == set()
     _assert_loads(tmp_path / "2", tree)
     assert_verifies(tmp_path / "1")

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ....python_subprocess import assert_verifies
+from .helpers import linked_names
 
 pytestmark = pytest.mark.fast_path
 
@@ -31,11 +32,6 @@ def _record(checkpoint) -> dict:
 
 def _prints(checkpoint, name: str) -> list[str | None]:
     return [p for _, p in _record(checkpoint)[name]["shards"]]
-
-
-def _linked_names(checkpoint) -> set[str]:
-    report = reuse.reuse_report(checkpoint / "pytree")
-    return {name for name, source in report.items() if source is not None}
 
 
 def _tree(seed: int) -> dict:
@@ -69,7 +65,7 @@ def test_a_changed_array_is_written_without_a_fingerprint(tmp_path) -> None:
     assert _prints(tmp_path / "2", "w1") == [None]
     raw = reuse.host_bytes(np.asarray(changed["w1"]))
     assert _record(tmp_path / "2")["w1"]["probes"] == [reuse.probe(raw)]
-    assert _linked_names(tmp_path / "2") == {"w0", "w2"}
+    assert linked_names(tmp_path / "2") == {"w0", "w2"}
     loaded = cp.load_pytree(tmp_path / "2")
     assert all(np.array_equal(loaded[k], v) for k, v in changed.items())
 
@@ -79,10 +75,10 @@ def test_an_array_unchanged_after_its_change_links_by_its_bytes(tmp_path) -> Non
     # so step 3 compares the bytes, links them, and records the fingerprint for step 4.
     changed = _with_a_changed_step(tmp_path, _tree(1), "w1")
     cp.save_pytree(tmp_path / "3", _fresh(changed), reuse_from=tmp_path / "2")
-    assert _linked_names(tmp_path / "3") == {"w0", "w1", "w2"}
+    assert linked_names(tmp_path / "3") == {"w0", "w1", "w2"}
     assert _prints(tmp_path / "3", "w1") == [_host_print(changed["w1"])]
     cp.save_pytree(tmp_path / "4", _fresh(changed), reuse_from=tmp_path / "3")
-    assert _linked_names(tmp_path / "4") == {"w0", "w1", "w2"}
+    assert linked_names(tmp_path / "4") == {"w0", "w1", "w2"}
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "3")
     loaded = cp.load_pytree(tmp_path / "4")
@@ -108,7 +104,7 @@ def test_a_single_bit_changed_after_an_unprinted_step_is_never_linked(
     index = data.draw(st.integers(0, size - 1))
     changed.view(np.uint32)[index] ^= np.uint32(1 << data.draw(st.integers(0, 31)))
     cp.save_pytree(root / "3", {"w": jnp.asarray(changed)}, reuse_from=root / "2")
-    assert _linked_names(root / "3") == set()
+    assert linked_names(root / "3") == set()
     assert np.asarray(cp.load_pytree(root / "3")["w"]).tobytes() == changed.tobytes()
 
 
@@ -124,7 +120,7 @@ def test_a_damaged_source_chunk_is_written_afresh(tmp_path) -> None:
     raw[len(raw) // 2] ^= 0xFF
     target.write_bytes(bytes(raw))
     cp.save_pytree(tmp_path / "3", _fresh(changed), reuse_from=tmp_path / "2")
-    assert _linked_names(tmp_path / "3") == {"w0", "w2"}
+    assert linked_names(tmp_path / "3") == {"w0", "w2"}
     loaded = cp.load_pytree(tmp_path / "3")
     assert all(np.array_equal(loaded[k], v) for k, v in changed.items())
     assert_verifies(tmp_path / "3")

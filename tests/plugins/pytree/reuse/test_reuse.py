@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ....python_subprocess import assert_verifies
+from .helpers import linked_names
 
 # Linking is the fast path's (our own database writer's): CI's run with it off keeps it on
 # here, and one test below turns it off itself.
@@ -74,19 +75,13 @@ def _linked_files(checkpoint) -> set[str]:
     return found
 
 
-def _linked_names(checkpoint, name: str = "pytree") -> set[str]:
-    """The arrays of ``checkpoint``'s ``name`` that were linked from its source."""
-    report = reuse.reuse_report(checkpoint / name)
-    return {array for array, source in report.items() if source is not None}
-
-
 def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> None:
     tree = _tree()
     cp.save_pytree(tmp_path / "1", tree)
     cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")  # records fingerprints
     changed = dict(tree, adapter=tree["adapter"] + 1, host=tree["host"] + 1)
     cp.save_pytree(tmp_path / "3", changed, reuse_from=tmp_path / "2")
-    assert _linked_names(tmp_path / "3") == {f"base.w{i}" for i in range(4)} | {"bf16"}
+    assert linked_names(tmp_path / "3") == {f"base.w{i}" for i in range(4)} | {"bf16"}
     assert _linked_files(tmp_path / "3")
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "1")
@@ -134,9 +129,9 @@ def test_a_source_saved_without_reuse_says_what_the_save_does(tmp_path, caplog) 
         cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
     said = [r.getMessage() for r in caplog.records if r.name == "checkpointables.reuse"]
     assert any(f"reuse_from={tmp_path / '1'}: its 'pytree' has no record" in m for m in said)
-    assert len(_linked_names(tmp_path / "2")) == 6  # All but the NumPy array: compared.
+    assert len(linked_names(tmp_path / "2")) == 6  # All but the NumPy array: compared.
     cp.save_checkpointables(tmp_path / "3", {"state": tree}, reuse_from=tmp_path / "2")
-    assert len(_linked_names(tmp_path / "3", "state")) == 7  # Recorded: every array.
+    assert len(linked_names(tmp_path / "3", "state")) == 7  # Recorded: every array.
 
 
 def test_inspect_shows_each_array_written_or_reused(tmp_path) -> None:
@@ -228,9 +223,9 @@ def test_async_forms_and_save_checkpointables(tmp_path) -> None:
     ).result()
     cp.save_pytree_async(tmp_path / "3", tree, reuse_from=tmp_path / "2").result()
     # No "pytree" in step 2: its only pytree, "state", stands in (its "cfg" is JSON).
-    assert len(_linked_names(tmp_path / "3")) == 7
+    assert len(linked_names(tmp_path / "3")) == 7
     cp.save_checkpointables(tmp_path / "4", {"state": tree}, reuse_from=tmp_path / "2")
-    assert len(_linked_names(tmp_path / "4", "state")) == 7
+    assert len(linked_names(tmp_path / "4", "state")) == 7
     shutil.rmtree(tmp_path / "2")
     _assert_same(cp.load_checkpointables(tmp_path / "4")["state"], tree)
 

@@ -17,6 +17,7 @@ import pytest
 from checkpointables_pytree import ocdbt, reuse
 
 from ....python_subprocess import assert_verifies
+from .helpers import linked_names
 
 pytestmark = pytest.mark.fast_path  # Linking is the fast path's.
 
@@ -25,10 +26,6 @@ def _tree(shift: float = 0.0) -> dict:
     rng = np.random.default_rng(0)
     base = {f"w{i}": jnp.asarray(rng.standard_normal((64, 512), np.float32)) for i in range(3)}
     return {"base": base, "adapter": jnp.full((128, 256), shift, jnp.float32)}
-
-
-def _linked(pytree_directory) -> set[str]:
-    return {a for a, source in reuse.reuse_report(pytree_directory).items() if source}
 
 
 def test_an_export_of_a_checkpointer_step_reuses_from_its_state(tmp_path, caplog) -> None:
@@ -64,10 +61,10 @@ def test_a_source_of_several_other_pytrees_is_named_in_a_warning(tmp_path, caplo
     text = warning.getMessage()
     assert str(tmp_path / "1") in text and "'ema', 'params'" in text, text
     assert "checkpointable_name=" in text, text
-    assert not _linked(tmp_path / "2" / "pytree")
+    assert not linked_names(tmp_path / "2")
     # Named as the source names it, the same save links.
     cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "1", checkpointable_name="ema")
-    assert _linked(tmp_path / "3" / "ema") == {"base.w0", "base.w1", "base.w2", "adapter"}
+    assert linked_names(tmp_path / "3", "ema") == {"base.w0", "base.w1", "base.w2", "adapter"}
 
 
 def _other_file_system(tmp_path):
@@ -101,7 +98,7 @@ def test_a_source_on_another_file_system_is_written_and_recorded(
         ["base.w0", "base.w1", "base.w2", "adapter"]
     )  # Written, and recorded: the next save on this file system links from it.
     cp.save_pytree(tmp_path / "b", tree, reuse_from=tmp_path / "a")
-    assert _linked(tmp_path / "b" / "pytree") == {"base.w0", "base.w1", "base.w2", "adapter"}
+    assert linked_names(tmp_path / "b") == {"base.w0", "base.w1", "base.w2", "adapter"}
     assert_verifies(tmp_path / "b")
 
 
