@@ -139,6 +139,34 @@ def test_a_data_file_that_is_not_a_regular_file_is_not_linked(tmp_path, inside) 
     _assert_saved_exactly(tmp_path / "new", tree)
 
 
+@pytest.mark.parametrize("replacement", ["symlink", "pipe", "directory"])
+@pytest.mark.parametrize("where", ["linked", "copied"])  # Copied: on another file system.
+def test_a_data_file_replaced_after_it_was_chosen_is_not_taken(
+    tmp_path, request, where, replacement
+) -> None:
+    # What a source's file may become between the save's check of it and its link: a
+    # writer racing the save. The link (or copy) must not put it in the new checkpoint.
+    directory = str(tmp_path) if where == "linked" else request.getfixturevalue("elsewhere")
+    os.makedirs(os.path.join(directory, "d"))
+    secret = os.path.join(directory, "outside")
+    with open(secret, "wb") as f:
+        f.write(b"not the checkpoint's" * 1000)
+    source = os.path.join(directory, "d", "0a1b")
+    if replacement == "symlink":
+        os.symlink(secret, source)
+    elif replacement == "pipe":
+        os.mkfifo(source)
+    else:
+        os.mkdir(source)
+    database = tmp_path / "new"
+    database.mkdir()
+    linked = ocdbt.Linked(source, offset=0, length=100)
+    with pytest.raises(cp.errors.IntegrityError, match="during the save") as raised:
+        ocdbt.link_files(database, [linked])
+    assert source in str(raised.value)
+    assert not os.path.lexists(database / linked.name)
+
+
 _MALFORMED = {
     "entry-a-string": "x",
     "shards-an-int": {"signature": "s", "shards": 3},

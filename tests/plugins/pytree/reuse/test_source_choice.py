@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import uuid
 
 import checkpointables as cp
 import jax.numpy as jnp
@@ -65,23 +64,6 @@ def test_a_source_of_several_other_pytrees_is_named_in_a_warning(tmp_path, caplo
     # Named as the source names it, the same save links.
     cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "1", checkpointable_name="ema")
     assert linked_names(tmp_path / "3", "ema") == {"base.w0", "base.w1", "base.w2", "adapter"}
-
-
-def _other_file_system(tmp_path):
-    """A directory on a file system other than ``tmp_path``'s (a tmpfs), or a skip."""
-    shm = "/dev/shm"
-    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("no second file system (/dev/shm) on this machine")
-    directory = os.path.join(shm, f"checkpointables-test-{uuid.uuid4().hex}")
-    os.makedirs(directory)
-    return directory
-
-
-@pytest.fixture
-def elsewhere(tmp_path):
-    directory = _other_file_system(tmp_path)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_source_on_another_file_system_is_written_and_recorded(

@@ -32,6 +32,7 @@ import itertools
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,6 +115,8 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
 
     Raises:
       cp.errors.StorageError: a server-side copy failed (its source gone or replaced).
+      cp.errors.IntegrityError: a local source file is no longer a regular file (replaced
+        since the save chose it); nothing of it is left in ``database``.
     """
     unique = list({value.name: value for value in linked}.values())
     if not _context.is_local(database):
@@ -131,11 +134,12 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
     for value in unique:  # Names are relative ("d/r<hex>"): no os.path.join per file.
         target = f"{root}/{value.name}"
         try:
-            os.link(value.source, target)
+            os.link(value.source, target, follow_symlinks=False)
         except OSError as e:
             if e.errno not in _NO_HARD_LINK:
                 raise
             _copy_instead(value.source, target, e)
+        _check_linked(value.source, target)
 
 
 # A file system that cannot link this file here: another file system (a save's
@@ -152,12 +156,33 @@ def _copy_instead(source: str, target: str, why: OSError) -> None:
         f"Cannot hard-link {source} ({why.strerror}): reused files are copied instead "
         f"(in the kernel: their bytes are written again, not sent through Python).",
     )
-    shutil.copyfile(source, target)  # sendfile on Linux: in the kernel.
+    try:  # sendfile on Linux: in the kernel. A symbolic link is copied as one, not followed.
+        shutil.copyfile(source, target, follow_symlinks=False)
+    except (shutil.SpecialFileError, IsADirectoryError) as e:  # A pipe, a directory.
+        raise _replaced(source, "a pipe, a device or a directory") from e
     fd = os.open(target, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _check_linked(source: str, target: str) -> None:
+    """Removes ``target`` and fails the save if what it names is no regular file: the
+    source's file, found regular when the save chose it, was replaced since (by a
+    symbolic link, say, which the new checkpoint must not hold)."""
+    mode = os.lstat(target).st_mode
+    if not stat.S_ISREG(mode):
+        os.unlink(target)
+        raise _replaced(source, "a symbolic link" if stat.S_ISLNK(mode) else "no regular file")
+
+
+def _replaced(source: str, kind: str) -> cp.errors.IntegrityError:
+    return cp.errors.IntegrityError(
+        f"{source}, a data file this save reuses, became {kind} during the save: nothing "
+        f"was taken from it, and this save is not committed. Someone is writing into the "
+        f"checkpoint it reuses from; save again, reusing from storage no one else writes."
+    )
 
 
 class DataFile:
