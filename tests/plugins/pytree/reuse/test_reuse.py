@@ -353,6 +353,44 @@ def _data_files(checkpoint) -> list[str]:
     ]
 
 
+def _layers(count: int) -> dict:
+    """A model's layers: a kernel to reuse and a bias (under ``reuse.MIN_BYTES``) each."""
+    rng = np.random.default_rng(5)
+    return {
+        f"layer{i}": {
+            "bias": jnp.full((512,), float(i), jnp.float32),
+            "kernel": jnp.asarray(rng.standard_normal((64, 512), np.float32)),
+        }
+        for i in range(count)
+    }
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["fingerprinted", "declared-frozen"])
+def test_small_arrays_start_no_data_file_of_their_own(tmp_path, declared) -> None:
+    # Rewritten at every save, arrays under MIN_BYTES fill the file being written: 300 of
+    # them cost no more files than in a plain save, and the biases between frozen kernels
+    # do not split the kernels' shared files.
+    small = {f"s{i:03d}": jnp.full((256,), float(i), jnp.float32) for i in range(300)}
+    tree = {"adapter": jnp.zeros((128, 256), jnp.float32), "base": _layers(8), "small": small}
+    with _checkpointer(tmp_path / "plain", reuse_unchanged=False) as ckptr:
+        ckptr.save_pytree(0, tree)
+    frozen = (lambda name: name.startswith("base.")) if declared else True
+    changed = dict(tree, adapter=tree["adapter"] + 1)
+    with _checkpointer(tmp_path / "run", reuse_unchanged=frozen) as ckptr:
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, changed)
+        assert ckptr.last_save_stats.bytes_reused == 8 * 128 * KiB
+    plain = len(_data_files(tmp_path / "plain" / "0"))
+    # Fingerprinted: a file for each array to link (the adapter, 8 kernels); declared:
+    # the adapter's, the frozen kernels' together. Each step also has its b-tree's file.
+    files = 2 + 1 if declared else 9 + 1
+    assert len(_data_files(tmp_path / "run" / "0")) == files <= plain + 8
+    assert len(_linked_files(tmp_path / "run" / "1")) == (1 if declared else 8)
+    shutil.rmtree(tmp_path / "run" / "0")
+    _assert_same(cp.load_pytree(tmp_path / "run" / "1"), changed)
+    assert_verifies(tmp_path / "run" / "1")
+
+
 @pytest.mark.parametrize("as_array", [jnp.asarray, np.asarray], ids=["probed", "fingerprinted"])
 def test_arrays_changing_at_every_save_share_files_and_an_ema_keeps_its_own(
     tmp_path, as_array

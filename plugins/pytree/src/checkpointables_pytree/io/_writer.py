@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -102,9 +102,12 @@ class Writer:
         # but for the arrays ``shared``, by group: consecutive arrays of one group share
         # files (those declared frozen, always linked together: fewer links for the next
         # save to make; those written at every save, never linked: fewer files to flush).
+        # Only the arrays a later save may link (``linkable``) start files: the others (small
+        # arrays, rewritten at every save) fill the file being written, as without reuse.
         self.linked: dict[str, list[tuple[str, ocdbt.Linked]]] = {}
         self.isolate = False
         self.shared: dict[str, str] = {}
+        self.linkable: frozenset[str] = frozenset()
 
     def add(self, item: ArrayWrite) -> None:
         """Schedules ``item``; nothing is written before ``run``."""
@@ -232,7 +235,7 @@ class Writer:
         this process writes or the storage differ from the last save's."""
         items = [*here, *driver]
         if self.linked or self.isolate:  # Made for this save's links and files.
-            keys = _database_keys(here, driver, self.linked, self.shared)
+            keys = _database_keys(here, driver, self.linked, self.shared, self.linkable)
             return _layout(*keys, local, self.isolate, self._host_bytes)
         signature = (
             local,
@@ -279,11 +282,12 @@ def _database_keys(
     driver: Sequence[ArrayWrite],
     linked: dict[str, list[tuple[str, ocdbt.Linked]]] | None = None,
     shared: Mapping[str, str] | None = None,
+    linkable: Collection[str] = (),
 ) -> tuple[list[str], list[int], list[Any], frozenset[int]]:
     """The keys of the database, their values' lengths, the values that are fixed (every
     array's ``zarr.json``, the ``linked`` chunks), then the chunks of those encoded
-    ``here`` (given each save); and the positions where an array's chunks start (but
-    where it follows an array of its group of ``shared`` files)."""
+    ``here`` (given each save); and the positions where a ``linkable`` array's chunks
+    start (but where it follows an array of its group of ``shared`` files)."""
     keys: list[str] = []
     lengths: list[int] = []
     fixed: list[Any] = []
@@ -302,10 +306,11 @@ def _database_keys(
     shared = shared or {}
     previous = None  # The group of the array before (``None``: files of its own).
     for item in here:
-        group = shared.get(item.layout.name)
-        if group is None or group != previous:
-            breaks.add(len(keys))
-        previous = group
+        if item.layout.name in linkable:
+            group = shared.get(item.layout.name)
+            if group is None or group != previous:
+                breaks.add(len(keys))
+            previous = group
         for index, _ in item.chunks:
             keys.append(zarr3.chunk_key(item.layout.name, index))
             lengths.append(item.layout.chunk_nbytes + zarr3.SHARD_TRAILER_BYTES)

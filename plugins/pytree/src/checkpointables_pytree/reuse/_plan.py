@@ -248,6 +248,7 @@ async def plan_reuse(
         to_print = [c for c in to_print if c.name not in probed.changed]
         linkable = [c for c in linkable if c.name not in probed.changed]
     writer.isolate = True
+    writer.linkable = frozenset(c.name for c in found)
     if reuse.frozen is not None:
         writer.shared = {c.name: "frozen" for c in found if reuse.frozen(c.name)}
     # The fingerprints (XXH3's threads, or the devices) while the source's files are
