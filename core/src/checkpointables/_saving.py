@@ -286,14 +286,18 @@ def _write_and_commit(
     """The background of a save: every process writes, then the primary alone commits, and
     nobody returns before the checkpoint is visible (or the save failed everywhere)."""
 
-    def sync(phase: str, error: BaseException | None) -> None:
-        multihost.sync_global_processes(
-            f"{save.operation}/{phase}", error=error, context=save.context
+    def sync(phase: str, error: BaseException | None, report: str = "") -> dict[int, str]:
+        return multihost.sync_global_processes(
+            f"{save.operation}/{phase}", error=error, report=report, context=save.context
         )
 
     with _os_errors.translated(f"saving {save.path}"):
         try:
-            sync("written", _error_of(lambda: _write(directory, background)))
+            error = _error_of(lambda: _write(directory, background))
+            reused = save.reuse.bytes_reused if save.reuse is not None else 0
+            reports = sync("written", error, str(reused))
+            if save.reuse is not None:  # The checkpoint's, as bytes_written: every process's.
+                save.reuse.bytes_reused = sum(int(n) for n in reports.values())
             sync(
                 "committed", _error_of(lambda: _commit_save(save, target)) if save.primary else None
             )

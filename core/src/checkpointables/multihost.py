@@ -126,12 +126,19 @@ def sync_global_processes(
     *,
     timeout_secs: float | None = None,
     error: BaseException | None = None,
+    report: str = "",
     context: context_lib.Context | None = None,
-) -> None:
-    """Waits until every participating process reaches barrier ``name``.
+) -> dict[int, str]:
+    """Waits until every participating process reaches barrier ``name``; returns what each
+    one passed as ``report``, by process index (a few bytes each: a count, a flag).
 
     A process that passes ``error`` reports it; then every process raises
     ``ProcessFailedError`` naming the failed processes and their errors.
+
+    Example (the bytes every process wrote)::
+
+        reports = cp.multihost.sync_global_processes("written", report=str(nbytes))
+        total = sum(map(int, reports.values()))
 
     Raises:
       BarrierTimeoutError: some processes did not arrive within the timeout;
@@ -142,12 +149,12 @@ def sync_global_processes(
     if not is_coordinated(context):
         if error is not None:
             raise error
-        return
+        return {process_index(): report}
     timeout = context.async_options.timeout_secs if timeout_secs is None else timeout_secs
     client = _client()
     directory = _key(f"barrier/{name}", context)
     me = process_index()
-    status = "ok" if error is None else f"error: {type(error).__name__}: {error}"[:2000]
+    status = f"ok:{report}" if error is None else f"error: {type(error).__name__}: {error}"[:2000]
     client.key_value_set(f"{directory}/{me}", status)  # type: ignore[attr-defined]
     if error is not None:
         raise error  # Published: the others fail at once instead of waiting for us.
@@ -156,13 +163,13 @@ def sync_global_processes(
     while True:
         entries = dict(client.key_value_dir_get(f"{directory}/"))  # type: ignore[attr-defined]
         arrived = {int(k.rsplit("/", 1)[-1]): v for k, v in entries.items()}
-        failed = {p: v for p, v in arrived.items() if v != "ok"}
+        failed = {p: v for p, v in arrived.items() if not v.startswith("ok:")}
         if failed:
             details = "; ".join(f"process {p}: {v}" for p, v in sorted(failed.items()))
             raise ProcessFailedError(f"Phase {name!r} failed on other processes: {details}.")
         missing = [p for p in expected if p not in arrived]
         if not missing:
-            return
+            return {p: arrived[p].removeprefix("ok:") for p in expected}
         if time.monotonic() > deadline:
             raise BarrierTimeoutError(
                 f"Timed out after {timeout:g} s in phase {name!r}: processes {missing} of "

@@ -29,7 +29,8 @@ with cp.training.Checkpointer(root, reuse_unchanged=True) as ckptr:
     for step in range(3):
         tree = dict(tree, w=make(frozen_value * 0 + step, P("x")))
         assert ckptr.save_pytree(step, tree, force=True)
-        print("REUSED", step, ckptr.last_save_stats.bytes_reused, flush=True)
+        stats = ckptr.last_save_stats
+        print("REUSED", step, stats.bytes_reused, stats.bytes_written, flush=True)
 """
 
 
@@ -39,9 +40,12 @@ FROZEN = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)
 def _check_reused(results) -> None:
     for result in results:
         lines = [line.split() for line in result.stdout.splitlines() if line.startswith("REUSED")]
-        reused = {int(step): int(n) for _, step, n in lines}
-        # Each process writes half of "frozen" (one replica of each shard it holds).
-        assert reused[0] == 0 and reused[1] == reused[2] == FROZEN.nbytes // 2
+        reused = {int(step): int(n) for _, step, n, _ in lines}
+        written = {int(step): int(n) for _, step, _, n in lines}
+        # Each process links half of "frozen" (one replica of each shard it holds); each
+        # reports the checkpoint's: "w" written, all of "frozen" reused.
+        assert reused[0] == 0 and reused[1] == reused[2] == FROZEN.nbytes
+        assert written[0] == 2 * FROZEN.nbytes and written[1] == written[2] == FROZEN.nbytes
 
 
 def _check_loaded(path) -> None:

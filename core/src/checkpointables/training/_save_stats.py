@@ -31,17 +31,20 @@ class SaveStats:
     Attributes:
       step: the step saved.
       bytes_written: bytes of array data written (whole arrays, as in the checkpoint),
-        not counting those reused.
+        not counting those reused. In a multi-process job, the whole checkpoint's: the
+        same on every process.
       bytes_reused: bytes of array data linked from the previous step instead of being
-        written (``reuse_unchanged``, ``docs/incremental.md``).
+        written (``reuse_unchanged``, ``docs/incremental.md``); by every process, as
+        ``bytes_written``.
       peak_staging_bytes: the most host memory the save held at once for data on its way
         to storage (device-to-host copies, dtype casts, encoded buffers; not views of CPU
         devices' own buffers, nor the caller's NumPy arrays in a synchronous save), in
         this process; kept within ``cp.options.MemoryOptions.host_bytes`` when a budget
         is set (``docs/memory.md``).
       blocked_secs: how long the ``save_*`` call held the caller (waiting for
-        the previous save, then copying device data to host).
-      commit_secs: from the call until the checkpoint was committed.
+        the previous save, then copying device data to host, which waits for the arrays
+        to be computed), in this process.
+      commit_secs: from the call until the checkpoint was committed, in this process.
     """
 
     step: int
