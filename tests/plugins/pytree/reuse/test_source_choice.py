@@ -51,6 +51,50 @@ def test_an_export_of_a_checkpointer_step_reuses_from_its_state(tmp_path, caplog
     assert_verifies(tmp_path / "export")
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_subtree_of_what_the_source_saved_is_warned_about(tmp_path, caplog) -> None:
+    # Arrays match by name: a subtree's names lack the prefix ("base.w0", not
+    # "params.base.w0"), so nothing can be reused; the save says so and how to match.
+    state = {"params": _tree()}
+    cp.save_pytree(tmp_path / "1", state)
+    cp.save_pytree(tmp_path / "2", state, reuse_from=tmp_path / "1")  # Recorded.
+    with caplog.at_level(logging.WARNING, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "whole", state, reuse_from=tmp_path / "2")
+        assert not _warnings(caplog)
+        cp.save_pytree(tmp_path / "subtree", state["params"], reuse_from=tmp_path / "2")
+    (text,) = _warnings(caplog)
+    assert "there: 'params.adapter', 'params.base.w0'" in text and "here: 'adapter'" in text
+    assert "save {'params': params}" in text
+    names = {"params.adapter", "params.base.w0", "params.base.w1", "params.base.w2"}
+    assert linked_names(tmp_path / "whole") == names
+    assert not linked_names(tmp_path / "subtree")
+
+
+def test_a_predicate_declaring_nothing_frozen_is_warned_about(tmp_path, caplog) -> None:
+    # A predicate written for key paths as printed ("['base']") matches no stored name.
+    misspelt = lambda name: name.startswith("['base']")  # noqa: E731
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables.reuse"),
+        cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=misspelt) as ckptr,
+    ):
+        ckptr.save_pytree(0, _tree())
+        ckptr.save_pytree(1, _tree(1.0))
+    (text,) = _warnings(caplog)  # Once.
+    assert "declared none of this save's arrays" in text and "'adapter', 'base.w0'" in text
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables.reuse"),
+        cp.training.Checkpointer(
+            tmp_path / "run2", reuse_unchanged=lambda name: name.startswith("base.")
+        ) as ckptr,
+    ):
+        ckptr.save_pytree(0, _tree())
+    assert not _warnings(caplog)
+
+
 def test_a_source_of_several_other_pytrees_is_named_in_a_warning(tmp_path, caplog) -> None:
     tree = _tree()
     cp.save_checkpointables(tmp_path / "1", {"params": tree, "ema": tree})

@@ -34,7 +34,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -238,6 +238,7 @@ async def plan_reuse(
     # The source's b-tree is read on a worker thread while the arrays are looked at.
     located, origin = _located(directory, source, recorded, comparable)
     found = candidates(flat, context)
+    _warn_if_unmatched(found, earlier, source)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
     if comparable:
@@ -251,6 +252,8 @@ async def plan_reuse(
     writer.linkable = frozenset(c.name for c in found)
     if reuse.frozen is not None:
         writer.shared = {c.name: "frozen" for c in found if reuse.frozen(c.name)}
+        if found and not writer.shared:
+            _warn_nothing_frozen(found, reuse.frozen)
     # The fingerprints (XXH3's threads, or the devices) while the source's files are
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
@@ -276,6 +279,45 @@ async def plan_reuse(
     for name in _rewritten(record, earlier, probed, writer):
         writer.shared.setdefault(name, "rewritten")
     return plan
+
+
+def _some(names: Collection[str]) -> str:
+    """A few of ``names``, quoted, for a message: ``'a.w', 'b.w', ... (12 in all)``."""
+    shown = sorted(names)[:3]
+    more = f", ... ({len(names)} in all)" if len(names) > len(shown) else ""
+    return ", ".join(map(repr, shown)) + more
+
+
+def _warn_if_unmatched(
+    found: Sequence[Candidate], earlier: dict[str, Any], source: epath.Path | None
+) -> None:
+    """Warns once per source where its record tracks arrays and none of this save's is
+    named as one of them: arrays match by name, and nothing can be reused (a subtree
+    saved, whose leaves' names lack the prefix the source's have, say)."""
+    if source is None or not earlier or not found or any(c.name in earlier for c in found):
+        return
+    cp.reuse.log_once(
+        f"unmatched:{source}",
+        f"None of this save's arrays is named as an array of reuse_from={source.parent} "
+        f"(there: {_some(earlier)}; here: {_some([c.name for c in found])}): arrays are "
+        f"matched by name, so every array is written. Save the structure the source "
+        f"holds (a subtree's names lack its prefix: save {{'params': params}}, not params).",
+        level=logging.WARNING,
+    )
+
+
+def _warn_nothing_frozen(found: Sequence[Candidate], frozen: Any) -> None:
+    """Warns once per predicate that declared none of the arrays it was asked about frozen:
+    most likely names of another form than the stored ones it is given."""
+    names = _some([c.name for c in found])
+    cp.reuse.log_once(
+        f"unfrozen:{id(frozen)}",
+        f"The reuse_unchanged predicate declared none of this save's arrays of at least "
+        f"64 KiB frozen. It is given names as stored, keys joined by dots ({names}), "
+        f"as `checkpointables inspect` lists them under 'incremental save'; the "
+        f"fingerprints decide for every array.",
+        level=logging.WARNING,
+    )
 
 
 def _bytes_comparable(directory: epath.Path, context: cp.Context) -> bool:
