@@ -7,8 +7,8 @@ the source saved beside its database, and hands the writer the chunks to link
 (``io.Writer.linked``); the save then writes the record of its own
 fingerprints (``ReusePlan.write``). Arrays on CPU devices are probed first
 (``probe``: a few windows of their bytes); those that surely changed skip the
-fingerprint. A ``jax.Array`` object fingerprinted once keeps its fingerprints
-while it lives (``kept_prints``). Guide: ``docs/incremental.md``.
+fingerprint. A ``jax.Array`` object on accelerators fingerprinted once keeps its
+fingerprints while it lives (``kept_prints``). Guide: ``docs/incremental.md``.
 
 Linking is a hard link on a local disk and a server-side copy on S3
 (``storage.copy_objects``, through ``ocdbt.link_files``).

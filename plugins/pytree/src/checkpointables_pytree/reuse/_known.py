@@ -6,7 +6,10 @@ keeps those fingerprints for as long as it lives, and a later save of the same
 object reads none of its data again. This helps a loop that keeps its frozen
 parameters out of the jitted step's outputs (``jax.jit`` returns new buffers
 even for the arrays it passes through unchanged: those are fingerprinted).
-NumPy arrays can be written in place and are always fingerprinted.
+NumPy arrays can be written in place and are always fingerprinted; so are
+arrays on JAX's CPU devices (the caller, ``reuse._plan``, keeps nothing for
+them), which may share a NumPy array's memory (``jax.device_put`` and DLPack
+do not copy there).
 
 Entries are keyed by ``id`` and hold a weak reference, checked on every
 lookup: an entry goes with its array, and a new array at a reused address is

@@ -39,6 +39,7 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
+import jax
 import numpy as np
 from etils import epath
 
@@ -78,10 +79,13 @@ class ReusePlan:
 
 def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
     """Name -> the fingerprint of each of its shards (device ones computed on device; those
-    of a ``jax.Array`` object fingerprinted before, kept: ``_known``)."""
+    of a ``jax.Array`` object on accelerators fingerprinted before, kept: ``_known``)."""
+    # Not on CPU devices: there a jax.Array may share a NumPy array's memory (device_put
+    # and DLPack do not copy), which its owner can write in place.
+    keeping = {c.name for c in found if c.array is not None and not _on_cpu(c.array)}
     result = {}
     for c in found:
-        if c.array is not None and (kept := _known.kept_prints(c.array)) is not None:
+        if c.name in keeping and (kept := _known.kept_prints(c.array)) is not None:
             result[c.name] = kept
     found = [c for c in found if c.name not in result]
     device = [s[2] for c in found if c.on_device for s in c.shards]
@@ -91,7 +95,7 @@ def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
     for c in found:
         source = prints if c.on_device else host_prints
         result[c.name] = [next(source) for _ in c.shards]
-        if c.array is not None:
+        if c.name in keeping:
             _known.keep_prints(c.array, result[c.name])
     return result
 
@@ -490,9 +494,8 @@ def _probe(to_print: Sequence[Candidate], earlier: dict[str, Any]) -> _Probed:
         recorded = entry.get("probes") if entry and _same_layout(entry, c) else None
         if not _comparable(recorded, probes):
             continue  # Fingerprinted: a new array or layout.
-        kept = _known.kept_prints(c.array) is not None  # Its fingerprints cost nothing.
         if recorded != probes:
-            if _unpadded(c) and not kept:
+            if _unpadded(c):
                 probed.changed[c.name] = c
         elif any(p is None for _, p in entry["shards"]):  # type: ignore[index]
             probed.views[c.name] = views
@@ -503,9 +506,14 @@ def _probe(to_print: Sequence[Candidate], earlier: dict[str, Any]) -> _Probed:
 def _host_views(c: Candidate) -> list[np.ndarray] | None:
     """The bytes of each shard of a ``jax.Array`` on CPU devices, viewed (no copy), or
     ``None`` for others (NumPy arrays; accelerators fingerprint on the device)."""
-    if c.array is None or any(d.platform != "cpu" for d in c.array.devices()):
+    if c.array is None or not _on_cpu(c.array):
         return None
     return [_fingerprint.host_bytes(np.asarray(data)) for _, _, data in c.shards]
+
+
+def _on_cpu(array: jax.Array) -> bool:
+    """Whether ``array`` is on JAX's CPU devices (its bytes in host memory)."""
+    return all(d.platform == "cpu" for d in array.devices())
 
 
 def _comparable(recorded: Any, probes: list[str]) -> bool:
