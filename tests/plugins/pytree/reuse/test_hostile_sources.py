@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tracemalloc
 
 import checkpointables as cp
 import jax.numpy as jnp
@@ -203,3 +204,33 @@ def test_a_record_nested_too_deeply_counts_as_none(tmp_path) -> None:
     record_file.write_text("[" * 100_000 + "]" * 100_000)
     cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
     _assert_saved_exactly(tmp_path / "new", tree)
+
+
+@pytest.mark.parametrize("record", ["directory", "pipe", "huge"])
+def test_a_checkpointer_whose_latest_record_is_unusable_keeps_saving(tmp_path, record) -> None:
+    # A record that is no regular file, or too large to be one of ours (sparse here: no
+    # disk used), counts as none (the arrays are compared byte for byte), and the run
+    # goes on.
+    tree = _tree()
+    _, pytree = _recorded_source(tmp_path / "run", tree)
+    record_file = pytree / reuse.RECORD_FILE
+    record_file.unlink()
+    if record == "directory":
+        record_file.mkdir()
+    elif record == "pipe":
+        os.mkfifo(record_file)
+    else:
+        with open(record_file, "wb") as f:
+            f.truncate(300 << 20)
+    tracemalloc.start()
+    try:
+        with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
+            ckptr.save_pytree(1, tree)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20  # The huge record was not read.
+    _assert_saved_exactly(tmp_path / "run" / "1", tree)
+    with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
+        ckptr.save_pytree(2, tree)  # From step 1's record: linked again.
+        assert ckptr.last_save_stats.bytes_reused > 0

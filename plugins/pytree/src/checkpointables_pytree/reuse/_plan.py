@@ -51,6 +51,8 @@ from checkpointables_pytree.reuse._sources import Source
 __all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"]
 
 RECORD_FILE = "_REUSE.json"
+# A record holds about 100 bytes an array shard: a larger one is no record of ours.
+_MAX_RECORD_BYTES = cp.metadata_checksums.MAX_FILE_BYTES
 _FORMAT = 1
 
 
@@ -106,9 +108,14 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
+        if ocdbt.is_local(path) and os.lstat(path).st_size > _MAX_RECORD_BYTES:
+            return {}  # Not one this library wrote: not read (hundreds of MiB in memory).
         data = cp.safe_json.loads(cp.storage.read_bytes(path), source=path)
-    except (OSError, ValueError):  # Missing, unreadable (cp.errors.StorageError: OSError),
-        return {}  # or damaged (cp.errors.MetadataError: ValueError): nothing recorded.
+    except (OSError, ValueError, cp.errors.IntegrityError):
+        # Missing, unreadable (cp.errors.StorageError: OSError), a pipe or a directory
+        # (IntegrityError), or damaged (cp.errors.MetadataError: ValueError): nothing
+        # recorded, and every array of this save is written.
+        return {}
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return {}
     found = {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
