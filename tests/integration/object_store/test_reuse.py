@@ -8,6 +8,7 @@ after the step it reused is deleted, and readable by Orbax.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
@@ -123,8 +124,10 @@ def _damaged(body: bytes, how: str) -> bytes:
     return body[:middle] + bytes([body[middle] ^ 1]) + body[middle + 1 :]
 
 
-@pytest.mark.parametrize("how", ["short", "flipped"])
+@pytest.mark.parametrize("how", ["short", "flipped", "unlisted"])
 def test_a_short_or_replaced_source_object_is_written_afresh(s3, proxy, bucket, how) -> None:
+    # Unlisted: flipped, and the record lists no objects (one written elsewhere, uploaded):
+    # nothing is known to match, and nothing is copied.
     state = _state()
     cp.save_pytree(f"{bucket}/1", state, reuse_from=None)
     cp.save_pytree(f"{bucket}/2", state, reuse_from=f"{bucket}/1")
@@ -134,6 +137,11 @@ def test_a_short_or_replaced_source_object_is_written_afresh(s3, proxy, bucket, 
         body = client.get_object(Bucket=name, Key=f"2/pytree/d/{key}")["Body"].read()
         if len(body) > reuse.MIN_BYTES:
             client.put_object(Bucket=name, Key=f"2/pytree/d/{key}", Body=_damaged(body, how))
+    if how == "unlisted":
+        record_key = f"2/pytree/{reuse.RECORD_FILE}"
+        record = json.loads(client.get_object(Bucket=name, Key=record_key)["Body"].read())
+        del record["files"]
+        client.put_object(Bucket=name, Key=record_key, Body=json.dumps(record).encode())
     with proxy.counting() as counts:
         cp.save_pytree(f"{bucket}/3", state, reuse_from=f"{bucket}/2")
     assert _uploaded(counts) >= sum(int(a.nbytes) for a in state["base"].values())

@@ -8,6 +8,7 @@ outside the source, or fails with a documented error and commits nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import ocdbt, reuse
+from checkpointables_pytree import ocdbt, reuse, zarr3
 
 from ....python_subprocess import assert_verifies
 from .helpers import linked_names
@@ -234,3 +235,51 @@ def test_a_checkpointer_whose_latest_record_is_unusable_keeps_saving(tmp_path, r
     with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
         ckptr.save_pytree(2, tree)  # From step 1's record: linked again.
         assert ckptr.last_save_stats.bytes_reused > 0
+
+
+def _flip_first_byte(path: str, in_place: bool) -> None:
+    """Damages a data file's first byte: in place (its inode, which every step linking it
+    shares), or in a copy put in its place (this step's name only)."""
+    with open(path, "rb") as f:
+        content = bytearray(f.read())
+    content[0] ^= 0xFF
+    if not in_place:
+        os.remove(path)
+    with open(path, "r+b" if in_place else "wb") as f:
+        f.write(content)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["replaced", "written-into"])
+def test_a_damaged_source_file_is_written_afresh_not_linked(tmp_path, in_place) -> None:
+    # A data file changed since the save that recorded it (its time differs) is not linked:
+    # the new step is written from the arrays, whole, and the run links again after it.
+    tree = _tree()
+    _, pytree = _recorded_source(tmp_path / "run", tree)
+    for file in _data_files(pytree):
+        if os.path.getsize(file) >= reuse.MIN_BYTES:
+            _flip_first_byte(file, in_place)
+    with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
+        ckptr.save_pytree(2, tree)
+        assert ckptr.last_save_stats.bytes_reused > 0
+    _assert_saved_exactly(tmp_path / "run" / "1", tree)
+    _assert_saved_exactly(tmp_path / "run" / "2", tree)
+
+
+def test_a_source_chunk_with_a_damaged_checksum_is_not_linked(tmp_path) -> None:
+    # A plain source (no record) is compared byte for byte: data equal to the arrays' but a
+    # damaged CRC-32C after it would fail every step linking it.
+    tree = _tree()
+    cp.save_pytree(tmp_path / "source", tree)
+    found = asyncio.run(ocdbt.locate(tmp_path / "source" / "pytree", ["a/c/0/0", "b/c/0/0"]))
+    assert len(found) == 2
+    for place in found.values():
+        with open(place.file, "r+b") as f:  # The chunk's CRC-32C: right after its data.
+            f.seek(place.offset + place.length - zarr3.SHARD_TRAILER_BYTES)
+            crc = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([crc[0] ^ 0xFF]))
+    cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
+    assert not linked_names(tmp_path / "new")
+    _assert_saved_exactly(tmp_path / "new", tree)

@@ -75,7 +75,10 @@ def test_prints_go_with_their_array(tmp_path) -> None:
 def test_an_array_on_cpu_sharing_numpy_memory_is_looked_at_every_save(tmp_path) -> None:
     # On CPU devices device_put does not copy: writing the NumPy array in place changes the
     # jax.Array. Its fingerprints are not kept, so a change anywhere in it is written.
-    host = np.ones((256, 256), np.float32)
+    raw = np.zeros(256 * 256 * 4 + 128, np.uint8)  # Aligned, as zero-copy needs.
+    start = -raw.ctypes.data % 128
+    host = raw[start : start + 256 * 256 * 4].view(np.float32).reshape(256, 256)
+    host[:] = 1.0
     shared = jax.device_put(host, jax.devices("cpu")[0])
     host[0, 0] = 2.0
     if float(shared[0, 0]) != 2.0:

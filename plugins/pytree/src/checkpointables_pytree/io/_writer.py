@@ -32,7 +32,6 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import checkpointables as cp
-import crc32c
 import numpy as np
 import tensorstore as ts
 from checkpointables import execution
@@ -326,15 +325,9 @@ def _chunk_values(items: Sequence[ArrayWrite]) -> Iterator[tuple[np.ndarray, Any
     next's encoding. A small one's is computed here: in the writing thread its Python
     would wait for the GIL this thread holds.
     """
-    deferred, end, full_chunk = ocdbt.Deferred, _shard_end, zarr3.full_chunk
+    deferred, end, full_chunk = ocdbt.Deferred, zarr3.shard_end, zarr3.full_chunk
     for item in items:
         layout = item.layout
         for _, data in item.chunks:
             chunk = full_chunk(data, layout).reshape(-1).view(np.uint8)
             yield chunk, deferred(end, chunk) if chunk.nbytes > DEFERRED_CRC_BYTES else end(chunk)
-
-
-def _shard_end(chunk: np.ndarray) -> bytes:
-    """What follows a shard's only chunk: its CRC-32C, the shard index and its CRC-32C."""
-    # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
-    return crc32c.crc32c(chunk).to_bytes(4, "little") + zarr3.shard_trailer(chunk.nbytes)  # type: ignore[arg-type]

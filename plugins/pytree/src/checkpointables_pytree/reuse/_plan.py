@@ -70,13 +70,29 @@ class ReusePlan:
         directory = ocdbt.database_directory(pytree_directory)
         cp.storage.make_dirs(directory)  # Nothing to make on an object store.
         content: dict[str, Any] = {"format": _FORMAT, "arrays": self.record}
-        if not ocdbt.is_local(directory):  # The data objects' sizes and ETags, as the
-            # server recorded them: a later save copies only objects that still match.
-            root = os.fspath(directory).rstrip("/") + "/"
-            listed = storage.list_objects(f"{root}d")
-            content["files"] = {k[len(root) :]: [v.size, v.etag] for k, v in listed.items()}
+        # The data files as they are now: a later save links only files that still match.
+        content["files"] = _data_files(directory)
         text = json.dumps(content, separators=(",", ":"))
         cp.storage.write_text(directory / RECORD_FILE, text)
+
+
+def _data_files(database: epath.Path) -> dict[str, list[Any]]:
+    """``"d/<name>" -> [size, ETag]`` of each data object of ``database`` on S3, as the
+    server lists it; on a local disk ``[size, mtime in ns]`` of each file (a write into
+    one, or a file put in its place, changes its time)."""
+    root = os.fspath(database).rstrip("/") + "/"
+    if not ocdbt.is_local(database):
+        listed = storage.list_objects(f"{root}d")
+        return {k[len(root) :]: [v.size, v.etag] for k, v in listed.items()}
+    try:
+        entries = list(os.scandir(f"{root}d"))
+    except FileNotFoundError:
+        return {}
+    files = {}
+    for entry in entries:
+        status = entry.stat(follow_symlinks=False)
+        files[f"d/{entry.name}"] = [status.st_size, status.st_mtime_ns]
+    return files
 
 
 def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
@@ -379,7 +395,10 @@ def _located(
         _say_what_without_a_record(source, comparable)
         if not comparable:
             return None, ""
-    return Source(source, recorded.get("files", {})), _origin(directory, source)
+    # A record's files are checked (none listed: none linked); without a record the
+    # stored bytes are compared instead.
+    files = recorded.get("files", {}) if recorded.get("arrays") else None
+    return Source(source, files), _origin(directory, source)
 
 
 def _origin(directory: epath.Path, source: epath.Path) -> str:
@@ -558,8 +577,8 @@ def _same_stored(
 
 
 def _stored_equals(place: ocdbt.ValueLocation | None, view: np.ndarray, probe: str) -> bool:
-    """Whether the value at ``place`` (a local file) is a plain chunk of ``view``'s bytes.
-    Its checksum is not recomputed: loads and ``verify`` check it, as for any link."""
+    """Whether the value at ``place`` (a local file) is a plain chunk of ``view``'s bytes,
+    its checksum included (a damaged one would fail every step that links it)."""
     nbytes = view.nbytes
     if place is None or place.length != nbytes + zarr3.SHARD_TRAILER_BYTES:
         return False
@@ -571,6 +590,7 @@ def _stored_equals(place: ocdbt.ValueLocation | None, view: np.ndarray, probe: s
         _fingerprint.probe(stored[:nbytes]) == probe
         and stored[nbytes + 4 :].tobytes() == zarr3.shard_trailer(nbytes)
         and bool(np.array_equal(stored[:nbytes], view))
+        and stored[nbytes:].tobytes() == zarr3.shard_end(stored[:nbytes])
     )
 
 

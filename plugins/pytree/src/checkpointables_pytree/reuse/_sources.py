@@ -28,11 +28,13 @@ __all__ = ["Source"]
 class Source:
     """The data files of a source checkpoint's database, as its b-tree places chunks."""
 
-    def __init__(self, source: epath.Path, recorded_files: dict[str, Any]) -> None:
+    def __init__(self, source: epath.Path, recorded_files: dict[str, Any] | None) -> None:
         """Starts reading the b-tree of ``source`` (a pytree directory) in the background.
 
-        ``recorded_files``: on S3, ``"d/<name>" -> [size, ETag]`` as the source's save
-        recorded them (its ``_REUSE.json``).
+        ``recorded_files``: ``"d/<name>" -> [size, ETag]`` on S3, ``[size, mtime in ns]``
+        on a local disk, as the source's save recorded them (its ``_REUSE.json``): a file
+        that no longer matches, or is not listed, is not linked. ``None`` (a source
+        without a record, whose stored bytes are compared): sizes only, locally.
         """
         self._local = ocdbt.is_local(source)
         self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
@@ -68,12 +70,14 @@ class Source:
         return present
 
     def _size(self, file: str) -> int:
-        """The file's size (-1: missing, not a regular file, or an object other than the one
-        recorded)."""
+        """The file's size (-1: missing, not a regular file, or a file or an object other
+        than the one recorded)."""
+        recorded = None
+        if self._recorded is not None:
+            recorded = self._recorded.get(file.removeprefix(self._root))
         if not self._local:
             found = self.listed.get(file)
-            recorded = self._recorded.get(file.removeprefix(self._root))
-            if found is None or (recorded is not None and recorded != [found.size, found.etag]):
+            if found is None or recorded != [found.size, found.etag]:
                 return -1
             return int(found.size)
         try:
@@ -82,7 +86,11 @@ class Source:
             return -1
         # A regular file only: a symbolic link would be linked as one (and may lead out of
         # the source), a directory or a pipe cannot be.
-        return status.st_size if stat.S_ISREG(status.st_mode) else -1
+        if not stat.S_ISREG(status.st_mode):
+            return -1
+        if self._recorded is not None and recorded != [status.st_size, status.st_mtime_ns]:
+            return -1  # Written into, or replaced, since its save: not what it recorded.
+        return status.st_size
 
     def linked(self, keys: Sequence[str], places: dict[str, ocdbt.ValueLocation]) -> list[Any]:
         """``(key, ocdbt.Linked)`` for each of ``keys`` (all in ``places``)."""

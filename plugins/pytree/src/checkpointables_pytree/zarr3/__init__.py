@@ -3,7 +3,7 @@
 An array is a ``zarr.json`` (``zarr_json``: shape, dtype, chunk grid and
 codecs) and one key per chunk (``chunk_key``), each a sharding-codec shard:
 the chunk's bytes, their CRC-32C, then the shard index and its CRC-32C
-(``encode_shard``, ``shard_trailer``). ``ZarrLayout`` is one array's planned
+(``encode_shard``, ``shard_end``, ``shard_trailer``). ``ZarrLayout`` is one array's planned
 layout and ``ArrayWrite`` what a save hands the writer for it. Pure
 encoding: no I/O, nothing of the plugin imported, so the writer, the reader
 and the OCDBT room share one definition of the bytes.
@@ -21,6 +21,7 @@ from checkpointables_pytree.zarr3._encoding import (
     full_chunk,
     metadata_dict,
     planned_layout,
+    shard_end,
     shard_trailer,
     zarr_dtype_name,
     zarr_json,
@@ -39,6 +40,7 @@ __all__ = [
     "full_chunk",
     "metadata_dict",
     "planned_layout",
+    "shard_end",
     "shard_trailer",
     "zarr_dtype_name",
     "zarr_json",

@@ -39,6 +39,7 @@ __all__ = [
     "chunk_key",
     "encode_shard",
     "full_chunk",
+    "shard_end",
     "shard_trailer",
     "SHARD_TRAILER_BYTES",
     "ZarrLayout",
@@ -218,6 +219,13 @@ def shard_trailer(nbytes: int) -> bytes:
     """The index of a shard with one inner chunk of ``nbytes`` data bytes, and its checksum."""
     index = (0).to_bytes(8, "little") + (nbytes + 4).to_bytes(8, "little")
     return index + crc32c.crc32c(index).to_bytes(4, "little")
+
+
+def shard_end(chunk: np.ndarray) -> bytes:
+    """What follows a shard's only chunk (contiguous bytes): its CRC-32C, the shard index
+    and its CRC-32C."""
+    # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+    return crc32c.crc32c(chunk).to_bytes(4, "little") + shard_trailer(chunk.nbytes)  # type: ignore[arg-type]
 
 
 def encode_shard(data: bytes | memoryview, checksum: int) -> bytes:
