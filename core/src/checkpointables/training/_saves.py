@@ -15,6 +15,7 @@ A save runs through named phases:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -23,7 +24,16 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _commit, _pytree_api, _saving, errors, layout, multihost, storage
+from checkpointables import (
+    _commit,
+    _confinement,
+    _pytree_api,
+    _saving,
+    errors,
+    layout,
+    multihost,
+    storage,
+)
 from checkpointables import reuse as reuse_lib
 from checkpointables import staging as staging_lib
 from checkpointables._asyncio import AsyncResponse, completed
@@ -180,8 +190,10 @@ class Saves:
             return reuse_lib.SaveReuse(None, frozen), None
         lease = _readers.acquire(latest.path)
         with context:
-            gone = not storage.exists(latest.path)
-        if gone:  # Deleted meanwhile (another process's retention): write everything.
+            # Deleted meanwhile (another process's retention), or holding what a load would
+            # refuse (a link out of the step): nothing is taken from it; write everything.
+            usable = storage.exists(latest.path) and _contained(latest.step, latest.path)
+        if not usable:
             _readers.release(lease)
             return reuse_lib.SaveReuse(None, frozen), None
         return reuse_lib.SaveReuse(latest.path, frozen), lease
@@ -260,3 +272,20 @@ class Saves:
             # Not visible from here (process-local storage of another host).
             info = StepInfo(step=step, path=path, metrics=metrics)
         self._steps.add(info)
+
+
+def _contained(step: int, path: epath.Path) -> bool:
+    """Whether step ``path`` may be reused from: checked as a load checks a checkpoint (a
+    symbolic link out of it, a pipe in it: said once in the log, as a WARNING)."""
+    try:
+        _confinement.check_contained(path)
+    except FileNotFoundError:  # Deleted while being looked at.
+        return False
+    except (errors.OutsideCheckpointError, errors.IntegrityError) as e:
+        reuse_lib.log_once(
+            f"uncontained:{path}",
+            f"Step {step} is not reused from: {e} This save writes every array.",
+            level=logging.WARNING,
+        )
+        return False
+    return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import tracemalloc
@@ -283,3 +284,23 @@ def test_a_source_chunk_with_a_damaged_checksum_is_not_linked(tmp_path) -> None:
     cp.save_pytree(tmp_path / "new", tree, reuse_from=tmp_path / "source")
     assert not linked_names(tmp_path / "new")
     _assert_saved_exactly(tmp_path / "new", tree)
+
+
+def test_a_checkpointer_does_not_reuse_a_step_linking_out_of_itself(tmp_path, caplog) -> None:
+    # Its latest step checked as reuse_from is: a data directory moved out and linked back
+    # gives the next step nothing of it (no hard link to a file outside the run), and the
+    # run goes on, saying why once.
+    tree = _tree()
+    _, pytree = _recorded_source(tmp_path / "run", tree)
+    outside = tmp_path / "outside"
+    shutil.move(pytree / "d", outside)
+    os.symlink(outside, pytree / "d")
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables.reuse"),
+        cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr,
+    ):
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
+    assert "Step 0 is not reused from" in caplog.text and "outside" in caplog.text
+    assert all(os.stat(outside / name).st_nlink == 1 for name in os.listdir(outside))
+    _assert_saved_exactly(tmp_path / "run" / "1", tree)
