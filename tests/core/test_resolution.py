@@ -84,7 +84,7 @@ def test_forced_handler_wins_and_must_accept_the_object() -> None:
     assert cp.handlers.resolve_for_save(regs, 1, name="x", forced=NumberHandler)[0].handler_cls is (
         NumberHandler
     )
-    with pytest.raises(cp.errors.NoHandlerForObjectError, match="forced for checkpointable 'x'"):
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match="Checkpointable 'x' is saved by"):
         cp.handlers.resolve_for_save(regs, "text", name="x", forced=NumberHandler)
 
 

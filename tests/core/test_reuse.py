@@ -17,7 +17,10 @@ def _tree() -> dict:
 def test_a_predicate_of_two_arguments_is_refused_at_once(tmp_path) -> None:
     with pytest.raises(cp.errors.InvalidArgumentTypeError, match="one argument, a leaf's name"):
         cp.training.Checkpointer(tmp_path, reuse_unchanged=lambda name, extra: True)
-    with pytest.raises(TypeError, match="must be True, False, None or a predicate"):
+    with pytest.raises(
+        cp.errors.InvalidArgumentTypeError,
+        match=r"a predicate on leaf names, got str: .*startswith",
+    ):
         cp.training.Checkpointer(tmp_path, reuse_unchanged="base")
 
 
@@ -48,3 +51,24 @@ def test_numpy_booleans_are_answers(tmp_path) -> None:
         c.save_pytree(0, _tree())
         c.save_pytree(1, _tree())
         assert c.last_save_stats.bytes_reused > 0
+
+
+def test_a_checkpointer_save_given_reuse_from_names_itself(tmp_path) -> None:
+    # A Checkpointer reuses from its latest step; the error names the method called, not
+    # the asynchronous one it starts.
+    with cp.training.Checkpointer(tmp_path / "run") as ckptr:
+        ckptr.save_pytree(0, _tree())
+        with pytest.raises(TypeError, match=r"^Checkpointer\.save_pytree\(\) got an unexpected"):
+            ckptr.save_pytree(1, _tree(), reuse_from=tmp_path / "run" / "0")
+
+
+def test_reuse_from_a_checkpointer_root_names_a_step_to_pass(tmp_path) -> None:
+    with cp.training.Checkpointer(tmp_path / "run") as ckptr:
+        for step in (2, 10):
+            ckptr.save_pytree(step, _tree(), force=True)
+    with pytest.raises(cp.errors.NotACheckpointError) as raised:
+        cp.save_pytree(tmp_path / "x", _tree(), reuse_from=tmp_path / "run")
+    assert f"reuse_from={tmp_path / 'run' / '10'}" in str(raised.value)
+    with pytest.raises(cp.errors.NotACheckpointError) as raised:  # No steps: no hint.
+        cp.save_pytree(tmp_path / "y", _tree(), reuse_from=tmp_path)
+    assert "pass one" not in str(raised.value)

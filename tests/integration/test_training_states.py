@@ -232,3 +232,13 @@ def test_equinox_partition_and_combine(tmp_path) -> None:
     np.testing.assert_allclose(
         np.asarray(jax.vmap(restored)(X)), np.asarray(jax.vmap(model)(X)), rtol=1e-6
     )
+
+
+def test_a_linen_module_itself_is_refused_with_what_to_save(tmp_path) -> None:
+    # A linen module holds its configuration, not its parameters: the error says to save
+    # the state instead, and does not blame options the caller never set.
+    with pytest.raises(cp.errors.NoHandlerForObjectError) as raised:
+        cp.save_pytree(tmp_path / "model", nn.Dense(3))
+    message = str(raised.value)
+    assert "flax.linen.linear.Dense" in message and "the variables init returns" in message
+    assert not (tmp_path / "model").exists()

@@ -291,12 +291,25 @@ def synchronous(
         @functools.wraps(stub)
         def wait(*args: P.args, **kwargs: P.kwargs) -> T:
             with waiting_caller(), paused_gc():
-                response = start(*args, **kwargs)
+                try:
+                    response = start(*args, **kwargs)
+                except TypeError as e:
+                    _name_the_stub(stub, args, kwargs, e)
+                    raise
             return response.result()
 
         return wait
 
     return make
+
+
+def _name_the_stub(stub: Callable[..., Any], args: Any, kwargs: Any, error: TypeError) -> None:
+    """Raises a ``TypeError`` naming ``stub`` where its arguments do not fit it (``error``
+    would name the function it starts: ``save_pytree_async`` for ``save_pytree``)."""
+    try:
+        inspect.signature(stub).bind(*args, **kwargs)
+    except TypeError as mismatch:
+        raise TypeError(f"{stub.__qualname__}() {mismatch}") from error
 
 
 @functools.cache

@@ -85,6 +85,19 @@ class SaveReuse:
             self.bytes_reused += int(nbytes)
 
 
+def _steps_hint(directory: epath.Path) -> str:
+    """Where ``directory`` holds committed checkpoints (a Checkpointer's root), names the
+    newest: the step to pass."""
+    names = [e.name for e in storage.list_dir(directory) if e.is_dir]
+    steps = sorted(
+        (n for n in names if layout.is_checkpoint(directory / n)),
+        key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n),
+    )
+    if not steps:
+        return ""
+    return f" It holds checkpoints (steps): pass one, e.g. reuse_from={directory / steps[-1]}."
+
+
 def current() -> SaveReuse | None:
     """The reuse of the save whose blocking phase is running (``None``: a plain save)."""
     return _current.get()
@@ -125,7 +138,7 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
     if not layout.is_checkpoint(source):
         raise errors.NotACheckpointError(
             f"reuse_from={source} is not a committed checkpoint (no commit marker); pass a "
-            f"committed checkpoint, or None to write everything."
+            f"committed checkpoint, or None to write everything.{_steps_hint(source)}"
         )
     # As a load would: no file outside it is compared, linked or copied into the new one.
     _confinement.check_contained(source)

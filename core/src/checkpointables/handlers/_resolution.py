@@ -136,11 +136,13 @@ def resolve_for_save(
         if not instance.is_handleable(checkpointable):
             why = _reason(instance, checkpointable)
             raise errors.NoHandlerForObjectError(
-                f"The handler forced for checkpointable {name!r} "
-                f"({forced.__module__}.{forced.__qualname__}) cannot save an object of type "
+                f"Checkpointable {name!r} is saved by {forced.__module__}.{forced.__qualname__} "
+                f"(save_pytree's handler, or the one CheckpointablesOptions forces for it), "
+                f"which cannot save an object of type "
                 f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
-                f"{f' ({why})' if why else ''}. "
-                f"Remove it from CheckpointablesOptions or pass an object it accepts."
+                f"{f' ({why})' if why else ''}. Pass an object it accepts: a model's state, "
+                f"not the model (Flax linen: the variables init returns, or a TrainState; "
+                f"Flax NNX: nnx.state(model)); or force no handler in CheckpointablesOptions."
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
         return match, instance

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, multihost, storage
+from checkpointables import _loading, _pytree_api, errors, multihost, storage
 from checkpointables import reuse as reuse_lib
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
@@ -74,9 +74,10 @@ def _reuse_setting(
     if callable(reuse_unchanged):
         return True, reuse_lib.checked_frozen(reuse_unchanged)
     if not isinstance(reuse_unchanged, bool):
-        raise TypeError(
+        raise errors.InvalidArgumentTypeError(
             f"reuse_unchanged must be True, False, None or a predicate on leaf names, got "
-            f"{type(reuse_unchanged).__name__}."
+            f"{type(reuse_unchanged).__name__}: for the leaves under a prefix, pass "
+            f"lambda name: name.startswith('base.') (docs/incremental.md)."
         )
     return reuse_unchanged, None
 
