@@ -586,3 +586,21 @@ def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(tmp_path) -> 
             loaded = cp.load_pytree(info.path)
             assert np.asarray(loaded["w1"]).shape == (256, 1024)
             assert_verifies(info.path)
+
+
+def test_a_leaf_declared_frozen_that_changed_on_cpu_is_written(tmp_path, caplog) -> None:
+    # On CPU devices probes are cheap: a declared-frozen leaf whose probes changed (the
+    # predicate named a trained leaf by mistake) is written, with a WARNING, not linked.
+    tree = _tree()
+    declared = lambda name: name == "adapter" or name.startswith("base.")  # noqa: E731
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables.reuse"),
+        _checkpointer(tmp_path, reuse_unchanged=declared) as ckptr,
+    ):
+        ckptr.save_pytree(0, tree)
+        trained = dict(tree, adapter=tree["adapter"] + 1)
+        ckptr.save_pytree(1, trained)
+    report = reuse.reuse_report(tmp_path / "1" / "state")
+    assert report["adapter"] is None and report["base.w0"] == "0"  # The base still linked.
+    assert "'adapter' is declared frozen (reuse_unchanged) but changed" in caplog.text
+    _assert_same(cp.load_pytree(tmp_path / "1"), trained)

@@ -269,6 +269,7 @@ async def plan_reuse(
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
     if comparable:
+        to_print += _changed_though_frozen(found, known, reuse.frozen)
         probed = _probe(to_print, earlier)
     if located is not None and not earlier:  # No record: what can be compared is looked up.
         linkable = [c for c in to_print if c.name in probed.probes and _unpadded(c)]
@@ -488,6 +489,40 @@ def _compare_layouts(
         else:
             to_print.append(c)
     return known, to_print, linkable
+
+
+# (id of a frozen predicate, name) of the declared leaves whose probes matched once.
+_FROZEN_SEEN: set[tuple[int, str]] = set()
+
+
+def _changed_though_frozen(
+    found: Sequence[Candidate], known: dict[str, Any], frozen: Any
+) -> list[Candidate]:
+    """The arrays declared frozen whose probes differ from the source's, on CPU devices,
+    until they once match (a leaf a predicate names by mistake, a trained one, changes at
+    the first save; probes cost 10-30 us an array): they changed, so they leave ``known``,
+    are said once in a WARNING, and are written. Elsewhere the declaration is trusted."""
+    changed = []
+    for c in found:
+        recorded = known.get(c.name, {}).get("probes")
+        seen = (id(frozen), c.name)
+        views = _host_views(c) if recorded is not None and seen not in _FROZEN_SEEN else None
+        if views is None:
+            continue
+        probes = [_fingerprint.probe(v) for v in views]
+        if not _comparable(recorded, probes) or probes == recorded:
+            _FROZEN_SEEN.add(seen)
+            continue
+        del known[c.name]
+        changed.append(c)
+        cp.reuse.log_once(
+            f"frozen-changed:{c.name}",
+            f"{c.name!r} is declared frozen (reuse_unchanged) but changed since the "
+            f"step it would be reused from: it is written, not linked. Fix the predicate: "
+            f"on accelerators a declared leaf is linked unchecked.",
+            level=logging.WARNING,
+        )
+    return changed
 
 
 @attrs.define
