@@ -86,14 +86,16 @@ def array_bytes(leaves: list[Any]) -> int:
     return total
 
 
-def log(stats: SaveStats) -> None:
-    """Logs ``stats`` at INFO."""
+def log(stats: SaveStats, reused_from: str | None = None) -> None:
+    """Logs ``stats`` at INFO (``reused_from``: the name of the step the save reused from,
+    said where it reused anything)."""
     logger.info(
-        "Saved step %d: %.1f MiB written, %.1f MiB reused, %.1f MiB staged at most, "
+        "Saved step %d: %.1f MiB written, %.1f MiB reused%s, %.1f MiB staged at most, "
         "blocked %.3f s, committed after %.3f s.",
         stats.step,
         stats.bytes_written / 2**20,
         stats.bytes_reused / 2**20,
+        f" from {reused_from}" if reused_from and stats.bytes_reused else "",
         stats.peak_staging_bytes / 2**20,
         stats.blocked_secs,
         stats.commit_secs,

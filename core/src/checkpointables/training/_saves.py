@@ -250,7 +250,8 @@ class Saves:
                         bytes_reused=reused,
                         peak_staging_bytes=staging.peak_bytes if staging is not None else 0,
                     )
-                    _save_stats.log(self.last_stats)
+                    source = reuse.source if reuse is not None else None
+                    _save_stats.log(self.last_stats, source.name if source else None)
                 except BaseException as e:
                     error = e
             if error is not None:

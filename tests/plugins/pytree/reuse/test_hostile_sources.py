@@ -304,3 +304,11 @@ def test_a_checkpointer_does_not_reuse_a_step_linking_out_of_itself(tmp_path, ca
     assert "Step 0 is not reused from" in caplog.text and "outside" in caplog.text
     assert all(os.stat(outside / name).st_nlink == 1 for name in os.listdir(outside))
     _assert_saved_exactly(tmp_path / "run" / "1", tree)
+
+
+def test_a_source_file_deleted_before_its_link_fails_the_save_clearly(tmp_path) -> None:
+    database = tmp_path / "new"
+    database.mkdir()
+    linked = ocdbt.Linked(str(tmp_path / "gone" / "d" / "0a1b"), offset=0, length=100)
+    with pytest.raises(cp.errors.StorageError, match="was deleted during the save"):
+        ocdbt.link_files(database, [linked])

@@ -604,3 +604,16 @@ def test_a_leaf_declared_frozen_that_changed_on_cpu_is_written(tmp_path, caplog)
     assert report["adapter"] is None and report["base.w0"] == "0"  # The base still linked.
     assert "'adapter' is declared frozen (reuse_unchanged) but changed" in caplog.text
     _assert_same(cp.load_pytree(tmp_path / "1"), trained)
+
+
+def test_the_save_log_names_the_step_reused_from(tmp_path, caplog) -> None:
+    tree = _tree()
+    with (
+        caplog.at_level(logging.INFO, logger="checkpointables.training"),
+        _checkpointer(tmp_path) as ckptr,
+    ):
+        ckptr.save_pytree(4, tree)
+        ckptr.save_pytree(5, tree)
+    logged = [r.getMessage() for r in caplog.records if r.name == "checkpointables.training"]
+    assert any(m.startswith("Saved step 4: ") and " reused, " in m for m in logged), logged
+    assert any(m.startswith("Saved step 5: ") and " reused from 4, " in m for m in logged), logged

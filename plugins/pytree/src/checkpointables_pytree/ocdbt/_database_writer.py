@@ -114,7 +114,8 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
     checkpoint's own. Either way each checkpoint stays whole.
 
     Raises:
-      cp.errors.StorageError: a server-side copy failed (its source gone or replaced).
+      cp.errors.StorageError: a server-side copy failed (its source gone or replaced), or
+        a local source file was deleted.
       cp.errors.IntegrityError: a local source file is no longer a regular file (replaced
         since the save chose it); nothing of it is left in ``database``.
     """
@@ -135,6 +136,12 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
         target = f"{root}/{value.name}"
         try:
             os.link(value.source, target, follow_symlinks=False)
+        except FileNotFoundError as e:
+            raise cp.errors.StorageError(
+                f"{value.source}, a data file this save reuses, was deleted during the save "
+                f"(someone deleted the checkpoint it reuses from): this save is not "
+                f"committed. Save again."
+            ) from e
         except OSError as e:
             if e.errno not in _NO_HARD_LINK:
                 raise
