@@ -152,6 +152,7 @@ def test_verify_command(saved, tmp_path) -> None:
     failures = [line for line in damaged.stdout.splitlines() if "FAILED" in line]
     assert len(failures) == 2, damaged.stdout
     assert any("['small']" in f for f in failures) and any("['big']" in f for f in failures)
+    assert all(f.count("['small']") + f.count("['big']") == 1 for f in failures), failures
 
 
 def test_inspect_command(saved) -> None:

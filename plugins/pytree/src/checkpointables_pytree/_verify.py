@@ -50,7 +50,9 @@ _TYPED_HANDLERS = (leaves.ScalarLeafHandler, leaves.BytesLeafHandler, leaves.PRN
 
 
 def _problem(entry: tree_room.Entry, error: BaseException) -> str:
-    return f"{entry.keystr}: {error}"
+    """``error`` as a problem of ``entry``: named once (most errors name their leaf)."""
+    text = str(error)
+    return text if text.startswith(entry.keystr) else f"{entry.keystr}: {text}"
 
 
 async def _check_zarr_metadata(
