@@ -282,7 +282,8 @@ def _contained(step: int, path: epath.Path) -> bool:
         _confinement.check_contained(path)
     except FileNotFoundError:  # Deleted while being looked at.
         return False
-    except (errors.OutsideCheckpointError, errors.IntegrityError) as e:
+    except (errors.OutsideCheckpointError, errors.IntegrityError, OSError) as e:
+        # Refused, or unreadable (a directory it may not list): never a failed save.
         reuse_lib.log_once(
             f"uncontained:{path}",
             f"Step {step} is not reused from: {e} This save writes every array.",

@@ -617,3 +617,42 @@ def test_the_save_log_names_the_step_reused_from(tmp_path, caplog) -> None:
     logged = [r.getMessage() for r in caplog.records if r.name == "checkpointables.training"]
     assert any(m.startswith("Saved step 4: ") and " reused, " in m for m in logged), logged
     assert any(m.startswith("Saved step 5: ") and " reused from 4, " in m for m in logged), logged
+
+
+def test_a_frozen_predicate_shared_by_two_runs_is_checked_in_each(tmp_path, caplog) -> None:
+    # The check ends for a leaf once its probes matched in a run: another run given the
+    # same predicate object, where that leaf is trained, is checked afresh.
+    frozen = cp.reuse.checked_frozen(lambda name: name.startswith("base."))
+    tree = _tree()
+    with _checkpointer(tmp_path / "a", reuse_unchanged=frozen) as ckptr:
+        for step in range(2):
+            ckptr.save_pytree(step, tree)  # base.* unchanged: its probes match.
+    trained = dict(tree, base={k: v + 1 for k, v in tree["base"].items()})
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables.reuse"),
+        _checkpointer(tmp_path / "b", reuse_unchanged=frozen) as ckptr,
+    ):
+        ckptr.save_pytree(0, tree)
+        ckptr.save_pytree(1, trained)
+    assert "'base.w0' is declared frozen (reuse_unchanged) but changed" in caplog.text
+    _assert_same(cp.load_pytree(tmp_path / "b" / "1"), trained)
+
+
+def test_a_record_of_an_earlier_version_links_once_more_and_says_why(tmp_path, caplog) -> None:
+    # Records before the list of data files ("files") cannot be checked against the files.
+    tree = _tree()
+    with _checkpointer(tmp_path) as ckptr:
+        ckptr.save_pytree(0, tree)
+    record_file = tmp_path / "0" / "state" / reuse.RECORD_FILE
+    record = json.loads(record_file.read_text())
+    del record["files"]
+    record_file.write_text(json.dumps(record))
+    with (
+        caplog.at_level(logging.INFO, logger="checkpointables.reuse"),
+        _checkpointer(tmp_path) as ckptr,
+    ):
+        ckptr.save_pytree(1, tree)
+        assert ckptr.last_save_stats.bytes_reused == 0
+        ckptr.save_pytree(2, tree)
+        assert ckptr.last_save_stats.bytes_reused > 0
+    assert "was saved by an earlier version" in caplog.text

@@ -269,7 +269,7 @@ async def plan_reuse(
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
     if comparable:
-        to_print += _changed_though_frozen(found, known, reuse.frozen)
+        to_print += _changed_though_frozen(found, known, reuse)
         probed = _probe(to_print, earlier)
     if located is not None and not earlier:  # No record: what can be compared is looked up.
         linkable = [c for c in to_print if c.name in probed.probes and _unpadded(c)]
@@ -399,6 +399,13 @@ def _located(
     # A record's files are checked (none listed: none linked); without a record the
     # stored bytes are compared instead.
     files = recorded.get("files", {}) if recorded.get("arrays") else None
+    if files == {} and "files" not in recorded:
+        cp.reuse.log_once(
+            f"unlisted:{source}",
+            f"reuse_from={source.parent} was saved by an earlier version, whose record lists "
+            f"no data files to check: this save writes every array, and the next links "
+            f"from it.",
+        )
     return Source(source, files), _origin(directory, source)
 
 
@@ -491,21 +498,23 @@ def _compare_layouts(
     return known, to_print, linkable
 
 
-# (id of a frozen predicate, name) of the declared leaves whose probes matched once.
-_FROZEN_SEEN: set[tuple[int, str]] = set()
+# (the run's root, id of its frozen predicate, name) of the declared leaves whose probes
+# matched once: a run, not a predicate (one predicate object may serve several runs).
+_FROZEN_SEEN: set[tuple[str, int, str]] = set()
 
 
 def _changed_though_frozen(
-    found: Sequence[Candidate], known: dict[str, Any], frozen: Any
+    found: Sequence[Candidate], known: dict[str, Any], reuse: cp.reuse.SaveReuse
 ) -> list[Candidate]:
     """The arrays declared frozen whose probes differ from the source's, on CPU devices,
     until they once match (a leaf a predicate names by mistake, a trained one, changes at
     the first save; probes cost 10-30 us an array): they changed, so they leave ``known``,
     are said once in a WARNING, and are written. Elsewhere the declaration is trusted."""
     changed = []
+    run = os.fspath(reuse.source.parent) if reuse.source is not None else ""
     for c in found:
         recorded = known.get(c.name, {}).get("probes")
-        seen = (id(frozen), c.name)
+        seen = (run, id(reuse.frozen), c.name)
         views = _host_views(c) if recorded is not None and seen not in _FROZEN_SEEN else None
         if views is None:
             continue
