@@ -513,11 +513,10 @@ def _changed_though_frozen(
     changed = []
     run = os.fspath(reuse.source.parent) if reuse.source is not None else ""
     for c in found:
-        recorded = known.get(c.name, {}).get("probes")
+        recorded = known[c.name].get("probes") if c.name in known else None
         seen = (run, id(reuse.frozen), c.name)
-        views = _host_views(c) if recorded is not None and seen not in _FROZEN_SEEN else None
-        if views is None:
-            continue
+        if recorded is None or seen in _FROZEN_SEEN or (views := _host_views(c)) is None:
+            continue  # Not declared and recorded, matched before, or not on CPU devices.
         probes = [_fingerprint.probe(v) for v in views]
         if not _comparable(recorded, probes) or probes == recorded:
             _FROZEN_SEEN.add(seen)
