@@ -112,3 +112,45 @@ def test_inspect_shows_the_size_of_bytes_leaves(tmp_path, capsys) -> None:
     metadata = cp.pytree_metadata(tmp_path / "c").metadata
     assert metadata["blob"] == b"" and metadata["blob"].nbytes == 4  # Still an abstract bytes.
     assert cp.load_pytree(tmp_path / "c", metadata)["blob"] == b"abcd"
+
+
+class _TextHandler:
+    """A handler registered for one test, then removed: its checkpoints outlive it."""
+
+    async def save(self, directory, checkpointable):
+        async def write() -> None:
+            path = await directory.await_creation()
+            cp.storage.write_text(path / "text", checkpointable.value)
+
+        return write()
+
+    async def load(self, directory, abstract_checkpointable=None): ...
+
+    async def metadata(self, directory) -> None:
+        return None
+
+    def is_handleable(self, obj) -> bool:
+        return type(obj).__name__ == "_Text"
+
+    def is_abstract_handleable(self, abstract) -> None:
+        return None
+
+
+class _Text:
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+def test_inspect_names_the_plugin_that_reads_each_recorded_handler(tmp_path, capsys) -> None:
+    # The pytree handler records Orbax's class name (Orbax reads it too): which of our
+    # plugins reads it is said beside it, and so is a handler no installed plugin reads.
+    cp.handlers.register_handler(_TextHandler)
+    try:
+        cp.save_checkpointables(tmp_path / "c", {"state": {"w": np.ones(2)}, "note": _Text("x")})
+    finally:
+        cp.handlers.unregister_handler(_TextHandler)
+    assert cli.main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "state/  handler: orbax.checkpoint.experimental.v1." in out
+    assert "PyTreeHandler  (read by plugin 'pytree')" in out
+    assert "_TextHandler  (no installed plugin reads it)" in out

@@ -124,7 +124,7 @@ def _inspect(args: argparse.Namespace) -> int:
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
             recorded = opened.typestr(name, directory)
-            print(f"\n{name}/  handler: {recorded or 'unrecorded'}")
+            print(f"\n{name}/  {_handler_line(recorded)}")
             try:
                 value = _loading.item_metadata(directory, name, recorded, context)
             except Exception as e:  # Show what can be shown; the error names the problem.
@@ -134,6 +134,19 @@ def _inspect(args: argparse.Namespace) -> int:
             _print_reuse(directory, name, recorded, context)
     print(f"\ntotal array bytes: {total:,}")
     return 0
+
+
+def _handler_line(recorded: str | None) -> str:
+    """The recorded handler, and which installed plugin reads it (a checkpoint records
+    Orbax's names where Orbax reads the data too, so the name alone does not say)."""
+    from checkpointables import handlers
+
+    if recorded is None:
+        return "handler: unrecorded"
+    found = next((r for r in handlers.registered_handlers() if r.matches_typestr(recorded)), None)
+    if found is None:
+        return f"handler: {recorded}  (no installed plugin reads it)"
+    return f"handler: {recorded}  (read by plugin {found.plugin!r})"
 
 
 def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) -> None:
