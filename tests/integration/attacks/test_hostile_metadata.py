@@ -169,3 +169,44 @@ def test_a_1e12_element_array_claimed_by_the_array_store_is_refused(tmp_path) ->
     store.write("big/zarr.json", json.dumps(metadata).encode()).result()
     with pytest.raises(cp.errors.MetadataError, match="more than this machine's memory"):
         cp.load_pytree(tmp_path / "c")
+
+
+def _tree_edited(checkpoint, edit) -> None:
+    """Applies ``edit`` to ``_METADATA``'s ``tree_metadata``, then records the checksums
+    again (as someone editing on purpose can)."""
+    file = checkpoint / "pytree" / "_METADATA"
+    document = json.loads(file.read_text())
+    edit(document["tree_metadata"])
+    file.write_text(json.dumps(document))
+    with_metadata_checksums_recomputed(checkpoint)
+
+
+def test_a_list_index_far_past_its_items_is_refused_before_padding(tmp_path) -> None:
+    # A dict key "200000000" relabelled a list index: a list of 2e8 Nones (6 GiB) if padded.
+    cp.save_pytree(tmp_path / "c", {"w": np.arange(8.0), "lst": {"200000000": 7}})
+
+    def to_sequence(tree_metadata) -> None:
+        (key,) = [k for k in tree_metadata if "lst" in k]
+        tree_metadata[key]["key_metadata"][1]["key_type"] = 1
+
+    _tree_edited(tmp_path / "c", to_sequence)
+    for read in (cp.load_pytree, cp.pytree_metadata):
+        with pytest.raises(cp.errors.MetadataError, match=r"1 items at indices up to 200000000"):
+            read(tmp_path / "c")
+
+
+def test_a_key_path_nested_past_the_limit_is_refused_at_once(tmp_path) -> None:
+    # 50,000 levels in 1.4 MB of flat JSON: quadratic work, then a RecursionError, if built.
+    cp.save_pytree(tmp_path / "c", {"w": np.arange(8.0), "k": 1})
+
+    def deepen(tree_metadata) -> None:
+        (key,) = [k for k in tree_metadata if "'k'" in k]
+        entry = tree_metadata.pop(key)
+        entry["key_metadata"] = [{"key": "k", "key_type": 2}] * 50_000
+        tree_metadata[str(("k",) * 50_000)] = entry
+
+    _tree_edited(tmp_path / "c", deepen)
+    with pytest.raises(cp.errors.MetadataError, match="nested 50000 levels deep"):
+        cp.pytree_metadata(tmp_path / "c")
+    with pytest.raises(cp.errors.CheckpointError):
+        cp.load_pytree(tmp_path / "c")

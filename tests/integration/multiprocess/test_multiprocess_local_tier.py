@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from checkpointables.training.local_tier._owner import OWNER_FILE
 
 from .launcher import run_job
 
@@ -191,8 +192,16 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def run_dir(saved, tmp_path):
     """A fresh copy of the saved run, for a test to damage."""
-    shutil.copytree(saved, tmp_path / "run")
-    return tmp_path / "run"
+    return moved(saved, tmp_path / "run")
+
+
+def moved(run: Path, target: Path) -> Path:
+    """The run (its persistent root and local directories) copied to ``target``: each local
+    directory's record of the root it serves is removed, as docs/local-tier.md says to."""
+    shutil.copytree(run, target, dirs_exist_ok=True)
+    for record in target.glob(f"local/host*/{OWNER_FILE}"):
+        record.unlink()
+    return target
 
 
 def test_restore_from_own_disks_reads_nothing_elsewhere(run_dir) -> None:
@@ -256,7 +265,7 @@ def saved_by_four(tmp_path_factory):
 def test_four_processes_in_a_ring_restore_a_wiped_host_from_its_buddy(
     saved_by_four, tmp_path
 ) -> None:
-    shutil.copytree(saved_by_four, tmp_path, dirs_exist_ok=True)
+    moved(saved_by_four, tmp_path)
     shutil.rmtree(tmp_path / "local" / "host2")
     stats = _job(tmp_path, "restore", hosts="0,1,2,3", n=4)
     assert [(s["step"], s["tier"], s["persistent"]) for s in stats] == [(30, "local", 0)] * 4
@@ -268,14 +277,14 @@ def test_half_the_processes_restore_from_several_hosts_copies(saved_by_four, tmp
     # (process 0: p0 and p1, on hosts 0 and 2; process 1: p2 and p3, on hosts 2 and 0),
     # and its own index's items (p1-of-4's are on host 2, its buddy's copy); "sharded" is
     # now split by rows only, so each device needs parts of two saved shards.
-    shutil.copytree(saved_by_four, tmp_path, dirs_exist_ok=True)
+    moved(saved_by_four, tmp_path)
     first, second = _job(tmp_path, "half", hosts="0,2", n=2)
     for stats in (first, second):
         assert (stats["step"], stats["tier"], stats["persistent"]) == (30, "local", 0)
         assert stats["local"] > 0 and stats["peers"] > 0
     # With the hosts of 0 and 1 no host holds p2-of-4's files: the persistent step.
     shutil.rmtree(tmp_path)
-    shutil.copytree(saved_by_four, tmp_path)
+    moved(saved_by_four, tmp_path)
     for stats in _job(tmp_path, "half", hosts="0,1", n=2):
         assert (stats["step"], stats["tier"], stats["local"], stats["peers"]) == (
             25, "persistent", 0, 0)  # fmt: skip
@@ -545,6 +554,8 @@ def _restart(rng, n: int) -> tuple[list[int], list[tuple[int, ...]]]:
 def _check_schedule(pristine, run, rng, n: int, seed: int) -> None:
     # Hard links: a schedule replaces the files it damages, and restores write new ones.
     shutil.copytree(pristine, run, copy_function=os.link)
+    for record in run.glob(f"local/host*/{OWNER_FILE}"):
+        record.unlink()  # Moved: see moved().
     _damage(run, rng, n)
     hosts, groups = _restart(rng, n)
     needs = _needs(pristine, n, groups)
@@ -700,3 +711,57 @@ def _schedule(tmp_path, seed: int) -> None:
 )
 def test_a_job_killed_at_a_random_moment_restores_the_newest_complete_step(tmp_path, seed) -> None:
     _schedule(tmp_path, seed)
+
+
+# argv: root, local base, mode: "latest" (resume as docs/training.md does: latest_step(),
+# then that step) or "unsharded" (the newest step, asked for without shardings).
+RESUME_BODY = """
+import json
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+root, base, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+MESH = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+SHAPES = {"sharded": ((16, 8), np.float32, P("x", "y")), "by_row": ((8, 3), np.int32, P("x")),
+          "replicated": ((4,), np.float32, P())}
+state = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(MESH, spec))
+         for name, (shape, dtype, spec) in SHAPES.items()}
+if mode == "unsharded":
+    state = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype, _) in SHAPES.items()}
+state["host_numpy"] = np.empty(3, np.int64)
+policy = cp.training.save_decision_policies.EveryNStepsPolicy
+tier = cp.training.LocalTier(f"{base}/host{PROCESS_ID}", save_decision_policy=policy(10),
+                             replicas=1, keep=2, timeout_secs=30)
+with cp.training.Checkpointer(root, save_decision_policy=policy(25), local_tier=tier) as ckptr:
+    start = ckptr.latest_step()
+    step = start.step if mode == "latest" else None
+    restored = ckptr.load_checkpointables(step, {"state": state, "config": None})
+    stats = ckptr.last_restore_stats
+    shard = restored["state"]["sharded"].addressable_shards[0]
+    expected = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)[shard.index] + stats.step
+    np.testing.assert_array_equal(np.asarray(shard.data), expected)
+    print("RESUMED", json.dumps({"latest": start.step, "step": stats.step, "tier": stats.tier,
+                                 "config": restored["config"]["step"]}))
+"""
+
+
+def _resume(run_dir, mode: str) -> list:
+    args = [str(run_dir / "persistent"), str(run_dir / "local"), mode]
+    return _tagged(run_job(RESUME_BODY, args=args, timeout=150), "RESUMED")
+
+
+def test_latest_step_is_the_same_on_every_process_after_a_save_half_committed(run_dir) -> None:
+    # Killed after process 1 committed step 30 and before process 0 did: host 1 holds its
+    # own copy, host 0 nothing of step 30. Every process names step 25, and loads it.
+    shutil.rmtree(run_dir / "local" / "host0" / "30")
+    shutil.rmtree(run_dir / "local" / "host1" / "30" / "p0-of-2")
+    for resumed in _resume(run_dir, "latest"):
+        assert resumed == {"latest": 25, "step": 25, "tier": "persistent", "config": 25}
+
+
+def test_a_restore_without_shardings_reads_the_persistent_tier(run_dir) -> None:
+    # Local step 30's arrays are split over the processes: without shardings, no process
+    # can tell which shards it needs, so the persistent tier's step 25 is read.
+    for resumed in _resume(run_dir, "unsharded"):
+        assert resumed["latest"] == 30
+        assert (resumed["step"], resumed["tier"], resumed["config"]) == (25, "persistent", 25)

@@ -255,3 +255,17 @@ def test_non_utf8_file_is_an_integrity_error(tmp_path) -> None:
     without_metadata_checksums(tmp_path / "c")
     with pytest.raises(cp.errors.IntegrityError, match="not UTF-8"):
         cp.load_checkpointables(tmp_path / "c")
+
+
+def test_a_message_nested_deeper_than_python_parses_is_an_integrity_error(tmp_path) -> None:
+    # 5,000 nested Structs in 330 KB of text: the parser recurses once per level.
+    message = struct_pb2.Struct()
+    message.update({"a": 1})
+    cp.save_checkpointables(tmp_path / "c", {"config": message})
+    deep = 'fields { key: "a" value { struct_value { ' * 5000 + "} } }" * 5000
+    header = "# proto-file: google/protobuf/struct.proto\n# proto-message: google.protobuf.Struct\n"
+    (tmp_path / "c" / "config" / "proto.pbtxt").write_text(header + deep)
+    with_metadata_checksums_recomputed(tmp_path / "c")
+    for abstract in (None, {"config": struct_pb2.Struct}):
+        with pytest.raises(cp.errors.IntegrityError, match="proto.pbtxt nests its messages"):
+            cp.load_checkpointables(tmp_path / "c", abstract)

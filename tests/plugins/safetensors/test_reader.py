@@ -260,3 +260,17 @@ def test_a_checkpoint_named_like_safetensors_is_still_a_checkpoint(tmp_path) -> 
     with pytest.raises(ValueError, match="drop checkpointable_name"):
         save_file({"a": np.ones(1)}, tmp_path / "f.safetensors")
         cp.load_pytree(tmp_path / "f.safetensors", checkpointable_name="pytree")
+
+
+def test_a_tensor_named_twice_in_a_header_is_refused(tmp_path) -> None:
+    # The package keeps the last entry (int32 here); a reader keeping the first sees floats.
+    header = (
+        b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+        b'"w":{"dtype":"I32","shape":[4],"data_offsets":[0,16]}}'
+    )
+    path = tmp_path / "twice.safetensors"
+    data = np.arange(4, dtype=np.float32).tobytes()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    for read in (cp.load_pytree, cp.pytree_metadata):
+        with pytest.raises(cp.errors.MetadataError, match=r"twice.safetensors: .*\['w'\] more"):
+            read(path)

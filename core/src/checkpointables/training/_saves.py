@@ -198,20 +198,32 @@ class Saves:
             return reuse_lib.SaveReuse(None, frozen), None
         return reuse_lib.SaveReuse(latest.path, frozen), lease
 
-    def _check_step(self, request: StepSave, context: Context) -> epath.Path:
-        """The step's directory, once nothing in it may be lost by the save."""
-        path = self._path_of(request.step)
-        known = self._steps.get(request.step) is not None
+    def refuse_existing(self, request: StepSave, context: Context) -> None:
+        """Raises what ``start`` would raise before saving anything: an earlier save's
+        error, or ``StepAlreadyExistsError`` for a step that exists (unless overwritten)."""
+        self._errors.raise_pending()
+        if not request.overwrite:
+            self._refuse_existing(request.step, context)
+
+    def _refuse_existing(self, step: int, context: Context) -> None:
+        path = self._path_of(step)
+        known = self._steps.get(step) is not None
         with context:
             occupied = _commit.occupied(path)
-        if not request.overwrite and (known or occupied):
+        if known or occupied:
             what = "a checkpoint" if known else "a directory that is not a committed checkpoint"
             raise StepAlreadyExistsError(
-                f"Step {request.step} already exists: {path} holds {what}. Pass overwrite=True "
+                f"Step {step} already exists: {path} holds {what}. Pass overwrite=True "
                 f"to replace it (the old one stays until the new one commits), or save another "
                 f"step."
             )
-        if request.overwrite:
+
+    def _check_step(self, request: StepSave, context: Context) -> epath.Path:
+        """The step's directory, once nothing in it may be lost by the save."""
+        path = self._path_of(request.step)
+        if not request.overwrite:
+            self._refuse_existing(request.step, context)
+        else:
             # Replacing renames the old directory away; let loads of it finish.
             _readers.wait_until_unread(path, context.async_options.timeout_secs)
         return path

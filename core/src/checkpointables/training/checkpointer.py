@@ -181,7 +181,7 @@ class Checkpointer:
         )
         self._tidy_root(listing)
         self._persistent_stats: RestoreStats | None = None
-        self._local = _tiered.open_tier(local_tier, self._errors.record)
+        self._local = _tiered.open_tier(local_tier, self._root, self._errors.record)
 
     def _tidy_root(self, listing: _listing.Listing) -> None:
         """Applies the preservation policy to the steps found, removes what dead saves left."""
@@ -209,9 +209,14 @@ class Checkpointer:
         return _tiered.steps(self._steps.sorted(), self._local, tier)
 
     def latest_step(self) -> StepInfo | None:
-        """The committed step with the highest number on any tier, or ``None`` if none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The committed step with the highest number on any tier, or ``None`` if none.
+
+        With a local tier: the newest step a restore could read, the same on every
+        process (call it on all of them): a local step counts once it is complete over
+        the hosts, not while only some hold their copies. Checksums are checked by the
+        load itself; ``load_*()`` without a step moves past a damaged copy.
+        """
+        return _tiered.latest(self._steps.sorted(), self._local)
 
     @property
     def last_restore_stats(self) -> RestoreStats | None:

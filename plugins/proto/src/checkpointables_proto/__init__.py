@@ -83,6 +83,11 @@ class ProtoHandler:
 
             try:
                 return text_format.Parse(text, message_class())
+            except RecursionError:  # Python's parser recurses once per nested message.
+                raise cp.errors.IntegrityError(
+                    f"{file} nests its messages deeper than this program can parse; the "
+                    f"checkpointable {directory.name!r} is damaged or hostile."
+                ) from None
             except text_format.ParseError as e:
                 if "not found in descriptor pool" in str(e):
                     # A google.protobuf.Any holding a type the program has not imported.

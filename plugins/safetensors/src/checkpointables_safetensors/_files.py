@@ -11,9 +11,11 @@ malformed header is refused there, before any array is allocated.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -203,10 +205,32 @@ def _read_index(index: str) -> dict[str, str]:
     return weight_map
 
 
+def _refuse_repeated_keys(file: str) -> None:
+    """Raises ``cp.errors.MetadataError`` if a key repeats in an object of ``file``'s header
+    (the package keeps the last of two entries of one tensor, which the format forbids:
+    another reader would see the first, with other bytes or another dtype)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found = dict(pairs)
+        if len(found) != len(pairs):
+            counts = collections.Counter(k for k, _ in pairs)
+            repeated = sorted(k for k, n in counts.items() if n > 1)
+            raise cp.errors.MetadataError(
+                f"{file}: its header lists {repeated} more than once; the file is damaged "
+                f"or was written by a broken tool."
+            )
+        return found
+
+    with open(file, "rb") as f:  # The package has checked the header's length already.
+        (length,) = struct.unpack("<Q", f.read(8))
+        json.loads(f.read(length), object_pairs_hook=unique)
+
+
 def _read_header(file: str) -> tuple[list[StoredTensor], dict[str, str]]:
     codes = _dtypes_by_code()
     tensors = []
     with safe_open(file) as f:
+        _refuse_repeated_keys(file)
         metadata = dict(f.metadata() or {})
         for name in f.offset_keys():
             view = f.get_slice(name)

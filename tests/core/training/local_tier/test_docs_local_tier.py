@@ -25,4 +25,5 @@ def test_the_guide_runs(tmp_path, monkeypatch, capsys) -> None:
         exec(compile(block, str(DOC), "exec"), namespace)
     printed = capsys.readouterr().out
     assert "[0, 100, 200]\n[220, 230]\n230 local" in printed
-    assert sorted(p.name for p in (tmp_path / "runs" / "local").iterdir()) == ["220", "230"]
+    held = sorted(p.name for p in (tmp_path / "runs" / "local").iterdir())
+    assert held == [".checkpointables-local-tier.json", "220", "230"]  # The run it serves.

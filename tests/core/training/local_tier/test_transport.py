@@ -3,6 +3,7 @@ stream; a dead or silent peer fails within the timeout, named by its address."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.error
@@ -58,9 +59,17 @@ def test_a_damaged_file_is_refused_and_nothing_is_kept(served, tmp_path) -> None
 def test_only_files_under_the_directory_are_served(served, tmp_path) -> None:
     _, _, server = served
     (tmp_path / "secret").write_text("no")
-    for path in ("/../secret", "/7/../../secret", "/", "/7"):
+    source = tmp_path / "source"
+    (source / "7" / "out").symlink_to(tmp_path / "secret")  # A link leading out of it.
+    (source / "7" / "outside").symlink_to(tmp_path)
+    os.mkfifo(source / "7" / "pipe")
+    (source / "7" / "in").symlink_to(source / "7" / "p0-of-1.manifest.json")
+    for path in ("/../secret", "/7/../../secret", "/", "/7", "/7/out", "/7/outside/secret",
+                 "/7/pipe"):  # fmt: skip
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://{server.address}{path}", timeout=5)
+    with urllib.request.urlopen(f"http://{server.address}/7/in", timeout=5) as inside:
+        assert inside.read() == (source / "7" / "p0-of-1.manifest.json").read_bytes()
 
 
 def test_a_dead_peer_is_named(served, tmp_path) -> None:

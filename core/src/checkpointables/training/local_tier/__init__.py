@@ -5,6 +5,7 @@ See ``docs/local-tier.md`` for the guide; the modules:
 
 - ``_config``: ``LocalTier`` (what users pass) and ``RestoreStats``;
 - ``_store``: one host's directory of local steps and copies;
+- ``_owner``: which run (persistent root) a host's directory serves;
 - ``_manifest``: each copy's files with checksums and its shards;
 - ``_saves``: the tier's saves, replication and retention;
 - ``_transport``: the HTTP file service peers fetch copies from;

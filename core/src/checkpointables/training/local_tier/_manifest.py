@@ -32,6 +32,7 @@ __all__ = [
     "Manifest",
     "describe_shards",
     "needed_shards",
+    "unsharded_arrays",
     "small_items",
     "uncovered",
     "build",
@@ -80,6 +81,20 @@ def checksum_file(path: str, algorithm: str) -> int:
 
 def _index(index: Iterable[slice], shape: tuple[int, ...]) -> Index:
     return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
+
+
+def unsharded_arrays(abstract: Mapping[str, Any] | None) -> set[str]:
+    """The keys of the arrays of ``abstract`` given without a sharding (a
+    ``ShapeDtypeStruct`` without one, a NumPy array): which of their shards this
+    process needs is unknown."""
+    import jax
+
+    found = set()
+    for name, value in (abstract or {}).items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            if getattr(leaf, "sharding", None) is None and hasattr(leaf, "shape"):
+                found.add(f"{name}/{jax.tree_util.keystr(path)}")
+    return found
 
 
 def _array_leaves(checkpointables: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:

@@ -28,7 +28,7 @@ tier is restored. At equal steps the local tier wins (it is faster).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 
@@ -126,14 +126,16 @@ def candidates(
     return sorted(found, key=lambda c: (-c.step, c.tier != "local"))
 
 
-def _arrays_split(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:
-    """Whether some array's shards are spread over several writers' copies."""
-    return any(
-        any(set(m.held.get(k, ())) != set(v) for k, v in m.shards.items())
+def _split_arrays(holders: Mapping[str, list[tuple[int, Manifest]]]) -> set[str]:
+    """The arrays whose shards are spread over several writers' copies."""
+    return {
+        k
         for copies in holders.values()
         for _, m in copies
         if not m.partial
-    )
+        for k, v in m.shards.items()
+        if set(m.held.get(k, ())) != set(v)
+    }
 
 
 def options(
@@ -141,11 +143,14 @@ def options(
     me: int,
     count: int,
     needed: dict[str, set[Index]] | None,
+    unsharded: Collection[str] = (),
 ) -> list[tuple[int, Manifest]]:
     """The copies this process may read (holder process, manifest), best first: the copy
     saved by the process of its index (of the same count first), then those on its own
-    disk. ``obtain`` takes the first and adds the next ones until they hold ``needed``."""
-    if needed is None and _arrays_split(holders):
+    disk. ``obtain`` takes the first and adds the next ones until they hold ``needed``
+    (``unsharded``: the arrays asked for without a sharding)."""
+    split = _split_arrays(holders)
+    if split and (needed is None or split.intersection(unsharded)):
         return []  # Without shardings to say what this process needs, no copy is whole.
     ranked = []
     for writer, copies in holders.items():

@@ -17,7 +17,9 @@ A local save of step ``s`` by process ``i`` of ``n``:
    all within one bound; a failure is logged with the host it names (fewer
    copies, never a wrong step: restores decide from what hosts really hold);
 5. **retain**: all but the newest ``keep`` steps are removed from this host
-   (at the commit, before the response finishes, and after replication).
+   (at the commit, before the response finishes, and after replication); at
+   the commit, so are the steps after ``s``: the run went on from an older
+   step, and they belong to the trajectory it left.
 
 One local save is in flight at a time: the next one waits for the previous
 one's commit and replication (each replication wait is bounded).
@@ -85,16 +87,18 @@ class LocalSaves:
         self._worker = Worker(f"checkpointables local tier {store.directory}", on_error)
 
     def steps(self) -> list[StepInfo]:
-        """The steps with a finished copy on this host, sorted."""
+        """The steps with a finished copy on this host, sorted; each one's path is that
+        copy's, an ordinary checkpoint (of this host's shards, when several saved it)."""
         infos = []
         for step in self._store.steps():
             copies = self._store.copies(step)
             if copies:
-                mine = copies.get(self._writer) or next(iter(copies.values()))
+                writer = self._writer if self._writer in copies else next(iter(copies))
+                mine = copies[writer]
                 infos.append(
                     StepInfo(
                         step=step,
-                        path=self._store.step_dir(step),
+                        path=self._store.copy_dir(step, writer),
                         metrics=mine.metrics,
                         commit_timestamp_nsecs=mine.commit_timestamp_nsecs,
                     )
@@ -195,7 +199,8 @@ class LocalSaves:
                     self._store.copy_dir(step, self._writer), step, self._writer, **fields
                 )
                 self._store.commit_copy(manifest)
-                self._store.retain(self._config.keep)  # Listed steps obey keep once committed.
+                # Listed steps obey keep once committed; newer ones are another trajectory's.
+                self._store.retain(self._config.keep, newest=step)
             except Exception as e:
                 error = e
         if error is not None or manifest is None:

@@ -70,7 +70,9 @@ class Store:
                 continue
             writer = name[: -len(_manifest.SUFFIX)]
             manifest = _manifest.read(os.path.join(self.step_dir(step), name))
-            if manifest is not None and os.path.isdir(self.copy_dir(step, writer)):
+            if manifest is None or (manifest.step, manifest.writer) != (step, writer):
+                continue  # Another copy's manifest (copied here): it describes other files.
+            if os.path.isdir(self.copy_dir(step, writer)):
                 found[writer] = manifest
         return found
 
@@ -93,16 +95,22 @@ class Store:
             return
         shutil.rmtree(trash, ignore_errors=True)
 
-    def retain(self, keep: int) -> list[int]:
+    def retain(self, keep: int, newest: int | None = None) -> list[int]:
         """Keeps the newest ``keep`` steps that have a finished copy; removes the other step
         directories (older steps, and what killed saves and fetches left) and leftovers
         of removals; returns the steps removed.
 
+        ``newest``: the step just saved; steps after it are removed too. They belong to a
+        trajectory the run left (it went on from an older step): kept, they would push
+        out the run's new steps and be restored in their place.
+
         Called only when no save or fetch of this host is in flight."""
         steps = self.steps()
+        abandoned = [s for s in steps if newest is not None and s > newest]
+        steps = steps[: len(steps) - len(abandoned)]
         finished = [s for s in steps if self.copies(s)]
         kept = set(finished[-keep:])
-        dropped = [s for s in steps if s not in kept]
+        dropped = abandoned + [s for s in steps if s not in kept]
         for step in dropped:
             self.remove_step(step)
         try:

@@ -22,7 +22,7 @@ from checkpointables import errors, multihost
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
 from checkpointables.training.errors import StepNotFoundError
-from checkpointables.training.local_tier import _manifest, _restore, _transport
+from checkpointables.training.local_tier import _manifest, _owner, _restore, _transport
 from checkpointables.training.local_tier._combine import COMBINED_PREFIX, combine
 from checkpointables.training.local_tier._config import LocalTier, RestoreStats
 from checkpointables.training.local_tier._exchange import Exchange
@@ -72,9 +72,15 @@ _opened = itertools.count()
 class LocalTierRuntime:
     """See the module's docstring."""
 
-    def __init__(self, config: LocalTier, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        config: LocalTier,
+        persistent_root: epath.Path,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
         self.config = config
         os.makedirs(os.fspath(config.directory), exist_ok=True)
+        _owner.claim(os.fspath(config.directory), persistent_root)
         self.store = Store(os.fspath(config.directory))
         self.exchange = Exchange(
             multihost.process_index(), multihost.process_count(), str(next(_opened))
@@ -84,6 +90,7 @@ class LocalTierRuntime:
             self._server = _transport.FileServer(self.store.directory, config.serve_address)
         self.saves = LocalSaves(config, self.store, self.exchange, self.address, on_error)
         self._restores = itertools.count()  # The n-th restore: the same on every process.
+        self._listings = itertools.count()  # The n-th complete_steps(): likewise.
         self._closes = itertools.count()
         self.last_restore_stats: RestoreStats | None = None
 
@@ -119,6 +126,7 @@ class LocalTierRuntime:
         began = time.perf_counter()
         number = next(self._restores)
         needed = _manifest.needed_shards(needed_tree)
+        unsharded = _manifest.unsharded_arrays(needed_tree)
         self.saves.wait_idle()  # What this process saved counts, replicas included.
 
         def run() -> T:
@@ -131,12 +139,19 @@ class LocalTierRuntime:
             for candidate in _restore.candidates(inventory, persistent, step):
                 if candidate.tier == "persistent":
                     assert candidate.info is not None
-                    result = load_persistent(candidate.info, start).result()
-                    nbytes = persistent_bytes(candidate.info.path, result)
+                    verdict = f"{name}/verdict-persistent-{candidate.step}"
+                    loaded = self._load_persistent(
+                        candidate.info, start, load_persistent, verdict, step is None
+                    )
+                    if loaded is None:
+                        tried.append(candidate.step)
+                        continue
+                    nbytes = persistent_bytes(candidate.info.path, loaded[0])
                     self._record(candidate.step, "persistent", 0, 0, nbytes, began)
-                    return result  # type: ignore[no-any-return]
+                    return loaded[0]  # type: ignore[no-any-return]
+                verdict = f"{name}/verdict-{candidate.step}"
                 obtained = self._obtain(
-                    inventory, candidate.step, needed, f"{name}/verdict-{candidate.step}", context
+                    inventory, candidate.step, (needed, unsharded), verdict, context
                 )
                 if obtained is None:
                     tried.append(candidate.step)
@@ -150,19 +165,61 @@ class LocalTierRuntime:
             which = "" if step is None else f" of step {step}"
             raise StepNotFoundError(
                 f"No complete, checksum-valid checkpoint{which} on any tier (local tier "
-                f"{self.store.directory}: complete steps tried "
-                f"{tried or 'none'}; persistent steps: {[i.step for i in persistent] or 'none'})."
+                f"{self.store.directory}; steps tried, complete but not valid on every "
+                f"process: {tried or 'none'}; persistent steps: "
+                f"{[i.step for i in persistent] or 'none'})."
             )
 
         return start_background(run, f"restore of step {step if step is not None else 'latest'}")
 
+    def _load_persistent(
+        self,
+        info: StepInfo,
+        start: Callable[[epath.Path], AsyncResponse[T]],
+        load_persistent: PersistentLoad,
+        verdict: str,
+        may_pass_over: bool,
+    ) -> tuple[T] | None:
+        """The persistent step ``info``, loaded; ``None`` if it is damaged on some process
+        and ``may_pass_over`` (a restore of the newest step moves on to an older one, every
+        process together). A damage found loading a step asked for by number is raised."""
+        if not may_pass_over:
+            return (load_persistent(info, start).result(),)
+        result, problem = None, ""
+        try:
+            result = load_persistent(info, start).result()
+        except (errors.IntegrityError, errors.MetadataError) as e:
+            problem = f"{type(e).__name__}: {e}"
+        verdicts = self.exchange.all_gather(verdict, problem, self.config.timeout_secs)
+        failed = {p: v for p, v in verdicts.items() if v}
+        if failed:
+            logger.warning("Persistent step %d is damaged; not restored: %s", info.step, failed)
+            return None
+        return (result,)  # type: ignore[return-value]
+
+    def complete_steps(self) -> list[int]:
+        """The local steps complete over every host (as a restore decides, checksums
+        aside), newest first; the same on every process, which all call it."""
+        self.saves.wait_idle()
+        name = f"steps/{next(self._listings)}"
+        timeout = self.config.timeout_secs
+        inventory = _restore.gather(self.store, self.exchange, self.address(), name, timeout)
+        return inventory.complete_steps()
+
     def _obtain(
-        self, inventory: _restore.Inventory, step: int, needed: Any, name: str, context: Context
+        self,
+        inventory: _restore.Inventory,
+        step: int,
+        asked: tuple[Any, set[str]],
+        name: str,
+        context: Context,
     ) -> _restore.Obtained | None:
-        """The copies of local ``step`` this process needs, combined into one checkpoint
-        (the path first) if several, when every process got its own (else None)."""
+        """The copies of local ``step`` this process needs (``asked``: the shards needed
+        and the arrays asked for without a sharding), combined into one checkpoint (the
+        path first) if several, when every process got its own (else None)."""
         me, count = self.exchange.me, self.exchange.count
-        choices = _restore.options(inventory.holders(step), me, count, needed)
+        needed, unsharded = asked
+        choices = _restore.options(inventory.holders(step), me, count, needed, unsharded)
         obtained, problem = None, ""
         try:
             obtained = _restore.obtain(

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from etils import epath
+
 from checkpointables import errors
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
@@ -17,15 +19,18 @@ from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
 
-__all__ = ["open_tier", "steps", "save", "timed"]
+__all__ = ["open_tier", "steps", "latest", "save", "timed"]
 
 TIERS = (None, "local", "persistent")
 
 
 def open_tier(
-    config: LocalTier | None, on_error: Callable[[BaseException], None]
+    config: LocalTier | None,
+    persistent_root: epath.Path,
+    on_error: Callable[[BaseException], None],
 ) -> LocalTierRuntime | None:
-    """The local tier ``config`` describes, started (``None``: no local tier)."""
+    """The local tier ``config`` describes, serving the Checkpointer of ``persistent_root``,
+    started (``None``: no local tier)."""
     if config is None:
         return None
     if not isinstance(config, LocalTier):
@@ -33,7 +38,7 @@ def open_tier(
             f"Checkpointer(local_tier={config!r}): expected a cp.training.LocalTier, e.g. "
             f"cp.training.LocalTier('/local/ckpt', replicas=1, keep=2)."
         )
-    return LocalTierRuntime(config, on_error)
+    return LocalTierRuntime(config, persistent_root, on_error)
 
 
 def steps(
@@ -56,6 +61,19 @@ def steps(
     return [merged[s] for s in sorted(merged)]
 
 
+def latest(persistent: list[StepInfo], local: LocalTierRuntime | None) -> StepInfo | None:
+    """The step ``Checkpointer.latest_step()`` names: the newest persistent one, or the
+    newest local one complete over every host if newer (one all-gather)."""
+    newest = persistent[-1] if persistent else None
+    if local is None:
+        return newest
+    complete = local.complete_steps()
+    if not complete or (newest is not None and newest.step >= complete[0]):
+        return newest
+    held = {info.step: info for info in local.saves.steps()}
+    return held.get(complete[0], StepInfo(step=complete[0], path=local.store.step_dir(complete[0])))
+
+
 def save(
     request: StepSave, context: Context, persistent: Saves, local: LocalTierRuntime | None
 ) -> AsyncResponse[bool]:
@@ -63,8 +81,12 @@ def save(
     the response is True once every save started has committed, False if none started."""
     if local is None:
         return persistent.start(request, context)
+    # What the persistent tier would refuse (a step that exists, an earlier save's error)
+    # is refused before the local save replaces its copy of the step. The local save
+    # starts first: it commits while the persistent one may still be writing.
     local_save = None
     if request.force or local.saves.decide(request.step, context):
+        persistent.refuse_existing(request, context)
         local_save = local.saves.start(request, context)
     persistent_save = persistent.start(request, context)
     if local_save is None:

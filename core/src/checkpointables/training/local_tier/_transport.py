@@ -7,7 +7,8 @@ files a host needs are sent and memory stays bounded (1 MiB pieces), and it
 runs on 127.0.0.1 in tests. Each process serves its tier's directory; its
 address is published in the ``jax.distributed`` key-value store.
 
-Only regular files under the directory are served (no listing, no ``..``);
+Only regular files under the directory are served (no listing, no ``..``, no
+symbolic link leading out of it);
 what is fetched is checked against the manifest's checksums before it is kept.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
+import stat
 import threading
 import urllib.error
 import urllib.parse
@@ -43,15 +45,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         relative = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
         parts = relative.split("/")
-        path = os.path.join(self.directory, *parts)
-        if any(p in ("", ".", "..") for p in parts) or not os.path.isfile(path):
+        real = _real_path_inside(self.directory, os.path.join(self.directory, *parts))
+        if any(p in ("", ".", "..") for p in parts) or real is None:
             self.send_error(404)
             return
         try:
-            f = open(path, "rb")  # noqa: SIM115 (a missing file is a 404, not an error)
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             self.send_error(404)
             return
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # A directory, a pipe: never read.
+            os.close(fd)
+            self.send_error(404)
+            return
+        f = os.fdopen(fd, "rb")
         with f:
             self.send_response(200)
             self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
@@ -60,6 +67,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # Quiet: a training job's logs are not the place for every request.
+
+
+def _real_path_inside(directory: str, path: str) -> str | None:
+    """``path`` with its symbolic links resolved, if that lies under ``directory`` (else
+    ``None``): a link in the tier's directory must not serve what lies outside it."""
+    real = os.path.realpath(path)
+    return real if real.startswith(os.path.realpath(directory) + os.sep) else None
 
 
 class FileServer:

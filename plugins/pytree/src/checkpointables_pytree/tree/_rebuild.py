@@ -15,7 +15,13 @@ from typing import Any
 
 from checkpointables_pytree.tree._keypaths import DICT, SEQUENCE, keystr
 
-__all__ = ["Recipe", "unflatten"]
+__all__ = ["Recipe", "unflatten", "MAX_DEPTH", "MAX_PADDING"]
+
+# The deepest tree rebuilt: building recurses once or twice per level, within Python's
+# default limit of 1,000 frames (no model's state comes near).
+MAX_DEPTH = 256
+# The most ``None``s a sequence with gaps in its indices is padded with.
+MAX_PADDING = 1 << 16
 
 
 def unflatten(
@@ -41,6 +47,10 @@ def unflatten(
     for names, types, value in items:
         if not names:
             raise on_conflict("the root is recorded both as a leaf and as a container")
+        if len(names) > MAX_DEPTH:  # Each level costs a Python frame below, and a key tuple.
+            raise on_conflict(
+                f"{keystr(names[:4])}... is nested {len(names)} levels deep (at most {MAX_DEPTH})"
+            )
         if len(names) != len(types):
             raise ValueError(f"{len(names)} key names but {len(types)} key types")
         head = names[:-1]
@@ -120,8 +130,14 @@ def _build(
         raise on_conflict(f"{keystr(prefix)} has non-integer sequence keys") from None
     values = [value(k, v) for k, v in ordered]
     if ordered and int(ordered[-1][0]) != len(ordered) - 1:
-        # Indices with gaps (only possible in hand-edited metadata): keep positions.
-        padded: list[Any] = [None] * (int(ordered[-1][0]) + 1)
+        # Indices with gaps (only possible in hand-edited metadata): keep positions, within
+        # a bound (the padding is allocated before anything else is checked).
+        length = int(ordered[-1][0]) + 1
+        if length > len(ordered) + MAX_PADDING:
+            raise on_conflict(
+                f"{keystr(prefix)} has {len(ordered)} items at indices up to {length - 1}"
+            )
+        padded: list[Any] = [None] * length
         for (k, _), v in zip(ordered, values, strict=True):
             padded[int(k)] = v
         values = padded
