@@ -216,6 +216,68 @@ def test_a_live_sessions_save_is_never_removed(tmp_path, hang) -> None:
     _assert_holds(path, [0, 2])
 
 
+def test_finalize_sees_another_processs_save_before_it_writes_anything(tmp_path) -> None:
+    # The child is stopped in its save's call, before any of its files exist: a finalize
+    # then must not publish without it (its save would return, its data in no checkpoint).
+    path = tmp_path / "ckpt"
+    child = _start_child(tmp_path, [0], hang=["checkpointables._saving", "start", 1, False])
+    try:
+        with pytest.raises(cp.errors.CheckpointExistsError, match="still writing"):
+            cp.partial.finalize(path)
+        assert not path.exists()
+    finally:
+        _kill(child)
+    cp.partial.save(path, part(1))  # What the killed save left is removed.
+    cp.partial.finalize(path)
+    _assert_holds(path, [1])
+
+
+_SAVE_WHILE_PUBLISHED = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import checkpointables as cp
+    from checkpointables import partial
+
+    path, ready, go = sys.argv[1:4]
+    promote = partial._promote
+
+    def held(*args):
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.02)
+        return promote(*args)
+
+    partial._promote = held
+    try:
+        cp.partial.save(path, {"late": np.ones(3)})
+        print("SAVED")
+    except cp.errors.CheckpointExistsError as e:
+        print("REFUSED", e)
+    """
+)
+
+
+def test_a_partial_save_whose_path_was_published_meanwhile_fails(tmp_path) -> None:
+    path, ready, go = tmp_path / "ckpt", tmp_path / "ready", tmp_path / "go"
+    args = [sys.executable, "-c", _SAVE_WHILE_PUBLISHED, str(path), str(ready), str(go)]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        cp.save_pytree(path, {"other": np.zeros(2)})  # Another writer publishes the path.
+        go.touch()
+        out, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            _kill(child)
+    assert out.startswith("REFUSED") and "its data is in no checkpoint" in out
+    assert set(cp.load_pytree(path)) == {"other"}
+    assert not cp.partial.session_path(path).exists()  # Nothing of it left behind.
+
+
 # In the child, `_promote` is called once per save (calls 1-3); finalize then
 # merges the saves' metadata (`_merged_metadata`, once) and pytrees (`merge_into`).
 # `layout.commit` and `metadata_checksums.record` are called once per save, and a

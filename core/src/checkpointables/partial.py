@@ -20,7 +20,10 @@ written by the normal save path, at ``<session>/pytree/partial-<seq>/``:
   of the calls;
 - on an object store it is written in place, and its own marker commits it.
 
-A staged save's name records its writer (``staged-<seq>-<start ns>-<pid>``):
+A staged save's name records its writer (``staged-<seq>-<start ns>-<pid>``; its
+``.pending`` twin exists from the call to the commit, so a ``finalize`` elsewhere
+sees the save before its files appear, and a save whose path was published
+meanwhile fails rather than commit into no checkpoint):
 each ``save`` removes those whose process is gone (``_leftovers``' rule), and
 ``finalize`` drops what interrupted saves left but refuses while another live
 process's save is among it. ``finalize`` then merges the committed saves'
@@ -65,7 +68,10 @@ SOURCE_PREFIX = "partial-"
 _STAGED = "staged-"
 _SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
 # A staged save records who writes it: ``staged-<seq>-<start ns>-<pid>`` (the primary host's).
-_STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)$")
+# Its ``.pending`` twin exists from the call until the save is committed (or failed): a
+# ``finalize`` of another process sees the save running before its files appear.
+_STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)(?:\.pending)?$")
+_PENDING = ".pending"
 
 
 def session_path(path: epath.PathLike) -> epath.Path:
@@ -165,10 +171,25 @@ def _check_not_finished(path: epath.Path) -> None:
         )
 
 
-def _promote(staged: epath.Path, target: epath.Path) -> None:
-    """Commits a staged partial save (local disks): renamed into the session's pytree directory."""
+def _promote(path: epath.Path, staged: epath.Path, target: epath.Path) -> None:
+    """Commits a staged partial save (local disks): renamed into the session's pytree
+    directory, unless ``path`` was finalized meanwhile (by another process, which did not
+    see this save): its data would be in no checkpoint."""
+    if _commit.occupied(path):
+        storage.remove_tree(staged)
+        raise errors.CheckpointExistsError(
+            f"{path} was finalized while this partial save ran, without it: its data is in no "
+            f"checkpoint. Finalize once every save has returned; save it to another path."
+        )
     os.makedirs(os.fspath(target.parent), exist_ok=True)
     layout.rename_durably(staged, target)
+
+
+def _mark_pending(staged: epath.Path) -> epath.Path:
+    """Makes the ``.pending`` twin of ``staged`` (see ``_STAGED_WRITER``); returns it."""
+    pending = staged.parent / f"{staged.name}{_PENDING}"
+    os.makedirs(os.fspath(pending), exist_ok=True)
+    return pending
 
 
 def save_async(
@@ -198,16 +219,19 @@ def save_async(
         target = session / DEFAULT_NAME / f"{SOURCE_PREFIX}{sequence:06d}"
         in_place = not _commit.uses_rename(path)  # Committed where finalize needs it.
         staged = target if in_place else session / f"{_STAGED}{sequence:06d}-{writer}"
+        pending = None
         if multihost.is_primary_host() and not in_place:
             _remove_dead_writers(session)
+            pending = _mark_pending(staged)
         try:
             forced = {DEFAULT_NAME: pytree_registration().handler_cls}
             inner = _saving.start(
                 _saving.SaveRequest(staged, item, custom_metadata, forced_handlers=forced)
             )
         except BaseException:
-            if multihost.is_primary_host() and not in_place:
+            if pending is not None:
                 with contextlib.suppress(OSError):
+                    os.rmdir(pending)
                     session.rmdir()  # Only if this failed save left it empty.
             raise
         previous = state.last_save
@@ -218,10 +242,15 @@ def save_async(
             error = None
             try:
                 inner.result()
-                if multihost.is_primary_host() and not in_place:
-                    _promote(staged, target)
+                if pending is not None:
+                    _promote(path, staged, target)
             except BaseException as e:
                 error = e
+            if pending is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(pending)
+                    if error is not None:
+                        session.rmdir()  # Only if this failed save left it empty.
             multihost.sync_global_processes(f"{operation}/committed", error=error)
 
         state.last_save = start_background(commit_in_order, f"partial save {sequence} of {path}")
