@@ -50,7 +50,7 @@ def read_item(path: epath.Path) -> dict[str, Any]:
     for name in (FILE, _OTHER_FILE):
         file = path / name
         try:
-            raw = metadata_checksums.read_file(file)
+            raw = metadata_checksums.read_file(file, max_bytes=metadata_checksums.MAX_FILE_BYTES)
         except FileNotFoundError:
             continue
         return safe_json.loads_object(raw, source=file)

@@ -159,7 +159,7 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     """
     path = epath.Path(directory) / CHECKPOINT_METADATA_FILE
     try:
-        checked = metadata_checksums.read_checked(path)
+        checked = metadata_checksums.read_checked(path, max_bytes=metadata_checksums.MAX_FILE_BYTES)
         if not checked.checked:  # Never recorded (Orbax's), or lost: the marker says which.
             metadata_checksums.check_recorded(directory)
         raw = checked.data

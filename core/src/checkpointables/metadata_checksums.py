@@ -248,6 +248,8 @@ def _look_for_table(directory: str) -> _Table | None:
             f"{path} is a symbolic link; a checkpoint's checksums must be stored in it, not "
             f"elsewhere. Replace the link by the file it points to."
         )
+    if status.st_size > MAX_FILE_BYTES:
+        raise errors.IntegrityError(str(_too_large(path, status.st_size, MAX_FILE_BYTES)))
     with open(storage.open_regular_file(path), "rb") as f:  # Never a pipe: it would block.
         table = _Table(path, f.read())
     with _tables_lock:
@@ -285,17 +287,20 @@ class CheckedFile:
     checked: bool
 
 
-def read_checked(path: epath.PathLike) -> CheckedFile:
+def read_checked(path: epath.PathLike, *, max_bytes: int | None = None) -> CheckedFile:
     """The bytes of a checkpoint's metadata file, checked against the recorded checksum, and
-    whether there was one (see ``read_file``)."""
+    whether there was one (see ``read_file``; ``max_bytes``: the most the file may hold)."""
     text_path = os.fspath(path)
     covering = _covering_table(text_path)
     try:
+        _refuse_larger(text_path, max_bytes)
         data = storage.read_bytes(text_path)
     except FileNotFoundError:
         if covering is not None and covering[1] in covering[0].files:
             raise _mismatch(text_path, covering, "is missing") from None
         raise
+    if max_bytes is not None and len(data) > max_bytes:  # On an object store: once read.
+        raise _too_large(text_path, len(data), max_bytes)
     if covering is None:
         return CheckedFile(data, checked=False)
     expected = covering[0].files.get(covering[1])
@@ -308,8 +313,12 @@ def read_checked(path: epath.PathLike) -> CheckedFile:
     return CheckedFile(data, checked=True)
 
 
-def read_file(path: epath.PathLike) -> bytes:
+def read_file(path: epath.PathLike, *, max_bytes: int | None = None) -> bytes:
     """The bytes of a checkpoint's metadata file, checked against the recorded checksum.
+
+    ``max_bytes``: the most a well-formed file holds (e.g. ``MAX_FILE_BYTES``); a larger
+    local file is refused before it is read, so a damaged or hostile one (a sparse file
+    of many GiB) costs no memory.
 
     Raises:
       FileNotFoundError: the file does not exist, and the checkpoint does not
@@ -317,8 +326,29 @@ def read_file(path: epath.PathLike) -> bytes:
       cp.errors.IntegrityError: the file does not match its recorded checksum,
         is missing although recorded, or was not there when the checkpoint was
         committed.
+      cp.errors.MetadataError: the file holds more than ``max_bytes``.
     """
-    return read_checked(path).data
+    return read_checked(path, max_bytes=max_bytes).data
+
+
+def _too_large(path: str, size: int, max_bytes: int) -> errors.MetadataError:
+    return errors.MetadataError(
+        f"{path} holds {size:,} bytes, more than such a file ever holds ({max_bytes:,}): the "
+        f"checkpoint is damaged or was not written by a checkpoint library. Restore it from a "
+        f"copy or load an older checkpoint."
+    )
+
+
+def _refuse_larger(path: str, max_bytes: int | None) -> None:
+    """Raises ``_too_large`` for a local file of more than ``max_bytes`` (before it is read)."""
+    if max_bytes is None or not storage.is_local(path):
+        return
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return  # Missing or unreadable: the read says so.
+    if size > max_bytes:
+        raise _too_large(path, size, max_bytes)
 
 
 def is_protected(checkpoint: epath.PathLike) -> bool:

@@ -210,3 +210,30 @@ def test_a_key_path_nested_past_the_limit_is_refused_at_once(tmp_path) -> None:
         cp.pytree_metadata(tmp_path / "c")
     with pytest.raises(cp.errors.CheckpointError):
         cp.load_pytree(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    ("relative", "error"),
+    [
+        ("_CHECKPOINT_METADATA", "MetadataError"),
+        ("pytree/_METADATA", "MetadataError"),
+        ("_CHECKSUMS", "IntegrityError"),
+    ],
+)
+def test_a_metadata_file_of_many_gib_is_refused_before_it_is_read(
+    saved, tmp_path, relative, error
+) -> None:
+    # Sparse: 3 GiB that occupy no disk. Read whole, it took 6.3 GiB and 17-38 s.
+    import tracemalloc
+
+    checkpoint = copy(saved, tmp_path / "c")
+    with open(checkpoint / relative, "r+b") as f:
+        f.truncate(3 << 30)
+    tracemalloc.start()
+    try:
+        outcome = load_outcome(checkpoint)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert outcome == error and peak < 64 << 20, (outcome, peak)
+    assert verify_fails(checkpoint)

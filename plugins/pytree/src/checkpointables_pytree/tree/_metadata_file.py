@@ -376,7 +376,9 @@ def read_tree_metadata(directory: epath.Path) -> TreeMetadata:
     """
     path = directory / METADATA_FILE
     try:
-        checked = cp.metadata_checksums.read_checked(path)
+        checked = cp.metadata_checksums.read_checked(
+            path, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES
+        )
     except FileNotFoundError:
         raise cp.errors.MetadataError(
             f"{path} does not exist, so {directory} is not a pytree checkpointable (or it was "

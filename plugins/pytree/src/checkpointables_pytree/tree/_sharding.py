@@ -140,7 +140,7 @@ def read_sharding_file(directory: epath.Path) -> dict[str, dict[str, Any]]:
     """
     path = directory / SHARDING_FILE
     try:
-        raw = cp.metadata_checksums.read_file(path)
+        raw = cp.metadata_checksums.read_file(path, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
     except FileNotFoundError:
         return {}
     except OSError as e:
