@@ -8,6 +8,7 @@ metadata, and its agreement with the array store, are what catch it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import shutil
@@ -237,3 +238,33 @@ def test_a_metadata_file_of_many_gib_is_refused_before_it_is_read(
         tracemalloc.stop()
     assert outcome == error and peak < 64 << 20, (outcome, peak)
     assert verify_fails(checkpoint)
+
+
+def _subarray_dtype(tree_metadata) -> None:
+    (key,) = [k for k in tree_metadata if "'a'" in k]
+    tree_metadata[key]["value_metadata"]["checkpointables"]["dtype"] = "(100000,100000)f8"
+
+
+def _huge_index(tree_metadata) -> None:
+    (key,) = [k for k in tree_metadata if "'n'" in k]
+    entry = dict(tree_metadata[key], key_metadata=[{"key": 10**18, "key_type": 1}])
+    tree_metadata["(0,)"] = entry
+
+
+def _datetime_scalar(tree_metadata) -> None:
+    (key,) = [k for k in tree_metadata if "'n'" in k]
+    tree_metadata[key]["value_metadata"]["checkpointables"]["scalar_type"] = "np.datetime64"
+
+
+@pytest.mark.parametrize("edit", [_subarray_dtype, _huge_index, _datetime_scalar])
+def test_recorded_types_numpy_or_jax_refuse_are_a_library_error_or_ignored(
+    saved, tmp_path, edit
+) -> None:
+    # NumPy refuses the dtype (ValueError), JAX's key entry the index (TypeError), a
+    # datetime is no scalar: either the load is exact (the stored data decides) or fails
+    # with the library's error; so does reading the metadata.
+    checkpoint = copy(saved, tmp_path / "c")
+    _tree_edited(checkpoint, edit)
+    assert load_outcome(checkpoint) in ("exact", "MetadataError")
+    with contextlib.suppress(cp.errors.CheckpointError):
+        cp.pytree_metadata(checkpoint)

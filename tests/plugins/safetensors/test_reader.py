@@ -221,7 +221,7 @@ def test_damaged_files_are_refused_naming_the_file(tmp_path, name, edit, says) -
 def test_damaged_index_and_missing_files(tmp_path) -> None:
     index = write_sharded(tmp_path / "hub", model_tensors())
     os.remove(tmp_path / "hub" / "model-00002-of-00002.safetensors")
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+    with pytest.raises(cp.errors.CheckpointNotFoundError, match="model-00002-of-00002"):
         cp.load_pytree(index)
     with open(index) as f:
         content = json.load(f)
@@ -235,7 +235,7 @@ def test_damaged_index_and_missing_files(tmp_path) -> None:
         f.write("{not json")
     with pytest.raises(cp.errors.MetadataError, match="not a valid safetensors index"):
         cp.load_pytree(index)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(cp.errors.CheckpointNotFoundError):
         cp.load_pytree(tmp_path / "missing.safetensors")
 
 
@@ -274,3 +274,9 @@ def test_a_tensor_named_twice_in_a_header_is_refused(tmp_path) -> None:
     for read in (cp.load_pytree, cp.pytree_metadata):
         with pytest.raises(cp.errors.MetadataError, match=r"twice.safetensors: .*\['w'\] more"):
             read(path)
+
+
+def test_an_abstract_leaf_of_no_array_type_is_the_librarys_type_error(tmp_path) -> None:
+    save_file({"w": np.arange(4, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(cp.errors.InvalidArgumentTypeError, match=r"\['w'\]: abstract leaves"):
+        cp.load_pytree(tmp_path / "m.safetensors", {"w": "a string"})

@@ -165,7 +165,7 @@ def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:
             f"(e.g. huggingface_hub.snapshot_download) and load the local copy."
         )
     if not os.path.exists(local):
-        raise FileNotFoundError(f"No safetensors file or directory at {path}.")
+        raise cp.errors.CheckpointNotFoundError(f"No safetensors file or directory at {path}.")
     if os.path.isdir(local):
         names = sorted(os.listdir(local))
         indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
@@ -258,7 +258,10 @@ def open_tensor_set(path: epath.PathLike) -> TensorSet:
     metadata: dict[str, str] = {}
     for file in files:
         if not os.path.exists(file):  # Not a regular file: refused by safe_open, saying so.
-            raise FileNotFoundError(f"{path} names {file}, which does not exist.")
+            raise cp.errors.CheckpointNotFoundError(
+                f"{path} names {file}, which does not exist: download it too, or fetch the "
+                f"set again."
+            )
         found, file_metadata = _read_header(file)
         metadata.update(file_metadata)
         for tensor in found:

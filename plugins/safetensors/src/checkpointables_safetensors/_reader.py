@@ -52,7 +52,7 @@ def _read_for(keypath: str, tensor: _files.StoredTensor, abstract: Any) -> Array
         return ArrayRead(tensor, tensor.dtype, to_jax=False, to_scalar=scalar_type)
     shape, dtype = getattr(abstract, "shape", None), getattr(abstract, "dtype", None)
     if shape is None or dtype is None:
-        raise TypeError(
+        raise cp.errors.InvalidArgumentTypeError(
             f"{keypath}: abstract leaves for safetensors data are jax.ShapeDtypeStruct, "
             f"np.ndarray, int, float, bool, None or cp.PLACEHOLDER; got {type(abstract).__name__}."
         )

@@ -171,6 +171,9 @@ def test_bad_arguments_are_named(tmp_path) -> None:
         cp.training.LocalTier(tmp_path, keep=0)
     with pytest.raises(cp.errors.InvalidArgumentError, match="replicas"):
         cp.training.LocalTier(tmp_path, replicas=-1)
+    for seconds in (-1, 0, "10", True, float("nan")):
+        with pytest.raises(cp.errors.InvalidArgumentError, match="timeout_secs"):
+            cp.training.LocalTier(tmp_path, timeout_secs=seconds)
     with pytest.raises(cp.errors.UnsupportedPathError, match="own disk"):
         cp.training.LocalTier("s3://bucket/x")
     with pytest.raises(cp.errors.InvalidArgumentTypeError, match="LocalTier"):

@@ -23,6 +23,13 @@ def _count(minimum: int):  # type: ignore[no-untyped-def]
     return check
 
 
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise errors.InvalidArgumentError(
+            f"LocalTier({attribute.name}={value!r}): expected a number of seconds > 0."
+        )
+
+
 def _policy(value: object) -> decision_lib.SaveDecisionPolicy:
     if value is None:
         # A local save is cheap: save whenever the previous local save has committed.
@@ -81,7 +88,7 @@ class LocalTier:
     replicas: int = attrs.field(default=1, kw_only=True, validator=_count(0))
     keep: int = attrs.field(default=2, kw_only=True, validator=_count(1))
     serve_address: str = attrs.field(default="127.0.0.1", kw_only=True)
-    timeout_secs: float = attrs.field(default=120.0, kw_only=True)
+    timeout_secs: float = attrs.field(default=120.0, kw_only=True, validator=_positive)
 
 
 @attrs.frozen

@@ -47,9 +47,11 @@ def _scalar_type(name: str | None, dtype: np.dtype | None) -> Any:
         return _PYTHON_SCALARS[name]
     if name and name.startswith("np."):
         try:
-            return np.dtype(name[3:]).type
-        except TypeError:
-            pass
+            recorded = np.dtype(name[3:])
+        except (TypeError, ValueError):
+            recorded = None
+        if recorded is not None and recorded.kind in "biufc":  # A number: what scalars hold.
+            return recorded.type
     if dtype is None:
         return float
     # Orbax's scalars: Python int, float and bool are stored as int64, float64, bool.

@@ -372,6 +372,6 @@ def _dtype(name: str) -> np.dtype | None:
     """The dtype recorded as ``name``, if zarr3 can store it (else the driver decides)."""
     try:
         dtype = np.dtype(name)
-    except TypeError:
+    except (TypeError, ValueError):  # Not a dtype, or one NumPy refuses (a huge subarray).
         return None
     return dtype if zarr3.zarr_dtype_name(dtype) == name else None

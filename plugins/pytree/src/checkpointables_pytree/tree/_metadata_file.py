@@ -268,7 +268,10 @@ def _parse_entry(path: epath.Path, key: str, value: Any) -> Entry:
             f"entry {_shown(key)} has a malformed key (its key type is not 1 or 2)",
         )
     if _keypaths.SEQUENCE in key_types and not all(  # Checked only for trees with lists.
-        n.isdecimal() for n, t in zip(names, key_types, strict=True) if t == _keypaths.SEQUENCE
+        # An index a list can have (JAX's key entries take a 64-bit one).
+        n.isdecimal() and len(n) <= 18
+        for n, t in zip(names, key_types, strict=True)
+        if t == _keypaths.SEQUENCE
     ):
         raise _bad(path, f"entry {_shown(key)} has a sequence key that is not an index")
     if not isinstance(value_type, str):
