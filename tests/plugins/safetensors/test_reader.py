@@ -280,3 +280,29 @@ def test_an_abstract_leaf_of_no_array_type_is_the_librarys_type_error(tmp_path) 
     save_file({"w": np.arange(4, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     with pytest.raises(cp.errors.InvalidArgumentTypeError, match=r"\['w'\]: abstract leaves"):
         cp.load_pytree(tmp_path / "m.safetensors", {"w": "a string"})
+
+
+def test_float8_tensors_load_bit_for_bit_whole_and_onto_a_mesh(tmp_path) -> None:
+    # The package's NumPy reader has no float8 type: these are read from their bytes.
+    import ml_dtypes
+
+    bits = np.random.default_rng(0).integers(0, 256, (16, 8), dtype=np.uint8)
+    tensors = {
+        "e4m3": bits.view(ml_dtypes.float8_e4m3fn),
+        "e5m2": bits.view(ml_dtypes.float8_e5m2),
+        "empty": np.zeros((0, 4), ml_dtypes.float8_e4m3fn),
+    }
+    save_file(tensors, str(tmp_path / "fp8.safetensors"))
+    loaded = cp.load_pytree(tmp_path / "fp8.safetensors")
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and loaded[name].shape == value.shape
+        assert np.asarray(loaded[name]).tobytes() == value.tobytes()
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    sharding = NamedSharding(mesh, P("x", "y"))
+    abstract = {
+        n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for n, v in tensors.items()
+    }
+    abstract["empty"] = jax.ShapeDtypeStruct((0, 4), tensors["empty"].dtype)
+    on_mesh = cp.load_pytree(tmp_path / "fp8.safetensors", abstract)
+    for shard in on_mesh["e5m2"].addressable_shards:
+        assert np.asarray(shard.data).tobytes() == tensors["e5m2"][shard.index].tobytes()

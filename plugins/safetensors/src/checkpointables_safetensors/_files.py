@@ -70,6 +70,7 @@ class StoredTensor:
     file: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    start: int = -1  # Where its bytes begin in ``file`` (-1: not known).
 
     @property
     def nbytes(self) -> int:
@@ -205,10 +206,14 @@ def _read_index(index: str) -> dict[str, str]:
     return weight_map
 
 
-def _refuse_repeated_keys(file: str) -> None:
-    """Raises ``cp.errors.MetadataError`` if a key repeats in an object of ``file``'s header
-    (the package keeps the last of two entries of one tensor, which the format forbids:
-    another reader would see the first, with other bytes or another dtype)."""
+def _data_starts(file: str) -> dict[str, int]:
+    """Where each tensor's bytes begin in ``file`` (the package checked its header already).
+
+    Raises:
+      cp.errors.MetadataError: a key repeats in an object of the header (the package
+        keeps the last of two entries of one tensor, which the format forbids: another
+        reader would see the first, with other bytes or another dtype).
+    """
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         found = dict(pairs)
@@ -221,16 +226,21 @@ def _refuse_repeated_keys(file: str) -> None:
             )
         return found
 
-    with open(file, "rb") as f:  # The package has checked the header's length already.
+    with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        json.loads(f.read(length), object_pairs_hook=unique)
+        header = json.loads(f.read(length), object_pairs_hook=unique)
+    return {
+        name: 8 + length + entry["data_offsets"][0]
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 def _read_header(file: str) -> tuple[list[StoredTensor], dict[str, str]]:
     codes = _dtypes_by_code()
     tensors = []
     with safe_open(file) as f:
-        _refuse_repeated_keys(file)
+        starts = _data_starts(file)
         metadata = dict(f.metadata() or {})
         for name in f.offset_keys():
             view = f.get_slice(name)
@@ -240,7 +250,8 @@ def _read_header(file: str) -> tuple[list[StoredTensor], dict[str, str]]:
                     f"{file}: tensor {name!r} has dtype {code}, which has no NumPy/JAX "
                     f"equivalent here (supported: {sorted(codes)})."
                 )
-            tensors.append(StoredTensor(name, file, tuple(view.get_shape()), codes[code]))
+            shape = tuple(view.get_shape())
+            tensors.append(StoredTensor(name, file, shape, codes[code], starts[name]))
     return tensors, metadata
 
 

@@ -159,6 +159,24 @@ def pieces(shape: tuple[int, ...], itemsize: int, limit: int = PIECE_BYTES) -> I
             yield (*head, slice(start, min(start + step, shape[cut])), *tail)
 
 
+# Dtypes the package's NumPy reader has no type for (it looks them up in NumPy, which
+# lacks them; ml_dtypes has them): their bytes are read here, then viewed as the dtype.
+_READ_RAW = frozenset(
+    {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
+)
+
+
+def _read_raw(tensor: StoredTensor, region: Region) -> np.ndarray:
+    """``region`` of ``tensor``, from its bytes in the file (a one-byte dtype: no order)."""
+    if tensor.nbytes == 0:  # Nothing to map.
+        return np.empty(tensor.shape, tensor.dtype)[region]
+    whole = np.memmap(tensor.file, np.uint8, "r", tensor.start, (tensor.nbytes,))
+    try:
+        return np.array(whole.view(tensor.dtype).reshape(tensor.shape)[region])
+    finally:
+        del whole  # Unmapped now, not when collected.
+
+
 class _OpenFiles:
     """One reading thread's open files, each closed again after ``limits.window`` bytes read."""
 
@@ -173,7 +191,10 @@ class _OpenFiles:
             entry = self._open[tensor.file] = [handle, 0]
             handle.__enter__()
         try:
-            values = entry[0].get_slice(tensor.name)[region]
+            if tensor.dtype.name in _READ_RAW:
+                values = _read_raw(tensor, region)
+            else:
+                values = entry[0].get_slice(tensor.name)[region]
         except Exception as e:  # SafetensorError: e.g. the file changed since it was opened.
             raise cp.errors.MetadataError(
                 f"{tensor.file}: cannot read tensor {tensor.name!r}: {e}"
