@@ -328,3 +328,24 @@ def test_the_database_layout_is_kept_while_the_arrays_keep_their_sizes(tmp_path)
     as_float = {**tree_of(3), "big": np.arange(4096, dtype=np.float32)}
     _save_and_check(tmp_path / "d", as_float)
     _save_and_check(tmp_path / "e", tree_of(4))
+
+
+def test_a_save_keeps_no_array_alive_after_it_returns(tmp_path) -> None:
+    # A structure not seen before is walked in Python; nothing of that walk may hold the
+    # tree's arrays once the save returned (an import saves batch after batch of new
+    # structures: each batch's arrays stayed until the garbage collector ran).
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(3):
+            values = {f"never_seen_{i}": np.ones(1 << 16, np.float32), "j": jnp.ones(4) + i}
+            alive = [weakref.ref(v) for v in values.values()]
+            cp.save_pytree(tmp_path / str(i), values)
+            cp.partial.save(tmp_path / f"partial{i}", values)
+            del values
+            assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()

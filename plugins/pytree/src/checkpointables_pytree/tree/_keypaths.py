@@ -301,7 +301,12 @@ def _walk(tree: Any) -> Flat:
                         (*types, *(key_type(k) for k in keys)),
                     )
 
-    walk(tree, (), (), ())
+    try:
+        walk(tree, (), (), ())
+    finally:
+        # `walk` refers to itself through its closure: a cycle holding `leaves` (the
+        # tree's arrays) until the garbage collector runs. Broken now, they go with the save.
+        walk = None  # type: ignore[assignment]
     keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
     int_keys = _int_keys(keypaths, names, empty)
     structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples), int_keys)
