@@ -26,4 +26,10 @@ def test_the_guide_runs(tmp_path, monkeypatch, capsys) -> None:
     printed = capsys.readouterr().out
     assert "[0, 100, 200]\n[220, 230]\n230 local" in printed
     held = sorted(p.name for p in (tmp_path / "runs" / "local").iterdir())
-    assert held == [".checkpointables-local-tier.json", "220", "230"]  # The run it serves.
+    # The run it serves, and the lock of the process using it.
+    assert held == [
+        ".checkpointables-local-tier.json",
+        ".checkpointables-local-tier.lock",
+        "220",
+        "230",
+    ]

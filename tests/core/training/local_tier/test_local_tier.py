@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpointables.training.local_tier._owner import OWNER_FILE
+from checkpointables.training.local_tier._owner import LOCK_FILE, OWNER_FILE
 
 EveryN = cp.training.save_decision_policies.EveryNStepsPolicy
 
@@ -69,7 +69,7 @@ def test_each_tier_saves_at_its_own_cadence_and_keeps_its_own_retention(tmp_path
     # Each local step is an ordinary checkpoint of this host's shards.
     copy = tmp_path / "local" / "230" / "p0-of-1"
     assert cp.load_pytree(copy)["step"] == 230
-    assert sorted(os.listdir(tmp_path / "local")) == [OWNER_FILE, "220", "230"]
+    assert sorted(os.listdir(tmp_path / "local")) == [OWNER_FILE, LOCK_FILE, "220", "230"]
     # The persistent tier is unchanged: an ordinary Checkpointer reads it.
     with cp.training.Checkpointer(tmp_path / "persistent") as plain:
         assert [s.step for s in plain.steps()] == [0, 100, 200]
@@ -205,4 +205,4 @@ def test_what_killed_saves_left_does_not_count_against_keep(tmp_path) -> None:
         run(ckptr, range(121, 125))  # The resumed run saves nothing locally yet...
         ckptr.save_pytree(125, state(125), force=True)  # ...until a forced save.
         assert [s.step for s in ckptr.steps(tier="local")] == [120, 125]
-    assert sorted(os.listdir(tmp_path / "local")) == [OWNER_FILE, "120", "125"]
+    assert sorted(os.listdir(tmp_path / "local")) == [OWNER_FILE, LOCK_FILE, "120", "125"]

@@ -89,3 +89,47 @@ def test_a_damaged_newest_persistent_step_gives_way_to_an_intact_local_one(
         assert "Persistent step 40 is damaged" in caplog.text
         with pytest.raises(cp.errors.IntegrityError):  # Asked for by number: the damage.
             ckptr.load_pytree(40)
+
+
+_HOLDER = """
+import sys, time
+import checkpointables as cp
+tier = cp.training.LocalTier(sys.argv[2])
+with cp.training.Checkpointer(sys.argv[1], local_tier=tier):
+    print("open", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_local_directory_is_used_by_one_process_at_a_time(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root, local = tmp_path / "persistent", tmp_path / "local"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(root), str(local)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "open\n"
+        with pytest.raises(cp.errors.InvalidArgumentError, match="in use by another process"):
+            cp.training.Checkpointer(root, local_tier=cp.training.LocalTier(local))
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+    # Its process gone (killed: its lock went with it), the directory is this one's. Two
+    # Checkpointers of one process share it; the lock stays until both are closed.
+    first = cp.training.Checkpointer(root, local_tier=cp.training.LocalTier(local))
+    second = cp.training.Checkpointer(root, local_tier=cp.training.LocalTier(local))
+    first.close()
+    first.close()  # Twice: gives back nothing more.
+    probe = [
+        sys.executable,
+        "-c",
+        _HOLDER.replace("time.sleep(600)", "pass"),
+        str(root),
+        str(local),
+    ]
+    refused = subprocess.run(probe, capture_output=True, text=True)
+    assert refused.returncode != 0 and "in use by another process" in refused.stderr
+    second.close()
+    assert subprocess.run(probe, capture_output=True, text=True).stdout == "open\n"

@@ -86,8 +86,13 @@ class LocalTierRuntime:
             multihost.process_index(), multihost.process_count(), str(next(_opened))
         )
         self._server: _transport.FileServer | None = None
+        self._claimed = True
         if self.exchange.count > 1:
-            self._server = _transport.FileServer(self.store.directory, config.serve_address)
+            try:
+                self._server = _transport.FileServer(self.store.directory, config.serve_address)
+            except BaseException:
+                self._release()
+                raise
         self.saves = LocalSaves(config, self.store, self.exchange, self.address, on_error)
         self._restores = itertools.count()  # The n-th restore: the same on every process.
         self._listings = itertools.count()  # The n-th complete_steps(): likewise.
@@ -112,6 +117,12 @@ class LocalTierRuntime:
                 except multihost.BarrierTimeoutError as e:
                     logger.warning("Local tier: closing without every peer: %s", e)
                 self._server.close()
+            self._release()
+
+    def _release(self) -> None:
+        if self._claimed:  # Once: a second close() must not give back another's share.
+            self._claimed = False
+            _owner.release(self.store.directory)
 
     def load_async(
         self,
