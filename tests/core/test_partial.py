@@ -232,6 +232,25 @@ def test_finalize_sees_another_processs_save_before_it_writes_anything(tmp_path)
     _assert_holds(path, [1])
 
 
+def _held_child(tmp_path, code: str, meanwhile) -> str:
+    """Runs ``code`` (argv: the checkpoint path, a file it makes once held, a file it waits
+    for), calls ``meanwhile`` while it is held, lets it go; returns what it printed."""
+    path, ready, go = tmp_path / "ckpt", tmp_path / "ready", tmp_path / "go"
+    args = [sys.executable, "-c", code, str(path), str(ready), str(go)]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        meanwhile()
+        go.touch()
+        return child.communicate(timeout=120)[0]
+    finally:
+        if child.poll() is None:
+            _kill(child)
+
+
 _SAVE_WHILE_PUBLISHED = textwrap.dedent(
     """
     import os, sys, time
@@ -259,23 +278,48 @@ _SAVE_WHILE_PUBLISHED = textwrap.dedent(
 
 
 def test_a_partial_save_whose_path_was_published_meanwhile_fails(tmp_path) -> None:
-    path, ready, go = tmp_path / "ckpt", tmp_path / "ready", tmp_path / "go"
-    args = [sys.executable, "-c", _SAVE_WHILE_PUBLISHED, str(path), str(ready), str(go)]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert child.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+    path = tmp_path / "ckpt"
+
+    def meanwhile() -> None:
         cp.save_pytree(path, {"other": np.zeros(2)})  # Another writer publishes the path.
-        go.touch()
-        out, _ = child.communicate(timeout=120)
-    finally:
-        if child.poll() is None:
-            _kill(child)
+
+    out = _held_child(tmp_path, _SAVE_WHILE_PUBLISHED, meanwhile)
     assert out.startswith("REFUSED") and "its data is in no checkpoint" in out
     assert set(cp.load_pytree(path)) == {"other"}
     assert not cp.partial.session_path(path).exists()  # Nothing of it left behind.
+
+
+_FINALIZE_HELD_IN_MERGE = textwrap.dedent(
+    """
+    import os, sys, time
+    import checkpointables as cp
+    from checkpointables import partial
+
+    path, ready, go = sys.argv[1:4]
+    merge = partial._merge_pytrees
+
+    def held(*args):
+        if not os.path.exists(ready):  # The first merge only.
+            open(ready, "w").close()
+            while not os.path.exists(go):
+                time.sleep(0.02)
+        return merge(*args)
+
+    partial._merge_pytrees = held
+    cp.partial.finalize(path)
+    print("FINALIZED")
+    """
+)
+
+
+def test_a_save_committed_while_another_process_finalizes_is_in_the_checkpoint(tmp_path) -> None:
+    # The save starts after finalize listed the session (it saw nothing running) and
+    # commits while finalize merges: finalize merges again, and the save's data is there.
+    path = tmp_path / "ckpt"
+    cp.partial.save(path, part(0))
+    out = _held_child(tmp_path, _FINALIZE_HELD_IN_MERGE, lambda: cp.partial.save(path, part(1)))
+    assert out == "FINALIZED\n"
+    _assert_holds(path, [0, 1])
 
 
 # In the child, `_promote` is called once per save (calls 1-3); finalize then

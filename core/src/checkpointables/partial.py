@@ -72,6 +72,8 @@ _SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
 # ``finalize`` of another process sees the save running before its files appear.
 _STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)(?:\.pending)?$")
 _PENDING = ".pending"
+# How many times finalize merges again for saves that committed while it merged.
+_MERGES = 4
 
 
 def session_path(path: epath.PathLike) -> epath.Path:
@@ -185,6 +187,17 @@ def _promote(path: epath.Path, staged: epath.Path, target: epath.Path) -> None:
     layout.rename_durably(staged, target)
 
 
+def _end_pending(pending: epath.Path | None, session: epath.Path, *, failed: bool) -> None:
+    """Removes a save's ``.pending`` entry (if it made one), and the session if the save
+    failed and left it empty."""
+    if pending is None:
+        return
+    with contextlib.suppress(OSError):
+        os.rmdir(pending)
+        if failed:
+            session.rmdir()  # Only if empty.
+
+
 def _mark_pending(staged: epath.Path) -> epath.Path:
     """Makes the ``.pending`` twin of ``staged`` (see ``_STAGED_WRITER``); returns it."""
     pending = staged.parent / f"{staged.name}{_PENDING}"
@@ -229,10 +242,7 @@ def save_async(
                 _saving.SaveRequest(staged, item, custom_metadata, forced_handlers=forced)
             )
         except BaseException:
-            if pending is not None:
-                with contextlib.suppress(OSError):
-                    os.rmdir(pending)
-                    session.rmdir()  # Only if this failed save left it empty.
+            _end_pending(pending, session, failed=True)
             raise
         previous = state.last_save
 
@@ -246,11 +256,7 @@ def save_async(
                     _promote(path, staged, target)
             except BaseException as e:
                 error = e
-            if pending is not None:
-                with contextlib.suppress(OSError):
-                    os.rmdir(pending)
-                    if error is not None:
-                        session.rmdir()  # Only if this failed save left it empty.
+            _end_pending(pending, session, failed=error is not None)
             multihost.sync_global_processes(f"{operation}/committed", error=error)
 
         state.last_save = start_background(commit_in_order, f"partial save {sequence} of {path}")
@@ -321,8 +327,20 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
     _check_session_exists(path, session)
     sources = _committed_sources(path, session)
     target.claim()
-    meta = _merged_metadata(sources)
-    _merge_pytrees([s.pytree for s in sources], session / DEFAULT_NAME)
+    for _ in range(_MERGES):
+        ordered = [sources[s] for s in sorted(sources)]
+        meta = _merged_metadata(ordered)
+        _merge_pytrees([s.pytree for s in ordered], session / DEFAULT_NAME)
+        # Another process's save may have committed while this merged (it saw no finished
+        # path): merged too, or its data would be in no checkpoint. One still running (its
+        # `.pending` entry) stops the publish.
+        _refuse_running(path, session)
+        added = _sources_added(session, sources)
+        if not added:
+            break
+        sources.update(added)
+    else:
+        raise _still_running(path, session / DEFAULT_NAME)
     registration = pytree_registration()
     dist = registration.distribution
     text = checkpoint_metadata_json(
@@ -335,6 +353,16 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
     target.publish({layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path))
 
 
+def _refuse_running(path: epath.Path, session: epath.Path) -> list[str]:
+    """The session's entries besides its pytree directory, once none is a save of another
+    live process (else raises ``_still_running``)."""
+    names = [n for n in _names(session) if n != DEFAULT_NAME]
+    running = [n for n in names if _writer_gone(n, own_done=True) is False]
+    if running:
+        raise _still_running(path, session / running[0])
+    return names
+
+
 def _check_session_exists(path: epath.Path, session: epath.Path) -> None:
     if _commit.uses_rename(session) and not session.is_dir():
         raise errors.CheckpointNotFoundError(
@@ -343,14 +371,22 @@ def _check_session_exists(path: epath.Path, session: epath.Path) -> None:
         )
 
 
-def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
-    """The committed partial saves, oldest first; removes everything else in the session
+def _sources_added(session: epath.Path, known: Mapping[int, _Source]) -> dict[int, _Source]:
+    """The committed partial saves of the session not in ``known`` (by sequence number)."""
+    pytree_dir = session / DEFAULT_NAME
+    added = {}
+    for name in _names(pytree_dir):
+        sequence, source = _sequence(name), pytree_dir / name
+        if sequence is not None and sequence not in known and layout.is_checkpoint(source):
+            added[sequence] = _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
+    return added
+
+
+def _committed_sources(path: epath.Path, session: epath.Path) -> dict[int, _Source]:
+    """The committed partial saves, by sequence number; removes everything else in the session
     (interrupted saves never happened; what an interrupted finalize built is built again),
     unless a save of another process, still running, is among it."""
-    names = [n for n in _names(session) if n != DEFAULT_NAME]
-    running = [n for n in names if _writer_gone(n, own_done=True) is False]
-    if running:
-        raise _still_running(path, session / running[0])
+    names = _refuse_running(path, session)
     for name in names:
         storage.remove_tree(session / name)
     pytree_dir = session / DEFAULT_NAME
@@ -370,7 +406,7 @@ def _committed_sources(path: epath.Path, session: epath.Path) -> list[_Source]:
             f"No committed partial save of {path} (they failed, were interrupted, or none was "
             f"made). Call cp.partial.save({str(path)!r}, ...) first."
         )
-    return [sources[s] for s in sorted(sources)]
+    return sources
 
 
 def _record_running(record: _leftovers.SaveRecord | None) -> bool:

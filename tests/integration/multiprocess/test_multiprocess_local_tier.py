@@ -714,7 +714,8 @@ def test_a_job_killed_at_a_random_moment_restores_the_newest_complete_step(tmp_p
 
 
 # argv: root, local base, mode: "latest" (resume as docs/training.md does: latest_step(),
-# then that step) or "unsharded" (the newest step, asked for without shardings).
+# then that step), "unsharded" (the newest step, asked for without shardings) or "lonely"
+# (process 0 first calls latest_step() alone, then both resume as "latest").
 RESUME_BODY = """
 import json
 import numpy as np
@@ -731,8 +732,16 @@ if mode == "unsharded":
 state["host_numpy"] = np.empty(3, np.int64)
 policy = cp.training.save_decision_policies.EveryNStepsPolicy
 tier = cp.training.LocalTier(f"{base}/host{PROCESS_ID}", save_decision_policy=policy(10),
-                             replicas=1, keep=2, timeout_secs=30)
+                             replicas=1, keep=2, timeout_secs=3 if mode == "lonely" else 30)
 with cp.training.Checkpointer(root, save_decision_policy=policy(25), local_tier=tier) as ckptr:
+    if mode == "lonely":  # Process 0 alone asks (a mistake): it times out, saying why.
+        if PROCESS_ID == 0:
+            try:
+                ckptr.latest_step()
+            except cp.multihost.BarrierTimeoutError as e:
+                print("LONELY", json.dumps(str(e)), flush=True)
+        cp.multihost.sync_global_processes("asked alone")
+        mode = "latest"  # Then both ask, and agree.
     start = ckptr.latest_step()
     step = start.step if mode == "latest" else None
     restored = ckptr.load_checkpointables(step, {"state": state, "config": None})
@@ -747,7 +756,11 @@ with cp.training.Checkpointer(root, save_decision_policy=policy(25), local_tier=
 
 def _resume(run_dir, mode: str) -> list:
     args = [str(run_dir / "persistent"), str(run_dir / "local"), mode]
-    return _tagged(run_job(RESUME_BODY, args=args, timeout=150), "RESUMED")
+    results = run_job(RESUME_BODY, args=args, timeout=150)
+    if mode == "lonely":
+        (message,) = [json.loads(x[7:]) for x in results[0].stdout.splitlines() if "LONELY" in x]
+        assert "call it on every process" in message
+    return _tagged(results, "RESUMED")
 
 
 def test_latest_step_is_the_same_on_every_process_after_a_save_half_committed(run_dir) -> None:
@@ -765,3 +778,32 @@ def test_a_restore_without_shardings_reads_the_persistent_tier(run_dir) -> None:
     for resumed in _resume(run_dir, "unsharded"):
         assert resumed["latest"] == 30
         assert (resumed["step"], resumed["tier"], resumed["config"]) == (25, "persistent", 25)
+
+
+def test_latest_step_asked_by_one_process_alone_times_out_and_the_next_call_agrees(
+    run_dir,
+) -> None:
+    for resumed in _resume(run_dir, "lonely"):
+        assert resumed == {"latest": 30, "step": 30, "tier": "local", "config": 30}
+
+
+def test_a_step_left_by_a_rollback_is_not_restored_though_a_host_holds_it_whole(
+    run_dir,
+) -> None:
+    # The run went back to step 20 and saved it again: process 0 committed its new copy
+    # (and dropped its step 30), process 1 was killed before its commit (its save had
+    # removed its old step 20). Host 1 still holds step 30 whole, with process 0's replica;
+    # it is of the trajectory left, so the persistent step 25 is restored.
+    import time
+
+    host0, host1 = run_dir / "local" / "host0", run_dir / "local" / "host1"
+    shutil.rmtree(host0 / "30")
+    shutil.rmtree(host0 / "20" / "p1-of-2")
+    (host0 / "20" / "p1-of-2.manifest.json").unlink()
+    shutil.rmtree(host1 / "20")
+    again = host0 / "20" / "p0-of-2.manifest.json"
+    manifest = json.loads(again.read_text())
+    manifest["commit_timestamp_nsecs"] = time.time_ns()  # Committed after step 30.
+    again.write_text(json.dumps(manifest))
+    for resumed in _resume(run_dir, "latest"):
+        assert resumed == {"latest": 25, "step": 25, "tier": "persistent", "config": 25}

@@ -132,11 +132,15 @@ class Saves:
             decision = shared == "1"
         return decision
 
-    def start(self, request: StepSave, context: Context) -> AsyncResponse[bool]:
-        """Runs the phases of the module's docstring; returns after the blocking phase."""
+    def start(
+        self, request: StepSave, context: Context, decided: bool | None = None
+    ) -> AsyncResponse[bool]:
+        """Runs the phases of the module's docstring; returns after the blocking phase
+        (``decided``: the policy's answer for the step, if the caller asked already)."""
         started = time.perf_counter()
         self._errors.raise_pending()
-        if not request.force and not self.decide(request.step, context):
+        chosen = self.decide(request.step, context) if decided is None else decided
+        if not request.force and not chosen:
             return completed(False, f"skipped save of step {request.step}")
         layout.validate_checkpointables_dict(request.checkpointables)
         metrics = _metrics.to_json(request.metrics)

@@ -133,3 +133,17 @@ def test_a_local_directory_is_used_by_one_process_at_a_time(tmp_path) -> None:
     assert refused.returncode != 0 and "in use by another process" in refused.stderr
     second.close()
     assert subprocess.run(probe, capture_output=True, text=True).stdout == "open\n"
+
+
+def test_a_step_the_persistent_tier_skips_is_saved_locally_even_if_it_holds_it(tmp_path) -> None:
+    # An earlier run left persistent steps 0-60; this one saves there every 100 steps only,
+    # and goes back to 30: steps 40-60 are the local tier's to save (the persistent one
+    # would not save them, so it refuses nothing).
+    with checkpointer(tmp_path, persistent=10, local=1000) as ckptr:
+        run(ckptr, range(0, 61))
+    with checkpointer(tmp_path, persistent=100, local=5) as ckptr:
+        assert _w(ckptr.load_pytree(30)) == 30
+        for step in range(31, 66):
+            ckptr.save_pytree(step, state(-step))
+        assert [s.step for s in ckptr.steps(tier="local")] == [60, 65]
+        assert _w(ckptr.load_pytree(60)) == -60 and ckptr.last_restore_stats.tier == "local"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 from checkpointables_pytree.tree import DICT, SEQUENCE, Recipe, unflatten
 
@@ -45,3 +48,24 @@ def test_a_malformed_structure_raises_as_unflatten_does() -> None:
     slots = [(("a",), (D,)), (("a", "b"), (D, D))]
     with pytest.raises(KeyError, match="both a leaf and a container"):
         Recipe.of(slots, on_conflict=KeyError)
+
+
+def test_the_deepest_tree_a_save_accepts_loads_and_a_deeper_one_is_refused(tmp_path) -> None:
+    import checkpointables as cp
+    from checkpointables_pytree.tree import MAX_DEPTH
+
+    def nested(depth: int) -> dict:
+        tree: Any = np.arange(3)
+        for _ in range(depth):
+            tree = {"k": tree}
+        return tree
+
+    cp.save_pytree(tmp_path / "deepest", nested(MAX_DEPTH))
+    loaded = cp.load_pytree(tmp_path / "deepest")
+    for _ in range(MAX_DEPTH):
+        loaded = loaded["k"]
+    assert loaded.tolist() == [0, 1, 2]
+    cp.pytree_metadata(tmp_path / "deepest")
+    with pytest.raises(cp.errors.InvalidArgumentError, match="more than 256 levels deep"):
+        cp.save_pytree(tmp_path / "deeper", nested(MAX_DEPTH + 1))
+    assert not (tmp_path / "deeper").exists()

@@ -31,7 +31,14 @@ class Exchange:
     def publish(self, name: str, value: str) -> None:
         """Publishes this process's ``value`` under ``name``."""
         if self._client is not None:
-            self._client.key_value_set(f"{self._prefix}/{name}/{self.me}", value)  # type: ignore[attr-defined]
+            key = f"{self._prefix}/{name}/{self.me}"
+            self._client.key_value_set(key, value, allow_overwrite=True)  # type: ignore[attr-defined]
+
+    def retract(self, name: str) -> None:
+        """Removes what this process published under ``name`` (a gather it gave up on, to
+        be tried again under the same name: no peer may read the stale value then)."""
+        if self._client is not None:
+            self._client.key_value_delete(f"{self._prefix}/{name}/{self.me}")  # type: ignore[attr-defined]
 
     def get(self, name: str, process: int, timeout: float) -> str:
         """What ``process`` published under ``name``, waiting at most ``timeout`` seconds.

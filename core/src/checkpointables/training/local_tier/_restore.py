@@ -57,8 +57,9 @@ class Inventory:
         return found
 
     def complete_steps(self) -> list[int]:
-        """The local steps every writer of which has a copy somewhere, newest first."""
-        steps = {s for held in self.copies.values() for s in held}
+        """The local steps every writer of which has a copy somewhere, newest first (but
+        none of a trajectory the run left: see ``abandoned``)."""
+        steps = {s for held in self.copies.values() for s in held} - self.abandoned()
         complete = []
         for step in steps:
             holders = self.holders(step)
@@ -69,6 +70,27 @@ class Inventory:
             if all(writer_name(i, n) in holders for i in range(n)) and _every_shard_held(holders):
                 complete.append(step)
         return sorted(complete, reverse=True)
+
+    def abandoned(self) -> set[int]:
+        """The steps some older step was committed after: the run went back to it (a
+        rollback) and left them, whichever hosts still hold them.
+
+        Each process commits its copies in step order, so in one trajectory a step's
+        newest copy is newer than every older step's (replicas keep their writer's
+        time). A process killed between its commit of the older step and another's
+        retention of the newer one leaves both on disk: the times tell them apart.
+        """
+        newest: dict[int, int] = {}
+        for steps in self.copies.values():
+            for step, by_writer in steps.items():
+                for m in by_writer.values():
+                    newest[step] = max(newest.get(step, 0), m.commit_timestamp_nsecs)
+        found, latest_below = set(), 0
+        for step in sorted(newest):
+            if newest[step] < latest_below:
+                found.add(step)
+            latest_below = max(latest_below, newest[step])
+        return found
 
 
 def _every_shard_held(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:

@@ -95,7 +95,7 @@ class LocalTierRuntime:
                 raise
         self.saves = LocalSaves(config, self.store, self.exchange, self.address, on_error)
         self._restores = itertools.count()  # The n-th restore: the same on every process.
-        self._listings = itertools.count()  # The n-th complete_steps(): likewise.
+        self._listings = 0  # complete_steps() calls done: the same on every process.
         self._closes = itertools.count()
         self.last_restore_stats: RestoreStats | None = None
 
@@ -210,11 +210,21 @@ class LocalTierRuntime:
 
     def complete_steps(self) -> list[int]:
         """The local steps complete over every host (as a restore decides, checksums
-        aside), newest first; the same on every process, which all call it."""
-        self.saves.wait_idle()
-        name = f"steps/{next(self._listings)}"
+        aside), newest first; the same on every process, which all call it. A local save
+        in flight is not waited for: it counts once committed."""
+        # Numbered by the calls that succeeded: one made by some processes only (a mistake)
+        # times out, and the next one, made by all, is numbered alike on every process.
+        name = f"steps/{self._listings}"
         timeout = self.config.timeout_secs
-        inventory = _restore.gather(self.store, self.exchange, self.address(), name, timeout)
+        try:
+            inventory = _restore.gather(self.store, self.exchange, self.address(), name, timeout)
+        except multihost.BarrierTimeoutError as e:
+            self.exchange.retract(name)
+            raise multihost.BarrierTimeoutError(
+                f"{e} With a local tier, latest_step() asks every process what it holds: call "
+                f"it on every process (as every Checkpointer method), not on one alone."
+            ) from e
+        self._listings += 1
         return inventory.complete_steps()
 
     def _obtain(

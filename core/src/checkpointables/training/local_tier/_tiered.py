@@ -81,14 +81,16 @@ def save(
     the response is True once every save started has committed, False if none started."""
     if local is None:
         return persistent.start(request, context)
-    # What the persistent tier would refuse (a step that exists, an earlier save's error)
-    # is refused before the local save replaces its copy of the step. The local save
-    # starts first: it commits while the persistent one may still be writing.
+    # What the persistent tier would refuse (a step it saves that exists, an earlier
+    # save's error) is refused before the local save replaces its copy of the step. The
+    # local save starts first: it commits while the persistent one may still be writing.
+    persistent_chosen = request.force or persistent.decide(request.step, context)
     local_save = None
     if request.force or local.saves.decide(request.step, context):
-        persistent.refuse_existing(request, context)
+        if persistent_chosen:
+            persistent.refuse_existing(request, context)
         local_save = local.saves.start(request, context)
-    persistent_save = persistent.start(request, context)
+    persistent_save = persistent.start(request, context, decided=persistent_chosen)
     if local_save is None:
         return persistent_save
 

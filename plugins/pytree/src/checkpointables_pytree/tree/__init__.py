@@ -42,7 +42,7 @@ from checkpointables_pytree.tree._metadata_file import (
     read_tree_metadata,
     write_tree_metadata,
 )
-from checkpointables_pytree.tree._rebuild import Recipe, unflatten
+from checkpointables_pytree.tree._rebuild import MAX_DEPTH, MAX_PADDING, Recipe, unflatten
 from checkpointables_pytree.tree._sharding import (
     SHARDING_FILE,
     describe,
@@ -82,6 +82,8 @@ __all__ = [
     "write_tree_metadata",
     "Recipe",
     "unflatten",
+    "MAX_DEPTH",
+    "MAX_PADDING",
     "SHARDING_FILE",
     "describe",
     "file_key",

@@ -246,6 +246,19 @@ def flatten(tree: Any) -> Flat:
     return flat
 
 
+# The deepest tree saved and rebuilt: a load rebuilds it recursively, once or twice a level,
+# within Python's default limit of 1,000 frames (no model's state comes near). Checked when
+# a structure is first walked, so no save writes what its load would refuse.
+MAX_DEPTH = 256
+
+
+def _too_deep(names: tuple[str, ...]) -> cp.errors.InvalidArgumentError:
+    return cp.errors.InvalidArgumentError(
+        f"{keystr(names[:4])}... is nested more than {MAX_DEPTH} levels deep: a checkpoint of "
+        f"it could not be loaded. Save a flatter tree (e.g. a dict keyed by key paths)."
+    )
+
+
 def _walk(tree: Any) -> Flat:
     """``flatten``, walking the tree in Python."""
     leaves: list[Leaf] = []
@@ -301,13 +314,20 @@ def _walk(tree: Any) -> Flat:
                         (*types, *(key_type(k) for k in keys)),
                     )
 
-    try:
-        walk(tree, (), (), ())
-    finally:
-        # `walk` refers to itself through its closure: a cycle holding `leaves` (the
-        # tree's arrays) until the garbage collector runs. Broken now, they go with the save.
-        walk = None  # type: ignore[assignment]
+    walk(tree, (), (), ())
+    # `walk` refers to itself: a cycle holding the arrays until the garbage collector runs.
+    walk = None  # type: ignore[assignment]
+    return _flat_of(leaves, empty, tuples)
+
+
+def _flat_of(
+    leaves: list[Leaf], empty: list[tuple[tuple[Any, ...], str]], tuples: list[tuple[Any, ...]]
+) -> Flat:
+    """The ``Flat`` of what a walk found (raising if it is nested too deep to load)."""
     keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
+    deepest = max([*names, *(tuple(map(str, path)) for path, _ in empty)], key=len, default=())
+    if len(deepest) > MAX_DEPTH:
+        raise _too_deep(deepest)
     int_keys = _int_keys(keypaths, names, empty)
     structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples), int_keys)
     return Flat(structure, [leaf.value for leaf in leaves])

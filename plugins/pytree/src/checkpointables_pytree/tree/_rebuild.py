@@ -13,13 +13,10 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpointables_pytree.tree._keypaths import DICT, SEQUENCE, keystr
+from checkpointables_pytree.tree._keypaths import DICT, MAX_DEPTH, SEQUENCE, keystr
 
 __all__ = ["Recipe", "unflatten", "MAX_DEPTH", "MAX_PADDING"]
 
-# The deepest tree rebuilt: building recurses once or twice per level, within Python's
-# default limit of 1,000 frames (no model's state comes near).
-MAX_DEPTH = 256
 # The most ``None``s a sequence with gaps in its indices is padded with.
 MAX_PADDING = 1 << 16
 
