@@ -402,7 +402,8 @@ def verify(checkpoint: epath.PathLike) -> list[str]:
     problems = []
     for name in table.files:
         try:
-            read_file(os.path.join(root, *name.split("/")))
+            # A recorded file was at most MAX_FILE_BYTES: a larger one is refused unread.
+            read_file(os.path.join(root, *name.split("/")), max_bytes=MAX_FILE_BYTES)
         except FileNotFoundError:
             problems.append(f"{os.path.join(root, name)} is missing")
         except errors.CheckpointError as e:
