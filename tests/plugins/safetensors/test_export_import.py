@@ -146,6 +146,23 @@ def test_import_in_batches_publishes_only_when_complete(tmp_path) -> None:
     assert same_bits(flat["model"]["embed_tokens"]["weight"], tensors["model.embed_tokens.weight"])
 
 
+def test_host_memory_on_the_command_line_bounds_both_commands(tmp_path, capsys) -> None:
+    tensors = {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}  # 4 MiB
+    save_pytree(tmp_path / "m.safetensors", tensors)
+    budgeted = ["import", str(tmp_path / "m.safetensors"), str(tmp_path / "b"), "--host-memory"]
+    assert cli.main([*budgeted, "8MiB"]) == 0
+    assert cli.main(["import", str(tmp_path / "m.safetensors"), str(tmp_path / "u")]) == 0
+    # A budgeted save writes chunks of at most an eighth of the budget (docs/memory.md).
+    chunks = {c: cp.pytree_metadata(tmp_path / c).metadata["w"].storage.chunk_shape for c in "bu"}
+    assert chunks == {"b": (256, 1024), "u": (1024, 1024)}
+    out = tmp_path / "o.safetensors"
+    assert cli.main(["export", str(tmp_path / "b"), str(out), "--host-memory", "8MiB"]) == 0
+    assert same_bits(load_file(out)["w"], tensors["w"])
+    with pytest.raises(SystemExit):
+        cli.main([*budgeted, "1MiB"])
+    assert "'1MiB' is below the smallest workable budget, 8MiB" in capsys.readouterr().err
+
+
 def test_existing_outputs_are_refused_unless_overwritten(tmp_path, capsys) -> None:
     cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32)})
     out = str(tmp_path / "o.safetensors")

@@ -6,7 +6,9 @@ The work is imported only when a command runs, so listing commands stays cheap.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["register_all"]
@@ -19,6 +21,41 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _host_memory(text: str) -> int:
+    import checkpointables as cp
+
+    size = _size(text)
+    if size < cp.options.MIN_HOST_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is below the smallest workable budget, "
+            f"{cp.options.MIN_HOST_BYTES // (1 << 20)}MiB"
+        )
+    return size
+
+
+def _add_host_memory(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host-memory",
+        type=_host_memory,
+        default=None,
+        metavar="SIZE",
+        help="hold at most this much host memory for arrays at once (e.g. 4GiB; default: "
+        "no bound), as cp.options.MemoryOptions(host_bytes=...) does (docs/memory.md)",
+    )
+
+
+@contextlib.contextmanager
+def _within(host_bytes: int | None) -> Iterator[None]:
+    """The context of a command given ``--host-memory`` (none without it)."""
+    if host_bytes is None:
+        yield
+        return
+    import checkpointables as cp
+
+    with cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=host_bytes)):
+        yield
 
 
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,19 +75,21 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
         help="above this, write Hub-style shards and an index (default 5GB; e.g. 500MB, 2GiB)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing files")
+    _add_host_memory(parser)
 
 
 def _export(args: argparse.Namespace) -> int:
     from checkpointables_safetensors._export import export_checkpoint
 
     try:
-        result = export_checkpoint(
-            args.checkpoint,
-            args.out,
-            subtree=args.subtree,
-            max_shard_size=args.max_shard_size,
-            overwrite=args.overwrite,
-        )
+        with _within(args.host_memory):
+            result = export_checkpoint(
+                args.checkpoint,
+                args.out,
+                subtree=args.subtree,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+            )
     except (KeyError, ValueError) as e:  # A wrong --subtree, or dtypes safetensors lacks.
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -68,12 +107,14 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
         "source", help="a .safetensors file, a .safetensors.index.json, or a directory of them"
     )
     parser.add_argument("checkpoint", help="the checkpoint to write (must not exist)")
+    _add_host_memory(parser)
 
 
 def _import(args: argparse.Namespace) -> int:
     from checkpointables_safetensors._import import import_safetensors
 
-    result = import_safetensors(args.source, args.checkpoint)
+    with _within(args.host_memory):
+        result = import_safetensors(args.source, args.checkpoint)
     print(
         f"wrote {result.tensors} tensors ({result.nbytes:,} B) from {len(result.files)} file(s) "
         f"to the checkpoint {result.checkpoint}"
