@@ -224,7 +224,7 @@ def _look_for_table(directory: str) -> _Table | None:
     path = os.path.join(directory, CHECKSUMS_FILE)
     if not storage.is_local(path):
         try:
-            return _Table(path, storage.read_bytes(path))
+            return _Table(path, storage.read_bytes(path, max_bytes=MAX_FILE_BYTES))
         except FileNotFoundError:
             return None
     try:
@@ -249,7 +249,7 @@ def _look_for_table(directory: str) -> _Table | None:
             f"elsewhere. Replace the link by the file it points to."
         )
     if status.st_size > MAX_FILE_BYTES:
-        raise errors.IntegrityError(str(_too_large(path, status.st_size, MAX_FILE_BYTES)))
+        raise errors.IntegrityError(str(storage.file_too_large(path, MAX_FILE_BYTES)))
     with open(storage.open_regular_file(path), "rb") as f:  # Never a pipe: it would block.
         table = _Table(path, f.read())
     with _tables_lock:
@@ -293,14 +293,11 @@ def read_checked(path: epath.PathLike, *, max_bytes: int | None = None) -> Check
     text_path = os.fspath(path)
     covering = _covering_table(text_path)
     try:
-        _refuse_larger(text_path, max_bytes)
-        data = storage.read_bytes(text_path)
+        data = storage.read_bytes(text_path, max_bytes=max_bytes)
     except FileNotFoundError:
         if covering is not None and covering[1] in covering[0].files:
             raise _mismatch(text_path, covering, "is missing") from None
         raise
-    if max_bytes is not None and len(data) > max_bytes:  # On an object store: once read.
-        raise _too_large(text_path, len(data), max_bytes)
     if covering is None:
         return CheckedFile(data, checked=False)
     expected = covering[0].files.get(covering[1])
@@ -331,26 +328,6 @@ def read_file(path: epath.PathLike, *, max_bytes: int | None = None) -> bytes:
     return read_checked(path, max_bytes=max_bytes).data
 
 
-def _too_large(path: str, size: int, max_bytes: int) -> errors.MetadataError:
-    return errors.MetadataError(
-        f"{path} holds {size:,} bytes, more than such a file ever holds ({max_bytes:,}): the "
-        f"checkpoint is damaged or was not written by a checkpoint library. Restore it from a "
-        f"copy or load an older checkpoint."
-    )
-
-
-def _refuse_larger(path: str, max_bytes: int | None) -> None:
-    """Raises ``_too_large`` for a local file of more than ``max_bytes`` (before it is read)."""
-    if max_bytes is None or not storage.is_local(path):
-        return
-    try:
-        size = os.stat(path).st_size
-    except OSError:
-        return  # Missing or unreadable: the read says so.
-    if size > max_bytes:
-        raise _too_large(path, size, max_bytes)
-
-
 def is_protected(checkpoint: epath.PathLike) -> bool:
     """Whether ``checkpoint`` recorded checksums of its metadata files.
 
@@ -373,7 +350,8 @@ def check_recorded(checkpoint: epath.PathLike) -> None:
         return
     marker = os.path.join(root, _MARKER_FILE)
     try:
-        text = storage.read_bytes(marker)[:4096]  # The mark is on the marker's third line.
+        # The mark is on the marker's third line; a marker of many MiB is no marker of ours.
+        text = storage.read_bytes(marker, max_bytes=MAX_FILE_BYTES)[:4096]
     except (FileNotFoundError, NotADirectoryError):
         return
     if RECORDED_MARK.encode() in text.splitlines():

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Storage",
+    "BoundedReads",
     "Entry",
     "LocalStorage",
     "MissingStorageError",
@@ -68,6 +69,7 @@ __all__ = [
     "key",
     "read_bytes",
     "read_text",
+    "file_too_large",
     "open_regular_file",
     "not_a_regular_file",
     "write_bytes",
@@ -152,6 +154,19 @@ class Storage(Protocol):
         ...
 
 
+@runtime_checkable
+class BoundedReads(Protocol):
+    """A ``Storage`` that reads a file only up to a size: a file larger than that costs no
+    more than the size in memory and transfer (a local file: nothing, by its size; an
+    object: one ranged GET). ``read_bytes(path, max_bytes=...)`` uses it; on a storage
+    without it a file is read whole before it is found too large."""
+
+    def read_bytes_within(self, path: str, max_bytes: int) -> bytes | None:
+        """The contents of a file, or ``None`` if it holds more than ``max_bytes``. Raises as
+        ``Storage.read_bytes``."""
+        ...
+
+
 StorageFactory = Callable[["Context"], Storage]
 
 
@@ -166,8 +181,20 @@ class LocalStorage:
 
     def read_bytes(self, path: str) -> bytes:
         """The contents of a regular file (anything else: ``cp.errors.IntegrityError``)."""
+        data = self._read(path, None)
+        assert data is not None  # Only a bound refuses a file.
+        return data
+
+    def read_bytes_within(self, path: str, max_bytes: int) -> bytes | None:
+        """``read_bytes``, or ``None`` for a file larger than ``max_bytes`` (by its size,
+        before anything is read)."""
+        return self._read(path, max_bytes)
+
+    def _read(self, path: str, max_bytes: int | None) -> bytes | None:
         fd, size = _open_regular(path)
         try:
+            if max_bytes is not None and size > max_bytes:
+                return None
             # Plain reads of the size fstat gave (one byte more: a file grown since reads on),
             # not a buffered file object: a load opens a few small files, and that object's own
             # checks cost as much as the read (0.1 ms a file here).
@@ -349,15 +376,44 @@ def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> St
     return factory(context_lib.get_context(context))
 
 
-def read_bytes(path: os.PathLike[str] | str) -> bytes:
+def read_bytes(path: os.PathLike[str] | str, *, max_bytes: int | None = None) -> bytes:
     """The contents of a file, local or remote.
+
+    ``max_bytes``: the most a well-formed file holds (a checkpoint's metadata:
+    ``cp.metadata_checksums.MAX_FILE_BYTES``). A larger file is refused, before
+    it is read where the storage has ``BoundedReads`` (the local disk, ``s3://``,
+    ``gs://``), so a damaged or hostile one (a sparse file of many GiB) costs no
+    memory::
+
+        raw = cp.storage.read_bytes(directory / "state.json", max_bytes=1 << 20)
 
     Raises:
       FileNotFoundError: there is no file at ``path``.
       cp.errors.IntegrityError: a local ``path`` is not a regular file (a named
         pipe, a directory, ...; see ``open_regular_file``).
+      cp.errors.MetadataError: the file holds more than ``max_bytes``
+        (``file_too_large``).
     """
-    return for_path(path).read_bytes(os.fspath(path))
+    text = os.fspath(path)
+    backend = for_path(text)
+    if max_bytes is None:
+        return backend.read_bytes(text)
+    if isinstance(backend, BoundedReads):
+        data = backend.read_bytes_within(text, max_bytes)
+    else:
+        data = backend.read_bytes(text)
+    if data is None or len(data) > max_bytes:
+        raise file_too_large(text, max_bytes)
+    return data
+
+
+def file_too_large(path: os.PathLike[str] | str, max_bytes: int) -> errors.MetadataError:
+    """The error for a checkpoint's file found to hold more than ``max_bytes``."""
+    return errors.MetadataError(
+        f"{os.fspath(path)} holds more than {max_bytes:,} bytes, more than such a file ever "
+        f"holds: the checkpoint is damaged or was not written by a checkpoint library. Restore "
+        f"it from a copy or load an older checkpoint."
+    )
 
 
 def read_text(path: os.PathLike[str] | str) -> str:

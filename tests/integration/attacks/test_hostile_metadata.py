@@ -219,6 +219,7 @@ def test_a_key_path_nested_past_the_limit_is_refused_at_once(tmp_path) -> None:
         ("_CHECKPOINT_METADATA", "MetadataError"),
         ("pytree/_METADATA", "MetadataError"),
         ("_CHECKSUMS", "IntegrityError"),
+        ("pytree/_strings.json", "MetadataError"),
     ],
 )
 def test_a_metadata_file_of_many_gib_is_refused_before_it_is_read(

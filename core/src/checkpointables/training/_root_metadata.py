@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from checkpointables import errors, layout, safe_json, storage
+from checkpointables import errors, layout, metadata_checksums, safe_json, storage
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def read(root: epath.Path) -> dict[str, Any]:
     for name in (ROOT_METADATA_FILE, _LEGACY_FILE):
         file = root / METADATA_DIR / name
         try:
-            raw = storage.read_bytes(file)
+            raw = storage.read_bytes(file, max_bytes=metadata_checksums.MAX_FILE_BYTES)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             continue
         try:

@@ -399,7 +399,8 @@ def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
         return {}
     first = folder / min(names, key=lambda n: (n != "process_0", n))
     try:
-        document = json.loads(cp.storage.read_text(first))
+        raw = cp.storage.read_bytes(first, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
+        document = json.loads(raw)
         items = [item["array_metadata"] for item in document["array_metadatas"]]
         return {
             item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)
@@ -441,7 +442,8 @@ def key_impl_problems(tree: tree_room.TreeMetadata, directory: epath.Path) -> li
 def _impls_in(file: epath.Path) -> dict[str, Any]:
     """``{param name: implementation}`` of one process's array metadata file."""
     try:
-        document = cp.safe_json.loads_object(cp.storage.read_bytes(file), source=file)
+        raw = cp.storage.read_bytes(file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
+        document = cp.safe_json.loads_object(raw, source=file)
         items = [item["array_metadata"] for item in document["array_metadatas"]]
         return {
             item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)

@@ -322,7 +322,9 @@ class LoadSession:
         if self._strings is None:
             path = self.directory / STRINGS_FILE
             try:
-                raw = cp.metadata_checksums.read_file(path)
+                raw = cp.metadata_checksums.read_file(
+                    path, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES
+                )
             except FileNotFoundError:
                 raise storage.integrity_error(
                     f"{path}", "the file holding the tree's string leaves is missing"

@@ -124,12 +124,12 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
-        if ocdbt.is_local(path) and os.lstat(path).st_size > _MAX_RECORD_BYTES:
-            return {}  # Not one this library wrote: not read (hundreds of MiB in memory).
-        data = cp.safe_json.loads(cp.storage.read_bytes(path), source=path)
+        # A larger record is no record of ours: not read (hundreds of MiB in memory).
+        raw = cp.storage.read_bytes(path, max_bytes=_MAX_RECORD_BYTES)
+        data = cp.safe_json.loads(raw, source=path)
     except (OSError, ValueError, cp.errors.IntegrityError):
         # Missing, unreadable (cp.errors.StorageError: OSError), a pipe or a directory
-        # (IntegrityError), or damaged (cp.errors.MetadataError: ValueError): nothing
+        # (IntegrityError), damaged or too large (cp.errors.MetadataError: ValueError): nothing
         # recorded, and every array of this save is written.
         return {}
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
