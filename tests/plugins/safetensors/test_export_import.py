@@ -175,6 +175,23 @@ def test_existing_outputs_are_refused_unless_overwritten(tmp_path, capsys) -> No
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
 
 
+def test_an_export_replaces_an_earlier_one_of_the_other_layout_whole(tmp_path) -> None:
+    old = {k: np.ones(1000, np.float32) for k in "abc"}  # 4,000 B each: a shard each.
+    new = {k: np.zeros(1000, np.float32) for k in "abc"}
+    cp.save_pytree(tmp_path / "old", old)
+    cp.save_pytree(tmp_path / "new", new)
+    out = tmp_path / "hf"
+    export_checkpoint(tmp_path / "old", out, max_shard_size=5000)  # Shards and an index.
+    with pytest.raises(FileExistsError, match=r"model-00001-of-00003.safetensors exists"):
+        export_checkpoint(tmp_path / "new", out)  # One file, of another name.
+    export_checkpoint(tmp_path / "new", out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]  # Else the old index is read.
+    assert same_bits(cp.load_pytree(out)["c"], new["c"])
+    export_checkpoint(tmp_path / "old", out, max_shard_size=5000, overwrite=True)
+    assert "model.safetensors" not in os.listdir(out)
+    assert same_bits(cp.load_pytree(out)["c"], old["c"])
+
+
 def test_bad_arguments_say_what_to_do(tmp_path, capsys) -> None:
     cp.save_pytree(tmp_path / "ckpt", train_state())
     with pytest.raises(SystemExit):

@@ -21,6 +21,7 @@ Layout of a large export (``model.safetensors`` asked, 3 shards)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -102,6 +103,18 @@ class Output:
     def index_name(self) -> str:
         """The index file's name."""
         return self.stem + INDEX_SUFFIX
+
+    def existing_files(self) -> list[str]:
+        """The paths of an earlier export's files here (one file, or shards and an index,
+        of any count), which a new export replaces whole."""
+        try:
+            names = os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        shard = re.compile(rf"{re.escape(self.stem)}-\d{{5}}-of-\d{{5}}{re.escape(SUFFIX)}")
+        ours = {self.stem + SUFFIX, self.index_name}
+        found = [n for n in names if n in ours or shard.fullmatch(n)]
+        return [os.path.join(self.directory, n) for n in sorted(found)]
 
 
 def parse_size(text: str | int) -> int:
@@ -234,6 +247,12 @@ def _write_file(
             raise cp.errors.MetadataError(f"{path}: the written header lost tensors.")
 
 
+def _remove(files: Iterable[str]) -> None:
+    for file in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(file)
+
+
 def write_safetensors(
     output: Output,
     shards: Sequence[Sequence[TensorEntry]],
@@ -250,7 +269,8 @@ def write_safetensors(
     pieces within the context's budget (``cp.options.MemoryOptions``).
 
     Raises:
-      FileExistsError: a file to write exists and ``overwrite`` is false.
+      FileExistsError: an earlier export's file is there (``model.safetensors``, or its
+        shards and index) and ``overwrite`` is false; with it, they are all replaced.
       ValueError: an array does not match its entry, or a dtype safetensors cannot hold.
     """
     entries = [e for shard in shards for e in shard]
@@ -258,11 +278,14 @@ def write_safetensors(
     finals = [os.path.join(output.directory, n) for n in names]
     if len(shards) > 1:
         finals.append(os.path.join(output.directory, output.index_name))
-    existing = [f for f in finals if os.path.exists(f)]
+    existing = output.existing_files()
     if existing and not overwrite:
         raise FileExistsError(
             f"{existing[0]} exists; pass overwrite=True (--overwrite) to replace it."
         )
+    # An earlier export's files that this one does not replace (its other layout, more
+    # shards) would be read in place of it: its index first, then its files, are removed.
+    stale = [f for f in existing if f not in finals]
     for entry in entries:
         code_of(entry.dtype)  # Refuse unsupported dtypes before writing anything.
     os.makedirs(output.directory, exist_ok=True)
@@ -283,8 +306,10 @@ def write_safetensors(
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
+        _remove(f for f in stale if f.endswith(INDEX_SUFFIX))
         for temporary, final in zip(temporaries, finals, strict=True):
             os.replace(temporary, final)
+        _remove(stale)
         _fsync_directory(output.directory)
     finally:
         for temporary in temporaries:
