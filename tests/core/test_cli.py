@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import checkpointables as cp
@@ -154,3 +155,14 @@ def test_inspect_names_the_plugin_that_reads_each_recorded_handler(tmp_path, cap
     assert "state/  handler: orbax.checkpoint.experimental.v1." in out
     assert "PyTreeHandler  (read by plugin 'pytree')" in out
     assert "_TextHandler  (no installed plugin reads it)" in out
+
+
+def test_paths_that_are_no_directory_are_an_error_line(tmp_path, capsys) -> None:
+    pipe, file = tmp_path / "pipe", tmp_path / "file"
+    os.mkfifo(pipe)
+    file.write_text("x")
+    assert cli.main(["inspect", str(pipe)]) == 2
+    assert f"error: {pipe} is a file, not a checkpoint directory." in capsys.readouterr().err
+    # A training root that is a file: NotADirectoryError, once a raw traceback.
+    assert cli.main(["demo", "--steps", "4", str(file)]) == 2
+    assert "a Checkpointer needs a directory" in capsys.readouterr().err

@@ -260,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print what a checkpoint (or a file a plugin reads) holds, without loading arrays",
         parents=[common],
     )
-    p.add_argument("path")
+    p.add_argument(
+        "path", help="a checkpoint, a training root's step, or a file a plugin reads (s3:// too)"
+    )
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
         "verify",
@@ -268,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "if a load would fail or return different values",
         parents=[common],
     )
-    p.add_argument("path")
+    p.add_argument("path", help="a checkpoint (a local path, s3:// or gs://)")
     p.set_defaults(run=_verify)
     p = sub.add_parser(
         "demo", help="train a small JAX model with checkpoints, then resume it", parents=[common]
@@ -290,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))
-    except (errors.CheckpointError, FileNotFoundError, FileExistsError) as e:
+    except (errors.CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `checkpointables inspect ... | head`

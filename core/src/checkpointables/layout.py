@@ -143,6 +143,11 @@ def _refuse_irregular_marker(marker: str) -> None:
     raise errors.NotACheckpointError(f"Not a checkpoint this library reads: {problem}")
 
 
+def _local_non_directory(text: str) -> bool:
+    """Whether a local ``text`` is something other than a directory (a pipe, a device)."""
+    return storage.is_local(text) and os.path.exists(text) and not os.path.isdir(text)
+
+
 def validate_checkpoint_directory(path: epath.Path) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -161,7 +166,7 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
     if store.is_file(_commit_file(text)):
         return  # The usual case, checked with one stat (or request); else the full story.
     names = sorted(e.name for e in store.list_dir(text))
-    if not names and store.is_file(text):
+    if not names and (store.is_file(text) or _local_non_directory(text)):
         raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
     if not names and not (storage.is_local(text) and os.path.isdir(text)):
         raise errors.CheckpointNotFoundError(
