@@ -10,6 +10,7 @@ import json
 import os
 
 import checkpointables as cp
+import numpy as np
 import pytest
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
@@ -85,3 +86,29 @@ def test_a_symbolic_link_inside_the_checkpoint_is_followed(saved, tmp_path) -> N
 def test_a_checkpoint_reached_through_a_link_loads(saved, tmp_path) -> None:
     os.symlink(saved, tmp_path / "link")
     assert load_outcome(tmp_path / "link") == "exact"
+
+
+@pytest.mark.parametrize("leading_out", ["absolute", "../x"])
+def test_an_array_name_leading_out_of_a_layout_without_ocdbt_is_refused(
+    tmp_path, leading_out
+) -> None:
+    """Orbax's layout of one directory per array: a recorded name that is a path outside."""
+    from orbax.checkpoint import v1 as ocp
+
+    options = ocp.options.ArrayOptions(
+        saving=ocp.options.ArrayOptions.Saving(use_ocdbt=False, use_zarr3=True)
+    )
+    with ocp.Context(array_options=options):
+        ocp.save(tmp_path / "victim", {"secret": np.full(3, 666)})
+        ocp.save(tmp_path / "c", {"x": np.arange(3)})
+    outside = os.path.join(tmp_path, "victim", "state", "secret")
+    name = outside if leading_out == "absolute" else os.path.relpath(outside, tmp_path / "c/state")
+    file = tmp_path / "c" / "state" / "_METADATA"  # Orbax's name for the pytree.
+    document = json.loads(file.read_text())
+    (entry,) = document["tree_metadata"].values()
+    entry["key_metadata"] = [{"key": name, "key_type": 2}]
+    document["tree_metadata"] = {f"({name!r},)": entry}
+    file.write_text(json.dumps(document))
+    with pytest.raises(cp.errors.OutsideCheckpointError, match="nothing was read"):
+        cp.load_pytree(tmp_path / "c")  # Was {name: [666, 666, 666]}, another's data.
+    assert verify_fails(tmp_path / "c")
