@@ -5,6 +5,8 @@ Marked ``orbax``: deselect with ``-m "not orbax"``.
 
 from __future__ import annotations
 
+import shutil
+
 import checkpointables as cp
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,13 @@ def _abstract_with_shardings(tree):
 
 
 @pytest.mark.filterwarnings(ORBAX_SHARDING_WARNING)
+def test_orbax_metadata_with_its_database_nodes_missing_is_an_integrity_error(tmp_path) -> None:
+    ocp_v1.save(tmp_path / "c", {"a": np.arange(6, dtype=np.int32), "n": 7})
+    shutil.rmtree(tmp_path / "c" / "state" / "d")  # The merged database's root node.
+    with pytest.raises(cp.errors.IntegrityError, match=r"state/d/.* failed its integrity check"):
+        cp.pytree_metadata(tmp_path / "c")  # Was TensorStore's ValueError.
+
+
 def test_prng_keys_both_ways(tmp_path, mesh_4x2) -> None:
     tree = _key_tree(mesh_4x2)
     cp.save_pytree(tmp_path / "ours", tree)

@@ -37,7 +37,6 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-import checkpointables as cp
 import crc32c
 import numpy as np
 import tensorstore as ts
@@ -107,22 +106,6 @@ async def read_values(kvstore: ts.KvStore, keys: Sequence[str]) -> list[bytes]:
     return await asyncio.to_thread(lambda: [f.result().value for f in futures])
 
 
-def _array_directory(directory: epath.Path, name: str) -> epath.Path:
-    """The directory of array ``name`` in a layout of one directory per array; a name that
-    leads out of ``directory`` (absolute, or with ``..``) is refused before anything is read.
-
-    Raises:
-      cp.errors.OutsideCheckpointError: the name leads out.
-    """
-    if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
-        raise cp.errors.OutsideCheckpointError(
-            f"{directory}/_METADATA records an array named {name!r}, which would be read from "
-            f"outside the checkpoint; nothing was read. The checkpoint is damaged or hostile: "
-            f"load only checkpoints from sources you trust."
-        )
-    return directory / name
-
-
 class Reader:
     """Collects the arrays of one load, then reads them all (``run``)."""
 
@@ -171,7 +154,7 @@ class Reader:
                 self._directory, path=zarr3_room.array_prefix(name)
             )
         else:  # Orbax's use_ocdbt=False layout: one directory per array.
-            kvstore = ocdbt_room.location_spec(_array_directory(self._directory, name))
+            kvstore = ocdbt_room.location_spec(storage.array_directory(self._directory, name))
         return {"driver": "zarr3" if self._zarr3 else "zarr", "kvstore": kvstore}
 
     def add_all(self, reads: Sequence[ArrayRead]) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, cast
 
@@ -400,7 +399,7 @@ def _recorded_impls(folder: epath.Path) -> dict[str, Any]:
     first = folder / min(names, key=lambda n: (n != "process_0", n))
     try:
         raw = cp.storage.read_bytes(first, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
-        document = json.loads(raw)
+        document = cp.safe_json.loads_object(raw, source=first)  # Bounded depth, no NaN.
         items = [item["array_metadata"] for item in document["array_metadatas"]]
         return {
             item["param_name"]: (item.get("ext_metadata") or {}).get(RANDOM_KEY_IMPL)

@@ -349,12 +349,17 @@ class LoadSession:
             if self.tree.use_ocdbt:
                 kvstore = await ocdbt.open_kvstore(self.directory, ocdbt.make_context())
                 futures = [kvstore.read(f"{n}/{file}") for n in wanted]
-                values = [(await f).value for f in futures]
+                try:
+                    values = [(await f).value for f in futures]
+                except ValueError as e:  # TensorStore's: a node or data file is unreadable.
+                    what = f"the {file} of arrays in {self.directory}"
+                    raise storage.storage_error(what, e) from None
             else:
                 values = []
                 for n in wanted:
                     try:
-                        values.append(cp.storage.read_bytes(self.directory / n / file))
+                        directory = storage.array_directory(self.directory, n)
+                        values.append(cp.storage.read_bytes(directory / file))
                     except FileNotFoundError:
                         values.append(b"")
             for name, value in zip(wanted, values, strict=True):

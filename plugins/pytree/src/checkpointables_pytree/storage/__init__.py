@@ -12,7 +12,8 @@
 * waiting for many TensorStore futures from an event loop (``wait_all``,
   ``settle``, ``gather_settled``, ``ByteLimiter``);
 * TensorStore's failures turned into the library's documented errors
-  (``storage_error``, ``integrity_error``, ``object_store_failures``).
+  (``storage_error``, ``integrity_error``, ``object_store_failures``), and array
+  names that would lead out of a checkpoint refused (``array_directory``).
 
 It imports nothing of the plugin's; the OCDBT room and the writer and reader
 build on it.
@@ -26,6 +27,7 @@ from checkpointables_pytree.storage._buffers import (
     give_back_free_memory,
 )
 from checkpointables_pytree.storage._errors import (
+    array_directory,
     describe_type,
     integrity_error,
     listing,
@@ -66,6 +68,7 @@ __all__ = [
     "aligned_empty",
     "give_back_free_memory",
     "describe_type",
+    "array_directory",
     "integrity_error",
     "listing",
     "object_store_failures",

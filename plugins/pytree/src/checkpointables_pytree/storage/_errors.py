@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import checkpointables as cp
+from etils import epath
 
 from checkpointables_pytree.storage._object_store import bucket_and_key, s3_settings
 
@@ -21,6 +22,7 @@ __all__ = [
     "missing_bucket",
     "listing",
     "describe_type",
+    "array_directory",
 ]
 
 _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", "Error decoding")
@@ -170,3 +172,19 @@ def describe_type(value: Any) -> str:
     """The type of ``value`` as errors name it (``int``, ``optax.ScaleByAdamState``)."""
     t = type(value)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def array_directory(directory: epath.Path, name: str) -> epath.Path:
+    """The directory of array ``name`` in a layout of one directory per array; a name that
+    leads out of ``directory`` (absolute, or with ``..``) is refused before anything is read.
+
+    Raises:
+      cp.errors.OutsideCheckpointError: the name leads out.
+    """
+    if name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/")):
+        raise cp.errors.OutsideCheckpointError(
+            f"{directory}/_METADATA records an array named {name!r}, which would be read from "
+            f"outside the checkpoint; nothing was read. The checkpoint is damaged or hostile: "
+            f"load only checkpoints from sources you trust."
+        )
+    return directory / name
