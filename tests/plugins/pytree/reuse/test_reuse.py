@@ -103,6 +103,22 @@ def test_with_the_fast_path_off_every_array_is_written(tmp_path) -> None:
     assert_verifies(tmp_path / "3")
 
 
+def test_under_a_host_memory_budget_every_step_is_written_whole_and_loads(tmp_path) -> None:
+    # A budget cuts arrays into chunks of a piece of it: linking by the unbudgeted layout
+    # committed steps that did not load (and LatestN then kept only those).
+    tree = {"w": jnp.arange(1 << 20, dtype=jnp.float32).reshape(1024, 1024)}  # 4 MiB
+    budget = cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=16 << 20))
+    with budget:
+        cp.save_pytree(tmp_path / "1", tree)
+        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert _linked_files(tmp_path / "3") == set()
+    shutil.rmtree(tmp_path / "1")
+    for step in "23":
+        _assert_same(cp.load_pytree(tmp_path / step), tree)
+    assert_verifies(tmp_path / "3")
+
+
 def test_a_record_of_an_earlier_fingerprint_kind_links_nothing(tmp_path) -> None:
     # Earlier versions hashed host data with BLAKE3 ("b") and SHA-256 ("s"): the same
     # digits under another kind letter must not count as a match.

@@ -117,7 +117,21 @@ def candidates(flat: tree.Flat, context: cp.Context) -> list[Candidate]:
     """The arrays worth linking that this process writes."""
     options = context.array_options
     if options.storage_options_creator is not None or options.storage_options.dtype is not None:
+        cp.reuse.log_once(
+            "casts",
+            "Incremental saves do not reuse arrays saved with storage_options_creator or a "
+            "storage dtype (ArrayStorageOptions(dtype=...)); writing every array.",
+        )
         return []  # Per-leaf options or casts: layouts this module does not predict.
+    if context.memory_options.host_bytes is not None:
+        # A budget cuts shards into chunks of a piece of it: a layout this module does not
+        # predict either (linking by the unbudgeted one committed unloadable steps).
+        cp.reuse.log_once(
+            "budget",
+            "Incremental saves do not reuse arrays under a host-memory budget "
+            "(MemoryOptions(host_bytes=...)) yet; writing every array.",
+        )
+        return []
     found = []
     single = cp.multihost.process_count() == 1
     signatures = _Signatures(context)
