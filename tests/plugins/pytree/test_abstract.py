@@ -66,6 +66,22 @@ def test_shape_dtype_struct_without_sharding_goes_to_the_default_device(tmp_path
     assert loaded["a"].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def test_an_abstract_tree_of_jax_eval_shape_loads_on_the_mesh_in_force(tmp_path) -> None:
+    # Explicit mesh axes (jax.make_mesh's default): eval_shape gives an AbstractMesh.
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4), sharding)}
+    cp.save_pytree(tmp_path / "c", state)
+    abstract = jax.eval_shape(lambda: state)
+    assert isinstance(abstract["w"].sharding.mesh, jax.sharding.AbstractMesh)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"\['w'\] has a sharding on an abs"):
+        cp.load_pytree(tmp_path / "c", abstract)  # Was JAX's ValueError, from its internals.
+    with jax.set_mesh(mesh):
+        loaded = cp.load_pytree(tmp_path / "c", abstract)
+    assert loaded["w"].sharding == sharding
+    np.testing.assert_array_equal(loaded["w"], state["w"])
+
+
 def test_scalar_and_string_abstract_leaves_choose_the_type(tmp_path) -> None:
     cp.save_pytree(tmp_path / "c", {"step": 3, "lr": 0.5, "name": "x", "arr0d": np.float32(2.0)})
     loaded = cp.load_pytree(tmp_path / "c", {"step": 0.0, "lr": float, "name": "", "arr0d": 0})

@@ -62,6 +62,31 @@ def _target_of(abstract: Any) -> tuple[tuple[int, ...] | None, Any, Any]:
     return shape, (np.dtype(dtype) if dtype is not None else None), sharding
 
 
+def _on_concrete_mesh(sharding: jax.sharding.Sharding, keystr: str) -> jax.sharding.Sharding:
+    """``sharding``, or where it is a ``NamedSharding`` of an ``AbstractMesh`` (what
+    ``jax.eval_shape`` gives for explicit mesh axes) the same on the mesh in force
+    (``jax.set_mesh``), which must have its axes.
+
+    Raises:
+      cp.errors.InvalidArgumentError: no mesh of those axes is in force.
+    """
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(
+        mesh, jax.sharding.AbstractMesh
+    ):
+        return sharding
+    current = jax.sharding.get_mesh()
+    if current.empty or current.abstract_mesh != mesh:
+        in_force = "none is" if current.empty else f"{current.abstract_mesh} is"
+        raise cp.errors.InvalidArgumentError(
+            f"The abstract leaf {keystr} has a sharding on an abstract mesh ({mesh}), with no "
+            f"devices to load onto, and {in_force} in force. Load inside `with "
+            f"jax.set_mesh(mesh):` with the mesh of those axes, or give the leaf "
+            f"jax.NamedSharding(mesh, {sharding.spec})."
+        )
+    return jax.sharding.NamedSharding(current, sharding.spec, memory_kind=sharding.memory_kind)
+
+
 def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
@@ -445,7 +470,7 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         shape, dtype, sharding = _target_of(abstract)
         if sharding is not None and shape is not None:
-            return _sharded_read(shape, dtype, sharding)
+            return _sharded_read(shape, dtype, _on_concrete_mesh(sharding, entry.keystr))
         return ReadTarget(
             _OnDefaultDevice(dtype), shape, sink=_pieces.DeviceSink.maker(shape, dtype, None)
         )
