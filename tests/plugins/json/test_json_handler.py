@@ -9,7 +9,7 @@ import numpy as np
 from checkpointables.testing import HandlerConformance
 from checkpointables_json import is_json_like
 
-from ...metadata_edits import without_metadata_checksums
+from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
 
 
 class TestJsonConformance(HandlerConformance):
@@ -75,3 +75,48 @@ def test_damaged_data_json_names_the_file(tmp_path) -> None:
     without_metadata_checksums(tmp_path / "c")  # Then the parser names it.
     with pytest.raises(cp.errors.MetadataError, match="data.json"):
         cp.load_checkpointables(tmp_path / "c")
+
+
+MAX = cp.metadata_checksums.MAX_FILE_BYTES
+
+
+def test_a_data_json_larger_than_a_metadata_file_is_refused_before_writing(tmp_path) -> None:
+    import pytest
+
+    # Escaped, each character is 12 bytes of JSON: a file past the limit, cheaply.
+    big = {"text": "\U0001f600" * (MAX // 12 + 1), "step": 1234}
+    with pytest.raises(cp.errors.InvalidArgumentError, match="pytree checkpointable"):
+        cp.save_checkpointables(tmp_path / "c", {"extra": big})
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_huge_data_json_is_refused_unread(tmp_path) -> None:
+    import tracemalloc
+
+    import pytest
+    from checkpointables import cli
+
+    # Sparse: 3 GiB on no disk. Read whole, a 2 GiB one took 24 s and 4.2 GiB.
+    cp.save_checkpointables(tmp_path / "c", {"extra": {"foo": "bar"}})
+    with open(tmp_path / "c" / "extra" / "data.json", "r+b") as f:
+        f.truncate(3 << 30)
+    with_metadata_checksums_recomputed(tmp_path / "c")  # It is now data, as core sees it.
+    tracemalloc.start()
+    try:
+        with pytest.raises(cp.errors.MetadataError, match="data.json holds more than"):
+            cp.load_checkpointables(tmp_path / "c")
+        assert cli.main(["verify", str(tmp_path / "c")]) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def test_an_int_json_cannot_write_is_not_json_like(tmp_path) -> None:
+    import pytest
+
+    # Python converts ints of at most 4300 digits to text; json.dumps raised ValueError.
+    assert is_json_like({"v": 10**4299}) and not is_json_like({"v": [-(10**5000)]})
+    with pytest.raises(cp.errors.CheckpointError):  # The pytree handler's: "store it as a str".
+        cp.save_checkpointables(tmp_path / "c", {"extra": {"v": 10**5000}})
+    assert not (tmp_path / "c").exists()

@@ -269,3 +269,66 @@ def test_a_message_nested_deeper_than_python_parses_is_an_integrity_error(tmp_pa
     for abstract in (None, {"config": struct_pb2.Struct}):
         with pytest.raises(cp.errors.IntegrityError, match="proto.pbtxt nests its messages"):
             cp.load_checkpointables(tmp_path / "c", abstract)
+
+
+MAX = cp.metadata_checksums.MAX_FILE_BYTES
+
+
+def test_text_larger_than_a_metadata_file_is_refused() -> None:
+    # What save checks the rendered text with; text_format escapes a 256 MiB string
+    # byte by byte in Python (many seconds, GiBs), so the check is tested on the text.
+    from checkpointables_proto._textproto import check_size
+
+    # text_format escapes every non-ASCII byte, so the text is ASCII: one byte a character.
+    with pytest.raises(cp.errors.InvalidArgumentError, match="'config' is 268,435,457 bytes"):
+        check_size("x" * (MAX + 1), "config")
+
+
+def test_a_huge_proto_file_is_refused_unread(tmp_path) -> None:
+    import tracemalloc
+
+    from checkpointables import cli
+
+    # Sparse: 3 GiB on no disk. Read whole, a 1 GiB one took 34 s.
+    cp.save_checkpointables(tmp_path / "c", {"config": train_config()})
+    with open(tmp_path / "c" / "config" / "proto.pbtxt", "r+b") as f:
+        f.truncate(3 << 30)
+    with_metadata_checksums_recomputed(tmp_path / "c")  # It is now data, as core sees it.
+    tracemalloc.start()
+    try:
+        for abstract in (None, {"config": TrainConfig}):
+            with pytest.raises(cp.errors.MetadataError, match="proto.pbtxt holds more than"):
+                cp.load_checkpointables(tmp_path / "c", abstract)
+        with pytest.raises(cp.errors.MetadataError, match="proto.pbtxt holds more than"):
+            cp.checkpointables_metadata(tmp_path / "c")
+        assert cli.main(["verify", str(tmp_path / "c")]) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def test_a_parse_error_quotes_a_few_hundred_characters(tmp_path) -> None:
+    cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=1)})
+    with open(tmp_path / "c" / "d" / "proto.pbtxt", "a") as f:
+        f.write("seconds: " + "9" * (1 << 20) + "\n")  # The parser quotes the line whole.
+    with_metadata_checksums_recomputed(tmp_path / "c")
+    with pytest.raises(cp.errors.IntegrityError, match="cut from") as caught:
+        cp.load_checkpointables(tmp_path / "c")
+    assert "proto.pbtxt is not a valid" in str(caught.value) and len(str(caught.value)) < 1000
+
+
+def test_a_message_protobuf_cannot_write_is_refused_before_writing(tmp_path) -> None:
+    message = struct_pb2.Struct()
+    inner = message
+    for _ in range(60):  # 120 levels: protobuf refuses past 100.
+        inner = inner.fields["a"].struct_value
+    with pytest.raises(cp.errors.InvalidArgumentError, match="'config'.*nested more deeply"):
+        cp.save_checkpointables(tmp_path / "c", {"config": message})
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_class_that_is_no_message_is_named(tmp_path) -> None:
+    cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=5)})
+    with pytest.raises(MessageTypeMismatchError, match="got the class int"):
+        cp.load_checkpointables(tmp_path / "c", {"d": int})

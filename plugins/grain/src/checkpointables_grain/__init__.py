@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
+import numpy as np
 from etils import epath
 
 from checkpointables_grain import _files, _grain_types, _state_json
@@ -107,18 +108,43 @@ def _state_text(iterator: Any, kind: str, name: str) -> str:
         # DataLoader iterators hand out their state as UTF-8 JSON bytes.
         raw = iterator.get_state()
         try:
-            text = bytes(raw).decode("utf-8")
+            raw = bytes(raw)
+            _refuse_too_large(len(raw), name)
+            text = raw.decode("utf-8")
             json.loads(text)
         except (TypeError, ValueError) as e:
+            if isinstance(e, cp.errors.CheckpointError):
+                raise
             raise UnsupportedStateError(
                 f"The state of data loader iterator {name!r} is not UTF-8 JSON ({e}); "
                 f"it cannot be stored as a JSON state file."
             ) from e
         return text
+    state = iterator.get_state()
+    found = _bad_position(state)
+    if found is not None:  # It would be refused at load.
+        raise UnsupportedStateError(
+            f"Cannot save the state of iterator {name!r}: {found[0]} is {_brief(found[1])}, "
+            f"but a next_index must be a non-negative integer."
+        )
     try:
-        return _state_json.dumps(iterator.get_state())
+        text = _state_json.dumps(state)
     except _state_json.StateEncodingError as e:
         raise UnsupportedStateError(f"Cannot save the state of iterator {name!r}: {e}") from e
+    _refuse_too_large(len(text) if text.isascii() else len(text.encode("utf-8")), name)
+    return text
+
+
+def _refuse_too_large(size: int, name: str) -> None:
+    """Refuses a state file larger than a checkpoint's metadata file may be."""
+    limit = cp.metadata_checksums.MAX_FILE_BYTES
+    if size > limit:
+        raise cp.errors.InvalidArgumentError(
+            f"The state of iterator {name!r} is {size:,} bytes of JSON, more than the {limit:,} "
+            f"a state file may hold (a larger file would not be covered by the checkpoint's "
+            f"checksums). Keep large data out of the iterator's get_state(): save it as arrays "
+            f"in a pytree checkpointable beside the iterator, which checksums every chunk."
+        )
 
 
 def _target_iterator(directory: epath.Path, abstract: Any) -> tuple[Any, str]:
@@ -177,14 +203,64 @@ def _read_info(directory: epath.Path) -> dict[str, Any] | None:
 def _parse_state(file: epath.Path, kind: str) -> Any:
     """The state stored in ``file``, in the form ``set_state`` of ``kind`` takes."""
     # Checked against the checksum recorded when the checkpoint was committed.
-    raw = cp.metadata_checksums.read_file(file)
+    raw = cp.metadata_checksums.read_file(file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
     try:
         cp.safe_json.loads(raw, source=file)  # Reject damage here, with the file's name.
         if kind == DATA_LOADER_ITERATOR:
             return raw
-        return _state_json.loads(raw.decode("utf-8"))
+        state = _state_json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise cp.errors.IntegrityError(f"{file} is not a readable iterator state ({e}).") from e
+    _check_positions(state, file)
+    return state
+
+
+def _check_positions(state: Any, file: epath.Path) -> None:
+    """Refuses a stored ``next_index`` that is no position (Grain's own set_state takes
+    2.5, NaN and true: 2.5 yields an element the data does not hold)."""
+    found = _bad_position(state)
+    if found is not None:
+        where, value = found
+        raise IteratorStateError(
+            f"{file} holds {where} = {_brief(value)}, which is not a position: a next_index is "
+            f"a non-negative integer. The state is damaged or was not written by Grain; load "
+            f"an older checkpoint, or leave {file.parent.name!r} out of the abstract "
+            f"checkpointables and start the data pipeline afresh."
+        )
+
+
+def _bad_position(state: Any) -> tuple[str, Any] | None:
+    """Where in ``state`` a ``next_index`` is a bool, a float or negative, and its value."""
+    pending: list[tuple[Any, str]] = [(state, "state")]
+    while pending:
+        value, where = pending.pop()
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list | tuple):
+            items = enumerate(value)
+        else:
+            continue
+        for key, item in items:
+            here = f"{where}[{key!r}]"
+            if key == "next_index" and not _is_position(item):
+                return here, item
+            pending.append((item, here))
+    return None
+
+
+def _is_position(value: Any) -> bool:
+    # Other types (None, str) are left to the iterator's set_state, which refuses them.
+    if isinstance(value, bool | np.bool_ | float | np.floating):
+        return False
+    return not isinstance(value, int | np.integer) or bool(value >= 0)
+
+
+def _brief(value: Any) -> str:
+    """``repr(value)``, cut short (a hostile file may hold a huge string or number)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... (cut)"
 
 
 class GrainIteratorHandler:
@@ -288,7 +364,7 @@ class GrainIteratorHandler:
         """Problems found in the stored states: missing processes, unreadable files."""
         try:
             info = _read_info(directory)
-        except cp.errors.MetadataError as e:
+        except cp.errors.CheckpointError as e:
             return [str(e)]
         files = _files.state_files(directory)
         counts = sorted({n for _, n in files})
@@ -299,16 +375,40 @@ class GrainIteratorHandler:
         kind = (info or {}).get("iterator_type") or DATASET_ITERATOR
         problems = []
         for count in counts:
-            for index in range(count):
-                file = files.get((index, count))
-                if file is None:
-                    problems.append(f"{directory} lacks {_files.state_file_name(index, count)}.")
-                    continue
-                try:
-                    _parse_state(file, kind)
-                except cp.errors.IntegrityError as e:
-                    problems.append(str(e))
+            problems += _verify_states(directory, files, count, kind)
         return problems
+
+
+# verify lists this many missing state files by name, then counts the rest.
+_LISTED_MISSING = 10
+
+
+def _verify_states(
+    directory: epath.Path, files: dict[tuple[int, int], epath.Path], count: int, kind: str
+) -> list[str]:
+    """Problems of the states saved by ``count`` processes."""
+    if not 1 <= count <= _files.MAX_PROCESS_COUNT:
+        return [
+            f"{directory / _files.state_file_name(0, count)} names {count:,} processes; a Grain "
+            f"checkpoint is saved by 1 to {_files.MAX_PROCESS_COUNT:,}. The file name is damaged."
+        ]
+    missing = [i for i in range(count) if (i, count) not in files]
+    problems = [
+        f"{directory} lacks {_files.state_file_name(i, count)}." for i in missing[:_LISTED_MISSING]
+    ]
+    if len(missing) > _LISTED_MISSING:
+        problems.append(
+            f"{directory} lacks {len(missing) - _LISTED_MISSING:,} more of the {count:,} "
+            f"processes' state files."
+        )
+    for (index, of), file in sorted(files.items()):
+        if of != count or index >= count:
+            continue
+        try:
+            _parse_state(file, kind)
+        except cp.errors.CheckpointError as e:
+            problems.append(str(e))
+    return problems
 
 
 @cp.hookimpl

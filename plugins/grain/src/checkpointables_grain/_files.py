@@ -16,6 +16,7 @@ from etils import epath
 __all__ = [
     "INFO_FILE",
     "FORMAT_VERSION",
+    "MAX_PROCESS_COUNT",
     "state_file_name",
     "state_files",
     "read_info",
@@ -24,6 +25,9 @@ __all__ = [
 
 INFO_FILE = "grain_iterator.json"
 FORMAT_VERSION = 1
+# More processes than any job runs: a count beyond it is damage, and checking that
+# many state files would never end.
+MAX_PROCESS_COUNT = 1 << 20
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
@@ -48,15 +52,22 @@ def read_info(directory: epath.Path) -> dict[str, Any] | None:
     Checkpoints written by Grain's own handlers, or by Orbax, have none.
 
     Raises:
-      ValueError: the file exists but is not a JSON object.
+      ValueError: the file exists but is not a JSON object with a 'process_count'
+        from 1 to ``MAX_PROCESS_COUNT``.
+      cp.errors.MetadataError: the file is larger than a metadata file ever is.
     """
     file = directory / INFO_FILE
     if not cp.storage.is_file(file):
         return None
     # Checked against the checksum recorded when the checkpoint was committed.
-    info = cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
-    if not isinstance(info, dict) or not isinstance(info.get("process_count"), int):
-        raise ValueError(f"{file} is not a JSON object with an integer 'process_count'")
+    raw = cp.metadata_checksums.read_file(file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
+    info = cp.safe_json.loads(raw, source=file)
+    count = info.get("process_count") if isinstance(info, dict) else None
+    if type(count) is not int or not 1 <= count <= MAX_PROCESS_COUNT:
+        raise ValueError(
+            f"{file} is not a JSON object with an integer 'process_count' from 1 to "
+            f"{MAX_PROCESS_COUNT:,}"
+        )
     return info
 
 

@@ -131,7 +131,8 @@ def _decode(value: Any, where: str) -> Any:
         return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
     try:
         return _decode_tagged(value, where)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        # OverflowError: a NumPy scalar out of its dtype's range (int8 3000).
         raise StateDecodingError(f"{where} is a malformed {value.get(TAG)!r} value ({e})") from e
 
 
@@ -148,7 +149,12 @@ def _decode_tagged(value: dict[str, Any], where: str) -> Any:
             raise ValueError(f"unknown float {value['value']!r}")
         return float(value["value"])
     if kind == "numpy":
-        return np.dtype(value["dtype"]).type(_decode(value["value"], where))
+        dtype = np.dtype(value["dtype"])
+        number = _decode(value["value"], where)
+        if dtype.kind not in "biuf" or type(number) not in (bool, int, float):
+            # Only what _encode_numpy_scalar writes: np.void(10**12) would take 1 TB.
+            raise ValueError(f"not a NumPy bool, integer or float ({dtype.str})")
+        return dtype.type(number)
     if kind == "ndarray":
         dtype = np.dtype(value["dtype"])
         if dtype.hasobject:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Awaitable
 from typing import Any
 
@@ -17,6 +18,11 @@ import checkpointables as cp
 from etils import epath
 
 __all__ = ["JsonHandler", "is_json_like"]
+
+# Python refuses to convert an int of more digits to text or back (json.dumps and
+# json.loads raise ValueError) unless a program raises its limit, which the program
+# loading the checkpoint may not have done.
+_INT_LIMIT = 10**sys.int_info.default_max_str_digits
 
 DATA_FILE = "data.json"
 # Older file names this handler also reads: Orbax V0's JsonCheckpointHandler.
@@ -36,14 +42,15 @@ def is_json_like(obj: Any, _depth: int = 0) -> bool:
     lists, strings, finite numbers, booleans and ``None``.
 
     Tuples are excluded (they would come back as lists) and so are NumPy
-    values and arrays.
+    values and arrays, and ints of more digits than Python converts to text
+    by default (4300), which other handlers (or none) may take.
     """
     if _depth > 100:
         return False
     if obj is None or isinstance(obj, bool | str):
         return True
     if type(obj) is int:
-        return True
+        return -_INT_LIMIT < obj < _INT_LIMIT
     if type(obj) is float:
         return math.isfinite(obj)
     if type(obj) is list:
@@ -53,6 +60,27 @@ def is_json_like(obj: Any, _depth: int = 0) -> bool:
     return False
 
 
+def _encode(checkpointable: Any, name: str) -> str:
+    """The text of ``data.json``; refuses what JSON cannot hold, or a file over the limit."""
+    try:
+        text = json.dumps(checkpointable)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise cp.errors.InvalidArgumentError(
+            f"Checkpointable {name!r} cannot be stored as JSON ({e}). Give the JSON handler "
+            f"dicts, lists, str, finite floats, bool, None and ints of at most "
+            f"{sys.int_info.default_max_str_digits} digits (see is_json_like)."
+        ) from None
+    limit = cp.metadata_checksums.MAX_FILE_BYTES
+    if len(text) > limit:  # json.dumps writes ASCII: one byte a character.
+        raise cp.errors.InvalidArgumentError(
+            f"Checkpointable {name!r} is {len(text):,} bytes of JSON, more than the {limit:,} "
+            f"a {DATA_FILE} may hold (a larger file would not be covered by the checkpoint's "
+            f"checksums). Store large data as arrays in a pytree checkpointable, which "
+            f"checksums every chunk, and keep the JSON small."
+        )
+    return text
+
+
 class JsonHandler:
     """Saves JSON-like objects as ``data.json``; loads them back as saved."""
 
@@ -60,7 +88,7 @@ class JsonHandler:
         self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
     ) -> Awaitable[None]:
         """Encodes now (a snapshot), writes in the background on the primary host."""
-        text = json.dumps(checkpointable)
+        text = _encode(checkpointable, directory.name)
 
         async def write() -> None:
             path = await directory.await_creation()
@@ -78,7 +106,10 @@ class JsonHandler:
 
         async def read() -> Any:
             # Checked against the checksum recorded when the checkpoint was committed.
-            return cp.safe_json.loads(cp.metadata_checksums.read_file(file), source=file)
+            raw = cp.metadata_checksums.read_file(
+                file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES
+            )
+            return cp.safe_json.loads(raw, source=file)
 
         return read()
 

@@ -59,7 +59,7 @@ class ProtoHandler:
         self, directory: cp.path.PathAwaitingCreation, checkpointable: Any
     ) -> Awaitable[None]:
         """Renders the message now (messages are mutable), writes it in the background."""
-        text = _textproto.render(checkpointable)
+        text = _textproto.render(checkpointable, directory.name)
         primary = cp.multihost.is_primary_host()
 
         async def write() -> None:
@@ -75,37 +75,19 @@ class ProtoHandler:
         """Checks the type now; returns an awaitable that reads and parses the message."""
         file = _data_file(directory)
         text = _checked_text(file, directory)  # Before its header is trusted.
-        recorded = _textproto.recorded_type_name(file)
+        recorded = _textproto.recorded_type_name(text)
         message_class = _message_class_for(directory, recorded, abstract_checkpointable)
 
         async def read() -> Any:
-            from google.protobuf import text_format
-
-            try:
-                return text_format.Parse(text, message_class())
-            except RecursionError:  # Python's parser recurses once per nested message.
-                raise cp.errors.IntegrityError(
-                    f"{file} nests its messages deeper than this program can parse; the "
-                    f"checkpointable {directory.name!r} is damaged or hostile."
-                ) from None
-            except text_format.ParseError as e:
-                if "not found in descriptor pool" in str(e):
-                    # A google.protobuf.Any holding a type the program has not imported.
-                    raise MessageTypeNotFoundError(
-                        f"{file} holds a google.protobuf.Any whose type is not imported here "
-                        f"({e}). Import the module that defines that type before loading."
-                    ) from e
-                raise cp.errors.IntegrityError(
-                    f"{file} is not a valid text-format {_types.type_name(message_class)} "
-                    f"({e}); the checkpointable {directory.name!r} is damaged."
-                ) from e
+            return _parse(text, message_class, file)
 
         return read()
 
     async def metadata(self, directory: epath.Path) -> type | str | None:
         """The saved message type: its class if the program has imported it, else its
         full name; ``None`` for files that do not record it (written by Orbax)."""
-        recorded = _textproto.recorded_type_name(_data_file(directory))
+        file = _data_file(directory)
+        recorded = _textproto.recorded_type_name(_checked_text(file, directory))
         if recorded is None:
             return None
         return _types.find_message_class(recorded) or recorded
@@ -135,21 +117,50 @@ class ProtoHandler:
         """
         try:
             file = _data_file(directory)
-            recorded = _textproto.recorded_type_name(file)
+            text = _checked_text(file, directory)
+            recorded = _textproto.recorded_type_name(text)
             message_class = None if recorded is None else _types.find_message_class(recorded)
             if message_class is not None:
-                await (await self.load(directory, message_class))
+                _parse(text, message_class, file)
                 return []
-            problem = _textproto.skim(_checked_text(file, directory))
+            problem = _textproto.skim(text)
         except (cp.errors.CheckpointError, OSError) as e:
             return [str(e)]
         return [] if problem is None else [f"{file} is damaged: {problem}."]
 
 
-def _checked_text(file: epath.Path, directory: epath.Path) -> str:
-    """The text of ``file``, checked against the checksum recorded at commit."""
+def _parse(text: str, message_class: Any, file: epath.Path) -> Any:
+    """The message of type ``message_class`` that ``text``, read from ``file``, holds."""
+    from google.protobuf import text_format
+
+    name = file.parent.name
     try:
-        return cp.metadata_checksums.read_file(file).decode("utf-8")
+        return text_format.Parse(text, message_class())
+    except RecursionError:  # Python's parser recurses once per nested message.
+        raise cp.errors.IntegrityError(
+            f"{file} nests its messages deeper than this program can parse; the "
+            f"checkpointable {name!r} is damaged or hostile."
+        ) from None
+    except text_format.ParseError as e:
+        problem = _textproto.quoted_problem(e)
+        if "not found in descriptor pool" in str(e):
+            # A google.protobuf.Any holding a type the program has not imported.
+            raise MessageTypeNotFoundError(
+                f"{file} holds a google.protobuf.Any whose type is not imported here "
+                f"({problem}). Import the module that defines that type before loading."
+            ) from e
+        raise cp.errors.IntegrityError(
+            f"{file} is not a valid text-format {_types.type_name(message_class)} "
+            f"({problem}); the checkpointable {name!r} is damaged."
+        ) from e
+
+
+def _checked_text(file: epath.Path, directory: epath.Path) -> str:
+    """The text of ``file``, checked against the checksum recorded at commit; a file
+    larger than any metadata file is refused unread (``cp.errors.MetadataError``)."""
+    try:
+        raw = cp.metadata_checksums.read_file(file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise cp.errors.IntegrityError(
             f"{file} is not UTF-8 text (byte {e.start}); the checkpointable {directory.name!r} "
@@ -181,9 +192,14 @@ def _message_class_for(directory: epath.Path, recorded: str | None, abstract: An
             )
         return abstract
     if abstract is not None and not isinstance(abstract, str):
+        given = (
+            f"the class {abstract.__qualname__}"
+            if isinstance(abstract, type)
+            else f"a {type(abstract).__qualname__}"
+        )
         raise MessageTypeMismatchError(
             f"The abstract checkpointable for proto checkpointable {name!r} must be a message "
-            f"class, a message, its full type name or None; got {type(abstract).__qualname__}."
+            f"class, a message, its full type name or None; got {given}."
         )
     if isinstance(abstract, str) and recorded is not None and abstract != recorded:
         raise MessageTypeMismatchError(

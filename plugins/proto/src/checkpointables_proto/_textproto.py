@@ -13,34 +13,86 @@ from typing import Any
 import checkpointables as cp
 from etils import epath
 
-__all__ = ["PROTO_FILE", "render", "recorded_type_name", "skim", "write_durably"]
+__all__ = [
+    "PROTO_FILE",
+    "render",
+    "check_size",
+    "recorded_type_name",
+    "skim",
+    "write_durably",
+    "quoted_problem",
+]
 
 PROTO_FILE = "proto.pbtxt"
 # The header is at the top; stop looking after this many comment lines so a
 # damaged or huge file is never read whole just to find its type.
 _MAX_HEADER_LINES = 32
 _MESSAGE_LINE = re.compile(r"#\s*proto-message:\s*(\S+)\s*$")
+# How much of a parser's message an error quotes: it quotes the offending line whole.
+_MAX_QUOTED = 300
 
 
-def render(message: Any) -> str:
-    """The file's contents for ``message``: header comments, then text format."""
+def render(message: Any, name: str) -> str:
+    """The file's contents for ``message`` (checkpointable ``name``): header comments,
+    then text format.
+
+    Raises:
+      cp.errors.InvalidArgumentError: protobuf cannot write the message as text (nested
+        too deeply), or the file would exceed ``MAX_FILE_BYTES`` (see ``check_size``).
+    """
+    from google.protobuf import message as message_lib
     from google.protobuf import text_format
 
     descriptor = message.DESCRIPTOR
     header = f"# proto-file: {descriptor.file.name}\n# proto-message: {descriptor.full_name}\n"
-    return header + text_format.MessageToString(message)
+    try:
+        text = header + text_format.MessageToString(message)
+    except (message_lib.Error, RecursionError) as e:
+        raise cp.errors.InvalidArgumentError(
+            f"Checkpointable {name!r}, a {descriptor.full_name} message, cannot be written as "
+            f"text format ({type(e).__name__}: {quoted_problem(e)}). Protobuf refuses messages "
+            f"nested more deeply than it can read back (100 levels, a Struct in a Struct "
+            f"counting two); flatten the message."
+        ) from None
+    check_size(text, name)
+    return text
 
 
-def recorded_type_name(file: epath.Path) -> str | None:
-    """The full message type name in the header of ``file``, or ``None`` if unrecorded.
+def check_size(text: str, name: str) -> None:
+    """Refuses the text of checkpointable ``name`` if its file would hold more than
+    ``cp.metadata_checksums.MAX_FILE_BYTES``, which the checkpoint's checksums cover."""
+    limit = cp.metadata_checksums.MAX_FILE_BYTES
+    if len(text) <= limit // 4:  # No character takes more than 4 bytes of UTF-8.
+        return
+    size = len(text) if text.isascii() else len(text.encode("utf-8"))
+    if size > limit:
+        raise cp.errors.InvalidArgumentError(
+            f"Checkpointable {name!r} is {size:,} bytes of text format, more than the {limit:,} "
+            f"a {PROTO_FILE} may hold (a larger file would not be covered by the checkpoint's "
+            f"checksums). Store large data as arrays in a pytree checkpointable, which "
+            f"checksums every chunk, and keep the message small."
+        )
+
+
+def quoted_problem(error: BaseException) -> str:
+    """The text of ``error``, cut to a few hundred characters (a parser quotes whole lines)."""
+    text = str(error)
+    if len(text) <= _MAX_QUOTED:
+        return text
+    return f"{text[:_MAX_QUOTED]}... (cut from {len(text):,} characters)"
+
+
+def recorded_type_name(text: str) -> str | None:
+    """The full message type name in the header of a file's ``text``, or ``None`` if
+    unrecorded.
 
     Files written by Orbax have no header, hence no recorded type.
     """
-    lines = cp.storage.read_bytes(file).decode("utf-8", errors="replace").splitlines()
+    lines = text.split("\n", _MAX_HEADER_LINES)
     for line in lines[:_MAX_HEADER_LINES]:
         if not line.startswith("#"):
             return None
-        match = _MESSAGE_LINE.match(line)
+        match = _MESSAGE_LINE.match(line.rstrip("\r"))
         if match is not None:
             return match.group(1)
     return None

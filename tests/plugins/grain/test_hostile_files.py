@@ -1,0 +1,147 @@
+"""The Grain plugin against oversized, damaged and hostile files: clear errors, at once."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import checkpointables as cp
+import grain
+import pytest
+from checkpointables import cli
+from checkpointables_grain import IteratorStateError, UnsupportedStateError
+
+from ...metadata_edits import with_metadata_checksums_recomputed
+from .pipelines import map_pipeline, take
+
+MAX = cp.metadata_checksums.MAX_FILE_BYTES
+
+
+class FixedStateIterator(grain.DatasetIterator):
+    """A custom dataset iterator whose state is whatever it was given."""
+
+    def __init__(self, state) -> None:
+        super().__init__()
+        self.state = state
+
+    def __next__(self):
+        raise StopIteration
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state) -> None:
+        self.state = state
+
+
+def _saved(tmp_path, steps: int = 2):
+    it = iter(map_pipeline())
+    take(it, steps)
+    cp.save_checkpointables(tmp_path / "c", {"dataset": it})
+    return tmp_path / "c"
+
+
+def _load(checkpoint):
+    return cp.load_checkpointables(checkpoint, {"dataset": iter(map_pipeline())})["dataset"]
+
+
+def test_a_state_larger_than_a_metadata_file_is_refused_before_writing(tmp_path) -> None:
+    # Escaped, each character is 12 bytes of JSON: a file past the limit, cheaply.
+    state = {"next_index": 0, "pad": "\U0001f600" * (MAX // 12 + 1)}
+    with pytest.raises(cp.errors.InvalidArgumentError, match="pytree checkpointable"):
+        cp.save_checkpointables(tmp_path / "c", {"dataset": FixedStateIterator(state)})
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("name", ["process_0-of-1.json", "grain_iterator.json"])
+def test_a_huge_file_is_refused_unread(tmp_path, name) -> None:
+    # Sparse: 3 GiB on no disk. Read whole, a 5 GiB state file took 63 s and 10 GiB.
+    checkpoint = _saved(tmp_path)
+    with open(checkpoint / "dataset" / name, "r+b") as f:
+        f.truncate(3 << 30)
+    with_metadata_checksums_recomputed(checkpoint)  # It is now data, as core sees it.
+    tracemalloc.start()
+    try:
+        with pytest.raises(cp.errors.MetadataError, match=f"{name} holds more than"):
+            _load(checkpoint)
+        assert cli.main(["verify", str(checkpoint)]) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def _with_info(checkpoint, **changes) -> None:
+    info_file = checkpoint / "dataset" / "grain_iterator.json"
+    info = json.loads(info_file.read_text())
+    info_file.write_text(json.dumps({**info, **changes}))
+    with_metadata_checksums_recomputed(checkpoint)
+
+
+@pytest.mark.parametrize("count", [10**11, True, 0])
+def test_an_impossible_recorded_process_count_is_refused(tmp_path, capsys, count) -> None:
+    checkpoint = _saved(tmp_path)
+    _with_info(checkpoint, process_count=count)
+    with pytest.raises(cp.errors.MetadataError, match="'process_count' from 1 to 1,048,576"):
+        _load(checkpoint)
+    assert cli.main(["verify", str(checkpoint)]) == 1  # At once: it looped 10**11 times.
+    assert "'process_count' from 1 to" in capsys.readouterr().out
+
+
+def test_verify_refuses_a_file_name_with_a_huge_process_count(tmp_path, capsys) -> None:
+    checkpoint = _saved(tmp_path)
+    (checkpoint / "dataset" / "grain_iterator.json").unlink()  # As Grain's own handler writes.
+    (checkpoint / "dataset" / "process_0-of-1.json").rename(
+        checkpoint / "dataset" / "process_0-of-99999999999.json"
+    )
+    with_metadata_checksums_recomputed(checkpoint)
+    assert cli.main(["verify", str(checkpoint)]) == 1
+    assert "names 99,999,999,999 processes" in capsys.readouterr().out
+
+
+def test_verify_counts_many_missing_state_files(tmp_path, capsys) -> None:
+    checkpoint = _saved(tmp_path)
+    _with_info(checkpoint, process_count=5000)
+    (checkpoint / "dataset" / "process_0-of-1.json").rename(
+        checkpoint / "dataset" / "process_0-of-5000.json"
+    )
+    with_metadata_checksums_recomputed(checkpoint)
+    assert cli.main(["verify", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "lacks process_1-of-5000.json" in out and "lacks 4,989 more" in out
+    assert "process_11-of-5000.json" not in out
+
+
+@pytest.mark.parametrize("value", ["2.5", "NaN", "true", "1e400"])
+def test_a_next_index_that_is_no_position_is_refused(tmp_path, capsys, value) -> None:
+    checkpoint = _saved(tmp_path)
+    (checkpoint / "dataset" / "process_0-of-1.json").write_text(f'{{"next_index": {value}}}')
+    with_metadata_checksums_recomputed(checkpoint)
+    with pytest.raises(IteratorStateError, match=r"state\['next_index'\] = .* non-negative"):
+        _load(checkpoint)
+    assert cli.main(["verify", str(checkpoint)]) == 1
+    assert "is not a position" in capsys.readouterr().out
+
+
+def test_a_next_index_that_is_no_position_is_refused_at_save(tmp_path) -> None:
+    with pytest.raises(UnsupportedStateError, match=r"state\['next_index'\] is 2.5"):
+        iterator = FixedStateIterator({"next_index": 2.5})
+        cp.save_checkpointables(tmp_path / "c", {"dataset": iterator})
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "tagged",
+    [
+        {"__checkpointables__": "numpy", "dtype": "int8", "value": 3000},
+        {"__checkpointables__": "numpy", "dtype": "V8", "value": 10**12},
+        {"__checkpointables__": "numpy", "dtype": "float32", "value": [1, 2]},
+    ],
+)
+def test_a_malformed_numpy_value_is_an_integrity_error(tmp_path, tagged) -> None:
+    checkpoint = tmp_path / "c"
+    cp.save_checkpointables(checkpoint, {"dataset": FixedStateIterator({"n": 1})})
+    (checkpoint / "dataset" / "process_0-of-1.json").write_text(json.dumps({"n": tagged}))
+    with_metadata_checksums_recomputed(checkpoint)
+    with pytest.raises(cp.errors.IntegrityError, match="malformed 'numpy' value"):
+        cp.load_checkpointables(checkpoint, {"dataset": FixedStateIterator(None)})
