@@ -253,6 +253,18 @@ def _remove(files: Iterable[str]) -> None:
             os.remove(file)
 
 
+def _stale_files(output: Output, finals: Sequence[str], overwrite: bool) -> list[str]:
+    """An earlier export's files there that this one does not replace (its other layout,
+    more shards), which would be read in place of it: removed after the new files are
+    written (its index first). Without ``overwrite``, any earlier file is refused."""
+    existing = output.existing_files()
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{existing[0]} exists; pass overwrite=True (--overwrite) to replace it."
+        )
+    return [f for f in existing if f not in finals]
+
+
 def write_safetensors(
     output: Output,
     shards: Sequence[Sequence[TensorEntry]],
@@ -278,14 +290,7 @@ def write_safetensors(
     finals = [os.path.join(output.directory, n) for n in names]
     if len(shards) > 1:
         finals.append(os.path.join(output.directory, output.index_name))
-    existing = output.existing_files()
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"{existing[0]} exists; pass overwrite=True (--overwrite) to replace it."
-        )
-    # An earlier export's files that this one does not replace (its other layout, more
-    # shards) would be read in place of it: its index first, then its files, are removed.
-    stale = [f for f in existing if f not in finals]
+    stale = _stale_files(output, finals, overwrite)
     for entry in entries:
         code_of(entry.dtype)  # Refuse unsupported dtypes before writing anything.
     os.makedirs(output.directory, exist_ok=True)
