@@ -186,8 +186,9 @@ def _validated(path: epath.Path, raw: dict[str, Any]) -> dict[str, Any]:
         result["metrics"] = {}
     for field in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
         value = result[field]
-        if value is not None and (type(value) is not int or value < 0):
-            raise _malformed(path, f"{field!r} must be a non-negative integer")
+        # time.time_ns() fits in 64 bits until the year 2262; datetime refuses far beyond.
+        if value is not None and (type(value) is not int or not 0 <= value < 1 << 63):
+            raise _malformed(path, f"{field!r} must be a non-negative 64-bit integer")
     if not isinstance(result["metrics"], dict):
         raise _malformed(path, "'metrics' must be an object")
     handlers = result["item_handlers"]

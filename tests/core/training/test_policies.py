@@ -5,6 +5,8 @@ from __future__ import annotations
 import checkpointables as cp
 import pytest
 
+NAN = float("nan")
+
 D = cp.training.save_decision_policies
 P = cp.training.preservation_policies
 StepInfo = cp.training.StepInfo
@@ -150,6 +152,17 @@ def test_best_n_names_the_step_whose_metric_fails() -> None:
     steps = infos(range(3), metrics={0: {"loss": 1.0}, 1: {"acc": 0.5}, 2: {"loss": 0.5}})
     with pytest.raises(ValueError, match=r"step 1 .*'acc'.*KeyError"):
         kept(P.BestN(get_metric_fn=lambda m: m["loss"], n=1), steps)
+
+
+def test_best_n_refuses_a_metric_that_is_no_number_and_ranks_nan_last() -> None:
+    # Metrics come from the steps' files: "abc" beside [1, 2] was a TypeError from sorted().
+    steps = infos(range(3), metrics={0: {"loss": 0.5}, 1: {"loss": "abc"}, 2: {"loss": [1, 2]}})
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"returned 'abc' .* step 1"):
+        kept(P.BestN(get_metric_fn=lambda m: m["loss"], n=1), steps)
+    diverged = infos(range(3), metrics={i: {"loss": v} for i, v in enumerate([0.5, NAN, 0.2])})
+    best = P.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
+    assert kept(best, diverged) == [0, 2]
+    assert kept(P.BestN(get_metric_fn=lambda m: m["loss"], n=2), diverged) == [0, 2]
 
 
 def test_any_preservation_policy_is_the_issue_example() -> None:

@@ -269,3 +269,13 @@ def test_recorded_types_numpy_or_jax_refuse_are_a_library_error_or_ignored(
     assert load_outcome(checkpoint) in ("exact", "MetadataError")
     with contextlib.suppress(cp.errors.CheckpointError):
         cp.pytree_metadata(checkpoint)
+
+
+def test_a_commit_time_past_64_bits_is_a_metadata_error(saved, tmp_path) -> None:
+    # datetime refuses it: an OverflowError escaped pytree_metadata().commit_timestamp.
+    checkpoint = copy(saved, tmp_path / "c")
+    file = checkpoint / "_CHECKPOINT_METADATA"
+    file.write_text(json.dumps(dict(json.loads(file.read_text()), commit_timestamp_nsecs=10**30)))
+    with_metadata_checksums_recomputed(checkpoint)
+    with pytest.raises(cp.errors.MetadataError, match="must be a non-negative 64-bit integer"):
+        _ = cp.pytree_metadata(checkpoint).commit_timestamp

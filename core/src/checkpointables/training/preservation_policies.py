@@ -22,6 +22,8 @@ A policy of your own returns one bool per step::
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -198,13 +200,22 @@ class BestN:
 
     def _metric(self, info: StepInfo) -> float:
         try:
-            return self.get_metric_fn(info.metrics)
+            value = self.get_metric_fn(info.metrics)
         except Exception as e:
             raise errors.InvalidArgumentError(
                 f"BestN.get_metric_fn failed on the metrics of step {info.step} "
                 f"({info.metrics!r}): {type(e).__name__}: {e}. Save the metric with every step, "
                 f"or make get_metric_fn handle its absence."
             ) from e
+        # Metrics come from the steps' files: a string there would fail the sort with a
+        # TypeError, far from its cause.
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise errors.InvalidArgumentError(
+                f"BestN.get_metric_fn returned {value!r} for the metrics of step {info.step} "
+                f"({info.metrics!r}); it must return a number. Save the metric as a number "
+                f"with every step, or make get_metric_fn convert it."
+            )
+        return float(value)
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext
@@ -212,8 +223,10 @@ class BestN:
         """True for the ``n`` best steps (and, if so configured, those without metrics)."""
         if self.n is None:
             return [True] * len(steps)
-        with_metrics = [i for i, s in enumerate(steps) if s.metrics]
-        ranked = sorted(with_metrics, key=lambda i: self._metric(steps[i]), reverse=self.reverse)
+        scores = {i: self._metric(s) for i, s in enumerate(steps) if s.metrics}
+        ranked = [i for i, v in scores.items() if math.isnan(v)]  # Worst: a diverged run's.
+        finite = [i for i, v in scores.items() if not math.isnan(v)]
+        ranked += sorted(finite, key=scores.__getitem__, reverse=self.reverse)
         kept = set(ranked[max(0, len(ranked) - self.n) :])
         return [
             i in kept or (not s.metrics and self.keep_checkpoints_without_metrics)
