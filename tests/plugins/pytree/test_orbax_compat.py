@@ -5,6 +5,7 @@ Marked ``orbax``: deselect with ``-m "not orbax"``.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import checkpointables as cp
@@ -158,6 +159,16 @@ def test_orbax_metadata_with_its_database_nodes_missing_is_an_integrity_error(tm
     shutil.rmtree(tmp_path / "c" / "state" / "d")  # The merged database's root node.
     with pytest.raises(cp.errors.IntegrityError, match=r"state/d/.* failed its integrity check"):
         cp.pytree_metadata(tmp_path / "c")  # Was TensorStore's ValueError.
+
+
+@pytest.mark.parametrize("value", [None, 5, [1], {}])
+def test_a_string_leaf_stored_as_another_json_value_is_a_metadata_error(tmp_path, value) -> None:
+    # Orbax's _strings.json has no checksum: null loaded as "None".
+    ocp_v1.save(tmp_path / "c", {"s": "hello", "n": 7})
+    file = tmp_path / "c" / "state" / "_strings.json"
+    file.write_text(json.dumps({k: value for k in json.loads(file.read_text())}))
+    with pytest.raises(cp.errors.MetadataError, match=r"for the string leaf \['s'\], not a str"):
+        cp.load_pytree(tmp_path / "c")
 
 
 def test_prng_keys_both_ways(tmp_path, mesh_4x2) -> None:

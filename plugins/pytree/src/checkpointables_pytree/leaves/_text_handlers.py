@@ -67,7 +67,14 @@ class StringLeafHandler(StandardLeafHandler):
                         session.entry(param.keypath).keystr,
                         f"it is missing from {session.directory / '_strings.json'}",
                     )
-                result.append(str(strings[name]))
+                value = strings[name]
+                if not isinstance(value, str):  # Orbax's files carry no checksum.
+                    raise cp.errors.MetadataError(
+                        f"{session.directory / '_strings.json'} holds {_shown(value)} for the "
+                        f"string leaf {session.entry(param.keypath).keystr}, not a string: the "
+                        f"checkpoint is damaged. Restore it from a copy or load an older one."
+                    )
+                result.append(value)
             return result
 
         return read()
@@ -80,6 +87,11 @@ class StringLeafHandler(StandardLeafHandler):
         """``""`` for each string leaf (an abstract ``str``)."""
         return ["" for _ in params]
 
+
+def _shown(value: Any) -> str:
+    """A stored value for a message: its type, and its text if short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text}" if len(text) <= 40 else type(value).__name__
 
 def _to_bytes(pieces: list[np.ndarray]) -> bytes:
     return pieces[0].tobytes()
