@@ -166,3 +166,14 @@ def test_paths_that_are_no_directory_are_an_error_line(tmp_path, capsys) -> None
     # A training root that is a file: NotADirectoryError, once a raw traceback.
     assert cli.main(["demo", "--steps", "4", str(file)]) == 2
     assert "a Checkpointer needs a directory" in capsys.readouterr().err
+
+
+def test_names_holding_control_characters_are_escaped(tmp_path, capsys) -> None:
+    # A stray directory forging a line and clearing the screen.
+    cp.save_pytree(tmp_path / "c", {"a": np.arange(3)})
+    (tmp_path / "c" / "junk\nall checks passed\x1b[2J").mkdir()
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    assert cli.main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "junk\\nall checks passed\\x1b[2J" in out
+    assert "all checks passed" not in out.splitlines()

@@ -124,11 +124,11 @@ def _inspect(args: argparse.Namespace) -> int:
     with progress.bytes_progress(None, "inspect"):
         for name, directory in _inspected_items(path, meta):
             recorded = opened.typestr(name, directory)
-            print(f"\n{name}/  {_handler_line(recorded)}")
+            print(f"\n{_printable(name)}/  {_escaped(_handler_line(recorded))}")
             try:
                 value = _loading.item_metadata(directory, name, recorded, context)
             except Exception as e:  # Show what can be shown; the error names the problem.
-                print(f"  cannot read metadata: {type(e).__name__}: {e}")
+                print(f"  cannot read metadata: {type(e).__name__}: {_escaped(str(e))}")
                 continue
             total += _print_leaves(value)
             _print_reuse(directory, name, recorded, context)
@@ -161,7 +161,7 @@ def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) 
         with context:
             report = handler.reuse_report(directory)
     except Exception as e:  # Show the rest; the error names the problem.
-        print(f"  reuse: cannot read: {type(e).__name__}: {e}")
+        print(f"  reuse: cannot read: {type(e).__name__}: {_escaped(str(e))}")
         return
     if report:
         print("  incremental save (arrays of at least 64 KiB):")
@@ -174,6 +174,16 @@ def _printable(text: str) -> str:
     """``text`` as recorded, or quoted with escapes where it holds control characters (a
     forged record must not drive the terminal)."""
     return text if text.isprintable() else repr(text)
+
+
+def _escaped(text: str, *, lines: bool = False) -> str:
+    """``text`` with each control character written as its escape (``\\n``, ``\\x1b``): a
+    name from a checkpoint inside a message must not drive the terminal or forge a line
+    (``lines``: newlines are kept, for messages of several lines)."""
+    if text.isprintable():
+        return text
+    kept = "\n" if lines else ""
+    return "".join(c if c.isprintable() or c in kept else repr(c)[1:-1] for c in text)
 
 
 def _print_staging(meta: dict[str, Any]) -> None:
@@ -191,7 +201,7 @@ def _print_metrics(path: Any, meta: dict[str, Any]) -> None:
     try:
         metrics = _step_metrics.read(path, meta)
     except Exception as e:  # Show the rest; the error names the file.
-        print(f"  metrics: cannot read: {type(e).__name__}: {e}")
+        print(f"  metrics: cannot read: {type(e).__name__}: {_escaped(str(e))}")
         return
     if metrics:
         print(f"  metrics: {metrics}")
@@ -228,9 +238,9 @@ def _verify(args: argparse.Namespace) -> int:
     for finding in findings:
         if finding.problem is not None:
             failures += 1
-            print(f"{finding.subject}: FAILED {finding.problem}")
+            print(f"{_escaped(finding.subject)}: FAILED {_escaped(finding.problem)}")
         else:
-            print(f"{finding.subject}: {finding.note or 'ok'}")
+            print(f"{_escaped(finding.subject)}: {_escaped(finding.note or 'ok')}")
     print("all checks passed" if not failures else f"{failures} problem(s) found")
     return 1 if failures else 0
 
@@ -293,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except (errors.CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_escaped(str(e), lines=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `checkpointables inspect ... | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter exit quiet
