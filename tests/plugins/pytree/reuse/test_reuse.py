@@ -231,6 +231,19 @@ def test_prng_keys_and_small_leaves_are_written(tmp_path) -> None:
     assert np.asarray(loaded["big"]).tobytes() == tree["big"].tobytes()
 
 
+def test_a_dtype_without_fingerprints_is_written_and_said_once(tmp_path, caplog) -> None:
+    # A 4-bit frozen base (QLoRA): written at every save; the log named only the predicate.
+    tree = {"base": {"q": jnp.ones((512, 512), jnp.int4)}, "adapter": jnp.ones((128, 256))}
+    frozen = cp.training.Checkpointer(tmp_path, reuse_unchanged=lambda n: n.startswith("base."))
+    with caplog.at_level(logging.INFO, logger="checkpointables.reuse"), frozen:
+        frozen.save_pytree(1, tree, force=True)
+        frozen.save_pytree(2, tree, force=True)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("of dtype int4" in m and "'base.q'" in m for m in said), said
+    assert linked_names(tmp_path / "2") == set()
+    assert (np.asarray(cp.load_pytree(tmp_path / "2")["base"]["q"]) == 1).all()
+
+
 def test_async_forms_and_save_checkpointables(tmp_path) -> None:
     tree = _tree()
     cp.save_checkpointables(tmp_path / "1", {"state": tree, "cfg": {"lr": 0.1}})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -81,6 +82,18 @@ def _whole(name: str, signature: str, data: Any, on_device: bool, nbytes: int) -
     return Candidate(name, signature, [shard], on_device, nbytes, data if on_device else None)
 
 
+def _say_unsupported(name: str, dtype: Any) -> None:
+    """Says once per dtype that its arrays are written at every save (declared frozen or
+    not: a predicate naming them is not why)."""
+    cp.reuse.log_once(
+        f"dtype:{dtype}",
+        f"Incremental saves do not reuse jax.Arrays of dtype {dtype} (sub-byte and 8-byte "
+        f"dtypes and PRNG keys have no fingerprint on the device), such as {name!r}: they are "
+        f"written at every save.",
+        logging.WARNING,
+    )
+
+
 def _jax_nbytes(array: jax.Array) -> int:
     # ``jax.Array.nbytes`` is a Python property (np.size of the array): this is its value.
     return math.prod(array.shape) * array.dtype.itemsize
@@ -89,7 +102,7 @@ def _jax_nbytes(array: jax.Array) -> int:
 def _jax_candidate(
     name: str, array: jax.Array, nbytes: int, signatures: _Signatures, single_process: bool
 ) -> Candidate | None:
-    if array.is_deleted() or not _supported(array.dtype):
+    if array.is_deleted():
         return None
     if not single_process and array.is_fully_addressable:
         return None  # A value every process holds: who writes it is decided later.
@@ -144,6 +157,9 @@ def candidates(flat: tree.Flat, context: cp.Context) -> list[Candidate]:
             signature = signatures("numpy", value.shape, value.dtype, value.shape)
             found.append(_whole(name, signature, value, False, value.nbytes))
         elif isinstance(value, jax.Array) and (nbytes := _jax_nbytes(value)) >= MIN_BYTES:
+            if not _supported(value.dtype):
+                _say_unsupported(name, value.dtype)
+                continue
             candidate = _jax_candidate(name, value, nbytes, signatures, single)
             if candidate is not None:
                 found.append(candidate)
