@@ -279,4 +279,3 @@ def test_a_commit_time_past_64_bits_is_a_metadata_error(saved, tmp_path) -> None
     with_metadata_checksums_recomputed(checkpoint)
     with pytest.raises(cp.errors.MetadataError, match="must be a non-negative 64-bit integer"):
         _ = cp.pytree_metadata(checkpoint).commit_timestamp
-

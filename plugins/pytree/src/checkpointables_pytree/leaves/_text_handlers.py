@@ -93,6 +93,7 @@ def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text}" if len(text) <= 40 else type(value).__name__
 
+
 def _to_bytes(pieces: list[np.ndarray]) -> bytes:
     return pieces[0].tobytes()
 
