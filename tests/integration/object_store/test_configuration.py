@@ -109,3 +109,15 @@ def test_gcs_paths_use_tensorstore_gcs_driver() -> None:
     assert storage.context_resources(options)["gcs_request_concurrency"] == {"limit": 8}
     with pytest.raises(ValueError, match="names no bucket"):
         storage.kvstore_spec("s3://")
+
+
+@pytest.mark.parametrize("path", ["q/../r5", "../r5"])
+def test_dot_segments_in_an_object_store_path_are_refused(s3, bucket, path) -> None:
+    # GET and PUT resolved them, LIST did not: a save replaced r5 without overwrite=True,
+    # recorded no checksums, and neither path loaded afterwards.
+    cp.save_pytree(f"{bucket}/r5", {"w": np.arange(3.0)})
+    with pytest.raises(cp.errors.InvalidArgumentError, match="holds '.' or '..'"):
+        cp.save_pytree(f"{bucket}/{path}", {"w": np.arange(5.0)})
+    with pytest.raises(cp.errors.InvalidArgumentError, match="holds '.' or '..'"):
+        cp.load_pytree(f"{bucket}/{path}")
+    assert_equal(cp.load_pytree(f"{bucket}/r5"), {"w": np.arange(3.0)})

@@ -284,14 +284,26 @@ def s3_settings(options: StorageOptions | None = None) -> S3Settings:
 
 
 def bucket_and_key(url: str) -> tuple[str, str, str]:
-    """``(scheme, bucket, key)`` of ``s3://bucket/key`` (the key without a trailing ``/``)."""
+    """``(scheme, bucket, key)`` of ``s3://bucket/key`` (the key without a trailing ``/``).
+
+    Raises:
+      cp.errors.InvalidArgumentError: no bucket, or a ``.`` or ``..`` in the key.
+    """
     scheme, _, rest = url.partition("://")
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise ValueError(
-            f"{url} names no bucket; object-store paths look like {scheme}://bucket/a/b."
+        raise cp.errors.InvalidArgumentError(
+            f"{url} names no bucket; object-store paths look like s3://bucket/a/b."
         )
-    return scheme, bucket, key.strip("/")
+    key = key.strip("/")
+    if any(part in (".", "..") for part in key.split("/")):
+        # HTTP clients resolve them in a GET or PUT, never in a LIST's prefix: a save would
+        # write one place and find nothing there (no overwrite check, no checksums).
+        raise cp.errors.InvalidArgumentError(
+            f"{url} holds '.' or '..': object-store keys are names, not resolved as paths "
+            f"are. Write the path without them (e.g. s3://bucket/run/1)."
+        )
+    return scheme, bucket, key
 
 
 def kvstore_spec(url: str, settings: S3Settings | None = None) -> dict[str, Any]:
