@@ -50,3 +50,13 @@ def test_checksums_recorded_again_on_an_object_store(s3, bucket, tmp_path) -> No
     assert (
         tmp_path / "saved" / "pytree" / "_btree_checksums"
     ).read_bytes() == cp.storage.read_bytes(f"{bucket}/c/pytree/_btree_checksums")
+
+
+def test_a_truncated_data_object_is_an_integrity_error(s3, bucket, tmp_path) -> None:
+    # The fast path's ranged GET past the object's end: TensorStore's bare ValueError.
+    cp.save_pytree(tmp_path / "saved", TREE)
+    data = max((tmp_path / "saved" / "pytree" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    _upload(tmp_path / "saved", s3, f"{bucket}/c")
+    with pytest.raises(cp.errors.IntegrityError):
+        cp.load_pytree(f"{bucket}/c")

@@ -134,10 +134,16 @@ async def _read_range(
 ) -> None:
     """Reads ``[start, end)`` of the run's file into the values it overlaps."""
     async with limit:
-        result = await base.read(run.file, byte_range=slice(start, end))
+        try:
+            result = await base.read(run.file, byte_range=slice(start, end))
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            result = None  # A truncated object: its values are missing, as a short read's.
 
         def copy() -> None:  # On _copier: see the module's docstring.
-            data = np.frombuffer(result.value, np.uint8) if result.state == "value" else None
+            whole = result is not None and result.state == "value"
+            data = np.frombuffer(result.value, np.uint8) if whole else None
             for i in run.members:
                 _, offset, length = locations[i]  # type: ignore[misc]
                 low, high = max(start, offset), min(end, offset + length)

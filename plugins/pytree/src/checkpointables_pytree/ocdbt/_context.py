@@ -31,6 +31,7 @@ __all__ = [
     "kvstore_spec",
     "location_spec",
     "make_context",
+    "open_location",
     "merge_into",
     "open_kvstore",
 ]
@@ -72,6 +73,14 @@ def location_spec(directory: epath.PathLike) -> dict[str, Any]:
     if not is_local(text):  # s3://..., gs://...: configured as cp.options.StorageOptions says.
         return storage.kvstore_spec(text)
     return {"driver": "file", "path": text.rstrip("/") + "/"}
+
+
+def open_location(directory: epath.PathLike) -> Any:
+    """A future of the kvstore of a directory itself (``location_spec``), under the request
+    retries and concurrency of ``cp.options.StorageOptions`` (TensorStore's defaults retry
+    an object store that stopped answering for many minutes)."""
+    context = ts.Context(storage.context_resources())
+    return ts.KvStore.open(location_spec(directory), context=context)
 
 
 def kvstore_spec(

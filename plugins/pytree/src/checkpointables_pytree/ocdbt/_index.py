@@ -117,9 +117,9 @@ class DatabaseIndex:
         """The base kvstore, once the recorded nodes are checked (``checked``)."""
         if self._checking.done():  # By ``check_now``: raises what it found.
             self._checking.result()
-            return ts.KvStore.open(_context.location_spec(self.root)).result()
+            return _context.open_location(self.root).result()
         try:
-            base = ts.KvStore.open(_context.location_spec(self.root)).result()
+            base = _context.open_location(self.root).result()
             self._checked = _node_checksums.check_recorded_nodes(self.root, base)
         except BaseException as e:
             self._checking.set_exception(e)

@@ -99,7 +99,7 @@ def node_checksums(directory: epath.PathLike) -> dict[str, str]:
     root = os.fspath(directory)
     if not cp.storage.exists(epath.Path(root) / _context.MANIFEST_FILE):
         return {}
-    base = ts.KvStore.open(_context.location_spec(root)).result()
+    base = _context.open_location(root).result()
     manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
     if not versions:
@@ -231,7 +231,7 @@ def check_recorded_nodes(
             "database; restore the checkpoint from a copy."
         ) from None
     if base is None and not _context.is_local(root):
-        base = ts.KvStore.open(_context.location_spec(root)).result()
+        base = _context.open_location(root).result()
     reads = [(where, _read_node(base, root, where)) for where in listed]
     checked = {}
     for where, future in reads:

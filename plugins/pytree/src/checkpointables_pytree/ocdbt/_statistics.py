@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree.ocdbt import _context
@@ -21,7 +20,7 @@ def stored_key_count(directory: epath.PathLike) -> int | None:
     """
     root = os.fspath(directory)
     try:
-        base = ts.KvStore.open(_context.location_spec(root)).result()
+        base = _context.open_location(root).result()
         manifest = dump(base)
     except ValueError:
         return None
