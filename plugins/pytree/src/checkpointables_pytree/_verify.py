@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import checkpointables as cp
+import numpy as np
 import tensorstore as ts
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
@@ -38,7 +38,7 @@ from checkpointables_pytree._load_plan import LoadPlan, check_array_count
 from checkpointables_pytree.io import ArrayRead
 from checkpointables_pytree.leaves import ARRAY_VALUE_TYPES, SCALAR, STRING, LoadSession
 
-__all__ = ["verify_pytree"]
+__all__ = ["verify_pytree", "unchecked_note"]
 
 # Arrays read and checked at once.
 BATCH_BYTES = 32 << 20
@@ -69,7 +69,7 @@ async def _check_zarr_metadata(
         try:
             value = (await future).value
         except Exception as e:
-            problems.append(_problem(entry, storage.storage_error("its zarr.json", e)))
+            problems.append(_problem(entry, _read_error("its zarr.json", e)))
             continue
         if value != zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
             problems.append(
@@ -163,7 +163,11 @@ async def _check_chunks(session: LoadSession, entries: Sequence[tree_room.Entry]
     return []
 
 
-async def _check_with_driver(session: LoadSession, entry: tree_room.Entry) -> list[str]:
+async def _check_with_driver(
+    session: LoadSession, entry: tree_room.Entry, unchecked: list[str]
+) -> list[str]:
+    """Reads every chunk of ``entry``'s array through the driver; adds its name to
+    ``unchecked`` if its chunks carry no checksum of their data."""
     name = session.tree.storage_name(entry.names)
     spec = io.Reader(
         session.directory, ocdbt=session.tree.use_ocdbt, zarr3=session.tree.use_zarr3
@@ -171,32 +175,95 @@ async def _check_with_driver(session: LoadSession, entry: tree_room.Entry) -> li
     spec["fill_missing_data_reads"] = False
     try:
         store = await ts.open(spec, context=ocdbt.make_context(), open=True)
-        shape = tuple(int(s) for s in store.shape)
-        stored = session.stored_array(entry)
-        if stored is not None and (shape, store.dtype.numpy_dtype) != (stored.shape, stored.dtype):
-            return [f"{entry.keystr}: its zarr.json disagrees with _METADATA on shape or dtype"]
-        chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
-        chunk = tuple(
-            int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True)
-        )
-        chunk_bytes = math.prod(chunk) * store.dtype.numpy_dtype.itemsize
-        memory = io.physical_memory_bytes()
-        if memory and chunk_bytes > memory:
-            return [
-                f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
-                "than this machine's memory"
-            ]
-        for index in itertools.product(
-            *(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))
-        ):
-            region = tuple(
-                slice(i * c, min((i + 1) * c, s))
-                for i, c, s in zip(index, chunk, shape, strict=True)
-            )
+        problem = await _driver_layout_problem(session, entry, name, store)
+        if problem is not None:
+            return [problem]
+        if not _chunks_checksummed(store):
+            unchecked.append(name)
+        for region in _chunk_regions(store):
             await (store[region].read() if region else store.read())
     except Exception as e:
-        return [_problem(entry, storage.storage_error(f"array {name!r}", e))]
+        return [_problem(entry, _read_error(f"array {name!r}", e))]
     return []
+
+
+def _read_error(what: str, error: BaseException) -> Exception:
+    """``storage_error``'s, naming the error's type where it says nothing (a MemoryError)."""
+    if not str(error):
+        return cp.errors.CheckpointError(f"Reading {what} failed: {type(error).__name__}")
+    return storage.storage_error(what, error)
+
+
+def _write_chunk(store: Any) -> tuple[int, ...]:
+    """The shape of the array's stored chunks (its shards, if sharded)."""
+    shape = tuple(int(s) for s in store.shape)
+    chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
+    return tuple(int(c) if c else max(1, s) for c, s in zip(chunk or shape, shape, strict=True))
+
+
+def _chunk_regions(store: Any) -> Iterator[tuple[slice, ...]]:
+    """The region of each stored chunk, one at a time (``_driver_layout_problem`` has
+    bounded their number by the chunks stored)."""
+    shape = tuple(int(s) for s in store.shape)
+    chunk = _write_chunk(store)
+    for index in np.ndindex(*(-(-s // c) for s, c in zip(shape, chunk, strict=True))):
+        yield tuple(
+            slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunk, shape, strict=True)
+        )
+
+
+async def _driver_layout_problem(
+    session: LoadSession, entry: tree_room.Entry, name: str, store: Any
+) -> str | None:
+    """Why the array's ``zarr.json`` cannot be read as it says: it disagrees with
+    ``_METADATA``, claims chunks larger than memory, or more chunks than are stored (a
+    damaged or hostile shape, which no read should walk)."""
+    shape = tuple(int(s) for s in store.shape)
+    dtype = store.dtype.numpy_dtype
+    stored = session.stored_array(entry)
+    if stored is not None and (shape, dtype) != (stored.shape, stored.dtype):
+        return f"{entry.keystr}: its zarr.json disagrees with _METADATA on shape or dtype"
+    chunk = _write_chunk(store)
+    chunk_bytes = math.prod(chunk) * dtype.itemsize
+    memory = io.physical_memory_bytes()
+    if memory and chunk_bytes > memory:
+        return (
+            f"{entry.keystr}: its zarr.json claims chunks of {chunk_bytes:,} bytes, more "
+            "than this machine's memory"
+        )
+    count = math.prod(-(-s // c) for s, c in zip(shape, chunk, strict=True))
+    if count <= 1:
+        return None
+    keys = await store.kvstore.list()
+    held = sum(1 for k in keys if not _is_metadata_key(k))
+    if count <= held:
+        return None
+    return (
+        f"{entry.keystr} (array {name!r}): its zarr.json claims shape {shape} of {dtype} "
+        f"({math.prod(shape) * dtype.itemsize:,} bytes) in {count:,} chunks of {chunk}, but "
+        f"the checkpoint stores {held:,} chunk(s) of it: its zarr.json is damaged (a load "
+        "cannot read it either); restore the checkpoint from a copy"
+    )
+
+
+def _is_metadata_key(key: bytes) -> bool:
+    """Whether ``key`` (relative to an array) is one of its metadata files, not a chunk."""
+    last = key.rsplit(b"/", 1)[-1]
+    return last == b"zarr.json" or last.startswith(b".")
+
+
+def _chunks_checksummed(store: Any) -> bool:
+    """Whether every chunk of the array carries a checksum of its data: zarr3's ``crc32c``
+    codec over each chunk (inside a shard, over each inner chunk). Orbax writes its shards
+    with ``crc32c`` over the shard index only, and zarr2 arrays have no checksum."""
+    codec = store.codec.to_json() if store.codec is not None else {}
+    codecs = codec.get("codecs") or []
+    for _ in range(8):  # Shards of shards: the innermost codecs encode the data.
+        sharding = [c for c in codecs if c.get("name") == "sharding_indexed"]
+        if not sharding:
+            break
+        codecs = (sharding[0].get("configuration") or {}).get("codecs") or []
+    return any(c.get("name") == "crc32c" for c in codecs)
 
 
 async def _check_typed_leaves(
@@ -260,11 +327,15 @@ async def _load_leaves(
     return []
 
 
-async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) -> list[str]:
+async def verify_pytree(
+    directory: epath.Path, registry: LeafHandlerRegistry, notes: list[str] | None = None
+) -> list[str]:
     """Every problem found in the pytree at ``directory`` (empty if all checksums match).
 
     Leaves of custom leaf handlers (in ``registry``) are not checked: their
-    handlers own their files.
+    handlers own their files. ``notes``, if given, receives what the report should
+    say that is not a failure: arrays whose chunks carry no checksum of their data
+    (Orbax's), whose values could not be checked.
     """
     try:
         tree = tree_room.read_tree_metadata(directory)
@@ -285,6 +356,28 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
     except cp.errors.CheckpointError as e:
         problems.append(str(e))
     problems += await _check_typed_leaves(directory, tree, registry)
+    unchecked: list[str] = []
+    problems += await _check_arrays(session, unchecked)
+    problems += _check_strings(session)
+    if unchecked and notes is not None:
+        notes.append(unchecked_note(unchecked))
+    return problems
+
+
+def unchecked_note(names: Sequence[str]) -> str:
+    """The report's note on the arrays ``names``, whose chunks carry no checksum."""
+    shown = ", ".join(repr(n) for n in names[:10]) + (" ..." if len(names) > 10 else "")
+    return (
+        f"{len(names)} array(s) carry no checksum of their chunk data (Orbax writes none: "
+        f"a zarr3 shard's CRC-32C covers only its index), so their values were read but not "
+        f"checked: a flipped bit there loads a wrong value ({shown})"
+    )
+
+
+async def _check_arrays(session: LoadSession, unchecked: list[str]) -> list[str]:
+    """Reads every chunk of every array: plain shards in batches, others by the driver."""
+    tree = session.tree
+    problems: list[str] = []
     batch: list[tree_room.Entry] = []
     batch_bytes = 0
     for entry in tree.entries:
@@ -299,19 +392,25 @@ async def verify_pytree(directory: epath.Path, registry: LeafHandlerRegistry) ->
                 cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
-            problems += await _check_with_driver(session, entry)
+            problems += await _check_with_driver(session, entry, unchecked)
             cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
         problems += await _check_batch(session, batch)
         cp.progress.advance(batch_bytes)
-    strings = [e for e in tree.entries if e.value_type == STRING]
-    if strings:
-        try:
-            stored_strings = session.strings()
-        except cp.errors.CheckpointError as e:
-            problems.append(str(e))
-        else:
-            for entry in strings:
-                if tree.storage_name(entry.names) not in stored_strings:
-                    problems.append(f"{entry.keystr}: missing from {directory / '_strings.json'}")
     return problems
+
+
+def _check_strings(session: LoadSession) -> list[str]:
+    """Every string leaf is in ``_strings.json``."""
+    strings = [e for e in session.tree.entries if e.value_type == STRING]
+    if not strings:
+        return []
+    try:
+        stored_strings = session.strings()
+    except cp.errors.CheckpointError as e:
+        return [str(e)]
+    return [
+        f"{entry.keystr}: missing from {session.directory / '_strings.json'}"
+        for entry in strings
+        if session.tree.storage_name(entry.names) not in stored_strings
+    ]

@@ -149,11 +149,10 @@ def decoded(data: bytes, location: str) -> Any:
     recent = _RECENT.get(location)
     if recent is not None and recent[0] == data:  # The same bytes: the same node.
         return recent[1]
-    node = decode(data, base)
-    if isinstance(node, LeafNode):
-        result: Any = {"height": 0, "entries": node}
-    else:
-        result = None if node is None else {"height": 1, "entries": node}
+    decoded_node = _decode(data, base)
+    result: Any = None
+    if decoded_node is not None:
+        result = {"height": decoded_node[0], "entries": decoded_node[1]}
     with _RECENT_LOCK:  # Loads may run in several threads.
         if len(_RECENT) >= _RECENT_KEPT:
             del _RECENT[next(iter(_RECENT))]
@@ -171,6 +170,12 @@ def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | No
     Raises:
       ValueError: ``data`` is not a well-formed node.
     """
+    node = _decode(data, transitive)
+    return None if node is None else node[1]
+
+
+def _decode(data: bytes, transitive: str) -> tuple[int, LeafNode | list[dict[str, Any]]] | None:
+    """``decode``'s node with the height the node records (0: a leaf)."""
     view = memoryview(data)
     if len(view) < 18 or int.from_bytes(view[:4], "big") != _MAGIC:
         raise ValueError("not an OCDBT b-tree node")
@@ -193,7 +198,7 @@ def decode(data: bytes, transitive: str) -> LeafNode | list[dict[str, Any]] | No
         node = _interior(reader, keys, prefix_lengths, files)
     if reader.position != reader.end:
         raise ValueError("a b-tree node has bytes after its entries")
-    return node
+    return height, node
 
 
 class _Reader:

@@ -272,15 +272,34 @@ class _Walk:
         self._wanted_set = wanted
         self._sorted: list[bytes] | None = None  # To pick subtrees (none in a one-node tree).
         self._found = found
+        self._root = root
+        # The nodes this walk reached: a b-tree reaches each node once (a node named twice,
+        # or by itself, would be walked again and again).
+        self._visited: set[str] = set()
         # Each data file's path is checked once, not once per value.
         self._parse = functools.lru_cache(maxsize=None)(functools.partial(_parse_file, root=root))
 
-    async def node(self, location: str, prefix: bytes) -> None:
+    async def node(self, location: str, prefix: bytes, height: int | None = None) -> None:
         """Walks the node at ``location``; its keys are relative to ``prefix`` (the
-        ``subtree_common_prefix`` its ancestors' entries share)."""
+        ``subtree_common_prefix`` its ancestors' entries share); ``height``: the height
+        its parent's implies (``None``: the root).
+
+        Raises:
+          cp.errors.IntegrityError: the b-tree reaches a node twice, or a node's height is
+            not one less than its parent's (a cycle, or a damaged or forged b-tree).
+        """
+        if location in self._visited:
+            raise _malformed_tree(self._root, location, "the b-tree reaches it twice (a cycle)")
+        self._visited.add(location)
         node = self._nodes.get(location)
         if node is None:
             node = self._nodes[location] = await self._index.node(location)
+        if height is not None and node["height"] != height:
+            raise _malformed_tree(
+                self._root,
+                location,
+                f"it has height {node['height']}, but its parent's entry needs height {height}",
+            )
         entries = node["entries"]
         if node["height"] == 0:
             if type(entries) is _btree_nodes.LeafNode:
@@ -298,7 +317,7 @@ class _Walk:
             first = bisect.bisect_left(wanted, low)
             if first < len(wanted) and (high is None or wanted[first] < high):
                 child_prefix = prefix + entry.get("subtree_common_prefix", b"")
-                children.append(self.node(entry["location"], child_prefix))
+                children.append(self.node(entry["location"], child_prefix, node["height"] - 1))
         await asyncio.gather(*children)
 
     def _leaf(self, entries: list[dict[str, Any]], prefix: bytes) -> None:
@@ -338,6 +357,15 @@ class _Walk:
         places = map(tuple.__new__, itertools.repeat(ValueLocation), rows)  # No Python frames.
         for picked, found in ((inline, values), (located, places)):
             self._found.update(zip(map(keys.__getitem__, picked.tolist()), found, strict=True))
+
+
+def _malformed_tree(root: str, location: str, problem: str) -> cp.errors.IntegrityError:
+    """The error for a b-tree whose node at ``location`` is not where a b-tree puts one."""
+    return storage.integrity_error(
+        f"{_node_checksums.node_file(root, location)} (the b-tree node at {location}, "
+        f"reached from {os.path.join(root, _context.MANIFEST_FILE)})",
+        problem,
+    )
 
 
 def _parse_file(text: str, root: str) -> str | None:

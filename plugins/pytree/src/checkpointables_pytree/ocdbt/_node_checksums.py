@@ -47,6 +47,7 @@ __all__ = [
     "unlisted_node",
     "check_recorded_nodes",
     "node_checksum_problems",
+    "node_file",
 ]
 
 NODE_CHECKSUMS_FILE = "_btree_checksums"
@@ -165,7 +166,8 @@ def read_listed(directory: epath.PathLike) -> dict[str, str] | None:
     return {str(where): digest for where, digest in nodes.items()}
 
 
-def _node_file(directory: str, location: str) -> str:
+def node_file(directory: str, location: str) -> str:
+    """The path of the data file that holds the node at ``location`` (``?``: unreadable)."""
     try:
         base, relative, _, _ = _btree_nodes.split_location(location)
     except ValueError:
@@ -176,7 +178,7 @@ def _node_file(directory: str, location: str) -> str:
 def _mismatch(listed: dict[str, str], directory: str, location: str, digest: str) -> str | None:
     """Why the node at ``location``, of ``digest``, is not the one the save recorded."""
     expected = listed.get(location)
-    where = f"{_node_file(directory, location)}: the b-tree node at {location}"
+    where = f"{node_file(directory, location)}: the b-tree node at {location}"
     if expected is None:
         return f"{where} is not listed in {NODE_CHECKSUMS_FILE} (the b-tree was changed)"
     if digest != expected:
@@ -259,7 +261,7 @@ def node_checksum_problems(directory: epath.PathLike) -> list[str]:
     found = [_mismatch(listed, root, where, digest) for where, digest in walked.items()]
     for where in listed.keys() - walked.keys():
         found.append(
-            f"{_node_file(root, where)}: the b-tree node at {where} is listed in "
+            f"{node_file(root, where)}: the b-tree node at {where} is listed in "
             f"{NODE_CHECKSUMS_FILE} but the b-tree no longer reaches it (the b-tree was changed)"
         )
     return [p for p in found if p]
