@@ -30,7 +30,7 @@ from checkpointables._pytree_api import holds_pytree
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import get_context
 from checkpointables.path._parse import as_path
-from checkpointables.protocols import Verifiable
+from checkpointables.protocols import Verifiable, VerifyNote
 from checkpointables.serialization import AbstractArray
 
 __all__ = ["Finding", "verify_checkpoint", "leaf_nbytes"]
@@ -112,8 +112,12 @@ def _item_findings(name: str, directory: epath.Path, recorded: str | None) -> li
         return [Finding(name, str(e))]
     except Exception as e:  # A handler's own failure is a failed check, not a crash.
         return [Finding(name, f"{type(e).__name__}: {e}")]
+    notes = [p for p in problems if isinstance(p, VerifyNote)]
+    problems = [p for p in problems if not isinstance(p, VerifyNote)]
     if problems:
         return [Finding(name, problem) for problem in problems]
+    if notes:
+        return [Finding(name, note=f"ok; {note}") for note in notes]
     return [Finding(name, note=None if verifiable else "loads (no verify in its handler)")]
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "Recognizing",
     "Finalizable",
     "Verifiable",
+    "VerifyNote",
     "Mergeable",
     "CombinesShards",
     "ExplainsUnhandleable",
@@ -173,8 +174,17 @@ class Verifiable(Protocol):
     """
 
     async def verify(self, directory: epath.Path) -> list[str]:
-        """Reads everything back; returns one description per problem found (none: ok)."""
+        """Reads everything back; returns one description per problem found (none: ok),
+        and ``VerifyNote``s for what the report says that is no problem."""
         ...
+
+
+class VerifyNote(str):
+    """An entry of ``Verifiable.verify``'s result that the report says without failing the
+    check (e.g. that some values carry no checksum and were read unchecked)::
+
+        return problems + [cp.protocols.VerifyNote("2 arrays carry no checksum")]
+    """
 
 
 @runtime_checkable

@@ -100,6 +100,8 @@ def test_orbax_arrays_are_noted_as_unchecked_and_a_flipped_bit_in_them_is_not_a_
     (note,) = notes
     assert note.startswith("2 array(s) carry no checksum of their chunk data")
     assert "'a', 'r'" in note
+    report = [f for f in _verification.verify_checkpoint(checkpoint) if f.subject == "state"]
+    assert [(f.problem, f.note) for f in report] == [(None, f"ok; {note}")]  # Said by verify.
 
 
 def test_our_arrays_carry_checksums_and_get_no_note(tmp_path) -> None:

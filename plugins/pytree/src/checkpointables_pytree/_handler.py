@@ -404,7 +404,9 @@ class PyTreeHandler:
 
         Arrays are checked one batch at a time, so memory stays bounded.
         """
-        return await _verify.verify_pytree(directory, leaf_registry())
+        notes: list[str] = []
+        problems = await _verify.verify_pytree(directory, leaf_registry(), notes=notes)
+        return problems + [cp.protocols.VerifyNote(note) for note in notes]
 
     async def merge_partial(self, sources: Sequence[epath.Path], target: epath.Path) -> None:
         """Builds the pytree at ``target`` from partial saves' pytree directories (oldest first).
