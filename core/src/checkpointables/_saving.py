@@ -301,8 +301,8 @@ def _write_and_commit(
             sync(
                 "committed", _error_of(lambda: _commit_save(save, target)) if save.primary else None
             )
-        except BaseException:
-            _discard(save, target)
+        except BaseException as e:
+            _discard(save, target, e)
             raise
 
 
@@ -315,8 +315,14 @@ def _error_of(work: Callable[[], object]) -> BaseException | None:
     return None
 
 
-def _discard(save: _Checked, target: _commit.SaveTarget) -> None:
-    if save.primary:
+def _discard(save: _Checked, target: _commit.SaveTarget, error: BaseException) -> None:
+    """Removes what a failed save wrote, unless storage stopped answering: asking again would
+    cost the caller another whole timeout before the error is raised (what was written is a
+    leftover the next save or Checkpointer removes)."""
+    unanswered = isinstance(error, errors.StorageError) and isinstance(
+        error.__cause__, TimeoutError
+    )
+    if save.primary and not unanswered:
         with save.context, contextlib.suppress(Exception):
             target.discard()
 
@@ -339,8 +345,8 @@ def start(request: SaveRequest) -> AsyncResponse[None]:
         directory = _directory(save, target)
         try:
             background = _blocking_phase(save, directory)
-        except BaseException:
-            _discard(save, target)
+        except BaseException as e:
+            _discard(save, target, e)
             raise
 
         def write_and_commit() -> None:

@@ -135,7 +135,12 @@ class NameTooLongError(CheckpointError, OSError):
 
 class StorageError(CheckpointError, OSError):
     """Reading, writing, listing or deleting in storage failed (e.g. an object store refused
-    or kept failing a request); the message names the path and what to check."""
+    or kept failing a request); the message names the path and what to check.
+
+    Where storage gave no answer in time it is raised from a ``TimeoutError`` (its
+    ``__cause__``): a failed save then leaves its files to the next cleanup rather than
+    wait once more.
+    """
 
 
 class CheckpointChangedError(CheckpointError, RuntimeError):

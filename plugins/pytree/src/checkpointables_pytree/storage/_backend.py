@@ -49,13 +49,13 @@ def _answer(future: Any, action: str, url: str, storage: KvStoreStorage) -> Any:
     timeout = storage.timeout_secs
     try:
         return future.result(timeout=timeout)
-    except TimeoutError:
+    except TimeoutError as e:
         future.cancel()
-        raise cp.errors.StorageError(
+        raise cp.errors.StorageError(  # From the TimeoutError: see StorageError.
             f"{action} {url} got no answer within {timeout:g} s "
             f"(cp.options.StorageOptions.request_timeout_secs). Check "
             f"{_what_to_check(url, storage.settings)}."
-        ) from None
+        ) from e
     except Exception as e:
         missing = missing_bucket(action, url, e)  # Named with its endpoint, not the XML answer.
         if missing is not None:
