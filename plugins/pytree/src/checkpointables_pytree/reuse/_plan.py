@@ -523,11 +523,14 @@ def _changed_though_frozen(
             continue
         del known[c.name]
         changed.append(c)
+    if changed:  # One line for them all: a predicate naming a trained subtree names many.
+        names = [c.name for c in changed]
         cp.reuse.log_once(
-            f"frozen-changed:{c.name}",
-            f"{c.name!r} is declared frozen (reuse_unchanged) but changed since the "
-            f"step it would be reused from: it is written, not linked. Fix the predicate: "
-            f"on accelerators a declared leaf is linked unchecked.",
+            f"frozen-changed:{','.join(names)}",
+            f"{_some(names)} {'is' if len(names) == 1 else 'are'} declared frozen "
+            f"(reuse_unchanged) but changed since the step it would be reused from: written, "
+            f"not linked. Fix the predicate: on accelerators a declared leaf is linked "
+            f"unchecked.",
             level=logging.WARNING,
         )
     return changed
