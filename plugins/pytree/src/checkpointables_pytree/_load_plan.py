@@ -135,13 +135,10 @@ class _Mismatch:
         ):
             if items:
                 lines.append(f"  {what} ({len(items)}): {listing(items)}")
-        lines.append(
-            "Fix the abstract tree (cp.pytree_metadata(path).metadata "
-            "shows what is stored); to load "
-            "only part of the tree pass partial_load=True, "
-            "or put cp.PLACEHOLDER where a leaf should "
-            "be skipped."
-        )
+        hint = "Fix the abstract tree (cp.pytree_metadata(path).metadata shows what is stored)"
+        if missing:  # partial_load=True helps only with leaves the abstract tree leaves out.
+            hint += "; to load only part of the tree pass partial_load=True"
+        lines.append(f"{hint}, or put cp.PLACEHOLDER where a leaf should be skipped.")
         raise cp.errors.TreeMismatchError("\n".join(lines))
 
 
