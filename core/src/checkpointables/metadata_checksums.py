@@ -224,9 +224,12 @@ def _look_for_table(directory: str) -> _Table | None:
     path = os.path.join(directory, CHECKSUMS_FILE)
     if not storage.is_local(path):
         try:
-            return _Table(path, storage.read_bytes(path, max_bytes=MAX_FILE_BYTES))
+            data = storage.read_bytes(path, max_bytes=MAX_FILE_BYTES)
         except FileNotFoundError:
             return None
+        except errors.MetadataError as e:  # Too large: as on a local disk.
+            raise errors.IntegrityError(str(e)) from None
+        return _Table(path, data)
     try:
         status = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):

@@ -199,9 +199,12 @@ class LocalStorage:
             # not a buffered file object: a load opens a few small files, and that object's own
             # checks cost as much as the read (0.1 ms a file here).
             chunk = os.read(fd, size + 1)
-            parts = []
+            parts, total = [], 0
             while chunk:
                 parts.append(chunk)
+                total += len(chunk)
+                if max_bytes is not None and total > max_bytes:
+                    return None  # Grown past the bound since fstat: not read on.
                 chunk = os.read(fd, _READ_BYTES)
             return parts[0] if len(parts) == 1 else b"".join(parts)
         finally:
@@ -381,9 +384,9 @@ def read_bytes(path: os.PathLike[str] | str, *, max_bytes: int | None = None) ->
 
     ``max_bytes``: the most a well-formed file holds (a checkpoint's metadata:
     ``cp.metadata_checksums.MAX_FILE_BYTES``). A larger file is refused, before
-    it is read where the storage has ``BoundedReads`` (the local disk, ``s3://``,
-    ``gs://``), so a damaged or hostile one (a sparse file of many GiB) costs no
-    memory::
+    it is read where the storage has ``BoundedReads`` (the local disk), so a
+    damaged or hostile one (a sparse file of many GiB) costs no memory there;
+    elsewhere (``s3://``, ``gs://``) once read::
 
         raw = cp.storage.read_bytes(directory / "state.json", max_bytes=1 << 20)
 

@@ -286,3 +286,14 @@ def test_overwrite_and_checkpointable_name(tmp_path) -> None:
         "orbax.checkpoint",
         "state",
     ]
+
+
+def test_string_leaves_past_a_metadata_file_are_refused_at_save(tmp_path, monkeypatch) -> None:
+    # A load refuses such a _strings.json: the save must not commit one. (The bound is
+    # lowered: 256 MiB of strings would take seconds here.)
+    monkeypatch.setattr(cp.metadata_checksums, "MAX_FILE_BYTES", 5000)
+    with pytest.raises(cp.errors.InvalidArgumentError, match="string leaves of this pytree"):
+        cp.save_pytree(tmp_path / "c", {"s": "x" * 10_000})
+    assert not (tmp_path / "c").exists()
+    cp.save_pytree(tmp_path / "c", {"s": "x" * 1000})
+    assert cp.load_pytree(tmp_path / "c") == {"s": "x" * 1000}

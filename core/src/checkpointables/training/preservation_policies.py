@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import numpy as np
 
 from checkpointables import errors
 from checkpointables.training.step_info import StepInfo
@@ -208,14 +209,21 @@ class BestN:
                 f"or make get_metric_fn handle its absence."
             ) from e
         # Metrics come from the steps' files: a string there would fail the sort with a
-        # TypeError, far from its cause.
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        # TypeError, far from its cause. A NumPy or JAX scalar (0-d) is a number too.
+        number = value
+        if not isinstance(value, numbers.Real) and np.ndim(value) == 0:
+            scalar = np.asarray(value)
+            number = scalar.item() if scalar.dtype.kind in "iuf" else value
+        try:
+            if not isinstance(number, numbers.Real) or isinstance(number, bool):
+                raise TypeError
+            return float(number)
+        except (TypeError, OverflowError):  # OverflowError: an int past float's range.
             raise errors.InvalidArgumentError(
                 f"BestN.get_metric_fn returned {value!r} for the metrics of step {info.step} "
                 f"({info.metrics!r}); it must return a number. Save the metric as a number "
                 f"with every step, or make get_metric_fn convert it."
-            )
-        return float(value)
+            ) from None
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext

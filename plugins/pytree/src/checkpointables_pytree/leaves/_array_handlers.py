@@ -75,9 +75,10 @@ def _on_concrete_mesh(sharding: jax.sharding.Sharding, keystr: str) -> jax.shard
         mesh, jax.sharding.AbstractMesh
     ):
         return sharding
-    current = jax.sharding.get_mesh()
-    if current.empty or current.abstract_mesh != mesh:
-        in_force = "none is" if current.empty else f"{current.abstract_mesh} is"
+    get_mesh = getattr(jax.sharding, "get_mesh", None)  # JAX 0.7 on, as jax.set_mesh.
+    current = get_mesh() if get_mesh is not None else None
+    if current is None or current.empty or current.abstract_mesh != mesh:
+        in_force = "none is" if current is None or current.empty else f"{current.abstract_mesh} is"
         raise cp.errors.InvalidArgumentError(
             f"The abstract leaf {keystr} has a sharding on an abstract mesh ({mesh}), with no "
             f"devices to load onto, and {in_force} in force. Load inside `with "

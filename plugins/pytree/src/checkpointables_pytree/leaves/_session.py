@@ -108,8 +108,21 @@ class SaveSession:
             work()
 
     def strings_text(self) -> str:
-        """The text of ``_strings.json``."""
-        return json.dumps(self.strings, ensure_ascii=False)
+        """The text of ``_strings.json``.
+
+        Raises:
+          cp.errors.InvalidArgumentError: it would hold more than a metadata file may
+            (``cp.metadata_checksums.MAX_FILE_BYTES``), which a load refuses.
+        """
+        text = json.dumps(self.strings, ensure_ascii=False)
+        limit = cp.metadata_checksums.MAX_FILE_BYTES
+        if len(text) > limit // 4 and len(text.encode()) > limit:  # Cheap while far below.
+            raise cp.errors.InvalidArgumentError(
+                f"The string leaves of this pytree hold more than {limit:,} bytes, more than a "
+                f"checkpoint's metadata file may hold. Store large text as arrays (e.g. "
+                f"np.frombuffer(text.encode(), np.uint8)) or bytes leaves."
+            )
+        return text
 
     async def run(self, *, write_files: bool) -> None:
         """Writes the arrays and (if ``write_files``) the strings and sharding files.
