@@ -170,12 +170,6 @@ def test_best_n_refuses_a_metric_that_is_no_number_and_ranks_nan_last() -> None:
     arrays = infos(range(3), metrics={i: {"acc": v} for i, v in enumerate([0.1, 0.9, 0.5])})
     as_0d = P.BestN(get_metric_fn=lambda m: np.asarray(m["acc"], np.float32), n=1)
     assert kept(as_0d, arrays) == [1]  # 0-d arrays (and NumPy scalars) are numbers.
-    huge = infos(range(2), metrics={0: {"loss": 10**400}, 1: {"loss": 0.5}})  # Past a float.
-    with pytest.raises(cp.errors.InvalidArgumentError, match=r"returned 1000.* step 0"):
-        kept(P.BestN(get_metric_fn=lambda m: m["loss"], n=1), huge)
-    arrays = infos(range(3), metrics={i: {"acc": v} for i, v in enumerate([0.1, 0.9, 0.5])})
-    as_0d = P.BestN(get_metric_fn=lambda m: np.asarray(m["acc"], np.float32), n=1)
-    assert kept(as_0d, arrays) == [1]  # 0-d arrays (and NumPy scalars) are numbers.
 
 
 def test_any_preservation_policy_is_the_issue_example() -> None:
