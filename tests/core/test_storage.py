@@ -3,10 +3,10 @@ before it is read on the local disk (by its size), and after on other storage.""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import checkpointables as cp
 import pytest
+
+from ..traced_memory import TracedPeak
 
 
 def test_a_bounded_read_refuses_a_larger_file_before_reading_it(tmp_path) -> None:
@@ -17,12 +17,8 @@ def test_a_bounded_read_refuses_a_larger_file_before_reading_it(tmp_path) -> Non
     assert cp.storage.read_bytes(small, max_bytes=100) == b"x" * 100
     with pytest.raises(cp.errors.MetadataError, match=r"small holds more than 99 bytes"):
         cp.storage.read_bytes(small, max_bytes=99)
-    tracemalloc.start()
-    try:
-        with pytest.raises(cp.errors.MetadataError, match="Restore it from a copy"):
-            cp.storage.read_bytes(sparse, max_bytes=1 << 20)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    refused = pytest.raises(cp.errors.MetadataError, match="Restore it from a copy")
+    with TracedPeak() as traced, refused:
+        cp.storage.read_bytes(sparse, max_bytes=1 << 20)
+    assert traced.peak < 1 << 20, traced.peak
     assert isinstance(cp.storage.for_path(small), cp.storage.BoundedReads)

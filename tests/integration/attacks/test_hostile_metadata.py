@@ -19,6 +19,7 @@ import pytest
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
 from ...python_subprocess import run_command
+from ...traced_memory import TracedPeak
 from .checkpoints import copy, load_outcome, save, verify_fails
 
 EDITS_AFTER = {
@@ -226,18 +227,12 @@ def test_a_metadata_file_of_many_gib_is_refused_before_it_is_read(
     saved, tmp_path, relative, error
 ) -> None:
     # Sparse: 3 GiB that occupy no disk. Read whole, it took 6.3 GiB and 17-38 s.
-    import tracemalloc
-
     checkpoint = copy(saved, tmp_path / "c")
     with open(checkpoint / relative, "r+b") as f:
         f.truncate(3 << 30)
-    tracemalloc.start()
-    try:
+    with TracedPeak() as traced:
         outcome = load_outcome(checkpoint)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert outcome == error and peak < 64 << 20, (outcome, peak)
+    assert outcome == error and traced.peak < 64 << 20, (outcome, traced.peak)
     assert verify_fails(checkpoint)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import checkpointables as cp
 import grain
@@ -12,6 +11,7 @@ from checkpointables import cli
 from checkpointables_grain import IteratorStateError, UnsupportedStateError
 
 from ...metadata_edits import with_metadata_checksums_recomputed
+from ...traced_memory import TracedPeak
 from .pipelines import map_pipeline, take
 
 MAX = cp.metadata_checksums.MAX_FILE_BYTES
@@ -60,15 +60,11 @@ def test_a_huge_file_is_refused_unread(tmp_path, name) -> None:
     with open(checkpoint / "dataset" / name, "r+b") as f:
         f.truncate(3 << 30)
     with_metadata_checksums_recomputed(checkpoint)  # It is now data, as core sees it.
-    tracemalloc.start()
-    try:
+    with TracedPeak() as traced:
         with pytest.raises(cp.errors.MetadataError, match=f"{name} holds more than"):
             _load(checkpoint)
         assert cli.main(["verify", str(checkpoint)]) == 1
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 20, peak
+    assert traced.peak < 64 << 20, traced.peak
 
 
 def _with_info(checkpoint, **changes) -> None:

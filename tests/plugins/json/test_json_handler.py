@@ -10,6 +10,7 @@ from checkpointables.testing import HandlerConformance
 from checkpointables_json import is_json_like
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
+from ...traced_memory import TracedPeak
 
 
 class TestJsonConformance(HandlerConformance):
@@ -91,8 +92,6 @@ def test_a_data_json_larger_than_a_metadata_file_is_refused_before_writing(tmp_p
 
 
 def test_a_huge_data_json_is_refused_unread(tmp_path) -> None:
-    import tracemalloc
-
     import pytest
     from checkpointables import cli
 
@@ -101,15 +100,11 @@ def test_a_huge_data_json_is_refused_unread(tmp_path) -> None:
     with open(tmp_path / "c" / "extra" / "data.json", "r+b") as f:
         f.truncate(3 << 30)
     with_metadata_checksums_recomputed(tmp_path / "c")  # It is now data, as core sees it.
-    tracemalloc.start()
-    try:
+    with TracedPeak() as traced:
         with pytest.raises(cp.errors.MetadataError, match="data.json holds more than"):
             cp.load_checkpointables(tmp_path / "c")
         assert cli.main(["verify", str(tmp_path / "c")]) == 1
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 20, peak
+    assert traced.peak < 64 << 20, traced.peak
 
 
 def test_an_int_json_cannot_write_is_not_json_like(tmp_path) -> None:

@@ -12,6 +12,7 @@ from checkpointables_proto import MessageTypeMismatchError, MessageTypeNotFoundE
 from google.protobuf import duration_pb2, struct_pb2, text_format, timestamp_pb2
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
+from ...traced_memory import TracedPeak
 from .messages import Secret, TrainConfig, train_config
 
 
@@ -285,8 +286,6 @@ def test_text_larger_than_a_metadata_file_is_refused() -> None:
 
 
 def test_a_huge_proto_file_is_refused_unread(tmp_path) -> None:
-    import tracemalloc
-
     from checkpointables import cli
 
     # Sparse: 3 GiB on no disk. Read whole, a 1 GiB one took 34 s.
@@ -294,18 +293,14 @@ def test_a_huge_proto_file_is_refused_unread(tmp_path) -> None:
     with open(tmp_path / "c" / "config" / "proto.pbtxt", "r+b") as f:
         f.truncate(3 << 30)
     with_metadata_checksums_recomputed(tmp_path / "c")  # It is now data, as core sees it.
-    tracemalloc.start()
-    try:
+    with TracedPeak() as traced:
         for abstract in (None, {"config": TrainConfig}):
             with pytest.raises(cp.errors.MetadataError, match="proto.pbtxt holds more than"):
                 cp.load_checkpointables(tmp_path / "c", abstract)
         with pytest.raises(cp.errors.MetadataError, match="proto.pbtxt holds more than"):
             cp.checkpointables_metadata(tmp_path / "c")
         assert cli.main(["verify", str(tmp_path / "c")]) == 1
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 20, peak
+    assert traced.peak < 64 << 20, traced.peak
 
 
 def test_a_parse_error_quotes_a_few_hundred_characters(tmp_path) -> None:

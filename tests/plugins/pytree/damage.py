@@ -33,7 +33,8 @@ def copies_with_a_flipped_bit(saved, tmp_path, fractions: tuple[float, ...]) -> 
             yield copy
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` as an OCDBT (LEB128) varint."""
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -62,9 +63,9 @@ def forge_root(database, offset: int, length: int) -> None:
     manifest = database / "manifest.ocdbt"
     raw = manifest.read_bytes()
     _, old_offset, old_length = root_location(database)
-    old = _varint(old_offset) + _varint(old_length)
+    old = varint(old_offset) + varint(old_length)
     at = raw.index(old, 30)  # After the header and the database's uuid.
-    body = raw[14:at] + _varint(offset) + _varint(length) + raw[at + len(old) : -4]
+    body = raw[14:at] + varint(offset) + varint(length) + raw[at + len(old) : -4]
     forged = raw[:4] + struct.pack("<Q", 14 + len(body) + 4) + raw[12:14] + body
     manifest.write_bytes(forged + struct.pack("<I", crc32c.crc32c(forged)))
 

@@ -19,17 +19,9 @@ from checkpointables import _verification
 from checkpointables_pytree import ocdbt
 
 from ....metadata_edits import without_metadata_checksums
+from ..damage import varint
 
 _MAGIC = 0x0CDB20DE  # TensorStore's "B+tree node format".
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _framed(body: bytes) -> bytes:
@@ -52,9 +44,9 @@ def _make_root_its_own_child(directory) -> str:
     file, offset, length = _root(directory)
     for pad in range(length):
         key = b"\0" * pad  # Below every key: the walk descends into the child.
-        files = _varint(1) + _varint(len(file)) + b"\0" + file.encode()
-        entry = _varint(1) + _varint(len(key)) + b"\0" + key + b"\0" + _varint(offset)
-        entry += _varint(length) + _varint(1) + _varint(length) + b"\0"
+        files = varint(1) + varint(len(file)) + b"\0" + file.encode()
+        entry = varint(1) + varint(len(key)) + b"\0" + key + b"\0" + varint(offset)
+        entry += varint(length) + varint(1) + varint(length) + b"\0"
         node = _framed(bytes([1]) + files + entry)
         if len(node) == length:
             break

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import tracemalloc
 
 import checkpointables as cp
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import tensorstore as ts
 from checkpointables_pytree import ocdbt, reuse, zarr3
 
 from ....python_subprocess import assert_verifies
+from ....traced_memory import TracedPeak
 from .helpers import linked_names
 
 pytestmark = pytest.mark.fast_path  # Linking is the fast path's.
@@ -224,14 +224,12 @@ def test_a_checkpointer_whose_latest_record_is_unusable_keeps_saving(tmp_path, r
     else:
         with open(record_file, "wb") as f:
             f.truncate(300 << 20)
-    tracemalloc.start()
-    try:
-        with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
-            ckptr.save_pytree(1, tree)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 20  # The huge record was not read.
+    with (
+        TracedPeak() as traced,
+        cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr,
+    ):
+        ckptr.save_pytree(1, tree)
+    assert traced.peak < 64 << 20  # The huge record was not read.
     _assert_saved_exactly(tmp_path / "run" / "1", tree)
     with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
         ckptr.save_pytree(2, tree)  # From step 1's record: linked again.
