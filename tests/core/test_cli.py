@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import textwrap
 
 import checkpointables as cp
 import importlib_metadata
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpointables import cli, plugins
@@ -52,11 +55,52 @@ def test_plugin_commands_run_and_clashes_are_skipped(commands_plugin, capsys) ->
     assert status == 3
     assert capsys.readouterr().out == "hello world, quiet=True\n"
     messages = [str(w.message) for w in warned]
-    assert any("'verify', which is already taken" in m for m in messages)
-    assert any("command 'broken', which is skipped: RuntimeError" in m for m in messages)
+    assert any(
+        "'verify', which is skipped: the name 'verify' is already taken" in m for m in messages
+    )
+    assert any(
+        "'broken', which is skipped: adding its arguments failed: Runtime" in m for m in messages
+    )
     with pytest.warns(RuntimeWarning):
         help_text = cli.build_parser().format_help()
     assert "say hello" in help_text and "broken" not in help_text
+
+
+def test_plugins_lists_skipped_commands_as_skipped(commands_plugin, tmp_path, monkeypatch, capsys):
+    # A second plugin taking 'hello' too: plugins come in order, so the first one's runs.
+    (tmp_path / "cpt_second_plugin.py").write_text(
+        "import checkpointables as cp\n"
+        "@cp.hookimpl\n"
+        "def register_commands(register):\n"
+        "    register('hello', print, help='hello again')\n"
+    )
+    eps = [
+        importlib_metadata.EntryPoint(name=n, value=v, group=plugins.ENTRY_POINT_GROUP)
+        for n, v in [("commands", "cpt_commands_plugin"), ("second", "cpt_second_plugin")]
+    ]
+    monkeypatch.setattr(plugins, "_cached", plugins.discover(eps, disabled=set()))
+    with pytest.warns(RuntimeWarning):
+        assert cli.main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "    command hello: say hello" in lines  # Added: no status.
+    assert (
+        "    command verify: clashes with the built-in  "
+        "[skipped: the name 'verify' is already taken by a built-in command]"
+    ) in lines
+    assert (
+        "    command broken: fails to add its arguments  "
+        "[skipped: adding its arguments failed: RuntimeError: no arguments today]"
+    ) in lines
+    assert (
+        "    command hello: hello again  "
+        "[skipped: the name 'hello' is already taken by the command of plugin 'commands']"
+    ) in lines
+    # What the listing says is what the parser does.
+    with pytest.warns(RuntimeWarning):
+        parser = cli.build_parser()
+    assert parser.parse_args(["hello", "x"]).run.__module__ == "cpt_commands_plugin"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["broken"])
 
 
 def test_bad_registrations_fail_the_plugin_with_a_warning(tmp_path, monkeypatch) -> None:
@@ -177,3 +221,29 @@ def test_names_holding_control_characters_are_escaped(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "\x1b" not in out and "junk\\nall checks passed\\x1b[2J" in out
     assert not any(line.startswith("all checks passed") for line in out.splitlines())
+
+
+def test_inspect_sorts_names_naturally_and_says_when_a_source_is_gone(tmp_path, capsys) -> None:
+    # 64 KiB each: tracked by incremental saves. JAX and sorted() put layer_10 first.
+    state = {f"layer_{i}": jnp.full((128, 128), i, jnp.float32) for i in (10, 2, 1)}
+    state["steps"] = list(range(11))  # A list keeps its order: [2] before [10].
+    cp.save_pytree(tmp_path / "8", state)
+    cp.save_pytree(tmp_path / "9", state, reuse_from=tmp_path / "8")
+    assert cli.main(["inspect", str(tmp_path / "9")]) == 0
+    out = capsys.readouterr().out
+    shown = re.findall(r"\['layer_(\d+)'\]|\['steps'\]\[(\d+)\]", out)
+    assert [a or b for a, b in shown] == ["1", "2", "10", *map(str, range(11))]
+    reuse = re.findall(r"    layer_(\d+): (.*)", out)
+    assert reuse == [(n, "reused from 8") for n in ("1", "2", "10")]
+    shutil.rmtree(tmp_path / "8")  # The reused files are links: step 9 stays whole.
+    assert cli.main(["inspect", str(tmp_path / "9")]) == 0
+    out = capsys.readouterr().out
+    assert "layer_2: reused from 8 (since deleted; this checkpoint holds its own copy)" in out
+    assert cli.main(["verify", str(tmp_path / "9")]) == 0
+
+
+def test_demo_errors_go_to_stderr(tmp_path, capsys) -> None:
+    # A negative number stays a value for argparse (not joined to its option).
+    assert cli.main(["demo", "--steps", "-3", str(tmp_path / "d")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "error: --steps must be at least 4" in captured.err

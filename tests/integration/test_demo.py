@@ -70,8 +70,11 @@ def test_demo_defaults_to_a_new_temporary_directory() -> None:
 
 
 def test_demo_refuses_bad_input(tmp_path) -> None:
+    # Errors go to stderr with status 2, as argparse's do; stdout stays empty.
     result = _demo(str(tmp_path / "d"), "--steps", "2")
-    assert result.returncode == 2 and "--steps must be at least 4" in result.stdout
+    assert result.returncode == 2 and result.stdout == ""
+    assert "error: --steps must be at least 4" in result.stderr
     cp.save_checkpointables(tmp_path / "used" / "5", {"extra": {}})
     result = _demo(str(tmp_path / "used"), "--steps", "10")
-    assert result.returncode == 2 and "already holds checkpoints" in result.stdout
+    assert result.returncode == 2 and result.stdout == ""
+    assert "already holds checkpoints" in result.stderr

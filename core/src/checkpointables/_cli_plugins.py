@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["quiet_option", "add_plugin_commands"]
+if TYPE_CHECKING:  # The plugins module is imported only when commands are listed.
+    from checkpointables.plugins import CommandRegistration
+
+__all__ = ["quiet_option", "add_plugin_commands", "plugin_commands"]
 
 
 def quiet_option(default: Any) -> argparse.ArgumentParser:
@@ -22,26 +26,49 @@ def quiet_option(default: Any) -> argparse.ArgumentParser:
     return common
 
 
-def add_plugin_commands(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Adds the commands plugins registered (``register_commands``); a clash is skipped."""
+def plugin_commands(built_in: Iterable[str]) -> list[tuple[CommandRegistration, str | None]]:
+    """Each command plugins registered, with why it is skipped (``None``: it is added).
+
+    ``built_in`` names the commands of ``checkpointables`` itself. Commands are
+    taken in plugin order, so of two with one name the first is added; one
+    whose ``add_arguments`` fails is skipped. ``checkpointables plugins`` shows
+    the same answers the parser acts on.
+    """
     from checkpointables import plugins
 
+    taken = dict.fromkeys(built_in, "a built-in command")
+    planned: list[tuple[CommandRegistration, str | None]] = []
     for command in plugins.command_registrations():
-        if command.name in sub.choices:
+        reason: str | None
+        if command.name in taken:
+            reason = f"the name {command.name!r} is already taken by {taken[command.name]}"
+        else:
+            reason = _arguments_failure(command)
+        if reason is None:
+            taken[command.name] = f"the command of plugin {command.plugin!r}"
+        planned.append((command, reason))
+    return planned
+
+
+def _arguments_failure(command: CommandRegistration) -> str | None:
+    """Why ``add_arguments`` fails, tried on a scratch parser (``None``: it works); a
+    failing plugin must not break the other commands."""
+    if command.add_arguments is None:
+        return None
+    try:
+        command.add_arguments(argparse.ArgumentParser(add_help=False))
+    except Exception as e:
+        return f"adding its arguments failed: {type(e).__name__}: {e}"
+    return None
+
+
+def add_plugin_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Adds the commands plugins registered (``register_commands``); a clash is skipped."""
+    for command, skipped in plugin_commands(sub.choices):
+        if skipped is not None:
             warnings.warn(
                 f"plugin {command.plugin!r} registers the command {command.name!r}, which is "
-                f"already taken; it is skipped.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        try:  # On a scratch parser first: a failing plugin must not break the others.
-            if command.add_arguments is not None:
-                command.add_arguments(argparse.ArgumentParser(add_help=False))
-        except Exception as e:
-            warnings.warn(
-                f"plugin {command.plugin!r} failed to add the arguments of its command "
-                f"{command.name!r}, which is skipped: {type(e).__name__}: {e}",
+                f"skipped: {skipped}.",
                 RuntimeWarning,
                 stacklevel=2,
             )

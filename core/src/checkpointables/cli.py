@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,8 @@ def _plugins(args: argparse.Namespace) -> int:
     from checkpointables import handlers, plugins
 
     infos = plugins.list_plugins()
+    # What the parser does with each plugin command: the listing must match what runs.
+    skipped = {id(c): why for c, why in _cli_plugins.plugin_commands(_built_in_commands())}
     if not infos:
         print("No plugins installed. pip install checkpointables for the pytree and JSON plugins.")
     for info in infos:
@@ -44,7 +47,9 @@ def _plugins(args: argparse.Namespace) -> int:
         for reader in info.readers:
             print(f"    pytree reader {reader.name}: priority {reader.priority}")
         for command in info.commands:
-            print(f"    command {command.name}: {command.help}")
+            why = skipped.get(id(command))
+            status = f"  [skipped: {_escaped(why)}]" if why is not None else ""
+            print(f"    command {command.name}: {command.help}{status}")
         for storage in info.storages:
             print(f"    storage {storage.scheme}://")
         for option in info.options:
@@ -85,7 +90,9 @@ def _print_leaves(value: Any) -> int:
     from checkpointables import progress
 
     total = 0
-    leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
+    leaves = _naturally_sorted(
+        jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: x is None)[0]
+    )
     if not leaves:
         print(f"  {value!r}"[:200])
     for keypath, leaf in leaves:
@@ -98,6 +105,35 @@ def _print_leaves(value: Any) -> int:
         print(f"{shown}  ({size:,} B)")
     progress.advance(total)
     return total
+
+
+def _natural_key(text: str) -> tuple[str | int, ...]:
+    """Sorts ``text`` with its runs of digits compared as numbers: ``layer_2`` before
+    ``layer_10`` (JAX and ``sorted`` put ``layer_10`` first)."""
+    parts = re.split(r"(\d+)", text)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
+
+
+def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """``(key path, leaf)`` pairs with dict keys in natural order (:func:`_natural_key`);
+    other nodes' children (list items, dataclass fields) keep the order they flatten in."""
+    import jax
+
+    first_seen: dict[tuple[Any, ...], int] = {}  # Key path prefix -> its first leaf.
+    for i, (keypath, _) in enumerate(leaves):
+        for depth in range(1, len(keypath) + 1):
+            first_seen.setdefault(tuple(keypath[:depth]), i)
+
+    def key(item: tuple[Any, Any]) -> list[tuple[Any, ...]]:
+        keypath = item[0]
+        return [
+            (0, _natural_key(str(entry.key)), str(entry.key))
+            if isinstance(entry, jax.tree_util.DictKey)
+            else (1, first_seen[tuple(keypath[: depth + 1])])
+            for depth, entry in enumerate(keypath)
+        ]
+
+    return sorted(leaves, key=key)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -131,7 +167,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 print(f"  cannot read metadata: {type(e).__name__}: {_escaped(str(e))}")
                 continue
             total += _print_leaves(value)
-            _print_reuse(directory, name, recorded, context)
+            _print_reuse(path, directory, name, recorded, context)
     print(f"\ntotal array bytes: {total:,}")
     return 0
 
@@ -149,7 +185,9 @@ def _handler_line(recorded: str | None) -> str:
     return f"handler: {recorded}  (read by plugin {found.plugin!r})"
 
 
-def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) -> None:
+def _print_reuse(
+    checkpoint: Any, directory: Any, name: str, recorded: str | None, context: Any
+) -> None:
     """Per array an incremental save tracked: written by it, or reused from which checkpoint."""
     from checkpointables import _loading
     from checkpointables.protocols import ReportsReuse
@@ -165,9 +203,25 @@ def _print_reuse(directory: Any, name: str, recorded: str | None, context: Any) 
         return
     if report:
         print("  incremental save (arrays of at least 64 KiB):")
-    for array, source in sorted(report.items()):
+    gone = {s for s in set(report.values()) if s is not None and _source_deleted(checkpoint, s)}
+    for array in sorted(report, key=_natural_key):
+        source = report[array]
         how = "written" if source is None else f"reused from {_printable(source)}"
+        if source in gone:  # Reused files are hard links or copies: the step stays whole.
+            how += " (since deleted; this checkpoint holds its own copy)"
         print(f"    {_printable(array)}: {how}")
+
+
+def _source_deleted(checkpoint: Any, source: str) -> bool:
+    """Whether the checkpoint a reuse report names (by its name beside ``checkpoint``, or
+    by its path) is gone; ``False`` when that cannot be told."""
+    from checkpointables import errors, layout
+
+    where = source if os.path.isabs(source) or "://" in source else checkpoint.parent / source
+    try:
+        return not layout.is_checkpoint(where)
+    except (errors.CheckpointError, OSError):  # Unreachable: say nothing rather than "deleted".
+        return False
 
 
 def _printable(text: str) -> str:
@@ -232,7 +286,12 @@ def _inspected_items(path: Any, meta: dict[str, Any]) -> list[tuple[str, Any]]:
 def _verify(args: argparse.Namespace) -> int:
     from checkpointables import _verification
 
-    findings = _verification.verify_checkpoint(args.path)
+    other = _other_format(args.path)
+    # Else verify_checkpoint says a save to it did not finish: it is another format's data.
+    if other is not None:
+        findings = [_verification.Finding("checkpoint", other)]
+    else:
+        findings = _verification.verify_checkpoint(args.path)
     print(f"checkpoint {args.path}")
     failures = 0
     for finding in findings:
@@ -245,6 +304,31 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _other_format(path: str) -> str | None:
+    """Why ``path``, which a pytree reader recognizes, is not a checkpoint to verify, and
+    what reads it: the reader, and the commands its plugin adds (an ``import``, say);
+    ``None`` when no reader recognizes it."""
+    from checkpointables import readers
+
+    reader = readers.reader_for(path)
+    if reader is None:
+        return None
+    found = next(r for r in readers.registered_readers() if type(reader) is r.reader_cls)
+    text = (
+        f"{path} is not a checkpoint: it is {found.name} data (the pytree reader "
+        f"{found.name!r} of plugin {found.plugin!r} recognizes it), which cp.load_pytree "
+        f"loads and `checkpointables inspect` shows; verify checks checkpoints only."
+    )
+    commands = [
+        f"`checkpointables {c.name}` ({c.help})"
+        for c, skipped in _cli_plugins.plugin_commands(_built_in_commands())
+        if c.plugin == found.plugin and skipped is None
+    ]
+    if commands:
+        text += f" Plugin {found.plugin!r} adds the commands {', '.join(commands)}."
+    return text
+
+
 def _demo(args: argparse.Namespace) -> int:
     from checkpointables import demo
 
@@ -253,6 +337,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
+    parser, sub, common = _built_in_parser()
+    _cli_plugins.add_plugin_commands(sub, common)
+    return parser
+
+
+def _built_in_commands() -> list[str]:
+    """The names of the commands of ``checkpointables`` itself (no plugin's)."""
+    return list(_built_in_parser()[1].choices)
+
+
+def _built_in_parser() -> tuple[argparse.ArgumentParser, Any, argparse.ArgumentParser]:
+    """The parser with the built-in commands, its subparsers and the ``--quiet`` parent."""
     parser = argparse.ArgumentParser(
         prog="checkpointables",
         description="Checkpointing for JAX: tools and a demo.",
@@ -290,15 +386,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
-    _cli_plugins.add_plugin_commands(sub, common)
-    return parser
+    return parser, sub, common
+
+
+def _with_dashed_values_joined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--option -5GB`` written ``--option=-5GB``.
+
+    argparse takes a word starting with ``-`` for an option unless it is a plain
+    number (``-5``, ``-0.5``), so ``--max-shard-size -5GB`` would fail with
+    "expected one argument"; joined, the value reaches the option, whose own error
+    says what is wrong with it, as for ``--max-shard-size=-5GB``. No option name
+    starts with a digit, so no option is lost; after ``--`` nothing is touched.
+    """
+    joined: list[str] = []
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            return [*joined, word, *words]
+        is_long_option = word.startswith("--") and len(word) > 2 and "=" not in word
+        if is_long_option and words and _is_dashed_value(words[0]):
+            word = f"{word}={words.pop(0)}"
+        joined.append(word)
+    return joined
+
+
+def _is_dashed_value(word: str) -> bool:
+    """Whether ``word`` starts with ``-`` and a digit but argparse takes it for an option."""
+    return bool(re.match(r"-\d", word)) and not re.fullmatch(r"-\d+|-\d*\.\d+", word)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     from checkpointables import errors, progress
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(
+        _with_dashed_values_joined(sys.argv[1:] if argv is None else argv)
+    )
     progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))

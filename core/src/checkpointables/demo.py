@@ -13,6 +13,7 @@ run equals one that was never interrupted.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -185,15 +186,21 @@ class _Demo:
 
 def main(directory: str | None = None, *, steps: int = 300) -> int:
     """Trains a small model with checkpoints, resumes it, verifies; returns the exit status."""
-    if steps < 4:
-        print("error: --steps must be at least 4 (the demo stops halfway and resumes).")
+    if steps < 4:  # Errors go to stderr, as argparse's do, so stdout holds only the run.
+        print(
+            "error: --steps must be at least 4 (the demo stops halfway and resumes).",
+            file=sys.stderr,
+        )
         return 2
     import checkpointables as cp
 
     started = time.perf_counter()
     root = directory or tempfile.mkdtemp(prefix="checkpointables-demo-")
     if cp.training.Checkpointer(root).steps():
-        print(f"error: {root} already holds checkpoints; give the demo a new or empty directory.")
+        print(
+            f"error: {root} already holds checkpoints; give the demo a new or empty directory.",
+            file=sys.stderr,
+        )
         return 2
     demo = _Demo(root, steps)
     print("checkpointables demo: an MLP regression trained with a hand-written Adam in JAX")

@@ -109,12 +109,17 @@ def test_verify_counts_many_missing_state_files(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("value", ["2.5", "NaN", "true", "1e400"])
-def test_a_next_index_that_is_no_position_is_refused(tmp_path, capsys, value) -> None:
+def test_a_next_index_that_is_no_position_is_an_integrity_error(tmp_path, capsys, value) -> None:
+    # No save writes it, so the file is damaged or forged (docs/grain.md): IntegrityError,
+    # as for a malformed tag, and not the error of an iterator that does not fit.
     checkpoint = _saved(tmp_path)
     (checkpoint / "dataset" / "process_0-of-1.json").write_text(f'{{"next_index": {value}}}')
     with_metadata_checksums_recomputed(checkpoint)
-    with pytest.raises(IteratorStateError, match=r"state\['next_index'\] = .* non-negative"):
+    with pytest.raises(
+        cp.errors.IntegrityError, match=r"state\['next_index'\] = .* non-negative"
+    ) as e:
         _load(checkpoint)
+    assert not isinstance(e.value, IteratorStateError)
     assert cli.main(["verify", str(checkpoint)]) == 1
     assert "is not a position" in capsys.readouterr().out
 

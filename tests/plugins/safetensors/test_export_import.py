@@ -203,6 +203,32 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys) -> None:
         save_pytree(tmp_path / "c.safetensors", {"c": np.ones(2, np.complex128)})
 
 
+@pytest.mark.parametrize("option", ["--max-shard-size", "--host-memory"])
+def test_a_negative_size_is_refused_naming_the_option_with_or_without_equals(
+    tmp_path, capsys, option
+) -> None:
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "o")
+    for form in ([f"{option}=-5GB"], [option, "-5GB"]):  # argparse takes -5GB for an option.
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["export", ckpt, out, *form])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: argument {option}: a size must be positive, got '-5GB'" in err
+    assert not os.path.exists(out)
+
+
+def test_verify_of_an_export_says_it_is_safetensors_and_names_import(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32)})
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    for path in (tmp_path / "hf", tmp_path / "hf" / "model.safetensors"):
+        assert cli.main(["verify", str(path)]) == 1
+        out = capsys.readouterr().out
+        assert f"{path} is not a checkpoint: it is safetensors data" in out
+        assert "`checkpointables import` (write safetensors data" in out
+        assert "did not finish" not in out
+    assert cli.main(["verify", str(tmp_path / "ckpt")]) == 0  # A checkpoint is verified.
+
+
 def test_commands_are_listed_only_when_the_plugin_is_installed() -> None:
     code = "import sys; from checkpointables import cli; sys.exit(cli.main(['--help']))"
     installed = run_python(code)

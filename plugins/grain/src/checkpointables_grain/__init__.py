@@ -53,7 +53,9 @@ class IteratorStateError(cp.errors.CheckpointError, ValueError):
 
     Raised when no iterator is given, when it is a different kind of iterator
     than the one saved, or when its ``set_state`` rejects the state (a
-    different pipeline).
+    different pipeline). A state file whose content no save writes (a
+    malformed tag, a ``next_index`` that is no position) is damaged instead:
+    ``cp.errors.IntegrityError``.
     """
 
 
@@ -217,11 +219,14 @@ def _parse_state(file: epath.Path, kind: str) -> Any:
 
 def _check_positions(state: Any, file: epath.Path) -> None:
     """Refuses a stored ``next_index`` that is no position (Grain's own set_state takes
-    2.5, NaN and true: 2.5 yields an element the data does not hold)."""
+    2.5, NaN and true: 2.5 yields an element the data does not hold). No save writes one
+    (it is refused there), so the file is damaged or forged: an ``IntegrityError``, as a
+    malformed tag is, not an ``IteratorStateError`` (a state that does not fit the
+    iterator given)."""
     found = _bad_position(state)
     if found is not None:
         where, value = found
-        raise IteratorStateError(
+        raise cp.errors.IntegrityError(
             f"{file} holds {where} = {_brief(value)}, which is not a position: a next_index is "
             f"a non-negative integer. The state is damaged or was not written by Grain; load "
             f"an older checkpoint, or leave {file.parent.name!r} out of the abstract "

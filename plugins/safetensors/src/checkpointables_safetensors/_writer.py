@@ -121,18 +121,19 @@ def parse_size(text: str | int) -> int:
     """Bytes of a size such as ``"5GB"`` (10**9 each), ``"500MiB"`` (2**20 each) or ``"1024"``.
 
     Raises:
-      ValueError: the text is not a size.
+      ValueError: the text is not a size, or the size is not positive.
     """
     if isinstance(text, int):
         value = text
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+        # A sign is taken so that "-5GB" is refused as negative, not as "not a size".
+        match = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 1000000.")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"A size must be positive, got {text!r}.")
+        raise ValueError(f"a size must be positive, got {text!r}.")
     return value
 
 
