@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
-from checkpointables.path import PathAwaitingCreation
+from checkpointables.path import PathAwaitingCreation, as_path
 
 
 def test_await_creation_creates_once(tmp_path) -> None:
@@ -58,3 +59,45 @@ def test_a_path_no_storage_reaches_is_a_library_error(tmp_path, url) -> None:
             call()
     assert isinstance(cp.errors.UnsupportedPathError("x"), ValueError)
     assert cp.path.as_path(tmp_path) == cp.path.Path(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("s3:///x", "names no bucket: s3:// paths have the form s3://BUCKET/KEY"),
+        ("s3://", "names no bucket"),
+        ("gs:///ckpt/1", "names no bucket: gs:// paths have the form gs://BUCKET/KEY"),
+        ("s3://ab/x", "'ab' is not a valid S3 bucket name"),
+        ("s3://-runs/x", "'-runs' is not a valid S3 bucket name"),
+        ("s3://my..runs/x", "'my..runs' is not a valid S3 bucket name"),
+        ("s3://192.168.0.1/x", "'192.168.0.1' is not a valid S3 bucket name"),
+    ],
+)
+def test_an_object_store_url_without_a_valid_bucket_is_refused_before_any_request(
+    url, says, capsys
+) -> None:
+    # Refused as the path is read, before any request (epath alone would take s3:///x for
+    # the bucket x, which TensorStore refuses with a bare ValueError, as every bad name).
+    import checkpointables as cp
+    from checkpointables import cli
+
+    calls = [
+        lambda: cp.load_pytree(url),
+        lambda: cp.is_checkpoint(url),
+        lambda: cp.save_pytree(url, {"a": 1}),
+        lambda: cp.checkpointables_metadata(url),
+        lambda: cp.training.Checkpointer(url),
+    ]
+    for call in calls:
+        with pytest.raises(cp.errors.InvalidArgumentError, match=re.escape(says)) as caught:
+            call()
+        assert repr(url) in str(caught.value)
+    assert cli.main(["inspect", url]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bucket_names_that_tensorstore_and_s3_compatible_servers_take_pass() -> None:
+    # Old us-east-1 names (capitals, '_') are refused by AWS for new buckets, not by
+    # TensorStore or every S3-compatible server: the request says whether the bucket exists.
+    for url in ("s3://my-checkpoints/run/1", "s3://Old_Bucket/x", "gs://bucket/x", "s3://abc"):
+        assert str(as_path(url)) == url

@@ -135,6 +135,10 @@ def _commit_file(path: str) -> str:
     return f"{path.rstrip('/')}/{name}"
 
 
+def _metadata_file(path: str) -> str:
+    return f"{path.rstrip('/')}/{CHECKPOINT_METADATA_FILE}"
+
+
 def _refuse_irregular_marker(marker: str) -> None:
     try:
         problem = storage.not_a_regular_file(marker, os.stat(marker).st_mode)
@@ -185,9 +189,14 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
 
 
 def is_checkpoint(path: epath.PathLike) -> bool:
-    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0).
+    """Whether ``path`` is a finished checkpoint (ours, or Orbax's V1 or V0): one a load
+    opens rather than refusing with ``cp.errors.NotACheckpointError``.
 
-    On an object store: whether it has its commit marker (one request).
+    Local: whether it has its ``_CHECKPOINT_METADATA`` (one stat). On an
+    object store: whether it has its commit marker and ``_CHECKPOINT_METADATA``
+    (two requests for a checkpoint; one for anything else). A marker alone, or
+    a prefix missing its metadata, is not a checkpoint: no save of ours or
+    Orbax's commits without it, and a load could not read it.
 
     Raises:
       cp.errors.StorageError: the object store cannot be reached or refuses the
@@ -197,7 +206,10 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     path = as_path(path)  # A scheme nothing reaches: cp.errors.UnsupportedPathError.
     text = os.fspath(path)
     try:
-        return not is_temporary_path(text) and storage.is_file(_commit_file(text))
+        if is_temporary_path(text) or not storage.is_file(_commit_file(text)):
+            return False
+        # Locally the commit file is the metadata; on an object store a load reads it next.
+        return storage.is_local(text) or storage.is_file(_metadata_file(text))
     except errors.StorageError:
         raise
     except OSError:
