@@ -322,7 +322,9 @@ def _discard(save: _Checked, target: _commit.SaveTarget, error: BaseException) -
     unanswered = isinstance(error, errors.StorageError) and isinstance(
         error.__cause__, TimeoutError
     )
-    if save.primary and not unanswered:
+    if save.primary and unanswered:
+        target.left_behind()
+    elif save.primary:
         with save.context, contextlib.suppress(Exception):
             target.discard()
 
