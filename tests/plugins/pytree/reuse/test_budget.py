@@ -30,8 +30,11 @@ SMALL = {"frozen.a0", "frozen.a1", "frozen.a2"}  # 128 KiB each: one chunk under
 CHUNKED = {"big", "host_big", "sharded"}  # Several chunks each under an 8 MiB budget.
 
 
-def _budget(host_bytes: int | None) -> cp.Context:
-    return cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=host_bytes))
+def _budget(host_bytes: int | None, compressed: bool = False) -> cp.Context:
+    return cp.Context(
+        memory_options=cp.options.MemoryOptions(host_bytes=host_bytes),
+        array_options=cp.options.ArrayOptions(use_compression=compressed),
+    )
 
 
 def _tree(mesh: jax.sharding.Mesh, seed: int = 0) -> dict:
@@ -75,7 +78,7 @@ def _problems(step) -> list[str]:
 def _each_alone(root, trees: dict, seed: int) -> None:
     """Deletes the steps in a random order; after each deletion every other step (hard
     links of the same files) loads bit-exact, with and without a budget, and verifies."""
-    work = root.parent / f"alone{seed}"
+    work = root.parent / f"{root.name}-alone{seed}"
     shutil.copytree(root, work, copy_function=os.link)  # The same inodes.
     kept = dict(trees)
     for step in random.Random(seed).sample(sorted(kept), len(kept)):
@@ -86,6 +89,17 @@ def _each_alone(root, trees: dict, seed: int) -> None:
             with _budget(8 * MiB):
                 assert_same(cp.load_pytree(work / str(other)), tree)
             assert _problems(work / str(other)) == []
+
+
+def _alone(root, trees: dict) -> None:
+    """Each step as the only one left (a copy of it alone, hard links of its files): it
+    loads bit-exact under a budget and verifies."""
+    for step, tree in trees.items():
+        work = root.parent / f"{root.name}-only{step}" / str(step)
+        shutil.copytree(root / str(step), work, copy_function=os.link)
+        with _budget(8 * MiB):
+            assert_same(cp.load_pytree(work), tree)
+        assert _problems(work) == []
 
 
 def test_a_budgeted_chain_links_unchanged_chunked_arrays_and_each_step_stands_alone(
@@ -115,12 +129,16 @@ def test_a_budgeted_chain_links_unchanged_chunked_arrays_and_each_step_stands_al
     _each_alone(root, trees, seed=1)
 
 
-def test_a_budget_changed_between_steps_writes_what_it_chunks_otherwise(tmp_path, mesh_4x2):
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_budget_changed_between_steps_writes_what_it_chunks_otherwise(
+    tmp_path, mesh_4x2, compressed
+):
+    # Compressed chunks vary in length: the chunk shape and keys alone decide.
     tree = _tree(mesh_4x2)
     trees = {}
     for step, host_bytes in enumerate([8 * MiB, 8 * MiB, 32 * MiB, None, 8 * MiB]):
         tree = _next(tree, step)
-        with _budget(host_bytes):
+        with _budget(host_bytes, compressed):
             source = tmp_path / str(step - 1) if step else None
             cp.save_pytree(tmp_path / str(step), tree, reuse_from=source)
         trees[step] = tree
@@ -130,7 +148,7 @@ def test_a_budget_changed_between_steps_writes_what_it_chunks_otherwise(tmp_path
     # Without a budget: the chunks of 32 MiB's, every one linked.
     assert linked_names(tmp_path / "3") == SMALL | CHUNKED
     assert linked_names(tmp_path / "4") == SMALL
-    _each_alone(tmp_path, trees, seed=2)
+    _alone(tmp_path, trees)
 
 
 def test_a_record_that_misstates_the_chunk_shape_links_nothing_of_it(tmp_path, mesh_4x2):
