@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ....python_subprocess import assert_verifies
-from .helpers import linked_names
+from .helpers import assert_same, linked_names
 
 # Linking is the fast path's (our own database writer's): CI's run with it off keeps it on
 # here, and one test below turns it off itself.
@@ -52,19 +52,6 @@ def _tree(seed: int = 0) -> dict:
     }
 
 
-def _assert_same(loaded: dict, expected: dict) -> None:
-    flat_l = jax.tree_util.tree_leaves_with_path(loaded)
-    flat_e = jax.tree_util.tree_leaves_with_path(expected)
-    assert [p for p, _ in flat_l] == [p for p, _ in flat_e]
-    for (path, a), (_, b) in zip(flat_l, flat_e, strict=True):
-        if isinstance(b, np.ndarray | jax.Array):
-            assert type(a) is type(b) or isinstance(a, jax.Array) == isinstance(b, jax.Array)
-            assert a.dtype == b.dtype and a.shape == b.shape, path
-            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), path
-        else:
-            assert a == b, path
-
-
 def _linked_files(checkpoint) -> set[str]:
     """Names of the data files of ``checkpoint`` that are hard links (shared)."""
     found = set()
@@ -85,7 +72,7 @@ def test_reuse_from_links_unchanged_arrays_and_survives_the_source(tmp_path) -> 
     assert _linked_files(tmp_path / "3")
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "1")
-    _assert_same(cp.load_pytree(tmp_path / "3"), changed)
+    assert_same(cp.load_pytree(tmp_path / "3"), changed)
     assert_verifies(tmp_path / "3")
     assert _linked_files(tmp_path / "3") == set()  # Sole owner of its files now.
 
@@ -99,23 +86,7 @@ def test_with_the_fast_path_off_every_array_is_written(tmp_path) -> None:
         cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
     assert _linked_files(tmp_path / "3") == set()
     shutil.rmtree(tmp_path / "2")
-    _assert_same(cp.load_pytree(tmp_path / "3"), tree)
-    assert_verifies(tmp_path / "3")
-
-
-def test_under_a_host_memory_budget_every_step_is_written_whole_and_loads(tmp_path) -> None:
-    # A budget cuts arrays into chunks of a piece of it: linking by the unbudgeted layout
-    # committed steps that did not load (and LatestN then kept only those).
-    tree = {"w": jnp.arange(1 << 20, dtype=jnp.float32).reshape(1024, 1024)}  # 4 MiB
-    budget = cp.Context(memory_options=cp.options.MemoryOptions(host_bytes=16 << 20))
-    with budget:
-        cp.save_pytree(tmp_path / "1", tree)
-        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
-        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
-    assert _linked_files(tmp_path / "3") == set()
-    shutil.rmtree(tmp_path / "1")
-    for step in "23":
-        _assert_same(cp.load_pytree(tmp_path / step), tree)
+    assert_same(cp.load_pytree(tmp_path / "3"), tree)
     assert_verifies(tmp_path / "3")
 
 
@@ -133,7 +104,7 @@ def test_a_record_of_an_earlier_fingerprint_kind_links_nothing(tmp_path) -> None
     assert _linked_files(tmp_path / "3") == set()
     cp.save_pytree(tmp_path / "4", tree, reuse_from=tmp_path / "3")  # Its own prints match.
     assert len(_linked_files(tmp_path / "4")) == 7
-    _assert_same(cp.load_pytree(tmp_path / "4"), tree)
+    assert_same(cp.load_pytree(tmp_path / "4"), tree)
 
 
 def test_a_source_saved_without_reuse_says_what_the_save_does(tmp_path, caplog) -> None:
@@ -216,7 +187,7 @@ def test_sharded_and_single_device_leaves_link_and_load(tmp_path, mesh_4x2, shar
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "1")
     loaded = cp.load_pytree(tmp_path / "3")
-    _assert_same(loaded, changed)
+    assert_same(loaded, changed)
     assert_verifies(tmp_path / "3")
 
 
@@ -256,7 +227,7 @@ def test_async_forms_and_save_checkpointables(tmp_path) -> None:
     cp.save_checkpointables(tmp_path / "4", {"state": tree}, reuse_from=tmp_path / "2")
     assert len(linked_names(tmp_path / "4", "state")) == 7
     shutil.rmtree(tmp_path / "2")
-    _assert_same(cp.load_checkpointables(tmp_path / "4")["state"], tree)
+    assert_same(cp.load_checkpointables(tmp_path / "4")["state"], tree)
 
 
 def test_reuse_from_must_be_a_committed_checkpoint(tmp_path) -> None:
@@ -282,7 +253,7 @@ def test_a_short_source_file_is_written_afresh(tmp_path) -> None:
             os.truncate(f, f.stat().st_size - 1)
     cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
     assert _linked_files(tmp_path / "3") == set()
-    _assert_same(cp.load_pytree(tmp_path / "3"), tree)
+    assert_same(cp.load_pytree(tmp_path / "3"), tree)
 
 
 def _checkpointer(root, keep=None, **kwargs):
@@ -317,7 +288,7 @@ def test_checkpointer_reuses_across_steps_and_counts_bytes(tmp_path) -> None:
                 assert stats.bytes_reused == base_bytes + tree["host"].nbytes
     assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [3, 4]
     for step in (3, 4):
-        _assert_same(cp.load_pytree(tmp_path / str(step)), trees[step])
+        assert_same(cp.load_pytree(tmp_path / str(step)), trees[step])
         assert_verifies(tmp_path / str(step))
 
 
@@ -367,7 +338,7 @@ def test_arrays_declared_frozen_share_data_files_and_stay_whole(tmp_path) -> Non
         assert ckptr.last_save_stats.bytes_reused == 7 * 128 * KiB
     assert len(_linked_files(tmp_path / "1")) == 1
     shutil.rmtree(tmp_path / "0")
-    _assert_same(cp.load_pytree(tmp_path / "1"), changed)
+    assert_same(cp.load_pytree(tmp_path / "1"), changed)
     assert_verifies(tmp_path / "1")
 
 
@@ -416,7 +387,7 @@ def test_small_arrays_start_no_data_file_of_their_own(tmp_path, declared) -> Non
     assert len(_data_files(tmp_path / "run" / "0")) == files <= plain + 8
     assert len(_linked_files(tmp_path / "run" / "1")) == (1 if declared else 8)
     shutil.rmtree(tmp_path / "run" / "0")
-    _assert_same(cp.load_pytree(tmp_path / "run" / "1"), changed)
+    assert_same(cp.load_pytree(tmp_path / "run" / "1"), changed)
     assert_verifies(tmp_path / "run" / "1")
 
 
@@ -449,7 +420,7 @@ def test_arrays_changing_at_every_save_share_files_and_an_ema_keeps_its_own(
     assert ema_file.stat().st_size < 2 * tree["ema"].nbytes  # the EMA's, not the weights'.
     for step in (0, 1, 2):
         shutil.rmtree(tmp_path / str(step))
-    _assert_same(cp.load_pytree(tmp_path / "3"), steps[3])
+    assert_same(cp.load_pytree(tmp_path / "3"), steps[3])
     assert_verifies(tmp_path / "3")
 
 
@@ -463,7 +434,7 @@ def test_retention_waits_for_a_save_reusing_the_step(tmp_path) -> None:
         assert response.result()
         ckptr.save_pytree(2, tree)
     assert [s.step for s in cp.training.Checkpointer(tmp_path).steps()] == [2]
-    _assert_same(cp.load_pytree(tmp_path / "2"), tree)
+    assert_same(cp.load_pytree(tmp_path / "2"), tree)
     assert_verifies(tmp_path / "2")
 
 
@@ -506,7 +477,7 @@ def test_deleting_random_steps_in_random_order_keeps_the_rest(tmp_path) -> None:
             shutil.rmtree(work / str(step))
             kept.pop(step)
             for other in kept:
-                _assert_same(cp.load_pytree(work / str(other)), trees[other])
+                assert_same(cp.load_pytree(work / str(other)), trees[other])
         for other in kept:
             assert_verifies(work / str(other))
 
@@ -632,7 +603,7 @@ def test_a_leaf_declared_frozen_that_changed_on_cpu_is_written(tmp_path, caplog)
     report = reuse.reuse_report(tmp_path / "1" / "state")
     assert report["adapter"] is None and report["base.w0"] == "0"  # The base still linked.
     assert "'adapter' is declared frozen (reuse_unchanged) but changed" in caplog.text
-    _assert_same(cp.load_pytree(tmp_path / "1"), trained)
+    assert_same(cp.load_pytree(tmp_path / "1"), trained)
 
 
 def test_the_save_log_names_the_step_reused_from(tmp_path, caplog) -> None:
@@ -668,7 +639,7 @@ def test_a_frozen_predicate_shared_by_two_runs_is_checked_in_each(tmp_path, capl
     assert len(said) == 1 and said[0].startswith(
         "'base.w0', 'base.w1', 'base.w2', ... (4 in all) are declared frozen (reuse_unchanged)"
     ), said
-    _assert_same(cp.load_pytree(tmp_path / "b" / "1"), trained)
+    assert_same(cp.load_pytree(tmp_path / "b" / "1"), trained)
 
 
 def test_a_record_of_an_earlier_version_links_once_more_and_says_why(tmp_path, caplog) -> None:

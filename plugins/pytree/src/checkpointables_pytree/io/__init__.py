@@ -10,6 +10,9 @@
   through TensorStore's zarr3 driver. Under a host-memory budget, large
   arrays are streamed: those this library wrote as byte ranges of their
   chunks (``chunk_pieces``), the others piece by piece through the driver.
+* Under a host-memory budget, the chunk shape a save gives an array
+  (``budget_chunk_shape``) and its chunks' offsets (``chunk_offsets``): the
+  leaf handlers write them, incremental saves predict them.
 * ``Staging``: the host bytes a save holds for writing, and the most at once.
 * Multi-process saves: which shards this process writes
   (``shards_to_write``), and the merge of the per-process databases
@@ -26,6 +29,11 @@ from checkpointables_pytree.io._array_reads import (
     convert_all,
     physical_memory_bytes,
     pieces_of,
+)
+from checkpointables_pytree.io._budget_chunks import (
+    budget_chunk_shape,
+    chunk_offsets,
+    chunk_shape_within,
 )
 from checkpointables_pytree.io._multiprocess import (
     arrays_the_primary_lacks,
@@ -44,6 +52,9 @@ from checkpointables_pytree.io._streamed_writes import ChunkSource, Streamed
 from checkpointables_pytree.io._writer import DATABASE_LAYOUT, DIRECT_BYTES, Writer
 
 __all__ = [
+    "budget_chunk_shape",
+    "chunk_offsets",
+    "chunk_shape_within",
     "ArrayRead",
     "Region",
     "PieceSink",

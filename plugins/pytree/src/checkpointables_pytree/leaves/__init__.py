@@ -14,6 +14,7 @@ It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; the
 package's top modules (``PyTreeHandler``, the save and load plans) use it.
 """
 
+from checkpointables_pytree.io import chunk_shape_within
 from checkpointables_pytree.leaves._array_handlers import ArrayLeafHandler, NumpyLeafHandler
 from checkpointables_pytree.leaves._common import (
     ARRAY_VALUE_TYPES,
@@ -59,7 +60,7 @@ from checkpointables_pytree.leaves._session import (
     SaveSession,
     write_text,
 )
-from checkpointables_pytree.leaves._streamed_saves import chunk_shape_within, streamed_host_block
+from checkpointables_pytree.leaves._streamed_saves import streamed_host_block
 from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
 
 __all__ = [

@@ -270,13 +270,18 @@ class ArrayLeafHandler(ZarrLeafHandler):
         the others."""
         kept = []
         storage = session.array_options.storage_options
+        budget = session.context.memory_options.host_bytes
         for param in params:
             array = param.value
             if param.name not in session.writer.linked:
                 kept.append(param)
                 continue
             shape = tuple(int(s) for s in array.shape)
+            # The chunks a save of this array writes, which reuse linked (no casts there).
             chunk_shape = io.chunk_shape_of(array)
+            if budget is not None:
+                most = io.piece_bytes(budget)
+                chunk_shape = _streamed_saves.budget_chunk_shape(array, array.dtype, most)
             snapshot = _Snapshot(storage, array.dtype, shape, chunk_shape, [], array.sharding)
             self._record(session, param, snapshot, None)
         return kept
@@ -511,7 +516,12 @@ class NumpyLeafHandler(ZarrLeafHandler):
             shape = array.shape  # A tuple of Python ints.
             chunk_shape = shape if 0 not in shape else zarr3.default_chunk_shape(shape)
             chunks: list[tuple[tuple[int, ...], np.ndarray]] = []
-            if array.size:
+            if array.size and param.name in session.writer.linked:
+                # Linked by reuse, in the chunks a write would make: no copy, no chunk.
+                if budget is not None:  # Those of ``host_chunks``.
+                    most = io.piece_bytes(budget)
+                    chunk_shape = io.budget_chunk_shape(shape, shape, dtype.itemsize, most)
+            elif array.size:
                 data = array if session.caller_waits else np.array(array, copy=True)
                 data = data if data.dtype == dtype else data.astype(dtype)
                 chunks = [((0,) * len(shape), data)]

@@ -15,9 +15,7 @@ delete or donate its arrays), streamed to storage in the background.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -28,7 +26,7 @@ import numpy as np
 from checkpointables_pytree import io, zarr3
 from checkpointables_pytree.leaves._session import SaveSession
 
-__all__ = ["Plan", "plan", "chunk_shape_within", "host_chunks", "streamed_host_block"]
+__all__ = ["Plan", "plan", "budget_chunk_shape", "host_chunks", "streamed_host_block"]
 
 
 @attrs.frozen
@@ -72,46 +70,11 @@ def _kept(data: jax.Array, caller_waits: bool) -> Any:
     return data if caller_waits else jnp.copy(data)
 
 
-def _shard_shape(array: jax.Array, shards: Sequence[Any]) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in array.sharding.shard_shape(array.shape))
-    except (ValueError, NotImplementedError):  # Uneven shards: the largest is the chunk.
-        return tuple(
-            max(int(s.data.shape[d]) for s in array.addressable_shards) for d in range(array.ndim)
-        )
-
-
-def _length_at_most(n: int, most: int, whole: bool) -> int:
-    """The chunk length along an axis of shard length ``n``: at most ``most`` (at least 1),
-    the largest divisor of ``n``; where the shard spans the whole axis (``whole``) and that
-    divisor is under half of ``most`` (``n`` prime...), ``most`` itself (the edge chunk is
-    then shorter: no chunk spans two shards either way)."""
-    if most >= n:
-        return n
-    most = max(most, 1)
-    for k in range(-(-n // most), n + 1):
-        if n % k == 0:
-            divisor = n // k
-            return most if whole and divisor * 2 < most else divisor
-    return 1
-
-
-def chunk_shape_within(
-    shard_shape: Sequence[int], itemsize: int, most: int, whole_axes: Sequence[int] = ()
-) -> tuple[int, ...]:
-    """The chunk shape of a streamed array: the shard's, cut along its first axes (each
-    chunk a contiguous block of the shard) until a chunk is at most ``most`` bytes (one
-    element at least). Lengths divide the shard's, except along ``whole_axes`` (where one
-    shard spans the array) when no divisor comes close."""
-    chunk = [int(s) for s in shard_shape]
-    for d in range(len(chunk)):
-        unit = math.prod(chunk[d + 1 :]) * itemsize  # Bytes of one index along axis d.
-        if chunk[d] * unit <= most:
-            break
-        chunk[d] = _length_at_most(chunk[d], most // unit, d in whole_axes) if unit <= most else 1
-        if unit <= most:
-            break
-    return tuple(chunk)
+def budget_chunk_shape(array: jax.Array, dtype: np.dtype, most: int) -> tuple[int, ...]:
+    """The chunk shape of a (non-empty) ``jax.Array`` saved in chunks of at most ``most``
+    bytes of ``dtype``: its shards' (uneven ones: the largest), cut to fit."""
+    shape = tuple(int(s) for s in array.shape)
+    return io.budget_chunk_shape(shape, io.chunk_shape_of(array), dtype.itemsize, most)
 
 
 def host_chunks(
@@ -119,11 +82,11 @@ def host_chunks(
 ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], np.ndarray]]]:
     """A host array's chunk shape under a budget, and its chunks (views: no copy)."""
     shape = tuple(int(s) for s in data.shape)
-    chunk = chunk_shape_within(shape, data.dtype.itemsize, most, range(len(shape)))
+    chunk = io.budget_chunk_shape(shape, shape, data.dtype.itemsize, most)
     out = []
-    for index in itertools.product(*(range(-(-s // c)) for s, c in zip(shape, chunk, strict=True))):
-        block = tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunk, strict=True))
-        out.append((index, data[block]))
+    for offsets in io.chunk_offsets(shape, chunk):
+        block = tuple(slice(o, o + c) for o, c in zip(offsets, chunk, strict=True))
+        out.append((tuple(o // c for o, c in zip(offsets, chunk, strict=True)), data[block]))
     return chunk, out
 
 
@@ -135,9 +98,7 @@ def plan(
     if math.prod(shape) == 0:
         return Plan(zarr3.default_chunk_shape(shape), [])
     shards = io.shards_to_write(array, session.context, primary_lacks=primary_lacks)
-    shard_shape = _shard_shape(array, shards)
-    whole = [d for d, (s, n) in enumerate(zip(shard_shape, shape, strict=True)) if s == n]
-    chunk = chunk_shape_within(shard_shape, dtype.itemsize, most, whole)
+    chunk = budget_chunk_shape(array, dtype, most)
     sources = []
     views = array.dtype == dtype
     for shard in shards:
@@ -145,8 +106,7 @@ def plan(
         views = views and isinstance(data, np.ndarray)
         starts = [(s.indices(d)[0]) for s, d in zip(shard.index, shape, strict=True)]
         extent = [int(n) for n in shard.data.shape]
-        steps = [range(0, e, c) for e, c in zip(extent, chunk, strict=True)]
-        for local in itertools.product(*steps):
+        for local in io.chunk_offsets(extent, chunk):
             sizes = tuple(min(c, e - o) for c, e, o in zip(chunk, extent, local, strict=True))
             index = tuple((s + o) // c for s, o, c in zip(starts, local, chunk, strict=True))
             fetch = functools.partial(streamed_host_block, data, tuple(local), sizes, dtype)

@@ -286,7 +286,7 @@ async def plan_reuse(
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
     if located is not None and linkable:
-        keys = [key for c in linkable for _, key, _ in c.shards]
+        keys = [key for c in linkable for key in c.keys]
         tasks.append(asyncio.ensure_future(located.locate(keys)))
     prints, *places = await storage.gather_settled(tasks)
     record = {c.name: _entry(c, prints[c.name], probed.probes.get(c.name)) for c in to_print}
@@ -647,14 +647,22 @@ def _link(
     writer: io.Writer,
 ) -> int:
     """Links the ``matching`` arrays whose every chunk the source holds in a data file
-    that is there (``places``); returns the bytes linked. Others are written."""
+    that is there (``places``), of the length this save would store it in where that is
+    known; returns the bytes linked. Others are written."""
     linked = 0
     for c in matching:
-        keys = [key for _, key, _ in c.shards]
-        if all(key in places for key in keys):
+        keys = c.keys
+        if all(_as_stored(places.get(key), c.stored_bytes) for key in keys):
             writer.linked[c.name] = located.linked(keys, places)
             linked += c.nbytes
     return linked
+
+
+def _as_stored(place: ocdbt.ValueLocation | None, stored_bytes: int | None) -> bool:
+    """Whether the source holds a chunk at ``place`` of ``stored_bytes`` (``None``: any
+    length; compressed chunks vary). A chunk of another length is of another chunk shape
+    (a record that misstates its layout): linking it would commit a step that cannot load."""
+    return place is not None and (stored_bytes is None or place.length == stored_bytes)
 
 
 def _same(earlier: dict[str, Any] | None, now: dict[str, Any]) -> bool:
