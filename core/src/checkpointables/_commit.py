@@ -206,10 +206,6 @@ class SaveTarget(abc.ABC):
     def discard(self) -> None:
         """Removes what this save wrote, after a failure (nothing is committed)."""
 
-    def left_behind(self) -> None:  # noqa: B027 (a no-op where nothing needs saying)
-        """Says that this save failed and left what it wrote (its store stopped answering),
-        so that a later save in this process may take the path without waiting."""
-
 
 class RenameTarget(SaveTarget):
     """Local disks: a temporary directory, flushed and renamed into place."""
@@ -284,10 +280,6 @@ class MarkerTarget(SaveTarget):
         """Deletes what this save wrote, unless another save has taken the prefix over."""
         if read_record(self.final) == self._record:
             _leftovers.remove_unfinished(self.final)
-
-    def left_behind(self) -> None:
-        """Its record, still in the prefix, now names a save that is over."""
-        _leftovers.ended_here(self._record)
 
 
 # -- Deleting ---------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ prefix. Either is provably abandoned when
   names this host); in a multi-host job the pid may belong to another host,
   so it proves nothing; or
 - it is older than the save timeout (``AsyncOptions.timeout_secs``): every
-  wait on a save has given up on it by then; or
-- it is an object-store save of this process that failed when its store
-  stopped answering (``ended_here``): it writes nothing more.
+  wait on a save has given up on it by then.
 
 A live process's in-flight save is neither, so it is never touched. Orbax's
 own temporary directories (``.orbax-checkpoint-tmp``) carry no owner, so they
@@ -137,22 +135,7 @@ class SaveRecord:
         """Whether the save or deletion it describes is provably over (a deletion is always
         resumable: deleting twice is harmless)."""
         now_ns = time.time_ns() if now_ns is None else now_ns
-        return (
-            self.deleting
-            or self.save_id in _ENDED_HERE
-            or is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
-        )
-
-
-# Ids of this process's saves that failed leaving their objects (their store stopped
-# answering, so nothing was deleted): without it, a retry here would wait out the timeout.
-_ENDED_HERE: set[str] = set()
-
-
-def ended_here(record: SaveRecord) -> None:
-    """Records that the save of ``record``, this process's, is over though its record stays
-    in its prefix; the next save or cleanup may remove what it left."""
-    _ENDED_HERE.add(record.save_id)
+        return self.deleting or is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
 
 
 def _join(path: epath.PathLike, name: str) -> str:

@@ -322,9 +322,7 @@ def _discard(save: _Checked, target: _commit.SaveTarget, error: BaseException) -
     unanswered = isinstance(error, errors.StorageError) and isinstance(
         error.__cause__, TimeoutError
     )
-    if save.primary and unanswered:
-        target.left_behind()
-    elif save.primary:
+    if save.primary and not unanswered:
         with save.context, contextlib.suppress(Exception):
             target.discard()
 
