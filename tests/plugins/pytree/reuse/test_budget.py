@@ -151,12 +151,17 @@ def test_a_budget_changed_between_steps_writes_what_it_chunks_otherwise(
     _alone(tmp_path, trees)
 
 
-def test_a_record_that_misstates_the_chunk_shape_links_nothing_of_it(tmp_path, mesh_4x2):
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_record_that_misstates_the_chunk_shape_links_nothing_of_it(
+    tmp_path, mesh_4x2, compressed
+):
     # A source whose record names the unbudgeted chunk shape though it stored a budget's
-    # (what linking by the unbudgeted layout once committed): the chunks' lengths differ,
-    # so the array is written, never linked from chunks of another shape.
+    # (what an earlier version, linking by the unbudgeted layout, recorded): uncompressed,
+    # the chunks' lengths differ; compressed, the record's format is the earlier version's,
+    # whose layouts are trusted only where lengths prove them. The array is written, never
+    # linked from chunks of another shape.
     tree = _tree(mesh_4x2)
-    with _budget(8 * MiB):
+    with _budget(8 * MiB, compressed):
         cp.save_pytree(tmp_path / "1", tree)
         cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
     path = tmp_path / "2" / "pytree" / reuse.RECORD_FILE
@@ -165,10 +170,13 @@ def test_a_record_that_misstates_the_chunk_shape_links_nothing_of_it(tmp_path, m
     signature = json.loads(entry["signature"])
     signature[3] = [512, 1024]  # The unbudgeted chunk shape.
     entry["signature"] = json.dumps(signature)
+    record["format"] = 1
     path.write_text(json.dumps(record))
-    cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    with _budget(None, compressed):
+        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
     assert "big" not in linked_names(tmp_path / "3")
-    assert "frozen.a0" in linked_names(tmp_path / "3")
+    # The others link where their lengths prove their layout: uncompressed.
+    assert ("frozen.a0" in linked_names(tmp_path / "3")) == (not compressed)
     shutil.rmtree(tmp_path / "2")
     shutil.rmtree(tmp_path / "1")
     assert_same(cp.load_pytree(tmp_path / "3"), tree)

@@ -53,7 +53,11 @@ __all__ = ["RECORD_FILE", "MIN_BYTES", "ReusePlan", "plan_reuse", "reuse_report"
 RECORD_FILE = "_REUSE.json"
 # A record holds about 100 bytes an array shard: a larger one is no record of ours.
 _MAX_RECORD_BYTES = cp.metadata_checksums.MAX_FILE_BYTES
-_FORMAT = 1
+# 2: chunk shapes under a host-memory budget are the budget's. Records of format 1 may
+# state an unbudgeted chunk shape for chunks a budget cut smaller (reuse then linked by the
+# unbudgeted layout): their layout is trusted only where each chunk's length proves it.
+_FORMAT = 2
+_FORMATS_READ = (1, 2)
 
 
 @attrs.define
@@ -120,8 +124,8 @@ def _fingerprints(found: Sequence[Candidate]) -> dict[str, list[str]]:
 
 def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
     """The source's record for this process (``own``: the record in ``source`` itself):
-    ``{"arrays": ..., "files": ...}``, either missing if the record has none (``{}``: no
-    record, or unreadable)."""
+    ``{"arrays": ..., "files": ..., "format": ...}``, the first two missing if the record
+    has none (``{}``: no record, or unreadable)."""
     path = (source if own else ocdbt.database_directory(source)) / RECORD_FILE
     try:
         # A larger record is no record of ours: not read (hundreds of MiB in memory).
@@ -132,9 +136,12 @@ def _read_record(source: epath.Path, *, own: bool = False) -> dict[str, Any]:
         # (IntegrityError), damaged or too large (cp.errors.MetadataError: ValueError): nothing
         # recorded, and every array of this save is written.
         return {}
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in _FORMATS_READ:
         return {}
-    found = {k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)}
+    found: dict[str, Any] = {
+        k: v for k in ("arrays", "files") if isinstance(v := data.get(k), dict)
+    }
+    found["format"] = data["format"]
     if "arrays" in found:
         found["arrays"] = {k: v for k, v in found["arrays"].items() if _well_formed(v)}
     return found
@@ -300,7 +307,7 @@ async def plan_reuse(
             matching += await asyncio.to_thread(_same_stored, probed.unprinted, probed, places[0])
         if not earlier:  # A source saved without reuse: what it stored is compared.
             matching += await asyncio.to_thread(_same_stored, linkable, probed, places[0])
-        plan.linked_bytes = _link(located, matching, places[0], writer)
+        plan.linked_bytes = _link(located, matching, places[0], writer, recorded)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
             record[name] = dict(record[name], reused_from=origin)
@@ -645,12 +652,17 @@ def _link(
     matching: Sequence[Candidate],
     places: dict[str, ocdbt.ValueLocation],
     writer: io.Writer,
+    recorded: dict[str, Any],
 ) -> int:
     """Links the ``matching`` arrays whose every chunk the source holds in a data file
     that is there (``places``), of the length this save would store it in where that is
-    known; returns the bytes linked. Others are written."""
+    known (by a ``recorded`` of format 1: only where it is); returns the bytes linked.
+    Others are written."""
+    old_format = recorded.get("format", _FORMAT) < _FORMAT
     linked = 0
     for c in matching:
+        if old_format and c.stored_bytes is None:
+            continue
         keys = c.keys
         if all(_as_stored(places.get(key), c.stored_bytes) for key in keys):
             writer.linked[c.name] = located.linked(keys, places)
