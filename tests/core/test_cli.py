@@ -242,6 +242,20 @@ def test_inspect_sorts_names_naturally_and_says_when_a_source_is_gone(tmp_path, 
     assert cli.main(["verify", str(tmp_path / "9")]) == 0
 
 
+def test_inspect_keeps_number_keys_in_their_order(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "c", {k: np.zeros(2, np.float32) for k in (-1, -10, 2, 0)})
+    assert cli.main(["inspect", str(tmp_path / "c")]) == 0
+    assert re.findall(r"\[(-?\d+)\]", capsys.readouterr().out) == ["-10", "-1", "0", "2"]
+
+
+def test_a_dashed_word_after_a_flag_is_not_made_its_value(capsys) -> None:
+    # --quiet takes no value: -5x is an unknown argument, not "--quiet=-5x".
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plugins", "--quiet", "-5x"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: -5x" in capsys.readouterr().err
+
+
 def test_demo_errors_go_to_stderr(tmp_path, capsys) -> None:
     # A negative number stays a value for argparse (not joined to its option).
     assert cli.main(["demo", "--steps", "-3", str(tmp_path / "d")]) == 2

@@ -67,10 +67,10 @@ def test_a_path_no_storage_reaches_is_a_library_error(tmp_path, url) -> None:
         ("s3:///x", "names no bucket: s3:// paths have the form s3://BUCKET/KEY"),
         ("s3://", "names no bucket"),
         ("gs:///ckpt/1", "names no bucket: gs:// paths have the form gs://BUCKET/KEY"),
-        ("s3://ab/x", "'ab' is not a valid S3 bucket name"),
-        ("s3://-runs/x", "'-runs' is not a valid S3 bucket name"),
-        ("s3://my..runs/x", "'my..runs' is not a valid S3 bucket name"),
-        ("s3://192.168.0.1/x", "'192.168.0.1' is not a valid S3 bucket name"),
+        ("s3://ab/x", "'ab' is not an S3 bucket name"),
+        ("s3://-runs/x", "'-runs' is not an S3 bucket name"),
+        ("s3://my..runs/x", "'my..runs' is not an S3 bucket name"),
+        ("s3://192.168.0.1/x", "'192.168.0.1' is not an S3 bucket name"),
     ],
 )
 def test_an_object_store_url_without_a_valid_bucket_is_refused_before_any_request(
@@ -87,6 +87,8 @@ def test_an_object_store_url_without_a_valid_bucket_is_refused_before_any_reques
         lambda: cp.save_pytree(url, {"a": 1}),
         lambda: cp.checkpointables_metadata(url),
         lambda: cp.training.Checkpointer(url),
+        lambda: cp.storage.list_files(url),  # A string given to storage directly.
+        lambda: cp.storage.exists(url),
     ]
     for call in calls:
         with pytest.raises(cp.errors.InvalidArgumentError, match=re.escape(says)) as caught:

@@ -115,8 +115,9 @@ def _natural_key(text: str) -> tuple[str | int, ...]:
 
 
 def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """``(key path, leaf)`` pairs with dict keys in natural order (:func:`_natural_key`);
-    other nodes' children (list items, dataclass fields) keep the order they flatten in."""
+    """``(key path, leaf)`` pairs with string dict keys in natural order
+    (:func:`_natural_key`); other children (list items, dataclass fields, dict keys that
+    are numbers, which JAX already orders by value) keep the order they flatten in."""
     import jax
 
     first_seen: dict[tuple[Any, ...], int] = {}  # Key path prefix -> its first leaf.
@@ -127,8 +128,8 @@ def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     def key(item: tuple[Any, Any]) -> list[tuple[Any, ...]]:
         keypath = item[0]
         return [
-            (0, _natural_key(str(entry.key)), str(entry.key))
-            if isinstance(entry, jax.tree_util.DictKey)
+            (0, _natural_key(entry.key), entry.key)
+            if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str)
             else (1, first_seen[tuple(keypath[: depth + 1])])
             for depth, entry in enumerate(keypath)
         ]
@@ -389,8 +390,9 @@ def _built_in_parser() -> tuple[argparse.ArgumentParser, Any, argparse.ArgumentP
     return parser, sub, common
 
 
-def _with_dashed_values_joined(argv: Sequence[str]) -> list[str]:
-    """``argv`` with ``--option -5GB`` written ``--option=-5GB``.
+def _with_dashed_values_joined(argv: Sequence[str], value_options: set[str]) -> list[str]:
+    """``argv`` with ``--option -5GB`` written ``--option=-5GB``, for the options in
+    ``value_options`` (those that take a value).
 
     argparse takes a word starting with ``-`` for an option unless it is a plain
     number (``-5``, ``-0.5``), so ``--max-shard-size -5GB`` would fail with
@@ -404,11 +406,22 @@ def _with_dashed_values_joined(argv: Sequence[str]) -> list[str]:
         word = words.pop(0)
         if word == "--":
             return [*joined, word, *words]
-        is_long_option = word.startswith("--") and len(word) > 2 and "=" not in word
-        if is_long_option and words and _is_dashed_value(words[0]):
+        if word in value_options and words and _is_dashed_value(words[0]):
             word = f"{word}={words.pop(0)}"
         joined.append(word)
     return joined
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The long options of ``parser`` and of its commands that take a value."""
+    found: set[str] = set()
+    for action in parser._actions:  # argparse lists no actions publicly.
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                found |= _value_options(command)
+        elif action.nargs != 0:
+            found |= {o for o in action.option_strings if o.startswith("--")}
+    return found
 
 
 def _is_dashed_value(word: str) -> bool:
@@ -420,9 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     from checkpointables import errors, progress
 
-    args = build_parser().parse_args(
-        _with_dashed_values_joined(sys.argv[1:] if argv is None else argv)
-    )
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(_with_dashed_values_joined(words, _value_options(parser)))
     progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))

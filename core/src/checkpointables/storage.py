@@ -357,12 +357,19 @@ def for_path(path: os.PathLike[str] | str, context: Context | None = None) -> St
     Raises:
       MissingStorageError: no installed plugin serves the path's scheme; the
         message names what to install.
+      InvalidArgumentError: an ``s3://`` or ``gs://`` URL names no bucket, or an
+        S3 bucket name TensorStore refuses.
     """
     scheme = scheme_of(path)
     if scheme is None:
         return _LOCAL
     from checkpointables import context as context_lib
     from checkpointables import plugins
+    from checkpointables.path import _parse
+
+    # Strings given here directly (not through cp.path.as_path) are checked too: TensorStore
+    # refuses a bad S3 bucket name with a bare ValueError.
+    _parse.check_bucket(os.fspath(path))
 
     factory = plugins.storage_factories().get(scheme)
     if factory is None:

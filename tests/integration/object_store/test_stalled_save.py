@@ -112,7 +112,7 @@ def test_a_save_whose_store_goes_silent_fails_in_time_and_commits_nothing(
     # Silent from the metadata on: the arrays, orbax.checkpoint and the record were written.
     took = _save_then_stall(s3, bucket, stalling, "_CHECKPOINT_METADATA")
     # One timeout, not two: the discard does not ask the silent store again.
-    assert took < 1.7 * _TIMEOUT_SECS, took
+    assert took < 1.9 * _TIMEOUT_SECS, took
     assert keys(s3, f"{bucket}/1"), "the failed save left its objects (nobody could delete them)"
     with cp.Context(storage_options=cp.options.StorageOptions(endpoint=s3.endpoint)):
         assert not cp.is_checkpoint(f"{bucket}/1")
@@ -139,7 +139,7 @@ def test_a_save_whose_commit_landed_but_was_not_answered_is_whole(s3, bucket, st
     # The marker's PUT reaches the server; its answer is lost: the save raises, the step is
     # committed and whole (docs/object-stores.md, "When the store cannot be reached").
     took = _save_then_stall(s3, bucket, stalling, "commit_success.txt", forward_stalled=True)
-    assert took < 1.7 * _TIMEOUT_SECS, took
+    assert took < 1.9 * _TIMEOUT_SECS, took
     with cp.Context(storage_options=cp.options.StorageOptions(endpoint=s3.endpoint)):
         for step in (0, 1):
             assert cp.is_checkpoint(f"{bucket}/{step}")

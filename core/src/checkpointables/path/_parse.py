@@ -58,7 +58,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
         ) from None
     if "://" not in text and ".." in text.split(os.sep):
         return epath.Path(os.path.realpath(text))
-    _check_bucket(text)
+    check_bucket(text)
     if isinstance(path, epath.Path):
         return path
     try:
@@ -73,7 +73,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
         ) from None
 
 
-def _check_bucket(text: str) -> None:
+def check_bucket(text: str) -> None:
     """Raises ``InvalidArgumentError`` if the object-store URL ``text`` names no bucket, or
     an S3 bucket name that S3 (and TensorStore) refuse."""
     scheme, found, rest = text.partition("://")
@@ -87,9 +87,10 @@ def _check_bucket(text: str) -> None:
         )
     if scheme == "s3" and not is_valid_s3_bucket(bucket):
         raise errors.InvalidArgumentError(
-            f"{text!r}: {bucket!r} is not a valid S3 bucket name (S3's are 3 to 63 lowercase "
-            f"letters, digits, '.' and '-', beginning and ending with a letter or digit, with no "
-            f"'..' and not an IP address: "
+            f"{text!r}: {bucket!r} is not an S3 bucket name TensorStore's S3 client accepts "
+            f"(3 to 255 characters in labels separated by single dots, each of letters, digits, "
+            f"'-' and '_', beginning and ending with a letter or digit; not an IP address). "
+            f"AWS's own rules are stricter (3 to 63 lowercase letters, digits, '.' and '-': "
             f"https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html). "
             f"Check the bucket's name; paths have the form s3://BUCKET/KEY."
         )
