@@ -100,7 +100,9 @@ def is_direct_dtype(dtype: Any) -> bool:
 def _fill_value(dtype: np.dtype) -> Any:
     if dtype.kind == "b":
         return False
-    if dtype.kind in "iu":
+    # ml_dtypes' int2/int4/uint2/uint4 are kind "V": integers all the same (TensorStore
+    # writes 0 for them; earlier versions here wrote 0.0, which verify still accepts).
+    if dtype.kind in "iu" or dtype.name.startswith(("int", "uint")):
         return 0
     if dtype.kind == "c":
         return [0.0, 0.0]
