@@ -6,13 +6,16 @@ import json
 
 import checkpointables as cp
 import grain
+import numpy as np
 import pytest
 from checkpointables import cli
-from checkpointables_grain import IteratorStateError, UnsupportedStateError
+from checkpointables_grain import IteratorStateError, UnsupportedStateError, _state_json
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ...metadata_edits import with_metadata_checksums_recomputed
 from ...traced_memory import TracedPeak
-from .pipelines import map_pipeline, take
+from .pipelines import data_loader, map_pipeline, take
 
 MAX = cp.metadata_checksums.MAX_FILE_BYTES
 
@@ -128,6 +131,107 @@ def test_a_next_index_that_is_no_position_is_refused_at_save(tmp_path) -> None:
     with pytest.raises(UnsupportedStateError, match=r"state\['next_index'\] is 2.5"):
         iterator = FixedStateIterator({"next_index": 2.5})
         cp.save_checkpointables(tmp_path / "c", {"dataset": iterator})
+    assert not (tmp_path / "c").exists()
+
+
+# What no Grain state holds where a position is: fractions, NaN, infinities, whole floats
+# (8.0), bools, negative numbers; as JSON numbers and as the tagged NumPy values a save writes.
+_FLOATS = st.floats(allow_nan=True, allow_infinity=True)
+_NOT_POSITIONS = st.one_of(
+    _FLOATS,
+    st.sampled_from([8.5, float("nan"), 8.0, -0.0]),
+    st.booleans(),
+    st.integers(max_value=-1),
+    _FLOATS.map(np.float64),
+    st.floats(width=32).map(np.float32),
+    _FLOATS.map(np.array),  # A 0-d float array.
+    st.integers(min_value=-(2**63), max_value=-1).map(np.int64),
+    # An integer array, even 0-d: Grain adds to it in place, and the iterator skips elements.
+    st.integers(0, 9).map(np.array),
+    st.integers(0, 9).map(lambda i: np.array([i])),
+)
+
+
+def _rewrite_state(checkpoint, text: str) -> None:
+    (checkpoint / "dataset" / "process_0-of-1.json").write_text(text)
+    with_metadata_checksums_recomputed(checkpoint)
+
+
+def test_a_stored_next_index_that_is_no_whole_position_is_refused_at_load(tmp_path) -> None:
+    # Grain's set_state takes NaN or 8.5 and the first next() failed with a bare IndexError.
+    checkpoint = _saved(tmp_path)
+
+    @settings(max_examples=40, deadline=None)
+    @given(value=_NOT_POSITIONS, nested=st.booleans())
+    def check(value, nested: bool) -> None:
+        state = {"parent": {"next_index": value}} if nested else {"next_index": value}
+        _rewrite_state(checkpoint, _state_json.dumps(state))
+        with pytest.raises(cp.errors.IntegrityError, match=r"\['next_index'\] = .* not a pos") as e:
+            _load(checkpoint)
+        assert str(checkpoint / "dataset" / "process_0-of-1.json") in str(e.value)
+        assert "start the data pipeline afresh" in str(e.value)
+
+    check()
+
+
+def test_whole_positions_as_grain_and_saves_write_them_still_load(tmp_path) -> None:
+    checkpoint = _saved(tmp_path)
+
+    @settings(max_examples=15, deadline=None)
+    @given(index=st.integers(0, 30), as_numpy=st.sampled_from([None, np.int64]))
+    def check(index: int, as_numpy) -> None:
+        value = index if as_numpy is None else as_numpy(index)
+        _rewrite_state(checkpoint, _state_json.dumps({"next_index": value}))
+        expected = iter(map_pipeline())
+        take(expected, index)
+        assert take(_load(checkpoint), min(2, 30 - index)) == take(expected, min(2, 30 - index))
+
+    check()
+
+
+def _saved_loader(tmp_path, steps: int):
+    it = iter(data_loader())
+    take(it, steps)
+    cp.save_checkpointables(tmp_path / "c", {"dataset": it})
+    return tmp_path / "c"
+
+
+def test_a_data_loader_position_that_is_no_whole_number_is_refused_at_load(tmp_path) -> None:
+    # A DataLoader state holds last_seen_indices: NaN there failed at the first next()
+    # with "IndexError: pop from an empty deque", 8.5 with a TypeError.
+    checkpoint = _saved_loader(tmp_path, 1)
+    state = json.loads((checkpoint / "dataset" / "process_0-of-1.json").read_text())
+    plain = st.one_of(_FLOATS, st.sampled_from([8.5, float("nan")]), st.booleans())
+    fields = st.sampled_from(["last_seen_indices", "last_worker_index", "worker_count"])
+
+    @settings(max_examples=30, deadline=None)
+    @given(value=plain, field=fields)
+    def check(value, field: str) -> None:
+        forged = {**state, field: {"0": value} if field == "last_seen_indices" else value}
+        _rewrite_state(checkpoint, json.dumps(forged))
+        with pytest.raises(cp.errors.IntegrityError, match=rf"\['{field}'\].* = .* not a pos"):
+            cp.load_checkpointables(checkpoint, {"dataset": data_loader()})
+
+    check()
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_data_loader_states_grain_writes_still_load(tmp_path, steps) -> None:
+    # Before the first element, Grain records last_seen_indices {"0": -1}: negative, and whole.
+    checkpoint = _saved_loader(tmp_path, steps)
+    expected = iter(data_loader())
+    take(expected, steps)
+    restored = cp.load_checkpointables(checkpoint, {"dataset": data_loader()})["dataset"]
+    assert take(restored, 2) == take(expected, 2)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"next_index": np.array(8.5)}, {"p": [{"next_index": np.float64("nan")}]}],
+)
+def test_a_position_that_is_no_whole_number_is_refused_at_save(tmp_path, state) -> None:
+    with pytest.raises(UnsupportedStateError, match=r"\['next_index'\] is .* non-negative"):
+        cp.save_checkpointables(tmp_path / "c", {"dataset": FixedStateIterator(state)})
     assert not (tmp_path / "c").exists()
 
 

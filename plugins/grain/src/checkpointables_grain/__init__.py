@@ -113,7 +113,7 @@ def _state_text(iterator: Any, kind: str, name: str) -> str:
             raw = bytes(raw)
             _refuse_too_large(len(raw), name)
             text = raw.decode("utf-8")
-            json.loads(text)
+            _refuse_bad_position(json.loads(text), kind, name)
         except (TypeError, ValueError) as e:
             if isinstance(e, cp.errors.CheckpointError):
                 raise
@@ -123,18 +123,24 @@ def _state_text(iterator: Any, kind: str, name: str) -> str:
             ) from e
         return text
     state = iterator.get_state()
-    found = _bad_position(state)
-    if found is not None:  # It would be refused at load.
-        raise UnsupportedStateError(
-            f"Cannot save the state of iterator {name!r}: {found[0]} is {_brief(found[1])}, "
-            f"but a next_index must be a non-negative integer."
-        )
+    _refuse_bad_position(state, kind, name)
     try:
         text = _state_json.dumps(state)
     except _state_json.StateEncodingError as e:
         raise UnsupportedStateError(f"Cannot save the state of iterator {name!r}: {e}") from e
     _refuse_too_large(len(text) if text.isascii() else len(text.encode("utf-8")), name)
     return text
+
+
+def _refuse_bad_position(state: Any, kind: str, name: str) -> None:
+    """Refuses a state that a load would refuse as damaged: a position that is no position."""
+    found = _bad_position(state, kind)
+    if found is not None:
+        where, value, least = found
+        raise UnsupportedStateError(
+            f"Cannot save the state of iterator {name!r}: {where} is {_brief(value)}, but it "
+            f"is a position in the data and must be {_position_kind(least)}."
+        )
 
 
 def _refuse_too_large(size: int, name: str) -> None:
@@ -207,35 +213,52 @@ def _parse_state(file: epath.Path, kind: str) -> Any:
     # Checked against the checksum recorded when the checkpoint was committed.
     raw = cp.metadata_checksums.read_file(file, max_bytes=cp.metadata_checksums.MAX_FILE_BYTES)
     try:
-        cp.safe_json.loads(raw, source=file)  # Reject damage here, with the file's name.
-        if kind == DATA_LOADER_ITERATOR:
-            return raw
-        state = _state_json.loads(raw.decode("utf-8"))
+        plain = cp.safe_json.loads(raw, source=file)  # Reject damage here, with the file's name.
+        state = plain if kind == DATA_LOADER_ITERATOR else _state_json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         raise cp.errors.IntegrityError(f"{file} is not a readable iterator state ({e}).") from e
-    _check_positions(state, file)
-    return state
+    _check_positions(state, file, kind)
+    # A DataLoader iterator takes the file's bytes, which it parses itself.
+    return raw if kind == DATA_LOADER_ITERATOR else state
 
 
-def _check_positions(state: Any, file: epath.Path) -> None:
-    """Refuses a stored ``next_index`` that is no position (Grain's own set_state takes
-    2.5, NaN and true: 2.5 yields an element the data does not hold). No save writes one
-    (it is refused there), so the file is damaged or forged: an ``IntegrityError``, as a
+def _check_positions(state: Any, file: epath.Path, kind: str) -> None:
+    """Refuses a stored position that is no whole number in range (Grain's own set_state
+    takes 8.5, NaN and true, and the first ``next()`` then fails with a bare IndexError
+    or TypeError, or yields an element the data does not hold). No save writes one (it
+    is refused there), so the file is damaged or forged: an ``IntegrityError``, as a
     malformed tag is, not an ``IteratorStateError`` (a state that does not fit the
     iterator given)."""
-    found = _bad_position(state)
+    found = _bad_position(state, kind)
     if found is not None:
-        where, value = found
+        where, value, least = found
         raise cp.errors.IntegrityError(
-            f"{file} holds {where} = {_brief(value)}, which is not a position: a next_index is "
-            f"a non-negative integer. The state is damaged or was not written by Grain; load "
-            f"an older checkpoint, or leave {file.parent.name!r} out of the abstract "
-            f"checkpointables and start the data pipeline afresh."
+            f"{file} holds {where} = {_brief(value)}, which is not a position (or count) in "
+            f"the data: it must be {_position_kind(least)}, as in every state Grain writes "
+            f"(Grain would take it and fail at the first next()). The state is damaged or "
+            f"was not written by Grain; load an older checkpoint, or leave "
+            f"{file.parent.name!r} out of the abstract checkpointables and start the data "
+            f"pipeline afresh."
         )
 
 
-def _bad_position(state: Any) -> tuple[str, Any] | None:
-    """Where in ``state`` a ``next_index`` is a bool, a float or negative, and its value."""
+# The positions in a dataset iterator's state (at any depth: a pipeline nests its
+# parents' states), and the least value each takes. Grain writes them as JSON integers.
+_DATASET_POSITIONS: dict[str, int] = {
+    "next_index": 0,
+    "global_next_index": 0,  # grain's ElasticIterator
+    "next_index_in_cycle": 0,  # interleave
+    "next_index_in_datasets": 0,
+}
+# The positions at the top of a DataLoader iterator's state; its ``last_seen_indices``
+# values are integers of any sign (-1 and below before a worker's first element).
+_LOADER_POSITIONS: dict[str, int] = {"last_worker_index": -1, "worker_count": 0}
+
+
+def _bad_position(state: Any, kind: str) -> tuple[str, Any, int | None] | None:
+    """Where in ``state`` a position is no whole number in range, its value and least value."""
+    if kind == DATA_LOADER_ITERATOR:
+        return _bad_loader_position(state)
     pending: list[tuple[Any, str]] = [(state, "state")]
     while pending:
         value, where = pending.pop()
@@ -247,17 +270,43 @@ def _bad_position(state: Any) -> tuple[str, Any] | None:
             continue
         for key, item in items:
             here = f"{where}[{key!r}]"
-            if key == "next_index" and not _is_position(item):
-                return here, item
+            least = _DATASET_POSITIONS.get(key) if isinstance(key, str) else None
+            if least is not None and not _is_position(item, least):
+                return here, item, least
             pending.append((item, here))
     return None
 
 
-def _is_position(value: Any) -> bool:
-    # Other types (None, str) are left to the iterator's set_state, which refuses them.
-    if isinstance(value, bool | np.bool_ | float | np.floating):
+def _bad_loader_position(state: Any) -> tuple[str, Any, int | None] | None:
+    if not isinstance(state, dict):
+        return None  # Grain's set_state refuses it.
+    for key, least in _LOADER_POSITIONS.items():
+        if key in state and not _is_position(state[key], least):
+            return f"state[{key!r}]", state[key], least
+    seen = state.get("last_seen_indices")
+    for worker, index in seen.items() if isinstance(seen, dict) else ():
+        if not _is_position(index, None):
+            return f"state['last_seen_indices'][{worker!r}]", index, None
+    return None
+
+
+def _is_position(value: Any, least: int | None) -> bool:
+    """Whether ``value`` is an integer (Python or NumPy scalar, not a bool) of at least
+    ``least``. Not an array, even a 0-d integer one: Grain adds to it in place, and the
+    restored iterator skips elements."""
+    not_integers = (bool, np.bool_, float, np.floating, complex, np.complexfloating, np.ndarray)
+    if isinstance(value, not_integers):
         return False
-    return not isinstance(value, int | np.integer) or bool(value >= 0)
+    if isinstance(value, int | np.integer):
+        return least is None or bool(value >= least)
+    # Other types (None, str, lists) are left to the iterator's set_state, which refuses them.
+    return True
+
+
+def _position_kind(least: int | None) -> str:
+    if least is None:
+        return "an integer"
+    return "a non-negative integer" if least == 0 else f"an integer of at least {least}"
 
 
 def _brief(value: Any) -> str:
