@@ -155,12 +155,23 @@ def test_host_memory_on_the_command_line_bounds_both_commands(tmp_path, capsys) 
     # A budgeted save writes chunks of at most an eighth of the budget (docs/memory.md).
     chunks = {c: cp.pytree_metadata(tmp_path / c).metadata["w"].storage.chunk_shape for c in "bu"}
     assert chunks == {"b": (256, 1024), "u": (1024, 1024)}
-    out = tmp_path / "o.safetensors"
+    out, unbudgeted = tmp_path / "o.safetensors", tmp_path / "u.safetensors"
     assert cli.main(["export", str(tmp_path / "b"), str(out), "--host-memory", "8MiB"]) == 0
+    assert cli.main(["export", str(tmp_path / "b"), str(unbudgeted)]) == 0
     assert same_bits(load_file(out)["w"], tensors["w"])
-    with pytest.raises(SystemExit):
-        cli.main([*budgeted, "1MiB"])
-    assert "'1MiB' is below the smallest workable budget, 8MiB" in capsys.readouterr().err
+    assert out.read_bytes() == unbudgeted.read_bytes()  # The budget changes no byte.
+    refused = (
+        ["import", str(tmp_path / "m.safetensors"), str(tmp_path / "x")],
+        ["export", str(tmp_path / "b"), str(tmp_path / "y")],
+    )
+    for command in refused:
+        with pytest.raises(SystemExit) as exited:  # A usage error, before any work.
+            cli.main([*command, "--host-memory", "1MiB"])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --host-memory: '1MiB' is below the smallest workable budget, 8MiB" in err
+        assert "pass at least 8MiB, or leave --host-memory out for no bound" in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_existing_outputs_are_refused_unless_overwritten(tmp_path, capsys) -> None:

@@ -28,9 +28,12 @@ def _host_memory(text: str) -> int:
 
     size = _size(text)
     if size < cp.options.MIN_HOST_BYTES:
+        # The bound cp.options.MemoryOptions refuses below, said in the command's own terms.
+        least = f"{cp.options.MIN_HOST_BYTES // (1 << 20)}MiB"
         raise argparse.ArgumentTypeError(
-            f"{text!r} is below the smallest workable budget, "
-            f"{cp.options.MIN_HOST_BYTES // (1 << 20)}MiB"
+            f"{text!r} is below the smallest workable budget, {least} (arrays move in pieces "
+            f"of an eighth of the budget, at least 1 MiB each); pass at least {least}, or "
+            f"leave --host-memory out for no bound"
         )
     return size
 
