@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import checkpointables as cp
 import numpy as np
 import pytest
-from checkpointables_pytree.tree import DICT, SEQUENCE, Recipe, unflatten
+from checkpointables_pytree.tree import DICT, MAX_DEPTH, SEQUENCE, Recipe, unflatten
 
 D, S = DICT, SEQUENCE
 STRUCTURES = {
@@ -69,3 +70,27 @@ def test_the_deepest_tree_a_save_accepts_loads_and_a_deeper_one_is_refused(tmp_p
     with pytest.raises(cp.errors.InvalidArgumentError, match="more than 256 levels deep"):
         cp.save_pytree(tmp_path / "deeper", nested(MAX_DEPTH + 1))
     assert not (tmp_path / "deeper").exists()
+
+
+def _nested(depth: int, bottom: Any) -> Any:
+    """``{"a": [{"k": {"k": ... bottom}}]}``: ``depth`` levels below the root."""
+    tree = bottom
+    for _ in range(depth - 2):
+        tree = {"k": tree}
+    return {"a": [tree]}
+
+
+@pytest.mark.parametrize("bottom", [{}, [], None, np.arange(3)], ids=repr)
+def test_too_deep_names_the_key_path_as_other_errors_do(tmp_path, bottom) -> None:
+    # An empty node deepest was named by key objects: (DictKey(key='a'), SequenceKey(idx=0)...
+    with pytest.raises(cp.errors.InvalidArgumentError) as e:
+        cp.save_pytree(tmp_path / "deeper", {"w": np.ones(2), "deep": _nested(MAX_DEPTH, bottom)})
+    assert str(e.value).startswith("['deep']['a'][0]['k']... is nested more than 256 levels")
+    assert "Key" not in str(e.value)
+    assert not (tmp_path / "deeper").exists()
+
+
+def test_too_deep_records_are_named_with_their_key_types() -> None:
+    names, types = ("a", "0", *("k",) * 300), (D, S, *(D,) * 300)
+    with pytest.raises(KeyError, match=r"\['a'\]\[0\]\['k'\]\['k'\]\.\.\. is nested 302 levels"):
+        unflatten([(names, types, 1)], on_conflict=KeyError)

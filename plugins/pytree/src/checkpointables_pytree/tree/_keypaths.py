@@ -252,10 +252,11 @@ def flatten(tree: Any) -> Flat:
 MAX_DEPTH = 256
 
 
-def _too_deep(names: tuple[str, ...]) -> cp.errors.InvalidArgumentError:
+def _too_deep(names: tuple[str, ...], types: tuple[int, ...]) -> cp.errors.InvalidArgumentError:
     return cp.errors.InvalidArgumentError(
-        f"{keystr(names[:4])}... is nested more than {MAX_DEPTH} levels deep: a checkpoint of "
-        f"it could not be loaded. Save a flatter tree (e.g. a dict keyed by key paths)."
+        f"{keystr(names[:4], types[:4])}... is nested more than {MAX_DEPTH} levels deep: a "
+        f"checkpoint of it could not be loaded. Save a flatter tree (e.g. a dict keyed by key "
+        f"paths)."
     )
 
 
@@ -325,9 +326,10 @@ def _flat_of(
 ) -> Flat:
     """The ``Flat`` of what a walk found (raising if it is nested too deep to load)."""
     keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
-    deepest = max([*names, *(tuple(map(str, path)) for path, _ in empty)], key=len, default=())
+    deepest = max([*keypaths, *(path for path, _ in empty)], key=len, default=())
     if len(deepest) > MAX_DEPTH:
-        raise _too_deep(deepest)
+        # Named as users write key paths (['a'][0]), whether a leaf or an empty node is deepest.
+        raise _too_deep(key_names(deepest), tuple(map(key_type, deepest)))
     int_keys = _int_keys(keypaths, names, empty)
     structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples), int_keys)
     return Flat(structure, [leaf.value for leaf in leaves])

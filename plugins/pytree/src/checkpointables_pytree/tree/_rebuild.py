@@ -45,8 +45,9 @@ def unflatten(
         if not names:
             raise on_conflict("the root is recorded both as a leaf and as a container")
         if len(names) > MAX_DEPTH:  # Each level costs a Python frame below, and a key tuple.
+            shown = keystr(names[:4], types[:4] if len(types) == len(names) else None)
             raise on_conflict(
-                f"{keystr(names[:4])}... is nested {len(names)} levels deep (at most {MAX_DEPTH})"
+                f"{shown}... is nested {len(names)} levels deep (at most {MAX_DEPTH})"
             )
         if len(names) != len(types):
             raise ValueError(f"{len(names)} key names but {len(types)} key types")
