@@ -282,6 +282,20 @@ def _mismatch(path: str, covering: tuple[_Table, str], what: str) -> errors.Inte
     )
 
 
+def _lost(path: str, covering: tuple[_Table, str]) -> errors.IntegrityError:
+    """The error for a file that the table records but is not there: the checkpoint was
+    committed with it (``_CHECKSUMS`` is written at the commit) and lost it since."""
+    unloadable = ""
+    if covering[1] == "_CHECKPOINT_METADATA":  # checkpoint_metadata imports this module.
+        unloadable = " (cp.is_checkpoint reports False for it: it cannot be loaded)"
+    return errors.IntegrityError(
+        f"{path} is missing, although {covering[0].path} records it: the checkpoint was "
+        f"committed with it and has lost it since (deleted, or damaged){unloadable}. It is a "
+        f"damaged checkpoint, not an unfinished save: restore it from a copy, or load an older "
+        f"one (`checkpointables verify PATH` lists every problem)."
+    )
+
+
 @attrs.frozen
 class CheckedFile:
     """A metadata file's bytes, and whether they were checked against a recorded checksum."""
@@ -299,7 +313,7 @@ def read_checked(path: epath.PathLike, *, max_bytes: int | None = None) -> Check
         data = storage.read_bytes(text_path, max_bytes=max_bytes)
     except FileNotFoundError:
         if covering is not None and covering[1] in covering[0].files:
-            raise _mismatch(text_path, covering, "is missing") from None
+            raise _lost(text_path, covering) from None
         raise
     if covering is None:
         return CheckedFile(data, checked=False)

@@ -158,8 +158,9 @@ class Storage(Protocol):
 class BoundedReads(Protocol):
     """A ``Storage`` that reads a file only up to a size: a file larger than that costs no
     more than the size in memory and transfer (a local file: nothing, by its size; an
-    object: one ranged GET). ``read_bytes(path, max_bytes=...)`` uses it; on a storage
-    without it a file is read whole before it is found too large."""
+    ``s3://`` or ``gs://`` object: a ranged GET of one byte, at the size). ``read_bytes(path,
+    max_bytes=...)`` uses it; on a storage without it a file is read whole before it is
+    found too large."""
 
     def read_bytes_within(self, path: str, max_bytes: int) -> bytes | None:
         """The contents of a file, or ``None`` if it holds more than ``max_bytes``. Raises as
@@ -391,9 +392,10 @@ def read_bytes(path: os.PathLike[str] | str, *, max_bytes: int | None = None) ->
 
     ``max_bytes``: the most a well-formed file holds (a checkpoint's metadata:
     ``cp.metadata_checksums.MAX_FILE_BYTES``). A larger file is refused, before
-    it is read where the storage has ``BoundedReads`` (the local disk), so a
-    damaged or hostile one (a sparse file of many GiB) costs no memory there;
-    elsewhere (``s3://``, ``gs://``) once read::
+    it is read where the storage has ``BoundedReads`` (the local disk, and
+    ``s3://`` and ``gs://``, where it costs a GET more), so a damaged or hostile
+    one (a sparse file or an object of many GiB) costs no memory there;
+    elsewhere once read::
 
         raw = cp.storage.read_bytes(directory / "state.json", max_bytes=1 << 20)
 

@@ -122,6 +122,27 @@ class KvStoreStorage:
             raise FileNotFoundError(f"No object at {path}.")
         return bytes(result.value)
 
+    def read_bytes_within(self, path: str, max_bytes: int) -> bytes | None:
+        """``read_bytes``, or ``None`` for an object of more than ``max_bytes``
+        (``cp.storage.BoundedReads``): a ranged GET of the byte at ``max_bytes`` first, so a
+        larger object costs one byte, a small one a GET more, a missing one no more.
+
+        TensorStore reads no range past an object's end (OUT_OF_RANGE), so no single GET
+        can ask for "at most ``max_bytes`` + 1 bytes". An object replaced by a larger one
+        between the two GETs is read whole, then refused by ``cp.storage.read_bytes``.
+        """
+        store, key = self._store(path)
+        probe = store.read(key, byte_range=slice(max_bytes, max_bytes + 1))
+        try:
+            result = _answer(probe, "Reading", path, self)
+        except cp.errors.StorageError as e:
+            if not str(e.__cause__).startswith("OUT_OF_RANGE"):
+                raise
+            return self.read_bytes(path)  # No byte there: it holds at most max_bytes.
+        if result.state != "value":
+            raise FileNotFoundError(f"No object at {path}.")
+        return None
+
     def write_bytes(self, path: str, data: bytes, durable: bool = False) -> None:
         """Creates or replaces an object (one PUT; durable once it returns)."""
         store, key = self._store(path)

@@ -310,7 +310,12 @@ def kvstore_spec(url: str, settings: S3Settings | None = None) -> dict[str, Any]
     """The TensorStore kvstore spec of ``url`` (``s3://bucket/key`` or ``gs://bucket/key``).
 
     The spec's path ends with ``/``, so keys are relative to the location.
+
+    Raises:
+      cp.errors.InvalidArgumentError: as ``bucket_and_key``, or an S3 bucket name
+        TensorStore refuses (it would raise a bare ``ValueError`` at the first request).
     """
+    cp.path.as_path(url)  # Checks the bucket's name, for callers that skipped cp.storage.
     scheme, bucket, key = bucket_and_key(url)
     path = f"{key}/" if key else ""
     if scheme == "gs":
