@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -155,3 +157,34 @@ def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch) -> N
     assert sorted(flushed) == sorted(
         [("a/x", False), ("a/b/y", False), ("z", False), (".", True), ("a", True), ("a/b", True)]
     )
+
+
+_EXITS_WITH_SAVES_RUNNING = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+import checkpointables as cp
+
+one_off, root = sys.argv[1:]
+cp.save_pytree_async(one_off, {"w": jnp.full((1024, 1024), 7.0)})
+ckptr = cp.training.Checkpointer(root)  # Never closed, like a forgotten one.
+for step in range(3):
+    ckptr.save_pytree_async(step, {"w": np.full((512, 512), float(step))}, force=True)
+"""
+
+
+def test_a_script_ending_with_saves_running_still_writes_them(tmp_path) -> None:
+    # Python's exit shuts thread pools to new work before it waits for threads: a save
+    # still running then failed at its next hand-over to a pool, unseen (rc 0).
+    one_off, root = tmp_path / "one_off", tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_WITH_SAVES_RUNNING, str(one_off), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert cp.load_pytree(one_off)["w"][0, 0] == 7.0
+    with cp.training.Checkpointer(root) as ckptr:
+        assert [info.step for info in ckptr.steps()] == [0, 1, 2]
+        assert ckptr.load_pytree(2)["w"][0, 0] == 2.0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # Its exit hook must be registered before ours.
 import contextvars
 import functools
 import inspect
+import logging
 import os
 import threading
 import weakref
@@ -20,6 +22,7 @@ from checkpointables.execution import caller_waits, paused_gc, waiting_caller
 T = TypeVar("T")
 U = TypeVar("U")
 P = ParamSpec("P")
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "AsyncResponse",
@@ -85,6 +88,7 @@ def _after_fork_in_child() -> None:
     # The parent's pool threads do not exist here: the child starts its own.
     _pool.cache_clear()
     _background_pool.cache_clear()
+    _running.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -236,8 +240,48 @@ def start_background(
         name = f"checkpointables: {description}"[:60]
         threading.Thread(target=run, name=name, daemon=True).start()
     else:
+        with _running_lock:
+            _running.add(response)
+        response.add_done_callback(_forget_running)
         _background_pool().submit(run)
     return response
+
+
+# Background work the interpreter must finish before it exits (not daemons).
+_running_lock = threading.Lock()
+_running: set[AsyncResponse[Any]] = set()
+
+
+def _forget_running(response: AsyncResponse[Any]) -> None:
+    with _running_lock:
+        _running.discard(response)
+
+
+def _finish_running_work() -> None:
+    """Waits, at interpreter exit, for background saves still running.
+
+    Python's exit first shuts every thread pool to new work (``concurrent.futures``
+    refuses it from then on), then waits for threads: a save still running then
+    would fail at its next hand-over to a pool, unseen, and be lost. This runs
+    before that shutdown (``threading``'s exit hooks run newest first), so a
+    script that ends right after ``save_pytree_async`` still writes its checkpoint.
+    A save that fails here is logged: nobody is left to call ``result()``.
+    """
+    while True:
+        with _running_lock:
+            running = list(_running)
+        if not running:
+            return
+        _log.info("checkpointables: waiting for %d background save(s) before exit", len(running))
+        for response in running:
+            error = response.exception()
+            if error is not None:
+                _log.error("checkpointables: %s failed at exit: %s", response, error)
+
+
+# concurrent.futures.thread registered its exit hook when imported (above): this one,
+# registered later, runs before it.
+threading._register_atexit(_finish_running_work)  # type: ignore[attr-defined]
 
 
 @functools.cache
