@@ -10,12 +10,14 @@ reads on a shared ``LoadSession``, and the awaitable reads them all at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import inspect
 import itertools
 import os
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import checkpointables as cp
@@ -334,26 +336,27 @@ class PyTreeHandler:
         context = cp.context.get_context()
         registry = leaf_registry(context)
         opened, index, checking = _open_database(directory, context)
-        tree = _read_tree_metadata(directory)
-        check_array_count(tree, directory)  # Before planning what the metadata claims.
-        session = LoadSession(directory, tree, context, opened, index)
-        if abstract_checkpointable is None:
-            plan = LoadPlan.without_abstract(tree, registry)
-        else:
-            flat = self._flatten_abstract(abstract_checkpointable)
-            self._last_abstract = None
-            plan = LoadPlan.with_abstract(
-                tree,
-                abstract_checkpointable,
-                registry,
-                partial=context.pytree_options.partial_load,
-                where=directory,
-                flat=flat,
-            )
-        deserialization_context = _deserialization_context(session)
-        # Before the leaf handlers read anything of the database (a zarr.json, a value).
-        with storage.object_store_failures(directory, "Reading the b-tree of"):
-            await ocdbt.wait_for_node_check(checking)
+        with _settled_on_failure(index, checking):
+            tree = _read_tree_metadata(directory)
+            check_array_count(tree, directory)  # Before planning what the metadata claims.
+            session = LoadSession(directory, tree, context, opened, index)
+            if abstract_checkpointable is None:
+                plan = LoadPlan.without_abstract(tree, registry)
+            else:
+                flat = self._flatten_abstract(abstract_checkpointable)
+                self._last_abstract = None
+                plan = LoadPlan.with_abstract(
+                    tree,
+                    abstract_checkpointable,
+                    registry,
+                    partial=context.pytree_options.partial_load,
+                    where=directory,
+                    flat=flat,
+                )
+            deserialization_context = _deserialization_context(session)
+            # Before the leaf handlers read anything of the database (a zarr.json, a value).
+            with storage.object_store_failures(directory, "Reading the b-tree of"):
+                await ocdbt.wait_for_node_check(checking)
         pending: list[tuple[list[int], Any]] = []
         for handler_cls, slots, params in plan.batches():
             handler = _make_leaf_handler(handler_cls, context)
@@ -450,6 +453,22 @@ def _open_database(
         index = opened.index if opened is not None else ocdbt.DatabaseIndex(directory)
     here = opened is not None and not many
     return opened, index, ocdbt.start_node_check(directory, index, here=here)
+
+
+@contextlib.contextmanager
+def _settled_on_failure(
+    index: ocdbt.DatabaseIndex | None, checking: concurrent.futures.Future[Any]
+) -> Iterator[None]:
+    """On failure, waits for the reads ``_open_database`` started before raising: a load
+    that raises (a malformed ``_METADATA``, a tree mismatch) leaves nothing of its own
+    running, reading the directory or its server after the caller has moved on."""
+    try:
+        yield
+    except BaseException:
+        concurrent.futures.wait([checking])
+        if index is not None:
+            index.settle()
+        raise
 
 
 def _many_leaves(directory: epath.Path) -> bool:

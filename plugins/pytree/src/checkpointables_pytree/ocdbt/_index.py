@@ -86,6 +86,13 @@ class DatabaseIndex:
             context = contextvars.copy_context()
             self._start = _index_pool().submit(context.run, self._read_root)
 
+    def settle(self) -> None:
+        """Waits for the background read ``prefetch`` started, if any, dropping its outcome:
+        for a load that fails before it uses the index, so that it raises with nothing of
+        its own still reading (a caller may delete or rewrite the directory next)."""
+        if self._start is not None:
+            concurrent.futures.wait([self._start])
+
     async def base(self) -> Any:
         """The kvstore of the database's directory (opened once)."""
         self.prefetch()
