@@ -99,6 +99,7 @@ with cp.training.Checkpointer(sys.argv[1], reuse_unchanged=True, preservation_po
 """
 
 
+@pytest.mark.slow  # A JAX process started and killed: seconds.
 def test_sigkill_while_overwriting_the_newest_step_leaves_it_whole(tmp_path) -> None:
     root = tmp_path / "run"
     proc = subprocess.Popen(
