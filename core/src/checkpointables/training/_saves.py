@@ -184,13 +184,13 @@ class Saves:
     def _reuse_source(
         self, step: int, context: Context
     ) -> tuple[reuse_lib.SaveReuse | None, str | None]:
-        """What the save of ``step`` may reuse: the newest committed step, leased (like a
-        step being read: retention defers deleting it) until the save ends."""
+        """What the save of ``step`` may reuse: the newest committed step (``_source_step``),
+        leased (like a step being read: retention defers deleting it) until the save ends."""
         on, frozen = self.reuse
         if not on:
             return None, None
-        latest = self._steps.latest()
-        if latest is None or latest.step == step:
+        latest = self._source_step(step)
+        if latest is None:
             return reuse_lib.SaveReuse(None, frozen), None
         lease = _readers.acquire(latest.path)
         with context:
@@ -201,6 +201,19 @@ class Saves:
             _readers.release(lease)
             return reuse_lib.SaveReuse(None, frozen), None
         return reuse_lib.SaveReuse(latest.path, frozen), lease
+
+    def _source_step(self, step: int) -> StepInfo | None:
+        """The step a save of ``step`` reuses from: the newest committed one, even when it is
+        ``step`` itself (an overwrite of the newest step) where the storage renames: the new
+        step is written in a temporary directory and swapped in at its commit, so the old
+        one stays whole until then, and the files linked from it outlive its removal (hard
+        links: other names of the same files). On an object store an overwrite deletes the
+        old step's objects as it starts: the newest other committed step instead."""
+        latest = self._steps.latest()
+        if latest is None or latest.step != step or _commit.uses_rename(latest.path):
+            return latest
+        others = [info for info in self._steps.sorted() if info.step != step]
+        return others[-1] if others else None
 
     def refuse_existing(self, request: StepSave, context: Context) -> None:
         """Raises what ``start`` would raise before saving anything: an earlier save's

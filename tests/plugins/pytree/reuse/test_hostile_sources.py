@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from checkpointables import _verification
 from checkpointables_pytree import ocdbt, reuse, zarr3
 
 from ....python_subprocess import assert_verifies
@@ -310,3 +311,53 @@ def test_a_source_file_deleted_before_its_link_fails_the_save_clearly(tmp_path) 
     linked = ocdbt.Linked(str(tmp_path / "gone" / "d" / "0a1b"), offset=0, length=100)
     with pytest.raises(cp.errors.StorageError, match="was deleted during the save"):
         ocdbt.link_files(database, [linked])
+
+
+def _forged(source, how: str) -> None:
+    """Rewrites ``source``'s record (format 2) to misstate how its arrays are stored, and
+    its ``_CHECKSUMS`` to match (a CRC: anyone can recompute it)."""
+    path = source / "pytree" / reuse.RECORD_FILE
+    record = json.loads(path.read_text())
+    assert record["format"] == 2
+    for name, entry in record["arrays"].items():
+        signature = json.loads(entry["signature"])
+        if how == "chunk shape" and name == "big":
+            signature[3] = [512, 1024]  # The unbudgeted shape; stored: the budget's halves.
+        elif how == "codec":
+            signature[4] = True  # Compressed; stored: plain.
+        entry["signature"] = json.dumps(signature)
+    path.write_text(json.dumps(record))
+    cp.metadata_checksums.record(source)
+    assert _problems(source) == []  # Nothing tells the forgery from a sound step.
+
+
+def _problems(checkpoint) -> list[str]:
+    """What ``checkpointables verify`` finds wrong with ``checkpoint`` (in process)."""
+    return [f.problem for f in _verification.verify_checkpoint(checkpoint) if f.problem]
+
+
+@pytest.mark.parametrize("how", ["chunk shape", "codec"])
+def test_a_forged_record_of_another_layout_links_nothing_that_would_not_load(tmp_path, how) -> None:
+    # A compressed save cannot check a chunk's length: the source's zarr.json, which its
+    # own loads obey, is compared with this save's for each array before it is linked.
+    rng = np.random.default_rng(5)
+    tree = {
+        "big": jnp.asarray(rng.standard_normal((512, 1024), np.float32)),  # Two 1 MiB pieces.
+        "w": jnp.asarray(rng.standard_normal((128, 256), np.float32)),
+    }
+    before = cp.options.MemoryOptions(host_bytes=8 << 20 if how == "chunk shape" else None)
+    with cp.Context(
+        memory_options=before,
+        array_options=cp.options.ArrayOptions(use_compression=how == "chunk shape"),
+    ):
+        cp.save_pytree(tmp_path / "1", tree)
+        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")
+    _forged(tmp_path / "2", how)
+    with cp.Context(array_options=cp.options.ArrayOptions(use_compression=True)):
+        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    loaded = cp.load_pytree(tmp_path / "3")
+    for name, value in tree.items():
+        assert np.asarray(loaded[name]).tobytes() == np.asarray(value).tobytes(), name
+    assert _problems(tmp_path / "3") == []
+    # What was stored as this save stores it is still linked; nothing else.
+    assert linked_names(tmp_path / "3") == ({"w"} if how == "chunk shape" else set())

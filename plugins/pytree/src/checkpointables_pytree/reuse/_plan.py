@@ -293,7 +293,7 @@ async def plan_reuse(
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
     if located is not None and linkable:
-        keys = [key for c in linkable for key in c.keys]
+        keys = [key for c in linkable for key in (*c.keys, _metadata_key(c.name))]
         tasks.append(asyncio.ensure_future(located.locate(keys)))
     prints, *places = await storage.gather_settled(tasks)
     record = {c.name: _entry(c, prints[c.name], probed.probes.get(c.name)) for c in to_print}
@@ -307,7 +307,7 @@ async def plan_reuse(
             matching += await asyncio.to_thread(_same_stored, probed.unprinted, probed, places[0])
         if not earlier:  # A source saved without reuse: what it stored is compared.
             matching += await asyncio.to_thread(_same_stored, linkable, probed, places[0])
-        plan.linked_bytes = _link(located, matching, places[0], writer, recorded)
+        plan.linked_bytes = _link(located, matching, places[0], writer, recorded, context)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
             record[name] = dict(record[name], reused_from=origin)
@@ -653,21 +653,101 @@ def _link(
     places: dict[str, ocdbt.ValueLocation],
     writer: io.Writer,
     recorded: dict[str, Any],
+    context: cp.Context,
 ) -> int:
     """Links the ``matching`` arrays whose every chunk the source holds in a data file
     that is there (``places``), of the length this save would store it in where that is
-    known (by a ``recorded`` of format 1: only where it is); returns the bytes linked.
-    Others are written."""
+    known (by a ``recorded`` of format 1: only where it is), and whose stored
+    ``zarr.json`` decodes its chunks as this save's would (``_Decoding``); returns the
+    bytes linked. Others are written."""
     old_format = recorded.get("format", _FORMAT) < _FORMAT
+    decoding = _Decoding(located, places, context)
     linked = 0
     for c in matching:
         if old_format and c.stored_bytes is None:
             continue
         keys = c.keys
-        if all(_as_stored(places.get(key), c.stored_bytes) for key in keys):
+        if all(_as_stored(places.get(key), c.stored_bytes) for key in keys) and decoding(c):
             writer.linked[c.name] = located.linked(keys, places)
             linked += c.nbytes
     return linked
+
+
+# The members of a zarr.json that say how its stored chunks decode. A record is trusted
+# for the chunk shape and codecs it states: a forged one (its _CHECKSUMS rewritten to
+# match) could have a save link chunks of another shape or codec, and commit a step that
+# cannot load. The source's own zarr.json, which its loads obey, is compared instead.
+_DECODING = ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs")
+# A zarr.json of ours is a few hundred bytes, inline in the b-tree: a larger one is none.
+_MAX_ZARR_JSON_BYTES = 64 << 10
+
+
+def _metadata_key(name: str) -> str:
+    """The key of array ``name``'s ``zarr.json``."""
+    return zarr3.array_prefix(name) + "zarr.json"
+
+
+class _Decoding:
+    """Whether the source's ``zarr.json`` of an array decodes its chunks as the one this
+    save writes for it would (``_DECODING``): read from the b-tree nodes that place its
+    chunks (inline there; no request more, on S3 too), parsed, compared (about 15 us)."""
+
+    def __init__(
+        self, located: Source, places: dict[str, ocdbt.ValueLocation], context: cp.Context
+    ) -> None:
+        self._places = places
+        self._located = located
+        self._compression = bool(context.array_options.use_compression)
+        # Inner chunks (``chunk_byte_size``) are shaped by the leaf handlers: the source's
+        # is taken where it divides the chunk shape evenly (see ``_with_inner_of``).
+        self._inner_free = bool(context.array_options.storage_options.chunk_byte_size)
+        self._expected: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def __call__(self, c: Candidate) -> bool:
+        key = _metadata_key(c.name)
+        raw = self._located.small_value(key, self._places.get(key), _MAX_ZARR_JSON_BYTES)
+        if raw is None:
+            return False
+        try:
+            stored = cp.safe_json.loads(raw, source=key)
+        except (ValueError, cp.errors.IntegrityError):
+            return False
+        if not isinstance(stored, dict):
+            return False
+        expected = self._expected_of(c)
+        if self._inner_free:
+            expected = _with_inner_of(expected, stored)
+        return all(stored.get(k) == expected[k] for k in _DECODING)
+
+    def _expected_of(self, c: Candidate) -> dict[str, Any]:
+        """The zarr.json this save writes for ``c`` (once per layout)."""
+        dtype = np.dtype(c.shards[0][2].dtype)  # bfloat16's signature says only "<V2".
+        found = self._expected.get((c.signature, dtype.name))
+        if found is None:
+            _, shape, _, chunk_shape, *_ = json.loads(c.signature)
+            found = zarr3.metadata_dict(shape, dtype, chunk_shape, compression=self._compression)
+            self._expected[(c.signature, dtype.name)] = found
+        return found
+
+
+def _with_inner_of(expected: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
+    """``expected`` with the inner chunk shape of ``stored`` where that divides the chunk
+    shape evenly (``chunk_byte_size`` saves: the leaf handlers choose it, and this room
+    may not import them); otherwise ``expected`` itself."""
+    try:
+        inner = stored["codecs"][0]["configuration"]["chunk_shape"]
+    except (KeyError, IndexError, TypeError):
+        return expected
+    chunk = expected["chunk_grid"]["configuration"]["chunk_shape"]
+    if not (
+        isinstance(inner, list)
+        and len(inner) == len(chunk)
+        and all(type(i) is int and i > 0 and c % i == 0 for i, c in zip(inner, chunk, strict=True))
+    ):
+        return expected
+    sharding = expected["codecs"][0]
+    configuration = dict(sharding["configuration"], chunk_shape=inner)
+    return dict(expected, codecs=[dict(sharding, configuration=configuration)])
 
 
 def _as_stored(place: ocdbt.ValueLocation | None, stored_bytes: int | None) -> bool:

@@ -42,17 +42,45 @@ class Source:
         self._index = ocdbt.DatabaseIndex(source)
         self._index.prefetch()  # The manifest and the root node, on the index's thread.
         self.listed: dict[str, storage.ObjectInfo] = {}
+        # The values of ``keys`` that the b-tree holds inline (an array's ``zarr.json``).
+        self.inline: dict[str, bytes] = {}
 
     async def locate(self, keys: Collection[str]) -> dict[str, ocdbt.ValueLocation]:
         """The chunks of ``keys`` that are in data files there with at least the bytes the
-        b-tree names (``{}``: a damaged source, whose data is then written afresh)."""
+        b-tree names (``{}``: a damaged source, whose data is then written afresh). Values
+        stored inline in the b-tree (small ones: a ``zarr.json``) go to ``inline``."""
         if not keys:
             return {}
         try:
-            found = await ocdbt.locate(self._index, keys)
+            found = await self._index.find(keys)
         except (OSError, ValueError, cp.errors.IntegrityError):
             return {}
-        return await asyncio.to_thread(self._present, found)
+        places = {}
+        for key, value in found.items():
+            if isinstance(value, ocdbt.ValueLocation):
+                places[key.decode()] = value
+            else:
+                self.inline[key.decode()] = bytes(value)
+        return await asyncio.to_thread(self._present, places)
+
+    def small_value(self, key: str, place: ocdbt.ValueLocation | None, most: int) -> bytes | None:
+        """The value of ``key``: inline in the b-tree, or (a local file) read from ``place``
+        if it holds at most ``most`` bytes. ``None``: missing, larger, or on S3 out of line
+        (a request more per array; this library's saves keep such values inline)."""
+        value = self.inline.get(key)
+        if value is not None or place is None or not self._local or place.length > most:
+            return value
+        try:
+            fd = os.open(place.file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            value = os.pread(fd, place.length, place.offset)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return value if len(value) == place.length else None
 
     def _present(self, found: dict[str, ocdbt.ValueLocation]) -> dict[str, ocdbt.ValueLocation]:
         """The entries of ``found`` whose file holds their bytes (each file looked at once)."""
