@@ -153,6 +153,19 @@ def test_bad_arguments(tmp_path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def test_one_pytree_given_for_a_dict_of_checkpointables_says_which_call_to_make(tmp_path) -> None:
+    import numpy as np
+
+    with pytest.raises(cp.errors.InvalidArgumentError) as saved:
+        cp.save_checkpointables(tmp_path / "c", np.ones(3))  # type: ignore[arg-type]
+    assert "use save_pytree: cp.save_pytree(path, pytree), or on a Checkpointer" in str(saved.value)
+    cp.save_pytree(tmp_path / "c", {"w": np.ones(3)})
+    with pytest.raises(cp.errors.InvalidArgumentError) as loaded:  # An array has no truth value.
+        cp.load_checkpointables(tmp_path / "c", np.ones(3))  # type: ignore[arg-type]
+    assert "use load_pytree: cp.load_pytree(path, abstract_pytree), or on a" in str(loaded.value)
+    assert cp.load_checkpointables(tmp_path / "c", {}).keys() == {"pytree"}
+
+
 def test_unhandleable_object_names_checkpointable_and_type(tmp_path) -> None:
     class Opaque:
         pass

@@ -210,14 +210,19 @@ def _requested(opened: Opened, abstract_checkpointables: Mapping[str, Any] | Non
     """What ``load_checkpointables`` loads: the names asked for (all if none), checked."""
     path = opened.path
     available = available_checkpointables(path, opened.meta)
-    if not abstract_checkpointables:
+    # None or {}: everything. (Not `not abstract_checkpointables`: an array has no truth value.)
+    if abstract_checkpointables is None or (
+        isinstance(abstract_checkpointables, Mapping) and not abstract_checkpointables
+    ):
         return {n: (path / n, None) for n in available}
     if isinstance(abstract_checkpointables, CheckpointMetadata):
         abstract_checkpointables = abstract_checkpointables.metadata
     if not isinstance(abstract_checkpointables, Mapping):
         raise errors.InvalidArgumentError(
             "abstract_checkpointables must be a dict of name to abstract checkpointable, got "
-            f"{type(abstract_checkpointables).__name__}; to load one pytree use cp.load_pytree."
+            f"{type(abstract_checkpointables).__name__}. To load one pytree use load_pytree: "
+            f"cp.load_pytree(path, abstract_pytree), or on a Checkpointer "
+            f"ckptr.load_pytree(step, abstract_pytree)."
         )
     missing = [n for n in abstract_checkpointables if n not in available]
     if missing:

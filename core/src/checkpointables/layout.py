@@ -90,7 +90,8 @@ def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, objec
     if not isinstance(checkpointables, Mapping):
         raise errors.InvalidArgumentError(
             f"save_checkpointables takes a dict of name to checkpointable, got "
-            f"{type(checkpointables).__name__}. To save one pytree use cp.save_pytree."
+            f"{type(checkpointables).__name__}. To save one pytree use save_pytree: "
+            f"cp.save_pytree(path, pytree), or on a Checkpointer ckptr.save_pytree(step, pytree)."
         )
     if not checkpointables:
         raise errors.InvalidArgumentError(
