@@ -381,3 +381,26 @@ def test_folders_of_unreleased_layouts_are_not_partial_saves(tmp_path) -> None:
     cp.partial.finalize(path)
     _assert_holds(path, [2])
     assert not [n for n in os.listdir(path / "pytree") if n.startswith("ocdbt.partial_")]
+
+
+def test_loading_a_path_with_unfinalized_partial_saves_says_to_finalize(tmp_path) -> None:
+    path = tmp_path / "p4" / "ckpt"
+    session = cp.partial.session_path(path)
+    cp.partial.save(path, part(0))
+    for load in (cp.load_pytree, cp.load_checkpointables, cp.pytree_metadata):
+        with pytest.raises(cp.errors.CheckpointNotFoundError) as missing:
+            load(path)
+        assert "does not exist (nothing is stored there). But " in str(missing.value)
+        assert f"{session} exists" in str(missing.value)
+        assert f"cp.partial.finalize({str(path)!r})" in str(missing.value)
+    # Loading the session itself says what it is and what to do.
+    with pytest.raises(cp.errors.NotACheckpointError, match=r"partial saves .* not published"):
+        cp.load_pytree(session)
+    with pytest.raises(cp.errors.NotACheckpointError, match=r"cp.partial.finalize\("):
+        cp.load_pytree(str(session) + "/")
+    cp.partial.finalize(path)
+    assert cp.load_pytree(path).keys() == part(0).keys()
+    # Without a session the message is unchanged.
+    with pytest.raises(cp.errors.CheckpointNotFoundError) as missing:
+        cp.load_pytree(tmp_path / "other")
+    assert str(missing.value).endswith("does not exist (nothing is stored there).")

@@ -54,8 +54,33 @@ def test_load_subset_and_everything(tmp_path) -> None:
     cp.save_checkpointables(path, {"a": {"x": 1}, "b": [1, 2]})
     assert cp.load_checkpointables(path, {"b": None}) == {"b": [1, 2]}
     assert cp.load_checkpointables(path) == {"a": {"x": 1}, "b": [1, 2]}
-    with pytest.raises(KeyError, match="no checkpointable named \\['c'\\]"):
+    with pytest.raises(KeyError, match="no checkpointable named 'c'; it holds 'a', 'b'"):
         cp.load_checkpointables(path, {"c": None})
+
+
+def test_a_missing_checkpointable_is_a_public_error_worded_alike_by_every_load(tmp_path) -> None:
+    from checkpointables import _loading
+
+    path = tmp_path / "ckpt"
+    cp.save_checkpointables(path, {"pytree": {"w": [1, 2]}, "extra": {"k": 1}})
+    assert _loading.CheckpointableNotFoundError is cp.errors.CheckpointableNotFoundError
+    assert "CheckpointableNotFoundError" in cp.errors.__all__
+    with pytest.raises(cp.errors.CheckpointableNotFoundError) as by_name:
+        cp.load_pytree(path, checkpointable_name="pytre")
+    with pytest.raises(cp.errors.CheckpointableNotFoundError) as by_key:
+        cp.load_checkpointables(path, {"extras": None, "nope": None})
+    assert isinstance(by_name.value, KeyError)  # As before it was public.
+    assert isinstance(by_name.value, cp.errors.CheckpointError)
+    assert str(by_name.value) == (
+        f"Checkpoint {path} has no checkpointable named 'pytre' (did you mean 'pytree'?); "
+        "it holds 'extra', 'pytree'. Pass checkpointable_name= one of those (or None to find "
+        "the pytree)."
+    )
+    assert str(by_key.value) == (
+        f"Checkpoint {path} has no checkpointables named 'extras' (did you mean 'extra'?), "
+        "'nope'; it holds 'extra', 'pytree'. Pass abstract_checkpointables with keys among "
+        "those (or None to load them all)."
+    )
 
 
 def test_stateful_object_needs_an_instance_to_load(tmp_path) -> None:
@@ -126,6 +151,19 @@ def test_bad_arguments(tmp_path) -> None:
     with pytest.raises(ValueError, match="custom_metadata must be JSON"):
         cp.save_checkpointables(tmp_path / "c", {"a": {"k": 1}}, custom_metadata={"x": object()})
     assert os.listdir(tmp_path) == []
+
+
+def test_one_pytree_given_for_a_dict_of_checkpointables_says_which_call_to_make(tmp_path) -> None:
+    import numpy as np
+
+    with pytest.raises(cp.errors.InvalidArgumentError) as saved:
+        cp.save_checkpointables(tmp_path / "c", np.ones(3))  # type: ignore[arg-type]
+    assert "use save_pytree: cp.save_pytree(path, pytree), or on a Checkpointer" in str(saved.value)
+    cp.save_pytree(tmp_path / "c", {"w": np.ones(3)})
+    with pytest.raises(cp.errors.InvalidArgumentError) as loaded:  # An array has no truth value.
+        cp.load_checkpointables(tmp_path / "c", np.ones(3))  # type: ignore[arg-type]
+    assert "use load_pytree: cp.load_pytree(path, abstract_pytree), or on a" in str(loaded.value)
+    assert cp.load_checkpointables(tmp_path / "c", {}).keys() == {"pytree"}
 
 
 def test_unhandleable_object_names_checkpointable_and_type(tmp_path) -> None:

@@ -13,7 +13,8 @@ same phases through ``start_load``:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import difflib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -52,11 +53,30 @@ T = TypeVar("T")
 Items = Mapping[str, tuple[epath.Path, Any]]
 
 
-class CheckpointableNotFoundError(errors.CheckpointError, KeyError):
-    """A requested checkpointable is not in the checkpoint."""
+# Public as cp.errors.CheckpointableNotFoundError; this name stays for older imports.
+CheckpointableNotFoundError = errors.CheckpointableNotFoundError
 
-    def __str__(self) -> str:
-        return str(self.args[0])
+
+def _named_as(name: str, available: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, available, n=1)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+
+
+def held(available: Sequence[str]) -> str:
+    """The checkpointables a checkpoint holds, as errors list them."""
+    return ", ".join(map(repr, available)) or "no checkpointable"
+
+
+def checkpointable_not_found(
+    path: epath.Path, missing: Sequence[str], available: Sequence[str], what_to_pass: str
+) -> errors.CheckpointableNotFoundError:
+    """The error for names asked for that checkpoint ``path`` does not hold (every load
+    words it alike): what is missing, what it holds, and ``what_to_pass`` instead."""
+    names = ", ".join(_named_as(n, available) for n in missing)
+    return errors.CheckpointableNotFoundError(
+        f"Checkpoint {path} has no checkpointable{'s' if len(missing) > 1 else ''} named "
+        f"{names}; it holds {held(available)}. {what_to_pass}"
+    )
 
 
 @attrs.frozen
@@ -190,19 +210,27 @@ def _requested(opened: Opened, abstract_checkpointables: Mapping[str, Any] | Non
     """What ``load_checkpointables`` loads: the names asked for (all if none), checked."""
     path = opened.path
     available = available_checkpointables(path, opened.meta)
-    if not abstract_checkpointables:
+    # None or {}: everything. (Not `not abstract_checkpointables`: an array has no truth value.)
+    if abstract_checkpointables is None or (
+        isinstance(abstract_checkpointables, Mapping) and not abstract_checkpointables
+    ):
         return {n: (path / n, None) for n in available}
     if isinstance(abstract_checkpointables, CheckpointMetadata):
         abstract_checkpointables = abstract_checkpointables.metadata
     if not isinstance(abstract_checkpointables, Mapping):
         raise errors.InvalidArgumentError(
             "abstract_checkpointables must be a dict of name to abstract checkpointable, got "
-            f"{type(abstract_checkpointables).__name__}; to load one pytree use cp.load_pytree."
+            f"{type(abstract_checkpointables).__name__}. To load one pytree use load_pytree: "
+            f"cp.load_pytree(path, abstract_pytree), or on a Checkpointer "
+            f"ckptr.load_pytree(step, abstract_pytree)."
         )
     missing = [n for n in abstract_checkpointables if n not in available]
     if missing:
-        raise CheckpointableNotFoundError(
-            f"Checkpoint {path} has no checkpointable named {missing}; it holds {available}."
+        raise checkpointable_not_found(
+            path,
+            missing,
+            available,
+            "Pass abstract_checkpointables with keys among those (or None to load them all).",
         )
     return {n: (path / n, a) for n, a in abstract_checkpointables.items()}
 

@@ -124,15 +124,19 @@ def find_pytree(
 
     Raises:
       cp.errors.InvalidArgumentError: several pytrees, none of the preferred names.
+      cp.errors.CheckpointableNotFoundError: no checkpointable ``checkpointable_name``,
+        or no pytree at all.
     """
     typestrs = _loading.recorded_typestrs(meta)
     available = _loading.available_checkpointables(path, meta)
     if checkpointable_name is not None:
         layout.validate_checkpointable_name(checkpointable_name)
         if checkpointable_name not in available:
-            raise _loading.CheckpointableNotFoundError(
-                f"Checkpoint {path} has no checkpointable named {checkpointable_name!r}; it holds "
-                f"{available}."
+            raise _loading.checkpointable_not_found(
+                path,
+                [checkpointable_name],
+                available,
+                "Pass checkpointable_name= one of those (or None to find the pytree).",
             )
         return checkpointable_name, path / checkpointable_name
     if isinstance(meta.get("item_handlers"), str) or (not typestrs and holds_pytree(path)):
@@ -166,9 +170,9 @@ def find_pytree(
     _raise_if_saved_by_a_missing_handler(path, meta, ordered)
     if registration is None:  # Without the plugin, nothing can tell its directories.
         pytree_registration()
-    raise _loading.CheckpointableNotFoundError(
-        f"Checkpoint {path} holds no pytree (it holds {available}). Pass checkpointable_name=... "
-        f"or use cp.load_checkpointables."
+    raise errors.CheckpointableNotFoundError(
+        f"Checkpoint {path} holds no pytree; it holds {_loading.held(available)}. Pass "
+        f"checkpointable_name= the one to load, or load them all with cp.load_checkpointables."
     )
 
 

@@ -1,13 +1,16 @@
 """Errors raised by checkpointables.
 
 Every library error derives from :class:`CheckpointError`. Where a builtin
-exception already carries the meaning (a missing path, an existing path, a bad
-argument, a full disk) the error also derives from that builtin, so ``except
-FileNotFoundError`` or ``except OSError`` keeps working::
+exception already carries the meaning (a missing path, an existing path, a
+checkpointable name the checkpoint lacks, a bad argument, a full disk) the
+error also derives from that builtin, so ``except FileNotFoundError`` or
+``except OSError`` keeps working::
 
     try:
         state = cp.load_pytree(path)
     except cp.errors.IntegrityError as e:      # damaged, or changed while being read
+        ...
+    except cp.errors.CheckpointableNotFoundError as e:  # no such name (a KeyError)
         ...
     except cp.errors.CheckpointError as e:     # anything else the library refuses
         ...
@@ -19,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "CheckpointableNotFoundError",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
     "NotACheckpointError",
@@ -47,6 +51,18 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A save would replace something that exists; pass ``overwrite=True`` to replace it."""
+
+
+class CheckpointableNotFoundError(CheckpointError, KeyError):
+    """A checkpoint holds no checkpointable of the name asked for (``checkpointable_name=``,
+    a key of ``abstract_checkpointables``), or no pytree to load.
+
+    A ``KeyError``; the message names the checkpointables the checkpoint holds
+    and what to pass instead.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError's own would show the message quoted.
 
 
 class InvalidArgumentError(CheckpointError, ValueError):

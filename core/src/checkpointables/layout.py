@@ -47,7 +47,9 @@ MARKER_FILE = "orbax.checkpoint"
 COMMIT_SUCCESS_FILE = "commit_success.txt"
 TMP_INFIX = ".checkpointables-tmp-"
 OLD_INFIX = ".checkpointables-old-"
-_FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", ".partial_save")
+# Where cp.partial's saves wait for finalize (its SESSION_SUFFIX; partial imports this module).
+PARTIAL_SESSION_SUFFIX = ".partial_save"
+_FOREIGN_TMP_MARKERS = (".orbax-checkpoint-tmp", PARTIAL_SESSION_SUFFIX)
 # A step's metrics (written by the training Checkpointer, and by Orbax's), not a checkpointable.
 METRICS_NAME = "metrics"
 RESERVED_NAMES = frozenset(
@@ -88,7 +90,8 @@ def validate_checkpointables_dict(checkpointables: object) -> Mapping[str, objec
     if not isinstance(checkpointables, Mapping):
         raise errors.InvalidArgumentError(
             f"save_checkpointables takes a dict of name to checkpointable, got "
-            f"{type(checkpointables).__name__}. To save one pytree use cp.save_pytree."
+            f"{type(checkpointables).__name__}. To save one pytree use save_pytree: "
+            f"cp.save_pytree(path, pytree), or on a Checkpointer ckptr.save_pytree(step, pytree)."
         )
     if not checkpointables:
         raise errors.InvalidArgumentError(
@@ -152,6 +155,18 @@ def _local_non_directory(text: str) -> bool:
     return storage.is_local(text) and os.path.exists(text) and not os.path.isdir(text)
 
 
+def _unpublished_partial_saves(text: str) -> str:
+    """What a missing local ``text`` awaits, where ``cp.partial`` saved to it without a
+    ``finalize`` ("" if nothing)."""
+    session = text.rstrip("/") + PARTIAL_SESSION_SUFFIX
+    if not (storage.is_local(text) and os.path.isdir(session)):
+        return ""
+    return (
+        f" But {session} exists: it holds partial saves (cp.partial.save) of this path, which "
+        f"appear here only once published: call cp.partial.finalize({text!r}), then load it."
+    )
+
+
 def validate_checkpoint_directory(path: epath.Path) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -161,6 +176,13 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         has no ``_CHECKPOINT_METADATA`` (on an object store: no commit marker).
     """
     text = os.fspath(path)
+    if text.rstrip("/").endswith(PARTIAL_SESSION_SUFFIX):
+        final = text.rstrip("/").removesuffix(PARTIAL_SESSION_SUFFIX)
+        raise errors.NotACheckpointError(
+            f"{path} holds partial saves (cp.partial.save) that were not published yet; it is "
+            f"not a checkpoint. Publish them with cp.partial.finalize({final!r}), then load "
+            f"{final}."
+        )
     if is_temporary_path(text):
         raise errors.NotACheckpointError(
             f"{path} is the temporary directory of a save that did not finish; it is not a "
@@ -175,6 +197,7 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
     if not names and not (storage.is_local(text) and os.path.isdir(text)):
         raise errors.CheckpointNotFoundError(
             f"No checkpoint at {path}: the path does not exist (nothing is stored there)."
+            + _unpublished_partial_saves(text)
         )
     if os.path.basename(_commit_file(text)) in names and storage.is_local(text):
         _refuse_irregular_marker(_commit_file(text))  # There, but not as a regular file.

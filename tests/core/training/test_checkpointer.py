@@ -128,6 +128,27 @@ def test_bad_steps(tmp_path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def test_a_pytree_where_a_step_or_a_dict_belongs_says_which_call_to_make(tmp_path) -> None:
+    ckptr = cp.training.Checkpointer(tmp_path / "run", save_decision_policy=EVERY_STEP)
+    ckptr.save_pytree(1, {"w": np.arange(3.0)})
+    abstract = {"w": np.zeros(3), "big": list(range(1000))}
+    with pytest.raises(cp.errors.InvalidArgumentTypeError) as step_forgotten:
+        ckptr.load_pytree(abstract)  # type: ignore[arg-type]
+    message = str(step_forgotten.value)
+    assert "got dict {'big': [0, 1, 2, 3, 4, 5, ...], 'w': array" in message  # Not all of it.
+    assert len(message) < 600
+    assert "the step, a Checkpointer method's first argument" in message
+    assert "(None: the latest) and the abstract tree second: ckptr.load_pytree(step, " in message
+    assert "or ckptr.load_pytree(abstract_pytree=abstract_pytree)" in message
+    with pytest.raises(cp.errors.InvalidArgumentError) as not_a_dict:
+        ckptr.save_checkpointables(2, np.ones(3), force=True)  # type: ignore[arg-type]
+    assert "on a Checkpointer ckptr.save_pytree(step, pytree)" in str(not_a_dict.value)
+    with pytest.raises(cp.errors.InvalidArgumentError) as not_a_dict:
+        ckptr.load_checkpointables(1, np.ones(3))  # type: ignore[arg-type]
+    assert "on a Checkpointer ckptr.load_pytree(step, abstract_pytree)" in str(not_a_dict.value)
+    ckptr.close()
+
+
 def test_metrics_are_converted_or_rejected(tmp_path) -> None:
     import jax.numpy as jnp
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,10 @@ def as_step(step: Any) -> int:
         value = operator.index(step)
     except TypeError:
         raise errors.InvalidArgumentTypeError(
-            f"Steps are integers >= 0, got {type(step).__name__} {step!r}."
+            f"Steps are integers >= 0, got {type(step).__name__} {reprlib.repr(step)} as the "
+            f"step, a Checkpointer method's first argument. Loads take the step first (None: "
+            f"the latest) and the abstract tree second: ckptr.load_pytree(step, abstract_pytree) "
+            f"or ckptr.load_pytree(abstract_pytree=abstract_pytree)."
         ) from None
     if value < 0:
         raise errors.InvalidArgumentError(f"Steps are integers >= 0, got {value}.")

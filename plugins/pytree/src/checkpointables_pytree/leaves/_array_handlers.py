@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -112,11 +112,52 @@ class _OnDefaultDevice:
         return jax.device_put([_cast(p[0], c.dtype) for c, p in zip(converts, pieces, strict=True)])
 
 
+def _misfit(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[str, str] | None:
+    """Why a ``NamedSharding`` cannot split ``shape``, and a spec that can (``None`` for
+    other shardings: JAX's message says why)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec, sizes = tuple(sharding.spec), dict(sharding.mesh.shape)
+    why, fixed = [], list(spec)
+    for dim, (size, axes) in enumerate(zip(shape, spec, strict=False)):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        parts = math.prod(sizes.get(a, 1) for a in names if isinstance(a, str))
+        if size % parts:
+            by = f"mesh axis {axes!r}" if isinstance(axes, str) else f"mesh axes {axes!r}"
+            why.append(f"dimension {dim} (size {size}) is split into {parts} parts by {by}")
+            fixed[dim] = None
+    return ("; ".join(why), repr(jax.sharding.PartitionSpec(*fixed))) if why else None
+
+
+def _device_indices(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, keystr: str
+) -> Mapping[Any, Any]:
+    """Each addressable device's index of ``shape`` under ``sharding``, checked while the
+    load plans (before any read).
+
+    Raises:
+      cp.errors.InvalidArgumentError: ``sharding`` cannot split ``shape`` (e.g. a mesh
+        axis whose size does not divide the dimension it splits).
+    """
+    try:
+        return sharding.addressable_devices_indices_map(shape)
+    except ValueError as e:  # JAX's IndivisibleError (private: caught as its base).
+        misfit = _misfit(shape, sharding)
+        why, spec = misfit if misfit is not None else (str(e), "")
+        instead = f"(e.g. {spec}, which leaves those dimensions whole) " if spec else ""
+        raise cp.errors.InvalidArgumentError(
+            f"The abstract leaf {keystr} asks for shape {shape} with sharding {sharding}, "
+            f"which cannot split that shape: {why}. Give the leaf a sharding whose mesh axes "
+            f"divide the dimensions they split {instead}or none (jax.ShapeDtypeStruct(shape, "
+            f"dtype) loads onto one device), and reshard after loading."
+        ) from e
+
+
 def _sharded_read(
-    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding
+    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding, keystr: str
 ) -> ReadTarget:
     """The regions a sharded target needs, and the conversion building the ``jax.Array``."""
-    indices = sharding.addressable_devices_indices_map(shape)
+    indices = _device_indices(shape, sharding, keystr)
     regions: list[tuple[slice, ...]] = []
     position: dict[tuple[tuple[int, int], ...], int] = {}
     for index in indices.values():
@@ -476,7 +517,8 @@ class ArrayLeafHandler(ZarrLeafHandler):
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         shape, dtype, sharding = _target_of(abstract)
         if sharding is not None and shape is not None:
-            return _sharded_read(shape, dtype, _on_concrete_mesh(sharding, entry.keystr))
+            keystr = entry.keystr
+            return _sharded_read(shape, dtype, _on_concrete_mesh(sharding, keystr), keystr)
         return ReadTarget(
             _OnDefaultDevice(dtype), shape, sink=_pieces.DeviceSink.maker(shape, dtype, None)
         )
