@@ -242,3 +242,12 @@ def test_a_linen_module_itself_is_refused_with_what_to_save(tmp_path) -> None:
     message = str(raised.value)
     assert "flax.linen.linear.Dense" in message and "the variables init returns" in message
     assert not (tmp_path / "model").exists()
+
+
+def test_a_linen_module_is_refused_with_what_to_save_instead(tmp_path) -> None:
+    # A linen Module holds no arrays; an NNX module does, and saves as it is.
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match="or a TrainState, not the Module"):
+        cp.save_pytree(tmp_path / "linen", nn.Dense(3))
+    model, _ = _nnx_objects(0)
+    cp.save_pytree(tmp_path / "nnx", model)
+    assert cp.is_checkpoint(tmp_path / "nnx")

@@ -11,6 +11,7 @@ stores a checkpoint counts once its ``commit_success.txt`` exists (see
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Mapping
 
 from etils import epath
 
-from checkpointables import errors, storage
+from checkpointables import errors, metadata_checksums, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
 from checkpointables.metadata_checksums import CHECKSUMS_FILE
@@ -201,6 +202,8 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         )
     if os.path.basename(_commit_file(text)) in names and storage.is_local(text):
         _refuse_irregular_marker(_commit_file(text))  # There, but not as a regular file.
+    if CHECKSUMS_FILE in names and CHECKPOINT_METADATA_FILE not in names:
+        _refuse_lost_metadata(text)
     hint = ""
     if any(store.is_file(_commit_file(f"{text.rstrip('/')}/{n}")) for n in names[:8]):
         hint = " It looks like a root of several checkpoints: load one of its steps."
@@ -209,6 +212,17 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         f"({f'it holds {names[:8]}' if names else 'the directory is empty'}), so a save to it "
         f"did not finish (or is still running), or it is not a checkpoint.{hint}"
     )
+
+
+def _refuse_lost_metadata(directory: str) -> None:
+    """Raises ``IntegrityError`` if the ``_CHECKSUMS`` in ``directory`` records the missing
+    ``_CHECKPOINT_METADATA``: a committed checkpoint that lost it is damaged, not a save
+    that did not finish (docs/integrity.md, "A checkpoint that lost its metadata")."""
+    with contextlib.suppress(FileNotFoundError):  # Not recorded: the generic refusal.
+        metadata_checksums.read_file(
+            f"{directory.rstrip('/')}/{CHECKPOINT_METADATA_FILE}",
+            max_bytes=metadata_checksums.MAX_FILE_BYTES,
+        )
 
 
 def is_checkpoint(path: epath.PathLike) -> bool:

@@ -30,12 +30,6 @@ def test_on_s3_a_lost_metadata_file_is_damage(bucket) -> None:
     _check(f"{bucket}/ckpt")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=cp.errors.NotACheckpointError,
-    reason="layout.validate_checkpoint_directory (outside this change) refuses a local "
-    "directory without _CHECKPOINT_METADATA before _CHECKSUMS is consulted",
-)
 def test_on_a_local_disk_a_lost_metadata_file_is_damage(tmp_path) -> None:
     _lose_metadata(str(tmp_path / "ckpt"))
     _check(str(tmp_path / "ckpt"))

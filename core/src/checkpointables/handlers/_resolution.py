@@ -140,9 +140,10 @@ def resolve_for_save(
                 f"(save_pytree's handler, or the one CheckpointablesOptions forces for it), "
                 f"which cannot save an object of type "
                 f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
-                f"{f' ({why})' if why else ''}. Pass an object it accepts: a model's state, "
-                f"not the model (Flax linen: the variables init returns, or a TrainState; "
-                f"Flax NNX: nnx.state(model)); or force no handler in CheckpointablesOptions."
+                f"{f' ({why})' if why else ''}. Pass an object it accepts: a pytree of arrays "
+                f"(Flax linen: the variables init returns, or a TrainState, not the Module; "
+                f"Flax NNX: the module or nnx.state(model)); or force no handler in "
+                f"CheckpointablesOptions."
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
         return match, instance
