@@ -72,8 +72,10 @@ def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
         # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
         with contextlib.suppress(TypeError):
             dtype = np.dtype(dtype)
-        sharding = leaf.sharding if isinstance(leaf, AbstractShardedArray) else None
-        extra = f" sharding={sharding}" if sharding is not None else ""
+        shown = _recorded_sharding(getattr(leaf, "sharding_metadata", None))
+        if shown is None and isinstance(leaf, AbstractShardedArray) and leaf.sharding is not None:
+            shown = str(leaf.sharding)
+        extra = f" sharding: {_escaped(shown)}" if shown is not None else ""
         text = f"{type(leaf).__name__} shape={tuple(leaf.shape)} dtype={dtype}{extra}"
         return text, leaf_nbytes(leaf)
     if isinstance(leaf, type):
@@ -81,6 +83,26 @@ def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
     # Metadata of scalars and strings is a placeholder of the stored type, not the value:
     # no size to show. A bytes leaf's metadata knows its size (its `nbytes`).
     return type(leaf).__name__, leaf_nbytes(leaf)
+
+
+def _recorded_sharding(record: Any) -> str | None:
+    """The sharding an array was saved with, as its record (the pytree's ``_sharding``)
+    says, whatever devices this machine has: ``mesh (data=2, model=4) spec P(None,
+    'model')``. ``None`` when there is no record this can read."""
+    if not isinstance(record, dict):
+        return None
+    kind = record.get("sharding_type")
+    if kind == "SingleDeviceSharding":
+        return f"device {record.get('device_str', '?')}"
+    names, shape, spec = (record.get(k) for k in ("axis_names", "shape", "partition_spec"))
+    if kind != "NamedSharding" or not all(isinstance(v, list) for v in (names, shape, spec)):
+        return None
+    axes = ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=False))
+
+    def entry(part: Any) -> str:  # An axis name, several (a list), or None (replicated).
+        return repr(tuple(part)) if isinstance(part, list) else repr(part)
+
+    return f"mesh ({axes}) spec P({', '.join(map(entry, spec))})"
 
 
 def _print_leaves(value: Any) -> int:
