@@ -95,7 +95,9 @@ def _recorded_sharding(record: Any) -> str | None:
     if kind == "SingleDeviceSharding":
         return f"device {record.get('device_str', '?')}"
     names, shape, spec = (record.get(k) for k in ("axis_names", "shape", "partition_spec"))
-    if kind != "NamedSharding" or not all(isinstance(v, list) for v in (names, shape, spec)):
+    if kind != "NamedSharding" or not (
+        isinstance(names, list) and isinstance(shape, list) and isinstance(spec, list)
+    ):
         return None
     axes = ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=False))
 
