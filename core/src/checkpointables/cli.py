@@ -72,8 +72,10 @@ def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
         # An extended dtype (PRNG keys: key<fry>) is shown and sized as it is.
         with contextlib.suppress(TypeError):
             dtype = np.dtype(dtype)
-        sharding = leaf.sharding if isinstance(leaf, AbstractShardedArray) else None
-        extra = f" sharding={sharding}" if sharding is not None else ""
+        shown = _recorded_sharding(getattr(leaf, "sharding_metadata", None))
+        if shown is None and isinstance(leaf, AbstractShardedArray) and leaf.sharding is not None:
+            shown = str(leaf.sharding)
+        extra = f" sharding: {_escaped(shown)}" if shown is not None else ""
         text = f"{type(leaf).__name__} shape={tuple(leaf.shape)} dtype={dtype}{extra}"
         return text, leaf_nbytes(leaf)
     if isinstance(leaf, type):
@@ -81,6 +83,28 @@ def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
     # Metadata of scalars and strings is a placeholder of the stored type, not the value:
     # no size to show. A bytes leaf's metadata knows its size (its `nbytes`).
     return type(leaf).__name__, leaf_nbytes(leaf)
+
+
+def _recorded_sharding(record: Any) -> str | None:
+    """The sharding an array was saved with, as its record (the pytree's ``_sharding``)
+    says, whatever devices this machine has: ``mesh (data=2, model=4) spec P(None,
+    'model')``. ``None`` when there is no record this can read."""
+    if not isinstance(record, dict):
+        return None
+    kind = record.get("sharding_type")
+    if kind == "SingleDeviceSharding":
+        return f"device {record.get('device_str', '?')}"
+    names, shape, spec = (record.get(k) for k in ("axis_names", "shape", "partition_spec"))
+    if kind != "NamedSharding" or not (
+        isinstance(names, list) and isinstance(shape, list) and isinstance(spec, list)
+    ):
+        return None
+    axes = ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=False))
+
+    def entry(part: Any) -> str:  # An axis name, several (a list), or None (replicated).
+        return repr(tuple(part)) if isinstance(part, list) else repr(part)
+
+    return f"mesh ({axes}) spec P({', '.join(map(entry, spec))})"
 
 
 def _print_leaves(value: Any) -> int:
@@ -138,13 +162,16 @@ def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from checkpointables import _loading, progress, readers
+    from checkpointables import _loading, errors, progress, readers
     from checkpointables.context import get_context
 
     if readers.reader_for(args.path) is not None:
         return _inspect_other_format(args.path)
     context = get_context()
-    opened = _loading.open_for_load(args.path, context)
+    try:
+        opened = _loading.open_for_load(args.path, context)
+    except errors.NotACheckpointError as e:
+        raise errors.NotACheckpointError(_with_hint(str(e), args.path, "inspect")) from None
     path, meta = opened.path, opened.meta
     print(f"checkpoint {path}")
     for key in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
@@ -293,6 +320,9 @@ def _verify(args: argparse.Namespace) -> int:
         findings = [_verification.Finding("checkpoint", other)]
     else:
         findings = _verification.verify_checkpoint(args.path)
+        if len(findings) == 1 and findings[0].subject == "checkpoint" and findings[0].problem:
+            problem = _with_hint(findings[0].problem, args.path, "verify")
+            findings = [_verification.Finding("checkpoint", problem)]
     print(f"checkpoint {args.path}")
     failures = 0
     for finding in findings:
@@ -303,6 +333,78 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"{_escaped(finding.subject)}: {_escaped(finding.note or 'ok')}")
     print("all checks passed" if not failures else f"{failures} problem(s) found")
     return 1 if failures else 0
+
+
+# What layout's message says of a root; the command line names the step instead.
+_LIBRARY_ROOT_HINT = " It looks like a root of several checkpoints: load one of its steps."
+_LOCAL_COPY = re.compile(r"p[0-9]+-of-[0-9]+")
+_HINT_LOOKS = 20  # Children looked at (newest first) for a step: one stat, or request, each.
+
+
+def _with_hint(message: str, path: str, command: str) -> str:
+    """``message`` (``path`` is not a checkpoint) with which checkpoint to ``command``
+    instead, when ``path`` is a root of steps, a local tier's step or inside a checkpoint."""
+    try:
+        hint = _where_instead(path, command)
+    except (OSError, ValueError):  # Library errors are ValueErrors or OSErrors.
+        hint = None  # The hint is a courtesy: the original message stands.
+    if hint is None:
+        return message
+    return f"{message.replace(_LIBRARY_ROOT_HINT, '')} {hint}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path.rstrip('/')}/{name}" if "://" in path else os.path.join(path, name)
+
+
+def _where_instead(path: str, command: str) -> str | None:
+    from checkpointables import layout, storage
+
+    parent = path.rstrip("/")
+    for _ in range(3):  # <step>/<checkpointable>/<folder>: a few levels at most.
+        parent = parent.rpartition("/")[0] if "://" in parent else os.path.dirname(parent)
+        if not parent or parent.endswith(":/"):
+            break
+        if layout.is_checkpoint(parent):
+            return (
+                f"It is inside the checkpoint {parent} ({command} shows each of its "
+                f"checkpointables): run `checkpointables {command} {parent}`."
+            )
+    names = sorted((e.name for e in storage.list_dir(path)), key=_natural_key, reverse=True)
+    copies = [_join(path, n) for n in names if _LOCAL_COPY.fullmatch(n)]
+    copies = [c for c in copies if layout.is_checkpoint(c)]
+    if copies:
+        return (
+            f"It is a step of a local tier (docs/local-tier.md): each host's copy of it is a "
+            f"checkpoint, here {', '.join(reversed(copies))}. Run `checkpointables {command} "
+            f"{copies[-1]}`."
+        )
+    for name in names[:_HINT_LOOKS]:
+        step = _join(path, name)
+        if layout.is_checkpoint(step):
+            return (
+                f"It is a root of several checkpoints (a Checkpointer's steps): {command} one "
+                f"of its steps; the newest is {step}: `checkpointables {command} {step}`."
+            )
+        nested = [_join(step, n) for n in _local_copies(step)]
+        if nested:
+            return (
+                f"It is a local tier's directory (docs/local-tier.md): each host's copy of a "
+                f"step is a checkpoint; the newest here is {nested[0]}: "
+                f"`checkpointables {command} {nested[0]}`."
+            )
+    return None
+
+
+def _local_copies(step: str) -> list[str]:
+    """The names of the local tier's committed copies in ``step``, lowest process first."""
+    from checkpointables import layout, storage
+
+    try:
+        names = [e.name for e in storage.list_dir(step) if _LOCAL_COPY.fullmatch(e.name)]
+    except (OSError, ValueError):  # A file, say.
+        return []
+    return [n for n in sorted(names, key=_natural_key) if layout.is_checkpoint(_join(step, n))]
 
 
 def _other_format(path: str) -> str | None:

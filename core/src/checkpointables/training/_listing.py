@@ -15,6 +15,7 @@ in parallel (one request each).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from checkpointables import _saving, _step_metrics, errors, layout, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import Context
-from checkpointables.training import _root_metadata
+from checkpointables.training import _root_metadata, step_name_formats
 from checkpointables.training.step_info import StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat
 
@@ -103,7 +104,63 @@ def list_root(root: epath.Path, name_format: StepNameFormat) -> Listing:
         info = _read(step, child, validated=False)
         if info is not None:
             found[step] = info
+    if not found:
+        _warn_if_unmatched(root, name_format)
     return Listing(found)
+
+
+_warned: set[tuple[str, str]] = set()  # (root, format) already warned about in this process.
+
+
+def _warn_if_unmatched(root: epath.Path, name_format: StepNameFormat) -> None:
+    """Logs, once per root and format, that ``root`` holds checkpoints the format does not
+    name: a run resuming there would otherwise silently start from scratch."""
+    warned = (storage.key(root), repr(name_format))
+    if warned in _warned:
+        return
+    names = committed_unmatched(root, lambda name: name_format.parse_step(name) is not None)
+    if names:
+        _warned.add(warned)
+        note = unmatched_note(names)
+        logger.warning("No step of %s matches its step_name_format. %s", root, note)
+
+
+def committed_unmatched(root: epath.Path, matches: Callable[[str], bool]) -> list[str]:
+    """The names of the committed checkpoints directly under ``root`` for which ``matches``
+    (does the step name format write this name?) is false, sorted as steps are."""
+    if storage.is_local(root):
+        try:
+            children = [child.name for child in root.iterdir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        committed = [n for n in children if layout.is_checkpoint(root / n)]
+    else:
+        committed = [
+            name
+            for name, _, rest in (key.partition("/") for key in storage.list_files(root))
+            if rest == layout.COMMIT_SUCCESS_FILE
+        ]
+    names = {n for n in committed if not layout.is_temporary_path(n) and not matches(n)}
+    return sorted(names, key=lambda n: [(len(p), p) for p in re.split(r"(\d+)", n)])
+
+
+def unmatched_note(names: list[str]) -> str:
+    """Says that the committed checkpoints ``names`` were not listed, and which
+    ``step_name_format`` would list them (when a standard one would)."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    text = (
+        f"It holds committed checkpoints whose names the step_name_format does not "
+        f"match ({shown}), so they are not listed as steps."
+    )
+    guess = step_name_formats.guess_standard_format(names)
+    if guess is not None:
+        text += (
+            f" They were probably saved with step_name_format="
+            f"{step_name_formats.as_code(guess)}: pass that to the Checkpointer."
+        )
+    else:
+        text += " Pass the step_name_format they were saved with to the Checkpointer."
+    return text
 
 
 def open_root(
@@ -151,6 +208,8 @@ def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing
     # One request per step: many at once.
     infos = concurrently(lambda item: _read(*item, validated=True), committed.items())
     steps = {info.step: info for info in infos if info is not None}
+    if not steps:
+        _warn_if_unmatched(root, name_format)
     return Listing(steps, tuple(unfinished.values()))
 
 

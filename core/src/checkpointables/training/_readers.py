@@ -20,7 +20,7 @@ from etils import epath
 from checkpointables import layout, storage
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
-from checkpointables.training import _arguments, _listing
+from checkpointables.training import _arguments, _listing, step_name_formats
 from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.step_info import StepInfo
 
@@ -110,10 +110,7 @@ class Leases:
         if step is None:
             latest = self._steps.latest()
             if latest is None:
-                raise StepNotFoundError(
-                    f"{self._root} has no committed checkpoint yet, so there is no latest step "
-                    f"to load. Check the path, or call reload() if another process is writing it."
-                )
+                raise StepNotFoundError(self._no_step_message(context))
             return latest
         number = _arguments.as_step(step.step if isinstance(step, StepInfo) else step)
         if self._steps.get(number) is None:
@@ -129,6 +126,21 @@ class Leases:
             f"No committed checkpoint for step {number} in {self._root} (looked for {path}). "
             f"Committed steps: {_summary([s.step for s in self._steps.sorted()])}."
         )
+
+    def _no_step_message(self, context: Context) -> str:
+        text = f"{self._root} has no committed checkpoint yet, so there is no latest step to load."
+        with context:
+            unmatched = _listing.committed_unmatched(self._root, self._writes)
+        if unmatched:
+            return f"{text} {_listing.unmatched_note(unmatched)}"
+        return f"{text} Check the path, or call reload() if another process is writing it."
+
+    def _writes(self, name: str) -> bool:
+        """Whether this Checkpointer's step name format names a step ``name`` (a step
+        committed since the listing), judged from the name it gives the step ``name`` holds."""
+        guess = step_name_formats.guess_standard_format([name])
+        step = guess.parse_step(name) if guess is not None else None
+        return step is not None and self._path_of(step).name == name
 
     def _acquire(self, step: StepLike, context: Context) -> tuple[StepInfo, str]:
         info = self.resolve(step, context)

@@ -6,6 +6,10 @@ Checkpointer reads ours and we read theirs (also its older
 ``<root>/metadata/metadata``). The first run that passes ``custom_metadata``
 writes it; later runs keep it, as Orbax does, so a resumed run cannot
 silently rewrite what the run was started with.
+
+It does not record the step name format (Orbax's does not either, and the
+file exists only where ``custom_metadata`` was given): a root opened with
+another format is recognized from its directory names (``_listing``).
 """
 
 from __future__ import annotations

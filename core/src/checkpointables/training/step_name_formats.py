@@ -10,6 +10,8 @@ Any object with ``build_name`` and ``parse_step`` can be passed as
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -109,3 +111,48 @@ def standard_name_format(
     return StandardNameFormat(
         step_prefix=step_prefix, step_format_fixed_length=step_format_fixed_length
     )
+
+
+# ``<prefix>_<digits>`` or ``<digits>``; the shortest prefix, so ``run_1_0007`` fails
+# ``run`` and is tried as ``run_1``.
+_STANDARD_NAME = re.compile(r"(?:(?P<prefix>.+?)_)?(?P<digits>[0-9]+)")
+
+
+def _candidate(name: str) -> StandardNameFormat | None:
+    match = _STANDARD_NAME.fullmatch(name)
+    if match is None:
+        return None
+    digits = match["digits"]
+    # A leading zero can only come from padding; an unpadded number fits any width.
+    width = len(digits) if len(digits) > 1 and digits.startswith("0") else None
+    try:
+        return StandardNameFormat(step_prefix=match["prefix"], step_format_fixed_length=width)
+    except errors.InvalidArgumentError:  # A prefix no standard format writes.
+        return None
+
+
+def guess_standard_format(names: Iterable[str]) -> StandardNameFormat | None:
+    """The ``StandardNameFormat`` that would have written the most of ``names``, or ``None``
+    if none would write any (names of a custom format).
+
+    Only a suggestion for messages: a Checkpointer never switches to it by itself.
+    """
+    names = list(names)
+    candidates = dict.fromkeys(c for c in map(_candidate, names) if c is not None)
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: sum(c.parse_step(n) is not None for n in names))
+
+
+def as_code(name_format: StandardNameFormat) -> str:
+    """The call that makes ``name_format``, for messages:
+    ``cp.training.standard_name_format(step_prefix='step', step_format_fixed_length=6)``."""
+    arguments = [
+        f"{field}={value!r}"
+        for field, value in (
+            ("step_prefix", name_format.step_prefix),
+            ("step_format_fixed_length", name_format.step_format_fixed_length),
+        )
+        if value is not None
+    ]
+    return f"cp.training.standard_name_format({', '.join(arguments)})"

@@ -1,4 +1,8 @@
-"""An example third-party checkpointables plugin.
+"""An example third-party checkpointables plugin: the tests' (see docs/writing-a-plugin.md).
+
+The default dev dependency group installs it, so ``checkpointables --help`` and
+``checkpointables plugins`` of a development checkout list it, its command marked
+as the tests' example plugin. It is no part of what users install.
 
 It ships a ``Point`` type and two ways to checkpoint it: ``PointHandler``
 (a whole checkpointable) and ``PointLeafHandler`` (a leaf inside pytrees);
@@ -216,7 +220,10 @@ def register_commands(register: Any) -> None:
     register(
         "points",
         _points_command,
-        help="print the Points saved in a checkpoint (example plugin)",
+        help=(
+            "print the Points saved in a checkpoint (the tests' example plugin; "
+            "see docs/writing-a-plugin.md)"
+        ),
         add_arguments=_add_points_arguments,
     )
 
