@@ -104,3 +104,20 @@ def test_a_source_of_another_shape_links_only_identical_chunks(tmp_path) -> None
     assert linked_names(tmp_path / "2") == set()
     _assert_loads(tmp_path / "2", tree)
     assert_verifies(tmp_path / "1")
+
+
+def test_a_subtree_of_a_plain_source_is_written_with_a_warning(tmp_path, caplog) -> None:
+    # A downloaded base saved plainly, then reused by a save of its subtree: its names
+    # lack the prefix, nothing is found under them, and the log says why (once).
+    cp.save_pytree(tmp_path / "1", {"base": _tree(0)})
+    with caplog.at_level(logging.WARNING, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "2", _tree(0), reuse_from=tmp_path / "1")
+        cp.save_pytree(tmp_path / "3", _tree(0), reuse_from=tmp_path / "1")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "stores none of this save's arrays" in warned[0], warned
+    assert "'w0'" in warned[0] and "save {'params': params}" in warned[0]
+    assert linked_names(tmp_path / "2") == set()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="checkpointables.reuse"):
+        cp.save_pytree(tmp_path / "4", {"base": _tree(0)}, reuse_from=tmp_path / "1")
+    assert not caplog.records and len(linked_names(tmp_path / "4")) == 3

@@ -306,7 +306,7 @@ async def plan_reuse(
         if probed.unprinted:  # Recorded without fingerprints: their bytes are compared.
             matching += await asyncio.to_thread(_same_stored, probed.unprinted, probed, places[0])
         if not earlier:  # A source saved without reuse: what it stored is compared.
-            matching += await asyncio.to_thread(_same_stored, linkable, probed, places[0])
+            matching += await asyncio.to_thread(_same_in_plain, source, linkable, probed, places[0])
         plan.linked_bytes = _link(located, matching, places[0], writer, recorded, context)
         reuse.add_reused(plan.linked_bytes)
         for name in writer.linked:  # For `checkpointables inspect`.
@@ -339,6 +339,27 @@ def _warn_if_unmatched(
         f"holds (a subtree's names lack its prefix: save {{'params': params}}, not params).",
         level=logging.WARNING,
     )
+
+
+def _same_in_plain(
+    source: epath.Path | None,
+    found: Sequence[Candidate],
+    probed: _Probed,
+    places: dict[str, ocdbt.ValueLocation],
+) -> list[Candidate]:
+    """``_same_stored`` for a source saved without reuse (no record), warning once where it
+    stores none of the arrays by their names here (``_warn_if_unmatched``'s case)."""
+    if source is not None and found and not any(k in places for c in found for k in c.keys):
+        cp.reuse.log_once(
+            f"unmatched:{source}",
+            f"reuse_from={source.parent} stores none of this save's arrays under their names "
+            f"here ({_some([c.name for c in found])}): arrays are matched by name, so every "
+            f"array is written. Save the structure the source holds (a subtree's names lack "
+            f"its prefix: save {{'params': params}}, not params); `checkpointables inspect "
+            f"{source.parent}` lists its names.",
+            level=logging.WARNING,
+        )
+    return _same_stored(found, probed, places)
 
 
 def _warn_nothing_frozen(found: Sequence[Candidate], frozen: Any) -> None:
