@@ -310,6 +310,27 @@ def test_with_every_local_copy_gone_the_newest_persistent_step_is_restored(run_d
         )
 
 
+def test_forged_manifests_on_a_peer_remove_nothing_and_are_passed_over(run_dir) -> None:
+    # Manifests of writers ".." (without a checksum, as a save before this check wrote
+    # none) and "." (checksum correct), with no files, planted on host 1; process 0's own
+    # copy damaged, so that it fetches its copy from host 1: the forged ones are passed
+    # over there, and nothing of host 0's directory is removed (it once was, all of it).
+    from tests.core.training.local_tier.test_local_tier import flip_a_bit
+    from tests.core.training.local_tier.test_manifest_trust import sealed
+
+    step = run_dir / "local" / "host1" / "30"
+    fields = json.loads((step / "p0-of-2.manifest.json").read_text())
+    del fields["checksum"]
+    (step / "...manifest.json").write_text(json.dumps({**fields, "writer": "..", "files": {}}))
+    (step / "..manifest.json").write_text(sealed({**fields, "writer": ".", "files": {}}))
+    flip_a_bit(run_dir / "local" / "host0" / "30" / "p0-of-2")
+    first, second = _job(run_dir, "restore")
+    assert (first["step"], first["tier"], first["persistent"]) == (30, "local", 0)
+    assert first["peers"] > 0 and (second["step"], second["tier"]) == (30, "local")
+    assert sorted(os.listdir(run_dir / "local" / "host0" / "20")) == [
+        "p0-of-2", "p0-of-2.manifest.json", "p1-of-2", "p1-of-2.manifest.json"]  # fmt: skip
+
+
 def test_a_step_whose_only_copies_of_one_host_are_damaged_is_skipped(run_dir) -> None:
     # Both copies of process 1's files of step 30 lose a bit: step 30 is incomplete.
     from tests.core.training.local_tier.test_local_tier import flip_a_bit

@@ -15,12 +15,22 @@ presence is the copy's commit). It records:
 
 Checksums are CRC-32C when the ``crc32c`` module is installed (the pytree
 plugin depends on it), else CRC-32 (``zlib``); the manifest names which.
+
+The manifest decides what a restore reads, which step is newest (``run``,
+``commit_timestamp_nsecs``) and which files a host fetches and removes, so it
+is trusted only whole and well formed: it ends with the CRC-32 of everything
+before it, framed as ``_CHECKSUMS`` is (``cp.metadata_checksums``), and every
+field must have the one form a save writes (``writer`` is
+``p<process_index>-of-<process_count>``, file names are relative paths inside
+the copy, ...). One that is not raises ``InvalidManifest``; its copy is passed
+over. A manifest without its checksum (none was released) is such a one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -39,11 +49,26 @@ __all__ = [
     "write",
     "read",
     "problems",
+    "InvalidManifest",
 ]
 
 SUFFIX = ".manifest.json"
 _CHUNK = 1 << 20
 Index = tuple[tuple[int, int], ...]
+_WRITER = re.compile(r"p(0|[1-9][0-9]*)-of-([1-9][0-9]*)")
+_SEAL = re.compile(r'(.*),"checksum":"([0-9a-f]{8})"\}\n?', re.DOTALL)
+_ALGORITHMS = ("crc32", "crc32c")
+
+
+class InvalidManifest(ValueError):
+    """A manifest that is damaged or not of the form a save writes: its copy is not used."""
+
+
+def is_writer_name(writer: str) -> bool:
+    """Whether ``writer`` has the form of a copy's name, ``p<index>-of-<count>``
+    (``index < count``): nothing else is a copy, and nothing else is ever removed as one."""
+    match = _WRITER.fullmatch(writer) if isinstance(writer, str) else None
+    return match is not None and int(match.group(1)) < int(match.group(2))
 
 
 def _crc_function() -> tuple[str, Callable[[bytes, int], int]]:
@@ -166,9 +191,81 @@ def uncovered(needed: Mapping[str, set[Index]], held: Mapping[str, Iterable[Inde
     return missing
 
 
+def _natural(value: Any, what: str, below: int | None = None) -> None:
+    """Raises unless ``value`` is an ``int`` (not a ``bool``) >= 0 (and < ``below``)."""
+    if type(value) is not int or value < 0 or (below is not None and value >= below):
+        bound = "" if below is None else f" below {below}"
+        raise InvalidManifest(f"{what} is {value!r}, not a whole number >= 0{bound}")
+
+
+def _check_file_name(name: Any) -> None:
+    """Raises unless ``name`` is a relative path inside the copy ("a/b", never "/a",
+    "a/../b", "a//b", "."): a copy's files are written, read and removed by these names."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        raise InvalidManifest(f"file name {name!r} is not a relative path inside the copy")
+
+
+def _check_shards(table: Any, what: str) -> None:
+    if not isinstance(table, dict):
+        raise InvalidManifest(f"{what} is not a table of array keys")
+    for key, boxes in table.items():
+        if not isinstance(key, str) or not isinstance(boxes, list):
+            raise InvalidManifest(f"{what} of {key!r} is not a list of shards")
+        for box in boxes:
+            if not isinstance(box, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 for pair in box
+            ):
+                raise InvalidManifest(f"{what} of {key!r} holds {box!r}, not a shard")
+            for start, stop in box:
+                _natural(start, f"a shard's start in {what} of {key!r}")
+                _natural(stop, f"a shard's stop in {what} of {key!r}")
+
+
+def _check(m: Manifest) -> None:
+    """Raises ``InvalidManifest`` unless every field of ``m`` has the form a save writes."""
+    _natural(m.step, "step")
+    _natural(m.process_count, "process_count")
+    if m.process_count == 0:
+        raise InvalidManifest("process_count is 0")
+    _natural(m.process_index, "process_index", below=m.process_count)
+    if m.writer != f"p{m.process_index}-of-{m.process_count}" or not is_writer_name(m.writer):
+        raise InvalidManifest(f"writer {m.writer!r} is not p{m.process_index}-of-{m.process_count}")
+    if m.algorithm not in _ALGORITHMS:
+        raise InvalidManifest(f"algorithm {m.algorithm!r} is none of {_ALGORITHMS}")
+    if not isinstance(m.files, dict):
+        raise InvalidManifest("files is not a table")
+    for name, entry in m.files.items():
+        _check_file_name(name)
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            raise InvalidManifest(f"file {name!r} has {entry!r}, not [size, checksum]")
+        _natural(entry[0], f"the size of {name!r}")
+        _natural(entry[1], f"the checksum of {name!r}", below=1 << 32)
+    _check_shards(m.held, "held")
+    _check_shards(m.shards, "shards")
+    for key, boxes in m.held.items():
+        if not set(boxes) <= set(m.shards.get(key, ())):
+            raise InvalidManifest(f"held shards of {key!r} are not among its shards")
+    _natural(m.commit_timestamp_nsecs, "commit_timestamp_nsecs")
+    if not isinstance(m.metrics, dict) or not isinstance(m.run, str):
+        raise InvalidManifest("metrics is not a table, or run is not a string")
+    if not isinstance(m.small, list) or not all(isinstance(n, str) for n in m.small):
+        raise InvalidManifest("small is not a list of names")
+    if not isinstance(m.partial, bool):
+        raise InvalidManifest(f"partial is {m.partial!r}, not true or false")
+
+
+def _sealed(body: str) -> str:
+    return f'{body},"checksum":"{zlib.crc32(body.encode()):08x}"}}'
+
+
 @attrs.frozen
 class Manifest:
-    """What one copy of a host's local step holds (see the module's docstring)."""
+    """What one copy of a host's local step holds (see the module's docstring).
+
+    Raises:
+      InvalidManifest: a field has a form no save writes.
+    """
 
     step: int
     writer: str
@@ -182,6 +279,11 @@ class Manifest:
     commit_timestamp_nsecs: int = 0
     small: list[str] = attrs.field(factory=list)
     partial: bool = False
+    # The run it belongs to: the persistent root its local directory's record names.
+    run: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        _check(self)
 
     def small_part(self) -> Manifest:
         """The manifest of this copy's small part, which every host keeps: its top-level
@@ -198,21 +300,38 @@ class Manifest:
         return sum(size for size, _ in self.files.values())
 
     def to_json(self) -> str:
-        """The manifest as compact JSON."""
-        return json.dumps(attrs.asdict(self), separators=(",", ":"), sort_keys=True)
+        """The manifest as compact JSON, ending with the CRC-32 of what precedes it."""
+        body = json.dumps(attrs.asdict(self), separators=(",", ":"), sort_keys=True)
+        return _sealed(body[:-1])
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
-        """The manifest ``to_json`` wrote."""
-        raw = json.loads(text)
+        """The manifest ``to_json`` wrote.
 
-        def shards(d: dict[str, list[Any]]) -> dict[str, list[Index]]:
-            return {k: [tuple((int(a), int(b)) for a, b in i) for i in v] for k, v in d.items()}
+        Raises:
+          InvalidManifest: ``text`` is damaged (its checksum differs), has no checksum,
+            or is not a manifest of the form a save writes.
+        """
+        match = _SEAL.fullmatch(text)
+        if match is None:
+            raise InvalidManifest("it does not end with its checksum")
+        if zlib.crc32(match.group(1).encode()) != int(match.group(2), 16):
+            raise InvalidManifest("it is damaged: it does not match its checksum")
+        try:
+            raw = json.loads(text)
+            del raw["checksum"]
 
-        raw["files"] = {k: (int(v[0]), int(v[1])) for k, v in raw["files"].items()}
-        raw["held"] = shards(raw["held"])
-        raw["shards"] = shards(raw["shards"])
-        return cls(**raw)
+            def shards(d: dict[str, list[Any]]) -> dict[str, list[Index]]:
+                return {k: [tuple(tuple(p) for p in i) for i in v] for k, v in d.items()}
+
+            raw["files"] = {k: tuple(v) for k, v in raw["files"].items()}
+            raw["held"] = shards(raw["held"])
+            raw["shards"] = shards(raw["shards"])
+            return cls(**raw)
+        except InvalidManifest:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidManifest(f"it is not a manifest: {type(e).__name__}: {e}") from None
 
 
 def build(copy_dir: str, step: int, writer: str, **fields: Any) -> Manifest:
@@ -245,12 +364,20 @@ def write(manifest: Manifest, path: str) -> None:
 
 
 def read(path: str) -> Manifest | None:
-    """The manifest at ``path``, or ``None`` if it is missing or unreadable."""
+    """The manifest at ``path``, or ``None`` if it is missing.
+
+    Raises:
+      InvalidManifest: it is unreadable, damaged or malformed (the message names it).
+    """
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return Manifest.from_json(f.read())
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         return None
+    except InvalidManifest as e:
+        raise InvalidManifest(f"{path}: {e}") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError.
+        raise InvalidManifest(f"{path} is unreadable: {e}") from None
 
 
 def problems(copy_dir: str, manifest: Manifest) -> list[str]:

@@ -6,7 +6,10 @@ reusing the directory, another run's files copied in) would be restored in
 place of this run's. The first Checkpointer to open a directory records its
 persistent root in ``OWNER_FILE``; a Checkpointer of another root is refused,
 naming both. A directory without the record (from an earlier version, or a
-moved run's whose record was removed) is adopted.
+moved run's whose record was removed) is adopted: the runs its copies'
+manifests name are recorded too (``adopted_runs``). Each copy's manifest
+names its run (``Manifest.run``), and a copy of any other run (another run's
+step directory copied in) is passed over (``Store.copies``).
 
 Two processes of a job given one directory would write each other's steps
 (their copies have different names, their retention does not know it): the
@@ -25,6 +28,7 @@ import threading
 from etils import epath
 
 from checkpointables import errors, storage
+from checkpointables.training.local_tier import _manifest
 
 __all__ = ["OWNER_FILE", "LOCK_FILE", "claim", "release"]
 
@@ -88,24 +92,49 @@ def _refuse_overlap(directory: str, root: str) -> None:
         )
 
 
-def _recorded(path: str) -> str | None:
+def _recorded(path: str) -> tuple[str | None, frozenset[str]]:
+    """The root the record names (``None``: no record), and the runs it adopted."""
     try:
         with open(path) as f:
-            owner = json.load(f).get("persistent_root")
+            record = json.load(f)
+        owner, adopted = record.get("persistent_root"), record.get("adopted_runs", [])
     except FileNotFoundError:
-        return None
+        return None, frozenset()
     except (OSError, ValueError, AttributeError) as e:
         raise errors.InvalidArgumentError(
             f"The local tier's record {path} is unreadable ({e}): remove it, and the "
             f"directory's steps, if they are not this run's."
         ) from e
-    return owner if isinstance(owner, str) else None
+    runs = frozenset(r for r in adopted if isinstance(r, str)) if isinstance(adopted, list) else ()
+    return (owner if isinstance(owner, str) else None), frozenset(runs)
 
 
-def claim(directory: str, persistent_root: epath.Path) -> None:
+def _runs_present(directory: str) -> list[str]:
+    """The runs the valid manifests in ``directory`` name (the steps a new record adopts)."""
+    found = set()
+    for step in os.listdir(directory):
+        if not (step.isascii() and step.isdigit()):
+            continue
+        try:
+            names = os.listdir(os.path.join(directory, step))
+        except OSError:
+            continue  # Not a step directory: retention removes it.
+        for name in names:
+            if name.endswith(_manifest.SUFFIX):
+                try:
+                    manifest = _manifest.read(os.path.join(directory, step, name))
+                except _manifest.InvalidManifest:
+                    continue  # Passed over (and logged) when the copies are listed.
+                if manifest is not None:
+                    found.add(manifest.run)
+    return sorted(found)
+
+
+def claim(directory: str, persistent_root: epath.Path) -> tuple[str, frozenset[str]]:
     """Records ``persistent_root`` as the owner of the local-tier ``directory``, or checks
     that it is the owner recorded, and takes its lock for this process (``release``
-    gives it back).
+    gives it back). Returns the run (the root as recorded, which this run's manifests
+    name) and the runs adopted with the directory (whose copies it uses too).
 
     Raises:
       cp.errors.InvalidArgumentError: ``directory`` is, or holds, the persistent
@@ -115,22 +144,26 @@ def claim(directory: str, persistent_root: epath.Path) -> None:
     root = _identity(persistent_root)
     if storage.scheme_of(root) is None:
         _refuse_overlap(directory, root)
-    _check_owner(directory, root)
+    adopted = _check_owner(directory, root)
     _lock(directory)
+    return root, adopted
 
 
-def _check_owner(directory: str, root: str) -> None:
+def _check_owner(directory: str, root: str) -> frozenset[str]:
     path = os.path.join(directory, OWNER_FILE)
-    owner = _recorded(path)
+    owner, adopted = _recorded(path)
     if owner is None:
+        runs = [r for r in _runs_present(directory) if r != root]
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"persistent_root": root}, f)
+            json.dump({"persistent_root": root, "adopted_runs": runs}, f)
         os.replace(tmp, path)
-    elif owner != root:
+        return frozenset(runs)
+    if owner != root:
         raise errors.InvalidArgumentError(
             f"LocalTier({directory!r}) holds the local steps of the Checkpointer of {owner}, "
             f"not of {root}: a local tier serves one run, whose steps it restores by number. "
             f"Give this Checkpointer a directory of its own; if that run is over, remove "
             f"{directory} first; if it is this run, moved to a new root, remove {path}."
         )
+    return adopted

@@ -4,7 +4,8 @@
 tier is restored. At equal steps the local tier wins (it is faster).
 
 1. Every host reports the copies on its disk that have a manifest (their
-   commit); an all-gather gives every process the same reports. A local step
+   commit); an all-gather gives every process the same reports (a manifest that
+   is damaged, malformed or another run's is passed over, logged). A local step
    is a *candidate* when every process that saved it (``p<i>-of-<n>`` for
    every ``i < n``) has a copy on some live host (a partial one, of its small
    items, counts) and every shard of every array is in one of them. A
@@ -28,6 +29,7 @@ tier is restored. At equal steps the local tier wins (it is faster).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection, Mapping
 
 import attrs
@@ -37,6 +39,8 @@ from checkpointables.training.local_tier._exchange import Exchange
 from checkpointables.training.local_tier._manifest import Index, Manifest
 from checkpointables.training.local_tier._store import Store, writer_name
 from checkpointables.training.step_info import StepInfo
+
+logger = logging.getLogger("checkpointables.training")
 
 __all__ = ["Inventory", "Candidate", "Obtained", "gather", "candidates", "options", "obtain"]
 
@@ -121,10 +125,25 @@ def gather(store: Store, exchange: Exchange, address: str, name: str, timeout: f
         raw = json.loads(text)
         addresses[process] = raw["address"]
         copies[process] = {
-            int(s): {w: Manifest.from_json(m) for w, m in by_writer.items()}
-            for s, by_writer in raw["copies"].items()
+            int(s): _valid(process, s, by_writer) for s, by_writer in raw["copies"].items()
         }
     return Inventory(addresses, copies)
+
+
+def _valid(process: int, step: str, reported: Mapping[str, str]) -> dict[str, Manifest]:
+    """The copies of ``step`` process ``process`` reported whose manifests are valid and
+    of the writer they are reported as (others are logged and passed over)."""
+    found = {}
+    for writer, text in reported.items():
+        try:
+            manifest = Manifest.from_json(text)
+        except _manifest.InvalidManifest as e:
+            logger.warning("Local tier: passing over process %d's copy %r of step %s: %s",
+                           process, writer, step, e)  # fmt: skip
+            continue
+        if (str(manifest.step), manifest.writer) == (step, writer):
+            found[writer] = manifest
+    return found
 
 
 @attrs.frozen

@@ -174,6 +174,7 @@ class LocalSaves:
             "shards": every,
             "small": _manifest.small_items(request.checkpointables),
             "metrics": metrics,
+            "run": self._store.run,
         }
         response: AsyncResponse[bool] = AsyncResponse(f"local save of step {request.step}")
         with self._lock:
@@ -231,11 +232,11 @@ class LocalSaves:
                 try:
                     remaining = max(deadline - time.monotonic(), _MIN_WAIT_SECS)
                     offer = json.loads(self._exchange.get(name, source, remaining))
-                    theirs = Manifest.from_json(offer["manifest"])
+                    theirs = Manifest.from_json(offer["manifest"])  # ValueError: malformed.
                     if source not in sources:
                         theirs = theirs.small_part()  # Small items: on every host.
                     _transport.fetch_copy(offer["address"], theirs, self._store, remaining)
-                except (OSError, multihost.BarrierTimeoutError) as e:
+                except (OSError, ValueError, multihost.BarrierTimeoutError) as e:
                     logger.warning(
                         "Local tier: no copy of process %d's step %d on this host: %s",
                         source,

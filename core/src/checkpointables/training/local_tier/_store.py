@@ -7,7 +7,11 @@ Layout::
 
 ``<writer>`` names the process that saved the copy (``p<index>-of-<count>``);
 a step directory holds this host's own copy and the copies it keeps for
-peers. A copy without its manifest is unfinished and never used. Steps are
+peers. A copy without its manifest is unfinished and never used; so is one
+whose manifest is damaged or malformed (``_manifest.InvalidManifest``) or
+names another run (another persistent root than the directory's record):
+each is logged and passed over. Nothing is ever removed as a copy but a
+directory named ``p<index>-of-<count>`` in a step directory. Steps are
 removed by renaming them to a hidden name first, so a half-removed step is
 never listed.
 """
@@ -15,13 +19,15 @@ never listed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import uuid
 
 from checkpointables.training.local_tier import _manifest
-from checkpointables.training.local_tier._manifest import Manifest
+from checkpointables.training.local_tier._manifest import InvalidManifest, Manifest
 
+logger = logging.getLogger("checkpointables.training")
 __all__ = ["Store", "writer_name"]
 
 _TRASH = ".removing-"
@@ -35,15 +41,26 @@ def writer_name(process_index: int, process_count: int) -> str:
 class Store:
     """A host's local-tier directory (see the module's docstring)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, run: str = "", runs: frozenset[str] = frozenset()) -> None:
+        """``run``: the run (persistent root) whose copies this host writes and keeps;
+        ``runs``: further runs whose copies it uses (the steps it adopted)."""
         self.directory = directory
+        self.run = run
+        self._runs = runs | {run}
+        self._reported: set[str] = set()  # Copies passed over and logged: once each.
 
     def step_dir(self, step: int) -> str:
         """The directory of ``step``."""
         return os.path.join(self.directory, str(step))
 
     def copy_dir(self, step: int, writer: str) -> str:
-        """Where the copy of ``writer``'s files of ``step`` lives."""
+        """Where the copy of ``writer``'s files of ``step`` lives.
+
+        Raises:
+          ValueError: ``writer`` is not a copy's name (``p<index>-of-<count>``).
+        """
+        if not _manifest.is_writer_name(writer):
+            raise InvalidManifest(f"{writer!r} is not the name of a copy (p<index>-of-<count>)")
         return os.path.join(self.step_dir(step), writer)
 
     def manifest_path(self, step: int, writer: str) -> str:
@@ -56,10 +73,11 @@ class Store:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isdigit())
+        return sorted(int(n) for n in names if n.isascii() and n.isdigit())
 
     def copies(self, step: int) -> dict[str, Manifest]:
-        """The finished copies of ``step``: writer -> manifest (not yet checked)."""
+        """The finished copies of ``step`` of this run: writer -> manifest (their files not
+        yet checked). A damaged or malformed manifest, or another run's, is logged."""
         try:
             names = os.listdir(self.step_dir(step))
         except FileNotFoundError:
@@ -69,12 +87,26 @@ class Store:
             if not name.endswith(_manifest.SUFFIX):
                 continue
             writer = name[: -len(_manifest.SUFFIX)]
-            manifest = _manifest.read(os.path.join(self.step_dir(step), name))
+            path = os.path.join(self.step_dir(step), name)
+            try:
+                manifest = _manifest.read(path)
+            except InvalidManifest as e:
+                self._pass_over(path, str(e))
+                continue
             if manifest is None or (manifest.step, manifest.writer) != (step, writer):
                 continue  # Another copy's manifest (copied here): it describes other files.
+            if manifest.run not in self._runs:
+                why = f"a copy of the run of {manifest.run!r}, not of this run ({self.run!r})"
+                self._pass_over(path, f"{path} is {why}; remove it")
+                continue
             if os.path.isdir(self.copy_dir(step, writer)):
                 found[writer] = manifest
         return found
+
+    def _pass_over(self, path: str, why: str) -> None:
+        if path not in self._reported:
+            self._reported.add(path)
+            logger.warning("Local tier: passing over a copy (it is not used): %s", why)
 
     def commit_copy(self, manifest: Manifest) -> None:
         """Records the finished copy ``manifest`` describes."""

@@ -64,6 +64,17 @@ def _size(file: str) -> int:
         return 0
 
 
+# What a local copy that passed its checksums may still raise as it loads (a stray copy, a
+# file the checksums do not reach): passed over. A mistake of the caller's (an abstract
+# tree that does not match) is not among them: the persistent step would raise it too.
+_LOCAL_DAMAGE = (
+    errors.IntegrityError,
+    errors.MetadataError,
+    errors.NotACheckpointError,
+    errors.CheckpointNotFoundError,
+    errors.OutsideCheckpointError,
+)
+
 # The n-th local tier this process opened: the same n on every process, which open the
 # same Checkpointers in the same order; it keeps their key-value entries apart.
 _opened = itertools.count()
@@ -80,8 +91,8 @@ class LocalTierRuntime:
     ) -> None:
         self.config = config
         os.makedirs(os.fspath(config.directory), exist_ok=True)
-        _owner.claim(os.fspath(config.directory), persistent_root)
-        self.store = Store(os.fspath(config.directory))
+        run, adopted = _owner.claim(os.fspath(config.directory), persistent_root)
+        self.store = Store(os.fspath(config.directory), run, adopted)
         self.exchange = Exchange(
             multihost.process_index(), multihost.process_count(), str(next(_opened))
         )
@@ -164,11 +175,13 @@ class LocalTierRuntime:
                 obtained = self._obtain(
                     inventory, candidate.step, (needed, unsharded), verdict, context
                 )
-                if obtained is None:
+                loaded = self._load_local(
+                    candidate.step, obtained, start, context, f"{verdict}/loaded"
+                )
+                if obtained is None or loaded is None:
                     tried.append(candidate.step)
                     continue
-                with local_context(context):
-                    result = start(epath.Path(obtained.paths[0])).result()
+                result = loaded[0]
                 self._record(
                     candidate.step, "local", obtained.bytes_local, obtained.bytes_peers, 0, began
                 )
@@ -201,12 +214,42 @@ class LocalTierRuntime:
             result = load_persistent(info, start).result()
         except (errors.IntegrityError, errors.MetadataError) as e:
             problem = f"{type(e).__name__}: {e}"
+        if not self._agreed(verdict, problem, f"Persistent step {info.step} is damaged"):
+            return None
+        return (result,)  # type: ignore[return-value]
+
+    def _load_local(
+        self,
+        step: int,
+        obtained: _restore.Obtained | None,
+        start: Callable[[epath.Path], AsyncResponse[T]],
+        context: Context,
+        verdict: str,
+    ) -> tuple[T] | None:
+        """The local copy ``obtained`` of ``step``, loaded; ``None`` if it failed to load on
+        some process (its checksums held, but it is no checkpoint, or damaged where they do
+        not reach): every process then moves on to the next candidate together. ``None``
+        at once if some process did not get its copies (``obtained`` is ``None``)."""
+        if obtained is None:
+            return None
+        result, problem = None, ""
+        try:
+            with local_context(context):
+                result = start(epath.Path(obtained.paths[0])).result()
+        except _LOCAL_DAMAGE as e:
+            problem = f"{obtained.paths[0]}: {type(e).__name__}: {e}"
+        if not self._agreed(verdict, problem, f"Local tier: step {step} failed to load"):
+            return None
+        return (result,)  # type: ignore[return-value]
+
+    def _agreed(self, verdict: str, problem: str, what: str) -> bool:
+        """Whether no process had a ``problem`` (all-gathered under ``verdict``); if one
+        did, logs ``what`` with each process's."""
         verdicts = self.exchange.all_gather(verdict, problem, self.config.timeout_secs)
         failed = {p: v for p, v in verdicts.items() if v}
         if failed:
-            logger.warning("Persistent step %d is damaged; not restored: %s", info.step, failed)
-            return None
-        return (result,)  # type: ignore[return-value]
+            logger.warning("%s; not restored: %s", what, failed)
+        return not failed
 
     def complete_steps(self) -> list[int]:
         """The local steps complete over every host (as a restore decides, checksums
@@ -257,10 +300,9 @@ class LocalTierRuntime:
             problem = str(e) or "no valid copy"
         except (OSError, ValueError, errors.CheckpointError) as e:
             problem = f"combining the copies {obtained.paths if obtained else ''}: {e}"
-        verdicts = self.exchange.all_gather(name, problem, self.config.timeout_secs)
-        failed = {p: v for p, v in verdicts.items() if v}
-        if failed:
-            logger.warning("Local tier: step %d not restorable from local copies: %s", step, failed)
+        if not self._agreed(
+            name, problem, f"Local tier: step {step} not restorable from local copies"
+        ):
             return None
         return obtained
 

@@ -23,6 +23,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import attrs
+
 from checkpointables.training.local_tier import _manifest
 from checkpointables.training.local_tier._manifest import Manifest
 from checkpointables.training.local_tier._store import Store
@@ -117,6 +119,8 @@ def fetch_copy(address: str, manifest: Manifest, store: Store, timeout: float) -
     Raises:
       FetchError: the peer did not answer within ``timeout`` or sent something else.
     """
+    # A Manifest holds only a writer named p<i>-of-<n> and file names inside the copy
+    # (``_manifest``): nothing below is created or removed outside this copy's directory.
     step, writer = manifest.step, manifest.writer
     final = store.copy_dir(step, writer)
     staging = f"{final}.fetching-{os.getpid()}-{threading.get_ident()}"
@@ -136,7 +140,8 @@ def fetch_copy(address: str, manifest: Manifest, store: Store, timeout: float) -
             received += got[0]
         store.forget_copy(step, writer)
         os.rename(staging, final)
-        store.commit_copy(manifest)
+        # A peer of this job sent it: this run's copy, named as this host names its run.
+        store.commit_copy(attrs.evolve(manifest, run=store.run))
         return received
     except (OSError, ValueError) as e:  # URLError is an OSError; ValueError: no such checksum.
         shutil.rmtree(staging, ignore_errors=True)
