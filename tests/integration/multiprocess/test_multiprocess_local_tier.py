@@ -518,16 +518,25 @@ def _values_read(directory: str, needed: dict, step: int) -> None:
             np.testing.assert_array_equal(got, expected[name][region], strict=True)
 
 
-def _decide(run, hosts, needs) -> tuple[int, str, dict[int, tuple[str, ...]]]:
+def _run_of(pristine) -> str:
+    """The run the copies of ``pristine`` name (a moved run's directories adopt it)."""
+    from checkpointables.training.local_tier._manifest import Manifest
+
+    manifest = next((pristine / "local" / "host0" / "30").glob("*.manifest.json"))
+    return Manifest.from_json(manifest.read_text()).run
+
+
+def _decide(run, hosts, needs, owner: str) -> tuple[int, str, dict[int, tuple[str, ...]]]:
     """What the processes restarted on ``hosts`` (process -> host directory) decide by
     ``_restore``'s rule, each host serving its directory over HTTP as in a job; and the
-    copies each process then holds on its own disk (the one loaded first)."""
+    copies each process then holds on its own disk (the one loaded first). ``owner``: the
+    run the hosts' directories serve."""
     import checkpointables as cp
     from checkpointables.training.local_tier import _combine, _restore, _transport
     from checkpointables.training.local_tier._store import Store
 
     n = len(hosts)
-    stores = {p: Store(str(run / "local" / f"host{hosts[p]}")) for p in range(n)}
+    stores = {p: Store(str(run / "local" / f"host{hosts[p]}"), owner) for p in range(n)}
     for store in stores.values():
         os.makedirs(store.directory, exist_ok=True)
     servers = {p: _transport.FileServer(stores[p].directory, "127.0.0.1") for p in range(n)}
@@ -581,7 +590,7 @@ def _check_schedule(pristine, run, rng, n: int, seed: int) -> None:
     hosts, groups = _restart(rng, n)
     needs = _needs(pristine, n, groups)
     expected = _oracle(run, pristine, hosts, n)
-    step, tier, reads = _decide(run, hosts, needs)
+    step, tier, reads = _decide(run, hosts, needs, _run_of(pristine))
     assert (step, tier) == expected, f"schedule {seed}"
     for p, paths in reads.items():
         for path in paths[1:] if len(paths) > 1 else paths:
@@ -817,14 +826,17 @@ def test_a_step_left_by_a_rollback_is_not_restored_though_a_host_holds_it_whole(
     # it is of the trajectory left, so the persistent step 25 is restored.
     import time
 
+    import attrs
+    from checkpointables.training.local_tier._manifest import Manifest
+
     host0, host1 = run_dir / "local" / "host0", run_dir / "local" / "host1"
     shutil.rmtree(host0 / "30")
     shutil.rmtree(host0 / "20" / "p1-of-2")
     (host0 / "20" / "p1-of-2.manifest.json").unlink()
     shutil.rmtree(host1 / "20")
     again = host0 / "20" / "p0-of-2.manifest.json"
-    manifest = json.loads(again.read_text())
-    manifest["commit_timestamp_nsecs"] = time.time_ns()  # Committed after step 30.
-    again.write_text(json.dumps(manifest))
+    manifest = Manifest.from_json(again.read_text())
+    # Committed after step 30 (the manifest's checksum is of its new fields).
+    again.write_text(attrs.evolve(manifest, commit_timestamp_nsecs=time.time_ns()).to_json())
     for resumed in _resume(run_dir, "latest"):
         assert resumed == {"latest": 25, "step": 25, "tier": "persistent", "config": 25}
