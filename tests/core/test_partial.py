@@ -404,3 +404,40 @@ def test_loading_a_path_with_unfinalized_partial_saves_says_to_finalize(tmp_path
     with pytest.raises(cp.errors.CheckpointNotFoundError) as missing:
         cp.load_pytree(tmp_path / "other")
     assert str(missing.value).endswith("does not exist (nothing is stored there).")
+
+
+def _two_saves(tmp_path):
+    path = tmp_path / "ckpt"
+    cp.partial.save(path, {"a": np.arange(4.0), "n": 3})
+    cp.partial.save(path, {"b": np.arange(6, dtype=np.int32)})
+    return path, cp.partial.session_path(path) / "pytree" / "partial-000001"
+
+
+def test_a_committed_save_that_lost_its_metadata_stops_finalize(tmp_path) -> None:
+    """A renamed ``partial-<seq>`` is committed: without ``_CHECKPOINT_METADATA`` it is
+    damaged, not a leftover; dropping it would publish a checkpoint lacking its keys."""
+    path, piece = _two_saves(tmp_path)
+    (piece / "_CHECKPOINT_METADATA").unlink()
+    with pytest.raises(cp.errors.IntegrityError, match="partial-000001 is a committed partial"):
+        cp.partial.finalize(path)
+    assert piece.is_dir() and not cp.is_checkpoint(path)
+
+
+@pytest.mark.parametrize("damaged", ["pytree/manifest.ocdbt", "pytree/_METADATA"])
+def test_a_partial_saves_damaged_metadata_is_reported_naming_it(tmp_path, damaged) -> None:
+    path, piece = _two_saves(tmp_path)
+    data = bytearray((piece / damaged).read_bytes())
+    data[len(data) // 2] ^= 4
+    (piece / damaged).write_bytes(bytes(data))
+    with pytest.raises(cp.errors.IntegrityError, match=f"{piece}.*{damaged}"):
+        cp.partial.finalize(path)
+    assert not cp.is_checkpoint(path)
+
+
+def test_finalize_still_removes_temporary_leftovers_in_the_pytree_directory(tmp_path) -> None:
+    path, piece = _two_saves(tmp_path)
+    leftover = piece.parent / f"partial-000003{cp.layout.TMP_INFIX}1-2-abcd"
+    leftover.mkdir()
+    cp.partial.finalize(path)
+    assert not leftover.exists()
+    assert sorted(cp.load_pytree(path)) == ["a", "b", "n"]

@@ -48,7 +48,16 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _commit, _leftovers, _saving, errors, layout, multihost, storage
+from checkpointables import (
+    _commit,
+    _leftovers,
+    _saving,
+    errors,
+    layout,
+    metadata_checksums,
+    multihost,
+    storage,
+)
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, synchronous
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_item, pytree_registration
 from checkpointables.checkpoint_metadata import (
@@ -377,9 +386,44 @@ def _sources_added(session: epath.Path, known: Mapping[int, _Source]) -> dict[in
     added = {}
     for name in _names(pytree_dir):
         sequence, source = _sequence(name), pytree_dir / name
-        if sequence is not None and sequence not in known and layout.is_checkpoint(source):
-            added[sequence] = _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
+        if sequence is not None and sequence not in known and _is_committed(source):
+            added[sequence] = _read_source(session, source)
     return added
+
+
+def _is_committed(source: epath.Path) -> bool:
+    """Whether ``source`` (a ``partial-<seq>`` entry) is a committed partial save: on a local
+    disk its rename committed it (only temporary names were never renamed), on an object
+    store its commit marker."""
+    if layout.is_temporary_path(source):
+        return False
+    if _commit.uses_rename(source):
+        return storage.is_dir(source)
+    return storage.is_file(source / layout.COMMIT_SUCCESS_FILE)
+
+
+def _read_source(session: epath.Path, source: epath.Path) -> _Source:
+    """A committed partial save, its metadata files checked against its ``_CHECKSUMS`` (as a
+    load checks them) so that damage is reported naming it, before anything is merged.
+
+    Raises:
+      cp.errors.IntegrityError: it lost its ``_CHECKPOINT_METADATA`` (it is committed, so
+        dropping it would publish a checkpoint without its keys), or a metadata file does
+        not match its checksum.
+    """
+    problems = metadata_checksums.verify(source)
+    if not problems and not layout.is_checkpoint(source):
+        problems = [f"{source / CHECKPOINT_METADATA_FILE} is missing"]
+    if problems:
+        found = "; ".join(p.rstrip(". ") for p in problems)
+        raise errors.IntegrityError(
+            f"Cannot finalize the partial saves in {session}: {source} is a committed partial "
+            f"save, and it is damaged: {found}. finalize never drops a committed save (the "
+            f"checkpoint would lack its keys). Restore {source} from a copy, or delete {session} "
+            f"and make the partial saves again (to give up only its keys instead, delete {source} "
+            f"and save them anew)."
+        )
+    return _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
 
 
 def _committed_sources(path: epath.Path, session: epath.Path) -> dict[int, _Source]:
@@ -393,13 +437,13 @@ def _committed_sources(path: epath.Path, session: epath.Path) -> dict[int, _Sour
     sources: dict[int, _Source] = {}
     for name in _names(pytree_dir):
         source, sequence = pytree_dir / name, _sequence(name)
-        if sequence is not None and layout.is_checkpoint(source):
-            sources[sequence] = _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
+        if sequence is not None and _is_committed(source):
+            sources[sequence] = _read_source(session, source)
         elif sequence is not None and not _commit.uses_rename(source):
             if _record_running(_leftovers.read_record(source)):
                 raise _still_running(path, source)
             _leftovers.remove_unfinished(source)  # An interrupted save: it never happened.
-        else:
+        else:  # What an interrupted finalize built, or a temporary name never renamed.
             storage.remove_tree(source)
     if not sources:
         raise errors.CheckpointNotFoundError(

@@ -297,3 +297,28 @@ def test_docs_examples_run(tmp_path, monkeypatch) -> None:
         exec(compile(block, str(page), "exec"), namespace)
     for name in ("model/ckpt", "fix/ckpt", "async/ckpt"):
         assert cp.is_checkpoint(tmp_path / name)
+
+
+def test_a_damaged_data_file_of_a_partial_save_is_an_integrity_error(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    cp.partial.save(path, {"a": np.arange(4.0), "n": 3})
+    cp.partial.save(path, {"b": np.arange(6, dtype=np.int32)})
+    piece = cp.partial.session_path(path) / "pytree" / "partial-000001"
+    (data_file,) = (piece / "pytree" / "d").iterdir()
+    data = bytearray(data_file.read_bytes())
+    data[10] ^= 1
+    data_file.write_bytes(bytes(data))
+    with pytest.raises(cp.errors.IntegrityError, match=f"the partial save {piece} is damaged"):
+        cp.partial.finalize(path)
+    assert not cp.is_checkpoint(path)
+
+
+def test_finalize_leaves_the_partial_saves_files_as_recorded(tmp_path) -> None:
+    """The merged ``_btree_checksums`` is the merge's own file: were it a hard link to the
+    latest save's, rewriting it would damage that save (a resumed finalize refuses it)."""
+    path = tmp_path / "ckpt"
+    cp.partial.save(path, {"a": np.arange(4.0)})
+    cp.partial.save(path, {"b": np.arange(3.0)})
+    cp.partial.finalize(path)
+    for piece in ("partial-000001", "partial-000002"):
+        assert cp.metadata_checksums.verify(path / "pytree" / piece) == []

@@ -272,3 +272,46 @@ def test_export_and_import_show_progress_on_a_terminal(tmp_path) -> None:
     assert "import: 100%" in shown and "1.00M/1.00M" in shown
     out = str(tmp_path / "o2.safetensors")
     assert run_on_terminal("export", "-q", str(tmp_path / "ckpt"), out) == ""
+
+
+def test_outputs_inside_a_checkpoint_are_refused(tmp_path, capsys) -> None:
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    cp.save_pytree(ckpt, {"w": np.ones(4, np.float32)})
+    cp.save_pytree(other, {"w": np.ones(4, np.float32)})
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    source = tmp_path / "in.safetensors"
+    save_pytree(source, {"w": np.ones(2, np.float32)})
+    os.symlink(other, tmp_path / "link")
+    for out in (ckpt, ckpt / "pytree" / "x.safetensors", other, tmp_path / "link" / "o"):
+        assert cli.main(["export", str(ckpt), str(out)]) == 2
+        assert "the finished checkpoint" in capsys.readouterr().err
+    assert cli.main(["import", str(source), str(ckpt / "pytree" / "sub")]) == 2
+    assert f"is inside the finished checkpoint {ckpt}" in capsys.readouterr().err
+    os.remove(tmp_path / "link")
+    os.remove(source)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert cli.main(["verify", str(ckpt)]) == 0
+
+
+@pytest.mark.parametrize("subtree", ["w.", ".w", "empty"])
+def test_a_subtree_selecting_no_leaf_is_refused(tmp_path, capsys, subtree) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32), "empty": {}})
+    out = tmp_path / "o.safetensors"
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(out), "--subtree", subtree]) == 2
+    err = capsys.readouterr().err
+    assert f"The subtree {subtree!r} holds no leaf" in err
+    assert "the top-level keys are ['empty', 'w']" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_existing_file_not_named_safetensors_is_refused_saying_why(
+    tmp_path, capsys, overwrite
+) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32)})
+    out = tmp_path / "existing"
+    out.write_text("keep")
+    flags = ["--overwrite"] if overwrite else []
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(out), *flags]) == 2
+    assert "does not end in .safetensors" in capsys.readouterr().err
+    assert out.read_text() == "keep"

@@ -10,6 +10,7 @@ import checkpointables as cp
 import jax
 import numpy as np
 import pytest
+from checkpointables_safetensors import import_safetensors
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
@@ -306,3 +307,61 @@ def test_float8_tensors_load_bit_for_bit_whole_and_onto_a_mesh(tmp_path) -> None
     on_mesh = cp.load_pytree(tmp_path / "fp8.safetensors", abstract)
     for shard in on_mesh["e5m2"].addressable_shards:
         assert np.asarray(shard.data).tobytes() == tensors["e5m2"][shard.index].tobytes()
+
+
+def _raw_file(path, header: dict, data: bytes) -> str:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("mesh", [False, True])
+def test_bool_bytes_other_than_0_and_1_are_refused(tmp_path, mesh) -> None:
+    # NumPy and JAX keep such bytes: the array would say a == True is False where it is 1.
+    header = {"m": {"dtype": "BOOL", "shape": [8], "data_offsets": [0, 8]}}
+    path = _raw_file(tmp_path / "b.safetensors", header, bytes([0, 1, 0, 1, 1, 0, 7, 255]))
+    abstract = None
+    if mesh:
+        sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+        abstract = {"m": jax.ShapeDtypeStruct((8,), np.bool_, sharding=sharding)}
+    with pytest.raises(cp.errors.MetadataError, match=r"b.safetensors: tensor 'm' is BOOL .* 7"):
+        cp.load_pytree(path, abstract)
+    with pytest.raises(cp.errors.MetadataError, match="is BOOL"):
+        import_safetensors(path, tmp_path / "ckpt")
+    assert not os.path.exists(tmp_path / "ckpt")
+    good = _raw_file(tmp_path / "g.safetensors", header, bytes([0, 1, 0, 1, 1, 0, 1, 0]))
+    assert cp.load_pytree(good)["m"].tolist() == [0, 1, 0, 1, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 62], [1 << 62, 0], [0, 1 << 40, 1 << 40]])
+def test_an_empty_tensor_of_an_unindexable_shape_is_refused(tmp_path, shape) -> None:
+    header = {"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    path = _raw_file(tmp_path / "e.safetensors", header, b"")
+    for read in (cp.load_pytree, cp.pytree_metadata):
+        with pytest.raises(cp.errors.MetadataError, match=r"e.safetensors: tensor 'e' has shape"):
+            read(path)
+    with pytest.raises(cp.errors.MetadataError, match="has shape"):
+        import_safetensors(path, tmp_path / "ckpt")
+    header["e"]["shape"] = [0, 1 << 40]  # Empty, and indexable: loads.
+    assert cp.load_pytree(_raw_file(tmp_path / "ok.safetensors", header, b""))["e"].size == 0
+
+
+def test_an_index_naming_a_tensor_twice_is_refused(tmp_path) -> None:
+    index = write_sharded(tmp_path / "hub", model_tensors())
+    with open(index) as f:
+        text = f.read()
+    # A second entry for a tensor, pointing at the other file (json would keep the last).
+    twice = text.replace(
+        '"weight_map": {',
+        '"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors", ',
+        1,
+    )
+    assert twice != text
+    with open(index, "w") as f:
+        f.write(twice)
+    for read in (cp.load_pytree, cp.pytree_metadata):
+        with pytest.raises(
+            cp.errors.MetadataError, match=r"index.json lists \['model.norm.weight'\] more"
+        ):
+            read(tmp_path / "hub")

@@ -36,6 +36,7 @@ from etils import epath
 from checkpointables_pytree import ocdbt
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree.leaves import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
+from checkpointables_pytree.storage import storage_error, write_error
 
 __all__ = ["merge_partial_saves", "plan_merge", "Winner"]
 
@@ -50,6 +51,9 @@ _MANAGED = frozenset(
         ARRAY_METADATAS_DIR,
         _MANIFEST,
         _DATA_DIR,
+        # Rebuilt by record_node_checksums, which writes in place: a hard link to the latest
+        # source's file would rewrite that source's, which then fails its _CHECKSUMS.
+        ocdbt.NODE_CHECKSUMS_FILE,
     }
 )
 _NAME_BOUNDARIES = frozenset(".-_/")
@@ -239,6 +243,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     Raises:
       ValueError: no sources, or a source outside ``target``.
       cp.errors.MetadataError: a source's ``_METADATA`` is missing or malformed.
+      cp.errors.IntegrityError: a source's database is damaged (it names the source).
     """
     if not sources:
         raise ValueError(f"Nothing to merge into {target}: no partial saves were given.")
@@ -261,7 +266,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
     _merge_strings_and_shardings(sources, won, target, merged)
     _array_metadatas(sources, won, target)
     _custom_files(sources, trees, won, target)
-    # The merged b-tree's nodes (after _custom_files, which copies the sources' own files).
+    # The merged b-tree's nodes (its own file: the sources' stay as their saves recorded them).
     ocdbt.record_node_checksums(target)
     # Last: a pytree directory counts as one once it has _METADATA.
     tree_room.write_tree_metadata(target, merged)
@@ -282,8 +287,30 @@ def _merge_databases(
         # A source that wins all its leaves is merged whole: one range, not one per leaf.
         prefixes = None if won[index] >= stored else tuple(sorted(f"{n}/" for n in won[index]))
         merge_sources.append(ocdbt.Source(directory, prefixes))
-    if merge_sources:
+    if not merge_sources:
+        return
+    try:
         ocdbt.merge_into(target, merge_sources)
+    except ValueError as e:
+        # storage_error tells damaged or missing bytes (an IntegrityError) from the rest.
+        if not isinstance(storage_error(str(target), e), cp.errors.IntegrityError):
+            raise write_error(e, f"the merged database in {target}") from e
+        raise _damaged_source(sources, target, e) from e
+
+
+def _damaged_source(
+    sources: Sequence[epath.Path], target: epath.Path, error: BaseException
+) -> cp.errors.IntegrityError:
+    """The error for a source database TensorStore found damaged (or missing a file) while
+    merging: it names the partial save whose file failed (TensorStore's text names the file)."""
+    text = str(error).replace(os.sep, "/")
+    named = [s for s in sources if f"/{s.parent.name}/{s.name}/" in f"/{text}"]
+    what = f"the partial save {named[0].parent}" if named else f"a partial save in {target}"
+    return cp.errors.IntegrityError(
+        f"Cannot merge the partial saves into {target}: {what} is damaged: {error}. Its data "
+        f"cannot be published. Restore it from a copy, or delete the partial-save session "
+        f"(the directory holding {target}) and make the partial saves again."
+    )
 
 
 def _merge_strings_and_shardings(

@@ -121,6 +121,13 @@ def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any,
         )
     if prefix and not leaves and not skipped:
         _names.subtree(tree, prefix)  # Raises KeyError naming the keys there.
+        # Found, yet nothing below it: an empty container, or an empty key ("a.", ".a").
+        top = sorted(_names.child_keys(tree))
+        raise KeyError(
+            f"The subtree {prefix!r} holds no leaf to export (an empty container, or a key "
+            f"path with an empty key: join keys with single dots); the top-level keys are "
+            f"{top[:8]}{' ...' if len(top) > 8 else ''}."
+        )
     return leaves, skipped, treedef, len(flat)
 
 

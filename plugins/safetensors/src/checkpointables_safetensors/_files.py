@@ -14,9 +14,10 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -34,9 +35,12 @@ __all__ = [
     "recognizes",
     "open_tensor_set",
     "safe_open",
+    "refuse_inside_checkpoint",
 ]
 
 SUFFIX = ".safetensors"
+# The most bytes NumPy can index (and so JAX, whose host arrays are NumPy's).
+_MAX_BYTES = int(np.iinfo(np.intp).max)
 INDEX_SUFFIX = ".safetensors.index.json"
 # NumPy/ml_dtypes names of the dtypes safetensors can hold (the package maps them to its codes).
 _DTYPE_NAMES = (
@@ -157,6 +161,30 @@ def recognizes(path: epath.Path) -> bool:
         return any(e.name.endswith((SUFFIX, INDEX_SUFFIX)) and e.is_file() for e in entries)
 
 
+def refuse_inside_checkpoint(path: os.PathLike[str] | str, what: str) -> None:
+    """Refuses to write ``what`` at ``path`` (local) when ``path`` is a checkpoint or lies in
+    one: a finished checkpoint is never changed (its loads and ``verify`` would meet files
+    its save did not write).
+
+    Raises:
+      cp.errors.InvalidArgumentError: naming the checkpoint.
+    """
+    if _local(epath.Path(path)) is None:
+        return
+    current = os.path.realpath(os.fspath(path))  # A link into a checkpoint counts too.
+    while True:
+        if cp.is_checkpoint(current):
+            where = "is" if current == os.path.realpath(os.fspath(path)) else "is inside"
+            raise cp.errors.InvalidArgumentError(
+                f"{path} {where} the finished checkpoint {current}: writing {what} there would "
+                f"change that checkpoint. Choose a path outside it."
+            )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
 def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:
     """The files to read and, from an index, the weight map."""
     local = _local(path)
@@ -189,15 +217,40 @@ def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:
     return [local], None
 
 
+def _unique_keys(what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json`` ``object_pairs_hook`` refusing a key repeated in an object: ``json`` keeps
+    the last, where another reader may take the first (other bytes, another file)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        found = dict(pairs)
+        if len(found) != len(pairs):
+            counts = collections.Counter(k for k, _ in pairs)
+            repeated = sorted(k for k, n in counts.items() if n > 1)
+            raise cp.errors.MetadataError(
+                f"{what} lists {repeated} more than once; the file is damaged or was written "
+                f"by a broken tool."
+            )
+        return found
+
+    return unique
+
+
 def _read_index(index: str) -> dict[str, str]:
+    """The index's ``weight_map``.
+
+    Raises:
+      cp.errors.MetadataError: the index is not JSON of that form, or repeats a key.
+    """
     try:
         with open(cp.storage.open_regular_file(index), encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+            weight_map = json.load(f, object_pairs_hook=_unique_keys(index))["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and os.path.basename(v) == v
             for k, v in weight_map.items()
         ):
             raise ValueError("weight_map must map tensor names to file names in its directory")
+    except cp.errors.MetadataError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise cp.errors.MetadataError(
             f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); it must be "
@@ -215,20 +268,9 @@ def _data_starts(file: str) -> dict[str, int]:
         reader would see the first, with other bytes or another dtype).
     """
 
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        found = dict(pairs)
-        if len(found) != len(pairs):
-            counts = collections.Counter(k for k, _ in pairs)
-            repeated = sorted(k for k, n in counts.items() if n > 1)
-            raise cp.errors.MetadataError(
-                f"{file}: its header lists {repeated} more than once; the file is damaged "
-                f"or was written by a broken tool."
-            )
-        return found
-
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length), object_pairs_hook=unique)
+        header = json.loads(f.read(length), object_pairs_hook=_unique_keys(f"{file}: its header"))
     return {
         name: 8 + length + entry["data_offsets"][0]
         for name, entry in header.items()
@@ -251,8 +293,22 @@ def _read_header(file: str) -> tuple[list[StoredTensor], dict[str, str]]:
                     f"equivalent here (supported: {sorted(codes)})."
                 )
             shape = tuple(view.get_shape())
+            _check_shape(file, name, shape, codes[code])
             tensors.append(StoredTensor(name, file, shape, codes[code], starts[name]))
     return tensors, metadata
+
+
+def _check_shape(file: str, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Refuses a shape NumPy and JAX cannot make: its nonzero dimensions multiply to more
+    bytes than they can index. (The package checks a tensor's bytes against its data
+    offsets, so only a tensor with a zero dimension, holding no data, gets this far.)"""
+    extent = math.prod(n for n in shape if n) * dtype.itemsize
+    if extent > _MAX_BYTES:
+        raise cp.errors.MetadataError(
+            f"{file}: tensor {name!r} has shape {list(shape)}, whose nonzero dimensions make "
+            f"{extent} bytes of {dtype.name}, above the 2**63 - 1 that NumPy and JAX can index "
+            f"(even for an empty tensor); the file is damaged or was written by a broken tool."
+        )
 
 
 def open_tensor_set(path: epath.PathLike) -> TensorSet:

@@ -25,7 +25,11 @@ from etils import epath
 
 from checkpointables_safetensors import _names
 from checkpointables_safetensors._export import IMPORTED_METADATA_KEY
-from checkpointables_safetensors._files import StoredTensor, open_tensor_set
+from checkpointables_safetensors._files import (
+    StoredTensor,
+    open_tensor_set,
+    refuse_inside_checkpoint,
+)
 from checkpointables_safetensors._reads import ArrayRead, Limits, read_all
 
 __all__ = ["ImportResult", "import_safetensors", "BATCH_BYTES"]
@@ -73,12 +77,14 @@ def import_safetensors(
       FileExistsError: ``checkpoint`` exists, or an interrupted import left its
         partial save session (delete it, or ``cp.partial.finalize`` it).
       cp.errors.MetadataError: a source file is malformed or truncated.
+      cp.errors.InvalidArgumentError: ``checkpoint`` is inside another checkpoint.
     """
     tensor_set = open_tensor_set(source)
     target = epath.Path(checkpoint)
     session = cp.partial.session_path(target)
     if target.exists():
         raise FileExistsError(f"{target} exists; import into a new path.")
+    refuse_inside_checkpoint(target, "a checkpoint")
     if session.exists():
         raise FileExistsError(
             f"{session} holds the partial saves of an earlier, unfinished import or partial "

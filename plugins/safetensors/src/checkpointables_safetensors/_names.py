@@ -14,7 +14,7 @@ from typing import Any
 import checkpointables as cp
 import jax
 
-__all__ = ["SEPARATOR", "name_of", "nest", "subtree"]
+__all__ = ["SEPARATOR", "name_of", "nest", "child_keys", "subtree"]
 
 SEPARATOR = "."
 
@@ -61,6 +61,13 @@ def _clash(source: Any, first: str, second: str) -> cp.errors.MetadataError:
     )
 
 
+def child_keys(node: Any) -> dict[str, Any]:
+    """The direct children of a pytree node, by their keys as tensor names write them."""
+    # Every child is a leaf here: this lists the node's direct children.
+    flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[0]
+    return {_key_text(keypath[0]): child for keypath, child in flat if keypath}
+
+
 def subtree(tree: Any, path: str | Iterable[str] | None) -> Any:
     """The subtree of ``tree`` at the dotted key path ``path`` (all of it for ``None``/``""``).
 
@@ -70,9 +77,7 @@ def subtree(tree: Any, path: str | Iterable[str] | None) -> Any:
     keys = path.split(SEPARATOR) if isinstance(path, str) else list(path or [])
     node = tree
     for depth, key in enumerate(k for k in keys if k):
-        # Every child is a leaf here: this lists the node's direct children.
-        flat = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x, n=node: x is not n)[0]
-        children = {_key_text(keypath[0]): child for keypath, child in flat if keypath}
+        children = child_keys(node)
         if key not in children:
             where = SEPARATOR.join(keys[:depth]) or "the root"
             raise KeyError(f"No key {key!r} under {where}; the keys there are {sorted(children)}.")

@@ -177,6 +177,18 @@ def _read_raw(tensor: StoredTensor, region: Region) -> np.ndarray:
         del whole  # Unmapped now, not when collected.
 
 
+def _check_bools(tensor: StoredTensor, values: np.ndarray) -> None:
+    """Refuses BOOL bytes other than 0 and 1: NumPy and JAX would keep them as they are, and
+    the array then disagrees with itself (``a == True`` false where ``a.astype(int)`` is 1)."""
+    raw = values.view(np.uint8)
+    if raw.size and int(raw.max()) > 1:
+        byte = int(raw[raw > 1][0])
+        raise cp.errors.MetadataError(
+            f"{tensor.file}: tensor {tensor.name!r} is BOOL but holds the byte {byte} (a BOOL "
+            f"byte is 0 or 1); the file is damaged or was written by a broken tool."
+        )
+
+
 class _OpenFiles:
     """One reading thread's open files, each closed again after ``limits.window`` bytes read."""
 
@@ -199,6 +211,8 @@ class _OpenFiles:
             raise cp.errors.MetadataError(
                 f"{tensor.file}: cannot read tensor {tensor.name!r}: {e}"
             ) from e
+        if values.dtype == np.bool_:
+            _check_bools(tensor, values)
         entry[1] += values.nbytes
         if entry[1] >= self.limits.window:
             self.close(tensor.file)

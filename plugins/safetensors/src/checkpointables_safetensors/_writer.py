@@ -36,7 +36,13 @@ import checkpointables as cp
 import jax
 import numpy as np
 
-from checkpointables_safetensors._files import INDEX_SUFFIX, SUFFIX, code_of, safe_open
+from checkpointables_safetensors._files import (
+    INDEX_SUFFIX,
+    SUFFIX,
+    code_of,
+    refuse_inside_checkpoint,
+    safe_open,
+)
 from checkpointables_safetensors._reads import Limits, pieces
 
 __all__ = [
@@ -91,6 +97,14 @@ class Output:
         text = os.path.abspath(os.fspath(path))
         if text.endswith(SUFFIX) and not os.path.isdir(text):
             return cls(os.path.dirname(text), os.path.basename(text).removesuffix(SUFFIX))
+        if os.path.lexists(text) and not os.path.isdir(text):
+            # Not replaced even with overwrite: it is no export's file (they are named
+            # *.safetensors, and shards and an index go with them), so it is not ours to remove.
+            raise cp.errors.InvalidArgumentError(
+                f"{path} is an existing file whose name does not end in {SUFFIX}: the output "
+                f"must be a *{SUFFIX} path or a directory (for {DEFAULT_FILE_NAME}). Name it "
+                f"{os.path.basename(text)}{SUFFIX}, or remove the file first."
+            )
         return cls(text, DEFAULT_FILE_NAME.removesuffix(SUFFIX))
 
     def file_names(self, count: int) -> list[str]:
@@ -285,7 +299,9 @@ def write_safetensors(
       FileExistsError: an earlier export's file is there (``model.safetensors``, or its
         shards and index) and ``overwrite`` is false; with it, they are all replaced.
       ValueError: an array does not match its entry, or a dtype safetensors cannot hold.
+      cp.errors.InvalidArgumentError: the output is in a checkpoint (``refuse_inside_checkpoint``).
     """
+    refuse_inside_checkpoint(output.directory, "safetensors files")
     entries = [e for shard in shards for e in shard]
     names = output.file_names(len(shards))
     finals = [os.path.join(output.directory, n) for n in names]
