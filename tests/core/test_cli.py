@@ -261,3 +261,14 @@ def test_demo_errors_go_to_stderr(tmp_path, capsys) -> None:
     assert cli.main(["demo", "--steps", "-3", str(tmp_path / "d")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "error: --steps must be at least 4" in captured.err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_path_the_system_cannot_resolve_is_one_line_not_a_traceback(
+    tmp_path, capsys, command
+) -> None:
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    assert cli.main([command, str(tmp_path / "loop1")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "symbolic links" in err and len(err.splitlines()) == 1

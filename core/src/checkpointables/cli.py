@@ -541,12 +541,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))
-    except (errors.CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        print(f"error: {_escaped(str(e), lines=True)}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # e.g. `checkpointables inspect ... | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter exit quiet
         return 0
+    # The library's errors, and the system's about the paths given (a symbolic link loop,
+    # no permission): said in one line, not a traceback.
+    except (errors.CheckpointError, OSError) as e:
+        print(f"error: {_escaped(str(e), lines=True)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
