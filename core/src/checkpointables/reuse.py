@@ -23,6 +23,7 @@ Example (a handler's blocking phase)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import inspect
@@ -69,11 +70,49 @@ class SaveReuse:
       bytes_reused: bytes of data the handlers took from ``source`` (not written).
     """
 
-    def __init__(self, source: epath.Path | None, frozen: Frozen | None = None) -> None:
+    def __init__(
+        self, source: epath.Path | None, frozen: Frozen | None = None, identity: Any = None
+    ) -> None:
         self.source = source
         self.frozen = None if frozen is None else checked_frozen(frozen)
         self.bytes_reused = 0
+        # What tells the committed source from one that replaced it (on object stores the
+        # content of its commit marker, read as this save starts: a future while it is
+        # read; ``None``: not read). See ``source_identity``.
+        self._identity = identity
         self._lock = threading.Lock()
+        self._after_commit: list[Callable[[Callable[[], Any]], None]] = []
+
+    @property
+    def source_identity(self) -> Any:
+        """The source's identity as this save found it (waits for its read; ``None``: not
+        read). A handler may take what it read of that very commit earlier (``after_commit``).
+        Where the read found no committed source any more, ``source`` becomes ``None``."""
+        identity = self._identity
+        if isinstance(identity, concurrent.futures.Future):
+            identity = self._identity = identity.result()
+            if identity is None:  # Deleted since it was listed: nothing is taken from it.
+                self.source = None
+        return identity
+
+    def after_commit(self, callback: Callable[[Callable[[], Any]], None]) -> None:
+        """Has ``callback(identity_of)`` run once this save has committed, on its background
+        thread, before its response is done (a Checkpointer's saves only): a handler reads
+        there what the next save will take from this checkpoint, keyed by ``identity_of()``
+        (the identity of the checkpoint now, as the next save's ``source_identity`` is)."""
+        with self._lock:
+            self._after_commit.append(callback)
+
+    def committed(self, identity_of: Callable[[], Any]) -> None:
+        """Runs the ``after_commit`` callbacks (by the saver, once committed). Their failure
+        costs the next save its head start only: logged, never raised."""
+        with self._lock:
+            callbacks, self._after_commit = self._after_commit, []
+        for callback in callbacks:
+            try:
+                callback(identity_of)
+            except Exception as e:  # A head start lost, never a failed save.
+                logger.debug("After a save's commit, %r failed: %r", callback, e)
 
     def source_of(self, name: str) -> epath.Path | None:
         """The directory of checkpointable ``name`` in the source (``None``: no source)."""

@@ -296,3 +296,39 @@ def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(s3, bucket) -
         ckptr.wait()  # Its cleanup of what the kills left.
     left = {k.split("/")[0] for k in keys(s3, root)} - committed - {"metadata"}
     assert not left, left
+
+
+def test_a_reusing_save_blocks_for_its_source_identity_and_one_listing_only(
+    s3, proxy, bucket
+) -> None:
+    # The record and b-tree of the step just committed are read back after its commit:
+    # the next save's blocking phase reads the source's commit marker (which commit it is)
+    # and lists its data files, besides what a plain save does (a HEAD and a LIST).
+    state = _state()
+    with _checkpointer(f"{bucket}/run") as ckptr:
+        for step in range(3):
+            state = dict(state, adapter=state["adapter"] + 1, step=step)
+            ckptr.wait()
+            with proxy.counting() as counts:
+                ckptr.save_pytree_async(step, state)
+                blocking = dict(counts.requests)
+            ckptr.wait()
+        assert ckptr.last_save_stats.bytes_reused == 4 * MiB + 512 * 1024  # base, ema.
+    assert blocking == {"HEAD": 1, "LIST": 2, "GET": 1}
+    assert_equal(cp.load_pytree(f"{bucket}/run/2"), state)
+
+
+def test_a_step_replaced_after_its_commit_is_read_afresh(s3, proxy, bucket) -> None:
+    # What was read back after step 0's commit is kept under that commit's identity: once
+    # another writer replaces step 0, the next save reads the new one (its record: none).
+    state = _state()
+    with _checkpointer(f"{bucket}/run") as ckptr:
+        ckptr.save_pytree(0, state)
+        cp.save_pytree(f"{bucket}/run/0", state, checkpointable_name="state", overwrite=True)
+        with proxy.counting() as counts:
+            ckptr.save_pytree_async(1, state)
+            blocking = dict(counts.requests)
+        ckptr.wait()
+        assert ckptr.last_save_stats.bytes_reused == 0  # No record there, and no bytes read.
+    assert blocking.get("GET", 0) > 1
+    assert_equal(cp.load_pytree(f"{bucket}/run/1"), state)

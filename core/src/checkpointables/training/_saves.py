@@ -15,6 +15,9 @@ A save runs through named phases:
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
+import functools
 import logging
 import threading
 import time
@@ -193,6 +196,15 @@ class Saves:
         if latest is None:
             return reuse_lib.SaveReuse(None, frozen), None
         lease = _readers.acquire(latest.path)
+        if not _commit.uses_rename(latest.path):
+            # An object store: its commit marker says whether the step is still there (it
+            # holds no links or pipes), and which commit it is: what the pytree handler read
+            # of it after that commit (``after_commit``) is used only if it is the same. Read
+            # while the save's own checks run (``SaveReuse.source_identity`` waits for it).
+            identity = _identity_pool().submit(
+                contextvars.copy_context().run, _identity_in, context, latest.path
+            )
+            return reuse_lib.SaveReuse(latest.path, frozen, identity), lease
         with context:
             # Deleted meanwhile (another process's retention), or holding what a load would
             # refuse (a link out of the step): nothing is taken from it; write everything.
@@ -281,6 +293,8 @@ class Saves:
                     )
                     source = reuse.source if reuse is not None else None
                     _save_stats.log(self.last_stats, source.name if source else None)
+                    if reuse is not None:  # What the next save takes from this step, read now.
+                        reuse.committed(lambda: _commit.identity(path))
                 except BaseException as e:
                     error = e
             if error is not None:
@@ -302,6 +316,19 @@ class Saves:
             # Not visible from here (process-local storage of another host).
             info = StepInfo(step=step, path=path, metrics=metrics)
         self._steps.add(info)
+
+
+@functools.cache
+def _identity_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread reading a reusing save's source identity (one save at a time per
+    Checkpointer; a few Checkpointers share it)."""
+    return concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="checkpointables-reuse")
+
+
+def _identity_in(context: Context, path: epath.Path) -> _commit.Identity:
+    """``_commit.identity(path)`` under ``context`` (its storage options)."""
+    with context:
+        return _commit.identity(path)
 
 
 def _contained(step: int, path: epath.Path) -> bool:

@@ -44,7 +44,7 @@ import numpy as np
 from etils import epath
 
 from checkpointables_pytree import io, ocdbt, storage, tree, zarr3
-from checkpointables_pytree.reuse import _fingerprint, _known
+from checkpointables_pytree.reuse import _fingerprint, _known, _prefetched
 from checkpointables_pytree.reuse._candidates import MIN_BYTES, Candidate, candidates
 from checkpointables_pytree.reuse._sources import Source
 
@@ -265,13 +265,13 @@ async def plan_reuse(
     returns the record to write with the save (``None``: storage that cannot link)."""
     if not _linkable(directory, context):
         return None
-    source = _reachable(directory, _named(reuse.source_of(directory.name)))
-    recorded = _read_record(source) if source is not None else {}
+    source, recorded, index = _source_of(directory, reuse)
     earlier = recorded.get("arrays", {})
     comparable = _bytes_comparable(directory, context)
     # The source's b-tree is read on a worker thread while the arrays are looked at.
-    located, origin = _located(directory, source, recorded, comparable)
+    located, origin = _located(directory, source, recorded, comparable, index)
     found = candidates(flat, context)
+    _prefetched.after_commit(reuse, directory, _keys(found), _read_record)
     _warn_if_unmatched(found, earlier, source)
     known, to_print, linkable = _compare_layouts(found, earlier, reuse.frozen)
     probed = _Probed()
@@ -293,8 +293,7 @@ async def plan_reuse(
     # looked up: the chunks of every array that may match, whether it does or not.
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(_fingerprinted(to_print))]
     if located is not None and linkable:
-        keys = [key for c in linkable for key in (*c.keys, _metadata_key(c.name))]
-        tasks.append(asyncio.ensure_future(located.locate(keys)))
+        tasks.append(asyncio.ensure_future(located.locate(_keys(linkable))))
     prints, *places = await storage.gather_settled(tasks)
     record = {c.name: _entry(c, prints[c.name], probed.probes.get(c.name)) for c in to_print}
     for c in probed.changed.values():
@@ -314,6 +313,24 @@ async def plan_reuse(
     for name in _rewritten(record, earlier, probed, writer):
         writer.shared.setdefault(name, "rewritten")
     return plan
+
+
+def _keys(found: Sequence[Candidate]) -> list[str]:
+    """The keys of the chunks of ``found``, and of their ``zarr.json``."""
+    return [key for c in found for key in (*c.keys, _metadata_key(c.name))]
+
+
+def _source_of(
+    directory: epath.Path, reuse: cp.reuse.SaveReuse
+) -> tuple[epath.Path | None, dict[str, Any], ocdbt.DatabaseIndex | None]:
+    """The source pytree this save links from, its record, and its b-tree where the save
+    that wrote it read them back after its commit, and that commit is the one there now
+    (``_prefetched``; object stores). Otherwise read now (the index: ``None``)."""
+    kept = _prefetched.take(reuse, directory.name)
+    if kept is not None:
+        return _reachable(directory, reuse.source_of(directory.name)), kept.record, kept.index
+    source = _reachable(directory, _named(reuse.source_of(directory.name)))
+    return source, _read_record(source) if source is not None else {}, None
 
 
 def _some(names: Collection[str]) -> str:
@@ -413,7 +430,11 @@ def _named(source: epath.Path | None) -> epath.Path | None:
 
 
 def _located(
-    directory: epath.Path, source: epath.Path | None, recorded: dict[str, Any], comparable: bool
+    directory: epath.Path,
+    source: epath.Path | None,
+    recorded: dict[str, Any],
+    comparable: bool,
+    index: ocdbt.DatabaseIndex | None = None,
 ) -> tuple[Source | None, str]:
     """The source to link from and how the record names it (``None``: nothing can be
     linked). A source without a record (saved without reuse) is one only where its stored
@@ -434,7 +455,7 @@ def _located(
             f"no data files to check: this save writes every array, and the next links "
             f"from it.",
         )
-    return Source(source, files), _origin(directory, source)
+    return Source(source, files, index), _origin(directory, source)
 
 
 def _origin(directory: epath.Path, source: epath.Path) -> str:

@@ -6,7 +6,9 @@ are fingerprinted) and checks each data file it names once: a local file's
 size (one ``stat``), or on S3 the object as listed (size and ETag; one LIST per
 directory of data files) against the record of the save that wrote it. A
 chunk is linkable only if its file is there with at least the bytes the
-b-tree names; nothing of this is cached across saves.
+b-tree names. Files are looked at by every save; only the b-tree of a step
+on an object store, read back after its commit, is kept for the next save
+(``_prefetched``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ __all__ = ["Source"]
 class Source:
     """The data files of a source checkpoint's database, as its b-tree places chunks."""
 
-    def __init__(self, source: epath.Path, recorded_files: dict[str, Any] | None) -> None:
-        """Starts reading the b-tree of ``source`` (a pytree directory) in the background.
+    def __init__(
+        self,
+        source: epath.Path,
+        recorded_files: dict[str, Any] | None,
+        index: ocdbt.DatabaseIndex | None = None,
+    ) -> None:
+        """Starts reading the b-tree of ``source`` (a pytree directory) in the background
+        (``index``: its b-tree, with some nodes read already: ``_prefetched``).
 
         ``recorded_files``: ``"d/<name>" -> [size, ETag]`` on S3, ``[size, mtime in ns]``
         on a local disk, as the source's save recorded them (its ``_REUSE.json``): a file
@@ -39,7 +47,7 @@ class Source:
         self._local = ocdbt.is_local(source)
         self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
         self._recorded = recorded_files
-        self._index = ocdbt.DatabaseIndex(source)
+        self._index = index or ocdbt.DatabaseIndex(source)
         self._index.prefetch()  # The manifest and the root node, on the index's thread.
         self.listed: dict[str, storage.ObjectInfo] = {}
         # The values of ``keys`` that the b-tree holds inline (an array's ``zarr.json``).
