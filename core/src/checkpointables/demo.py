@@ -172,7 +172,9 @@ class _Demo:
         print(
             f"saves: {len(blocked)}; the training loop was blocked per save: "
             f"median {statistics.median(blocked):.1f} ms, max {max(blocked):.1f} ms "
-            f"(the first includes loading the plugins); writing happened in the background"
+            f"(the first includes loading the plugins; a save first waits for the previous "
+            f"one, which a slow store may still be writing); the writing itself happened in "
+            f"the background"
         )
         print("steps kept: " + ", ".join(f"{s.step} (loss {s.metrics['loss']:.5f})" for s in kept))
         ok_restore = _identical(restored, final)
