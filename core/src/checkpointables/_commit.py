@@ -55,6 +55,7 @@ __all__ = [
     "write_root_for",
     "target_for",
     "Identity",
+    "MAX_MARKER_BYTES",
     "identity",
     "check_unchanged",
     "read_record",
@@ -334,13 +335,22 @@ def retire(path: epath.Path) -> Retired | None:
 
 Identity = Any  # Comparable: equal identities mean the same committed checkpoint.
 
+# The most a commit marker may hold (ours hold three short lines, Orbax's one): a larger one is
+# refused by ``identity`` where it reads the marker (after a ranged GET of one byte on S3).
+MAX_MARKER_BYTES = 64 << 10
 
-def identity(path: epath.Path) -> Identity:
+
+def identity(path: epath.PathLike) -> Identity:
     """What tells this committed checkpoint from one that replaces it at the same path.
 
     Local: the directory's inode (an overwrite swaps in another directory).
-    Object stores: the contents of ``commit_success.txt`` (ours holds the
-    commit time). ``None`` when nothing is committed there (any more).
+    Object stores: the version of ``commit_success.txt`` where the storage
+    tells it (``storage.Versions``: one HEAD, no body), else its contents
+    (ours hold the commit time), read up to ``MAX_MARKER_BYTES``. ``None``
+    when nothing is committed there (any more).
+
+    Raises:
+      cp.errors.IntegrityError: the marker holds more than ``MAX_MARKER_BYTES``.
     """
     text = os.fspath(path)
     if uses_rename(text):
@@ -349,13 +359,26 @@ def identity(path: epath.Path) -> Identity:
         except OSError:
             return None
         return (stat.st_dev, stat.st_ino)
+    marker = _join(text, layout.COMMIT_SUCCESS_FILE)
+    backend = storage.for_path(marker)
+    if isinstance(backend, storage.Versions):
+        version = backend.version(marker)
+        return None if version is None else ("version", version)
     try:
-        return storage.read_bytes(_join(text, layout.COMMIT_SUCCESS_FILE))
+        # Bounded: a load reads the marker twice, and a hostile one may be of many GiB.
+        return storage.read_bytes(marker, max_bytes=MAX_MARKER_BYTES)
     except FileNotFoundError:
         return None
+    except errors.MetadataError:  # storage.file_too_large
+        raise errors.IntegrityError(
+            f"{marker} holds more than {MAX_MARKER_BYTES:,} bytes, where a commit marker holds "
+            f"a few lines: it was not written by a checkpoint library (damaged or tampered "
+            f"with), so {text} cannot be told from a checkpoint that replaces it. Restore the "
+            f"checkpoint from a copy, or load an older one."
+        ) from None
 
 
-def check_unchanged(path: epath.Path, opened: Identity, error: BaseException | None) -> None:
+def check_unchanged(path: epath.PathLike, opened: Identity, error: BaseException | None) -> None:
     """Raises ``CheckpointChangedError`` if ``path`` is no longer the checkpoint that was opened.
 
     Called at the end of a load (``error`` is its failure, if any): a load

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Storage",
     "BoundedReads",
+    "Versions",
     "Entry",
     "LocalStorage",
     "MissingStorageError",
@@ -165,6 +166,20 @@ class BoundedReads(Protocol):
     def read_bytes_within(self, path: str, max_bytes: int) -> bytes | None:
         """The contents of a file, or ``None`` if it holds more than ``max_bytes``. Raises as
         ``Storage.read_bytes``."""
+        ...
+
+
+@runtime_checkable
+class Versions(Protocol):
+    """A ``Storage`` that tells a file's version without reading it: an ``s3://`` object's
+    ETag or a ``gs://`` object's generation, from one HEAD (no body). A load tells the
+    checkpoint it opened from one that replaced it by the version of its commit marker
+    (``commit_success.txt``); without this, by the marker's contents (a bounded read)."""
+
+    def version(self, path: str) -> bytes | None:
+        """An opaque token that differs whenever the file was written with other contents
+        since (it may differ after a rewrite of the same contents too), or ``None`` if there
+        is no file at ``path``."""
         ...
 
 
