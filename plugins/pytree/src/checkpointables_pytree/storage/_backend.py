@@ -150,18 +150,23 @@ class KvStoreStorage:
 
     def is_file(self, path: str) -> bool:
         """Whether an object is at ``path`` (one HEAD)."""
+        return self.version(path) is not None
+
+    def version(self, path: str) -> bytes | None:
+        """The object's ETag (S3) or generation (GCS), from one HEAD; ``None`` if there is
+        no object (``cp.storage.Versions``)."""
         store, key = self._store(path)
         if not key:
-            return False
+            return None
         head = _answer(store.read(key, byte_range=slice(0, 0)), "Checking", path, self)
         if head.state == "value":
-            return True
+            return bytes(head.stamp.generation)
         if id(store) not in self._buckets_seen:
             # A missing bucket answers HEAD as a missing object does (no body): a LIST,
             # once per bucket, tells them apart and raises with the bucket's name.
             _answer(store.list(ts.KvStore.KeyRange(key, key + "\0")), "Checking", path, self)
             self._buckets_seen.add(id(store))
-        return False
+        return None
 
     def exists(self, path: str) -> bool:
         """Whether an object, or any object under the prefix ``path/``, exists."""
