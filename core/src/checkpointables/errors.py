@@ -18,6 +18,8 @@ error also derives from that builtin, so ``except FileNotFoundError`` or
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -36,7 +38,9 @@ __all__ = [
     "OutsideCheckpointError",
     "DiskFullError",
     "NameTooLongError",
+    "FileTooLargeError",
     "StorageError",
+    "from_os_error",
     "CheckpointChangedError",
 ]
 
@@ -149,6 +153,16 @@ class NameTooLongError(CheckpointError, OSError):
     """
 
 
+class FileTooLargeError(CheckpointError, OSError):
+    """A file of a save is larger than the filesystem or a limit allows; ``errno`` is
+    ``EFBIG``.
+
+    FAT32 and exFAT disks refuse files over 4 GiB, and a process's file size limit
+    (``ulimit -f``) any larger file. Nothing was committed and the save's temporary
+    directory was removed: save onto another filesystem, or raise the limit.
+    """
+
+
 class StorageError(CheckpointError, OSError):
     """Reading, writing, listing or deleting in storage failed (e.g. an object store refused
     or kept failing a request); the message names the path and what to check.
@@ -162,3 +176,47 @@ class StorageError(CheckpointError, OSError):
 class CheckpointChangedError(CheckpointError, RuntimeError):
     """A checkpoint was replaced or deleted while it was being read (e.g. by a save with
     ``overwrite=True`` in another process). Nothing is damaged: read it again."""
+
+
+# What each of the operating system's errors means for a save: its class, and what to do.
+_FROM_ERRNO: dict[int, tuple[type[OSError], str]] = {
+    **dict.fromkeys(
+        (errno.ENOSPC, errno.EDQUOT),
+        (
+            DiskFullError,
+            "No space left on the device{where} while {what}. Nothing was committed and the "
+            "save's temporary files were removed: free some space (for example by keeping "
+            "fewer checkpoints) and save again",
+        ),
+    ),
+    errno.EFBIG: (
+        FileTooLargeError,
+        "A file is larger than the filesystem or the process's file size limit allows{where} "
+        "while {what} (FAT32 and exFAT hold at most 4 GiB a file; see ulimit -f). Nothing was "
+        "committed and the save's temporary files were removed: save onto another "
+        "filesystem, or raise the limit",
+    ),
+    errno.ENAMETOOLONG: (
+        NameTooLongError,
+        "A path is too long for the filesystem{where} while {what}. Choose a shorter "
+        "checkpoint path or checkpointable name",
+    ),
+}
+
+
+def from_os_error(error: OSError, what: str) -> OSError:
+    """The library error for the operating system's ``error``, raised while doing ``what``
+    (``error`` itself when none fits; it then keeps its builtin class).
+
+    A full disk or quota becomes :class:`DiskFullError`, a file over a size limit
+    :class:`FileTooLargeError`, a name too long :class:`NameTooLongError`; each keeps
+    ``errno``. For plugins that write files::
+
+        except OSError as e:
+            raise cp.errors.from_os_error(e, f"writing {path}") from e
+    """
+    if isinstance(error, CheckpointError) or error.errno not in _FROM_ERRNO:
+        return error
+    cls, message = _FROM_ERRNO[error.errno]
+    where = f" ({error.filename})" if error.filename else ""
+    return cls(error.errno, message.format(where=where, what=what))

@@ -69,8 +69,9 @@ def write_error(error: BaseException, what: str) -> BaseException:
     """The error to raise when TensorStore fails while writing ``what`` (``error`` itself
     when it is not TensorStore's).
 
-    A full disk becomes ``cp.errors.DiskFullError``, a name too long
-    ``cp.errors.NameTooLongError``, anything else of TensorStore's a ``cp.errors.CheckpointError``.
+    An operating system's error that ``cp.errors.from_os_error`` maps (a full disk, a
+    file too large, a name too long) becomes that error; anything else of TensorStore's
+    a ``cp.errors.CheckpointError``.
     """
     if isinstance(error, cp.errors.CheckpointError) or not (
         isinstance(error, ValueError) and _STATUS.match(str(error))
@@ -78,19 +79,12 @@ def write_error(error: BaseException, what: str) -> BaseException:
         return error
     code = _OS_ERROR_CODE.search(str(error))
     number = int(code.group(1)) if code else None
-    if number in (errno.ENOSPC, errno.EDQUOT) or (
-        number is None and "No space left on device" in str(error)
-    ):
-        return cp.errors.DiskFullError(
-            number or errno.ENOSPC,
-            f"No space left on the device while writing {what}. Nothing was committed and the "
-            f"save's temporary files were removed: free some space (for example by keeping "
-            f"fewer checkpoints) and save again. ({error})",
-        )
-    if number == errno.ENAMETOOLONG:
-        return cp.errors.NameTooLongError(
-            number, f"A path is too long for the filesystem while writing {what} ({error})"
-        )
+    if number is None and "No space left on device" in str(error):
+        number = errno.ENOSPC
+    if number is not None:
+        mapped = cp.errors.from_os_error(OSError(number, str(error)), f"writing {what}")
+        if isinstance(mapped, cp.errors.CheckpointError):
+            return type(mapped)(number, f"{mapped.strerror}. ({error})")
     return cp.errors.CheckpointError(f"Writing {what} failed: {error}")
 
 
