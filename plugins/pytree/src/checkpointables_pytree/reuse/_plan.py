@@ -740,9 +740,8 @@ class _Decoding:
         self._places = places
         self._located = located
         self._compression = bool(context.array_options.use_compression)
-        # Inner chunks (``chunk_byte_size``) are shaped by the leaf handlers: the source's
-        # is taken where it divides the chunk shape evenly (see ``_with_inner_of``).
-        self._inner_free = bool(context.array_options.storage_options.chunk_byte_size)
+        # Inner chunks (``chunk_byte_size``): exactly those this save's leaf handlers write.
+        self._storage = context.array_options.storage_options
         self._expected: dict[tuple[str, str], dict[str, Any]] = {}
 
     def __call__(self, c: Candidate) -> bool:
@@ -757,8 +756,6 @@ class _Decoding:
         if not isinstance(stored, dict):
             return False
         expected = self._expected_of(c)
-        if self._inner_free:
-            expected = _with_inner_of(expected, stored)
         return all(stored.get(k) == expected[k] for k in _DECODING)
 
     def _expected_of(self, c: Candidate) -> dict[str, Any]:
@@ -767,29 +764,14 @@ class _Decoding:
         found = self._expected.get((c.signature, dtype.name))
         if found is None:
             _, shape, _, chunk_shape, *_ = json.loads(c.signature)
-            found = zarr3.metadata_dict(shape, dtype, chunk_shape, compression=self._compression)
+            inner = zarr3.inner_chunk_shape(
+                chunk_shape, dtype.itemsize, self._storage.chunk_byte_size, self._storage.shard_axes
+            )
+            found = zarr3.metadata_dict(
+                shape, dtype, chunk_shape, inner, compression=self._compression
+            )
             self._expected[(c.signature, dtype.name)] = found
         return found
-
-
-def _with_inner_of(expected: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
-    """``expected`` with the inner chunk shape of ``stored`` where that divides the chunk
-    shape evenly (``chunk_byte_size`` saves: the leaf handlers choose it, and this room
-    may not import them); otherwise ``expected`` itself."""
-    try:
-        inner = stored["codecs"][0]["configuration"]["chunk_shape"]
-    except (KeyError, IndexError, TypeError):
-        return expected
-    chunk = expected["chunk_grid"]["configuration"]["chunk_shape"]
-    if not (
-        isinstance(inner, list)
-        and len(inner) == len(chunk)
-        and all(type(i) is int and i > 0 and c % i == 0 for i, c in zip(inner, chunk, strict=True))
-    ):
-        return expected
-    sharding = expected["codecs"][0]
-    configuration = dict(sharding["configuration"], chunk_shape=inner)
-    return dict(expected, codecs=[dict(sharding, configuration=configuration)])
 
 
 def _as_stored(place: ocdbt.ValueLocation | None, stored_bytes: int | None) -> bool:
