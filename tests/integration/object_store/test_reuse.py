@@ -298,12 +298,10 @@ def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(s3, bucket) -
     assert not left, left
 
 
-def test_a_reusing_save_blocks_for_its_source_identity_and_one_listing_only(
-    s3, proxy, bucket
-) -> None:
-    # The record and b-tree of the step just committed are read back after its commit:
-    # the next save's blocking phase reads the source's commit marker (which commit it is)
-    # and lists its data files, besides what a plain save does (a HEAD and a LIST).
+def test_a_reusing_save_blocks_for_its_source_identity_only(s3, proxy, bucket) -> None:
+    # The record, b-tree and data files' listing of the step just committed are read back
+    # after its commit: the next save's blocking phase reads the source's commit marker
+    # (which commit it is), besides what a plain save does (a HEAD and a LIST).
     state = _state()
     with _checkpointer(f"{bucket}/run") as ckptr:
         for step in range(3):
@@ -314,7 +312,7 @@ def test_a_reusing_save_blocks_for_its_source_identity_and_one_listing_only(
                 blocking = dict(counts.requests)
             ckptr.wait()
         assert ckptr.last_save_stats.bytes_reused == 4 * MiB + 512 * 1024  # base, ema.
-    assert blocking == {"HEAD": 1, "LIST": 2, "GET": 1}
+    assert blocking == {"HEAD": 1, "LIST": 1, "GET": 1}
     assert_equal(cp.load_pytree(f"{bucket}/run/2"), state)
 
 
@@ -332,3 +330,32 @@ def test_a_step_replaced_after_its_commit_is_read_afresh(s3, proxy, bucket) -> N
         assert ckptr.last_save_stats.bytes_reused == 0  # No record there, and no bytes read.
     assert blocking.get("GET", 0) > 1
     assert_equal(cp.load_pytree(f"{bucket}/run/1"), state)
+
+
+def test_a_source_object_replaced_after_its_read_back_fails_one_save_only(
+    s3, proxy, bucket
+) -> None:
+    # Step 0's objects were listed after its commit; one replaced since (same size,
+    # another ETag) is refused by the conditional copy: that save fails, committing
+    # nothing, and the next lists afresh and writes it.
+    state = _state()
+    client = boto3.client("s3", **_client_args(s3.endpoint))
+    name = bucket.removeprefix("s3://")
+    with _checkpointer(f"{bucket}/run") as ckptr:
+        ckptr.save_pytree(0, state)
+        ckptr.wait()  # Its read-back.
+        for key in keys(s3, f"{bucket}/run/0/state/d"):
+            body = client.get_object(Bucket=name, Key=f"run/0/state/d/{key}")["Body"].read()
+            if len(body) > reuse.MIN_BYTES:
+                damaged = _damaged(body, "flipped")
+                client.put_object(Bucket=name, Key=f"run/0/state/d/{key}", Body=damaged)
+        with pytest.raises(cp.errors.StorageError, match="deleted or replaced"):
+            ckptr.save_pytree(1, state)
+            ckptr.wait()
+        assert not cp.is_checkpoint(f"{bucket}/run/1")
+        with proxy.counting() as counts:
+            ckptr.save_pytree(2, state)
+            ckptr.wait()
+        assert ckptr.last_save_stats.bytes_reused == 0
+    assert _uploaded(counts) >= sum(int(a.nbytes) for a in state["base"].values())
+    assert_equal(cp.load_pytree(f"{bucket}/run/2"), state)

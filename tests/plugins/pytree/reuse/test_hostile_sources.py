@@ -361,3 +361,33 @@ def test_a_forged_record_of_another_layout_links_nothing_that_would_not_load(tmp
     assert _problems(tmp_path / "3") == []
     # What was stored as this save stores it is still linked; nothing else.
     assert linked_names(tmp_path / "3") == ({"w"} if how == "chunk shape" else set())
+
+
+def _inner_chunks(kib: int) -> cp.options.ArrayOptions:
+    storage = cp.options.ArrayStorageOptions(chunk_byte_size=kib << 10)
+    return cp.options.ArrayOptions(storage_options=storage)
+
+
+def test_a_source_of_another_inner_chunk_shape_is_written_not_linked(tmp_path) -> None:
+    # Saved with inner chunks of 64 KiB ((128, 128) of a (256, 256) float32), its record
+    # forged to claim this save's 32 KiB ((128, 64), which its chunks' (128, 128) does not
+    # match though both divide the chunk shape): its zarr.json decides, exactly.
+    tree = {"w": jnp.asarray(np.random.default_rng(7).standard_normal((256, 256), np.float32))}
+    with cp.Context(array_options=_inner_chunks(64)):
+        cp.save_pytree(tmp_path / "1", tree)
+        cp.save_pytree(tmp_path / "2", tree, reuse_from=tmp_path / "1")  # Its record.
+        cp.save_pytree(tmp_path / "3", tree, reuse_from=tmp_path / "2")
+    assert linked_names(tmp_path / "3") == {"w"}  # The same inner chunks: linked.
+    path = tmp_path / "2" / "pytree" / reuse.RECORD_FILE
+    record = json.loads(path.read_text())
+    signature = json.loads(record["arrays"]["w"]["signature"])
+    signature[5] = repr(_inner_chunks(32).storage_options)
+    record["arrays"]["w"]["signature"] = json.dumps(signature)
+    path.write_text(json.dumps(record))
+    cp.metadata_checksums.record(tmp_path / "2")
+    with cp.Context(array_options=_inner_chunks(32)):
+        cp.save_pytree(tmp_path / "4", tree, reuse_from=tmp_path / "2")
+    assert linked_names(tmp_path / "4") == set()
+    loaded = cp.load_pytree(tmp_path / "4")
+    assert np.asarray(loaded["w"]).tobytes() == np.asarray(tree["w"]).tobytes()
+    assert _problems(tmp_path / "4") == []

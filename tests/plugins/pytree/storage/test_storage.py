@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from checkpointables_pytree import choose_inner_chunk_shape
+from checkpointables_pytree import choose_inner_chunk_shape, leaves, zarr3
 from checkpointables_pytree.zarr3 import encode_shard, metadata_dict, zarr_json
 from crc32c import crc32c
 
@@ -84,6 +84,15 @@ def test_choose_inner_chunk_shape(shape, itemsize, target, axes, expected) -> No
     assert chunk == expected
     assert all(s % c == 0 for s, c in zip(shape, chunk, strict=True))
     assert np.prod(chunk) * itemsize <= target or chunk == (1,) * len(shape)
+
+
+def test_inner_chunk_shape_is_the_zarr3_rooms_one_definition() -> None:
+    # The leaf handlers write it and reuse checks a source against it: one function.
+    assert choose_inner_chunk_shape is zarr3.choose_inner_chunk_shape
+    assert leaves.choose_inner_chunk_shape is zarr3.choose_inner_chunk_shape
+    assert zarr3.inner_chunk_shape((1024, 1024), 4, 1 << 20, (1,)) == (1024, 256)
+    assert zarr3.inner_chunk_shape((16, 16), 4, 1 << 20) is None  # One inner chunk.
+    assert zarr3.inner_chunk_shape((1024, 1024), 4, None) is None  # No chunk_byte_size.
 
 
 def _zarr_metadata(path, name: str) -> dict:

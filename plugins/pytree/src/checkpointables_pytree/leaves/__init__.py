@@ -23,7 +23,6 @@ from checkpointables_pytree.leaves._common import (
     NUMPY_ARRAY,
     SCALAR,
     STRING,
-    choose_inner_chunk_shape,
 )
 from checkpointables_pytree.leaves._groups import ArrayRecords, LeafGroup
 from checkpointables_pytree.leaves._host_copies import host_copies
@@ -62,6 +61,7 @@ from checkpointables_pytree.leaves._session import (
 )
 from checkpointables_pytree.leaves._streamed_saves import streamed_host_block
 from checkpointables_pytree.leaves._text_handlers import BytesLeafHandler, StringLeafHandler
+from checkpointables_pytree.zarr3 import choose_inner_chunk_shape
 
 __all__ = [
     "chunk_shape_within",

@@ -14,7 +14,6 @@ given ``0.0``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -47,7 +46,6 @@ __all__ = [
     "ZarrLeafHandler",
     "ReadTarget",
     "StoredLayout",
-    "choose_inner_chunk_shape",
 ]
 
 # value_type strings in _METADATA (the first four are Orbax's).
@@ -181,39 +179,6 @@ def storage_dtype(
     return target
 
 
-def choose_inner_chunk_shape(
-    write_shape: Sequence[int], itemsize: int, target_bytes: int, shard_axes: Sequence[int] = ()
-) -> tuple[int, ...]:
-    """Splits ``write_shape`` into chunks of at most ``target_bytes`` that divide it evenly.
-
-    Axes in ``shard_axes`` are split first, then the largest remaining ones;
-    each split takes the next smaller divisor of that dimension.
-    """
-    shape = [int(s) for s in write_shape]
-    chunk = list(shape)
-    ndim = len(shape)
-    preferred = [a % ndim for a in shard_axes] if ndim else []
-
-    def smaller_divisor(axis: int) -> int | None:
-        for d in range(chunk[axis] - 1, 0, -1):
-            if shape[axis] % d == 0:
-                return d
-        return None
-
-    while math.prod(chunk) * itemsize > target_bytes:
-        axes = [a for a in preferred if chunk[a] > 1] or sorted(
-            (a for a in range(ndim) if chunk[a] > 1), key=lambda a: -chunk[a]
-        )
-        for axis in axes:
-            divisor = smaller_divisor(axis)
-            if divisor is not None:
-                chunk[axis] = divisor
-                break
-        else:
-            break
-    return tuple(chunk)
-
-
 def on_cpu(array: Any) -> bool:
     """Whether the ``jax.Array`` ``array`` is on CPU devices (its host form is a view of their
     buffers, not a copy). Read from its sharding: valid after the array was deleted."""
@@ -246,13 +211,9 @@ def schedule_array(
     if staged and chunks:
         session.writer.staging.hold(sum(data.nbytes for _, data in chunks))
     compression = session.compression
-    inner: tuple[int, ...] | None = None
-    if storage.chunk_byte_size:
-        inner = choose_inner_chunk_shape(
-            chunk_shape, dtype.itemsize, int(storage.chunk_byte_size), storage.shard_axes
-        )
-        if inner == chunk_shape:
-            inner = None
+    inner = zarr3.inner_chunk_shape(
+        chunk_shape, dtype.itemsize, storage.chunk_byte_size, storage.shard_axes
+    )
     layout, recorded = zarr3.planned_layout(param.name, shape, dtype, chunk_shape)
     recorded["one_chunk_shards"] = inner is None and not compression
     if extra:

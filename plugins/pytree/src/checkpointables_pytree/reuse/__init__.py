@@ -12,8 +12,9 @@ fingerprints while it lives (``kept_prints``). Guide: ``docs/incremental.md``.
 
 Linking is a hard link on a local disk and a server-side copy on S3
 (``storage.copy_objects``, through ``ocdbt.link_files``). On an object store a
-Checkpointer's committed step reads its own record and b-tree back for the next
-save (``_prefetched``), so that save's blocking phase makes no requests for them.
+Checkpointer's committed step reads its own record and b-tree back, and lists its
+data objects, for the next save (``_prefetched``), so that save's blocking phase
+makes no requests for them.
 
 It imports ``io``, ``ocdbt``, ``storage``, ``tree`` and ``zarr3``; only the handler imports it.
 """

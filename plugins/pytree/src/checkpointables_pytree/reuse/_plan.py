@@ -265,11 +265,11 @@ async def plan_reuse(
     returns the record to write with the save (``None``: storage that cannot link)."""
     if not _linkable(directory, context):
         return None
-    source, recorded, index = _source_of(directory, reuse)
+    source, recorded, kept = _source_of(directory, reuse)
     earlier = recorded.get("arrays", {})
     comparable = _bytes_comparable(directory, context)
     # The source's b-tree is read on a worker thread while the arrays are looked at.
-    located, origin = _located(directory, source, recorded, comparable, index)
+    located, origin = _located(directory, source, recorded, comparable, kept)
     found = candidates(flat, context)
     _prefetched.after_commit(reuse, directory, _keys(found), _read_record)
     _warn_if_unmatched(found, earlier, source)
@@ -322,13 +322,13 @@ def _keys(found: Sequence[Candidate]) -> list[str]:
 
 def _source_of(
     directory: epath.Path, reuse: cp.reuse.SaveReuse
-) -> tuple[epath.Path | None, dict[str, Any], ocdbt.DatabaseIndex | None]:
-    """The source pytree this save links from, its record, and its b-tree where the save
-    that wrote it read them back after its commit, and that commit is the one there now
-    (``_prefetched``; object stores). Otherwise read now (the index: ``None``)."""
+) -> tuple[epath.Path | None, dict[str, Any], _prefetched.Prefetched | None]:
+    """The source pytree this save links from, its record, and what the save that wrote it
+    read back after its commit (its b-tree, its data objects listed), where that commit is
+    the one there now (``_prefetched``; object stores). Otherwise read now (``None``)."""
     kept = _prefetched.take(reuse, directory.name)
     if kept is not None:
-        return _reachable(directory, reuse.source_of(directory.name)), kept.record, kept.index
+        return _reachable(directory, reuse.source_of(directory.name)), kept.record, kept
     source = _reachable(directory, _named(reuse.source_of(directory.name)))
     return source, _read_record(source) if source is not None else {}, None
 
@@ -434,11 +434,12 @@ def _located(
     source: epath.Path | None,
     recorded: dict[str, Any],
     comparable: bool,
-    index: ocdbt.DatabaseIndex | None = None,
+    kept: _prefetched.Prefetched | None = None,
 ) -> tuple[Source | None, str]:
     """The source to link from and how the record names it (``None``: nothing can be
     linked). A source without a record (saved without reuse) is one only where its stored
-    bytes can be compared (``comparable``); the log says once what happens."""
+    bytes can be compared (``comparable``); the log says once what happens. ``kept``:
+    its b-tree and listing as read back after its commit."""
     if source is None or recorded.get("arrays") == {}:
         return None, ""  # None, or a record of no arrays (all small): nothing to link.
     if not recorded.get("arrays"):
@@ -455,7 +456,10 @@ def _located(
             f"no data files to check: this save writes every array, and the next links "
             f"from it.",
         )
-    return Source(source, files, index), _origin(directory, source)
+    if kept is None:
+        return Source(source, files), _origin(directory, source)
+    located = Source(source, files, kept.index, kept.listed, kept.directories)
+    return located, _origin(directory, source)
 
 
 def _origin(directory: epath.Path, source: epath.Path) -> str:
@@ -740,9 +744,8 @@ class _Decoding:
         self._places = places
         self._located = located
         self._compression = bool(context.array_options.use_compression)
-        # Inner chunks (``chunk_byte_size``) are shaped by the leaf handlers: the source's
-        # is taken where it divides the chunk shape evenly (see ``_with_inner_of``).
-        self._inner_free = bool(context.array_options.storage_options.chunk_byte_size)
+        # Inner chunks (``chunk_byte_size``): exactly those this save's leaf handlers write.
+        self._storage = context.array_options.storage_options
         self._expected: dict[tuple[str, str], dict[str, Any]] = {}
 
     def __call__(self, c: Candidate) -> bool:
@@ -757,8 +760,6 @@ class _Decoding:
         if not isinstance(stored, dict):
             return False
         expected = self._expected_of(c)
-        if self._inner_free:
-            expected = _with_inner_of(expected, stored)
         return all(stored.get(k) == expected[k] for k in _DECODING)
 
     def _expected_of(self, c: Candidate) -> dict[str, Any]:
@@ -767,29 +768,14 @@ class _Decoding:
         found = self._expected.get((c.signature, dtype.name))
         if found is None:
             _, shape, _, chunk_shape, *_ = json.loads(c.signature)
-            found = zarr3.metadata_dict(shape, dtype, chunk_shape, compression=self._compression)
+            inner = zarr3.inner_chunk_shape(
+                chunk_shape, dtype.itemsize, self._storage.chunk_byte_size, self._storage.shard_axes
+            )
+            found = zarr3.metadata_dict(
+                shape, dtype, chunk_shape, inner, compression=self._compression
+            )
             self._expected[(c.signature, dtype.name)] = found
         return found
-
-
-def _with_inner_of(expected: dict[str, Any], stored: dict[str, Any]) -> dict[str, Any]:
-    """``expected`` with the inner chunk shape of ``stored`` where that divides the chunk
-    shape evenly (``chunk_byte_size`` saves: the leaf handlers choose it, and this room
-    may not import them); otherwise ``expected`` itself."""
-    try:
-        inner = stored["codecs"][0]["configuration"]["chunk_shape"]
-    except (KeyError, IndexError, TypeError):
-        return expected
-    chunk = expected["chunk_grid"]["configuration"]["chunk_shape"]
-    if not (
-        isinstance(inner, list)
-        and len(inner) == len(chunk)
-        and all(type(i) is int and i > 0 and c % i == 0 for i, c in zip(inner, chunk, strict=True))
-    ):
-        return expected
-    sharding = expected["codecs"][0]
-    configuration = dict(sharding["configuration"], chunk_shape=inner)
-    return dict(expected, codecs=[dict(sharding, configuration=configuration)])
 
 
 def _as_stored(place: ocdbt.ValueLocation | None, stored_bytes: int | None) -> bool:

@@ -6,9 +6,10 @@ are fingerprinted) and checks each data file it names once: a local file's
 size (one ``stat``), or on S3 the object as listed (size and ETag; one LIST per
 directory of data files) against the record of the save that wrote it. A
 chunk is linkable only if its file is there with at least the bytes the
-b-tree names. Files are looked at by every save; only the b-tree of a step
-on an object store, read back after its commit, is kept for the next save
-(``_prefetched``).
+b-tree names. Local files are looked at by every save. A step on an object
+store reads its b-tree back, and lists its data objects, after its commit for
+the next save (``_prefetched``), whose ``Source`` then lists none of those
+directories (the objects are listed again before they are copied).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from etils import epath
 
 from checkpointables_pytree import ocdbt, storage
 
-__all__ = ["Source"]
+__all__ = ["Source", "data_directories"]
 
 
 class Source:
@@ -35,9 +36,12 @@ class Source:
         source: epath.Path,
         recorded_files: dict[str, Any] | None,
         index: ocdbt.DatabaseIndex | None = None,
+        listed: dict[str, storage.ObjectInfo] | None = None,
+        listed_directories: frozenset[str] = frozenset(),
     ) -> None:
         """Starts reading the b-tree of ``source`` (a pytree directory) in the background
-        (``index``: its b-tree, with some nodes read already: ``_prefetched``).
+        (``index``: its b-tree, with some nodes read already; ``listed``: the objects of the
+        data directories ``listed_directories``, listed then: ``_prefetched``).
 
         ``recorded_files``: ``"d/<name>" -> [size, ETag]`` on S3, ``[size, mtime in ns]``
         on a local disk, as the source's save recorded them (its ``_REUSE.json``): a file
@@ -48,8 +52,9 @@ class Source:
         self._root = os.fspath(ocdbt.database_directory(source)).rstrip("/") + "/"
         self._recorded = recorded_files
         self._index = index or ocdbt.DatabaseIndex(source)
+        self._listed_directories = listed_directories
         self._index.prefetch()  # The manifest and the root node, on the index's thread.
-        self.listed: dict[str, storage.ObjectInfo] = {}
+        self.listed: dict[str, storage.ObjectInfo] = dict(listed or {})
         # The values of ``keys`` that the b-tree holds inline (an array's ``zarr.json``).
         self.inline: dict[str, bytes] = {}
 
@@ -93,7 +98,7 @@ class Source:
     def _present(self, found: dict[str, ocdbt.ValueLocation]) -> dict[str, ocdbt.ValueLocation]:
         """The entries of ``found`` whose file holds their bytes (each file looked at once)."""
         if not self._local:
-            for directory in sorted({p.file.rpartition("/")[0] for p in found.values()}):
+            for directory in sorted(data_directories(found.values()) - self._listed_directories):
                 self.listed.update(storage.list_objects(directory))
         sizes: dict[str, int] = {}
         present = {}
@@ -135,3 +140,10 @@ class Source:
             p = places[key]
             out.append((key, ocdbt.Linked(p.file, p.offset, p.length, self.listed.get(p.file))))
         return out
+
+
+def data_directories(values: Collection[Any]) -> frozenset[str]:
+    """The directories of the data files that the b-tree's ``values`` lie in (those it
+    holds inline: none), each listed once on S3."""
+    places = [v for v in values if isinstance(v, ocdbt.ValueLocation)]
+    return frozenset(p.file.rpartition("/")[0] for p in places)

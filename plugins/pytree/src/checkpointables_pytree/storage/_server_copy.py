@@ -11,6 +11,10 @@ TensorStore's spec (``kvstore_spec``): endpoint, region, credentials, profile.
 Every copy is conditional on the source's ETag as listed when the save chose
 it (``CopySourceIfMatch``): if the source object was replaced meanwhile, the
 server refuses the copy and the save fails instead of copying other bytes.
+Objects listed before the save began (``ObjectInfo.early``: by the source's
+own save, after its commit) are listed again before they are copied, and the
+save fails if one changed: the check does not rest on a server that honours
+the condition for that longer time (moto's ignores it).
 GCS has no copy here (``can_copy_on_server`` is ``False`` for ``gs://``).
 """
 
@@ -46,6 +50,9 @@ class ObjectInfo:
 
     size: int
     etag: str
+    # Listed before this save began (after the source's commit: ``reuse._prefetched``):
+    # ``copy_objects`` lists it again before copying it.
+    early: bool = attrs.field(default=False, eq=False)
 
 
 @attrs.frozen
@@ -170,7 +177,9 @@ def copy_objects(
     """
     if not copies:
         return
-    client = _client(s3_settings() if settings is None else settings)
+    settings = s3_settings() if settings is None else settings
+    _check_unchanged([c for c in copies if c.info.early], settings)
+    client = _client(settings)
     with concurrent.futures.ThreadPoolExecutor(_CONCURRENCY) as pool:
         done = []
         for c in copies:
@@ -178,6 +187,23 @@ def copy_objects(
             done.append(pool.submit(_copy, client, c, part_bytes if large else None))
         for future in done:
             future.result()
+
+
+def _check_unchanged(copies: Sequence[ServerCopy], settings: S3Settings) -> None:
+    """Raises unless the source of each of ``copies`` is listed as its ``info`` says (one
+    LIST per directory): an object replaced or deleted since it was listed is not copied."""
+    listed: dict[str, ObjectInfo] = {}
+    for directory in sorted({c.source.rpartition("/")[0] for c in copies}):
+        listed.update(list_objects(directory, settings))
+    for c in copies:
+        now = listed.get(c.source)
+        if now is None or now != c.info:
+            raise cp.errors.StorageError(
+                f"Copying to {c.target} from {c.source} failed: the object was deleted or "
+                f"replaced since the save of the checkpoint this save reuses listed it "
+                f"(after its commit). Nothing was committed; save again: the next save "
+                f"lists it afresh and writes what changed."
+            )
 
 
 def _source(copy: ServerCopy) -> dict[str, str]:

@@ -206,6 +206,56 @@ def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, .
     return tuple(-(-int(s) // int(c)) for s, c in zip(shape, chunk_shape, strict=True))
 
 
+def choose_inner_chunk_shape(
+    write_shape: Sequence[int], itemsize: int, target_bytes: int, shard_axes: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Splits ``write_shape`` into chunks of at most ``target_bytes`` that divide it evenly.
+
+    Axes in ``shard_axes`` are split first, then the largest remaining ones;
+    each split takes the next smaller divisor of that dimension.
+    """
+    shape = [int(s) for s in write_shape]
+    chunk = list(shape)
+    ndim = len(shape)
+    preferred = [a % ndim for a in shard_axes] if ndim else []
+
+    def smaller_divisor(axis: int) -> int | None:
+        for d in range(chunk[axis] - 1, 0, -1):
+            if shape[axis] % d == 0:
+                return d
+        return None
+
+    while math.prod(chunk) * itemsize > target_bytes:
+        axes = [a for a in preferred if chunk[a] > 1] or sorted(
+            (a for a in range(ndim) if chunk[a] > 1), key=lambda a: -chunk[a]
+        )
+        for axis in axes:
+            divisor = smaller_divisor(axis)
+            if divisor is not None:
+                chunk[axis] = divisor
+                break
+        else:
+            break
+    return tuple(chunk)
+
+
+def inner_chunk_shape(
+    chunk_shape: Sequence[int],
+    itemsize: int,
+    chunk_byte_size: int | None,
+    shard_axes: Sequence[int] = (),
+) -> tuple[int, ...] | None:
+    """The inner chunk shape a save with ``ArrayStorageOptions(chunk_byte_size=...,
+    shard_axes=...)`` writes each chunk (shard) of ``chunk_shape`` in; ``None``: one inner
+    chunk per shard (no ``chunk_byte_size``, or a chunk within it). One definition, for
+    the leaf handlers that write it and the reuse room that checks a source against it."""
+    if not chunk_byte_size:
+        return None
+    chunk = tuple(int(c) for c in chunk_shape)
+    inner = choose_inner_chunk_shape(chunk, itemsize, int(chunk_byte_size), shard_axes)
+    return None if inner == chunk else inner
+
+
 def all_chunk_indices(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
     """Every chunk index of an array, in C order (none for a zero-size array)."""
     if tuple(shape) == tuple(chunk_shape):
