@@ -300,8 +300,9 @@ def test_sigkill_during_reusing_saves_leaves_committed_steps_whole(s3, bucket) -
 
 def test_a_reusing_save_blocks_for_its_source_identity_only(s3, proxy, bucket) -> None:
     # The record, b-tree and data files' listing of the step just committed are read back
-    # after its commit: the next save's blocking phase reads the source's commit marker
-    # (which commit it is), besides what a plain save does (a HEAD and a LIST).
+    # after its commit: the next save's blocking phase asks for the version of the source's
+    # commit marker (which commit it is: a HEAD), besides what a plain save does (a HEAD and
+    # a LIST).
     state = _state()
     with _checkpointer(f"{bucket}/run") as ckptr:
         for step in range(3):
@@ -312,7 +313,7 @@ def test_a_reusing_save_blocks_for_its_source_identity_only(s3, proxy, bucket) -
                 blocking = dict(counts.requests)
             ckptr.wait()
         assert ckptr.last_save_stats.bytes_reused == 4 * MiB + 512 * 1024  # base, ema.
-    assert blocking == {"HEAD": 1, "LIST": 1, "GET": 1}
+    assert blocking == {"HEAD": 2, "LIST": 1}
     assert_equal(cp.load_pytree(f"{bucket}/run/2"), state)
 
 
@@ -328,7 +329,7 @@ def test_a_step_replaced_after_its_commit_is_read_afresh(s3, proxy, bucket) -> N
             blocking = dict(counts.requests)
         ckptr.wait()
         assert ckptr.last_save_stats.bytes_reused == 0  # No record there, and no bytes read.
-    assert blocking.get("GET", 0) > 1
+    assert blocking.get("GET", 0) >= 1  # Its record (there is none) read afresh.
     assert_equal(cp.load_pytree(f"{bucket}/run/1"), state)
 
 
