@@ -210,12 +210,18 @@ def export_checkpoint(
     ``out`` is a ``*.safetensors`` path or a directory (then ``model.safetensors``
     in it); above ``max_shard_size`` bytes the data is split into Hub-style
     shards with an index. The header metadata is ``{"format": "pt"}``, the
-    metadata a ``checkpointables import`` recorded, and ``metadata``.
+    metadata a ``checkpointables import`` recorded, and ``metadata``. ``checkpoint``
+    may be on an object store; ``out`` is local (files are streamed, fsynced and
+    renamed into place): export there, then upload.
 
     Example::
 
         export_checkpoint("ckpt/1000", "hf/model.safetensors", subtree="params")
+
+    Raises:
+      cp.errors.UnsupportedPathError: ``out`` is a URL (``s3://``...), before any work.
     """
+    output = Output.at(out)  # A URL is refused before any work.
     meta = cp.pytree_metadata(checkpoint)
     leaves, skipped, treedef, count = _leaves(meta.metadata, subtree)
     shards, leaves = _plan(leaves, max_shard_size)
@@ -225,7 +231,7 @@ def export_checkpoint(
     total = sum(leaf.entry.nbytes for leaf in leaves)
     with cp.progress.bytes_progress(total, "export"):
         files = write_safetensors(
-            Output.at(out),
+            output,
             shards,
             _arrays_from_checkpoint(checkpoint, leaves, treedef, count, batch_bytes),
             metadata=header,
@@ -242,18 +248,20 @@ def save_pytree(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
 ) -> ExportResult:
-    """Writes an in-memory pytree of arrays as safetensors (sharded above ``max_shard_size``).
+    """Writes an in-memory pytree of arrays as safetensors (sharded above ``max_shard_size``),
+    at a local ``out`` (a URL raises ``cp.errors.UnsupportedPathError``).
 
     Example::
 
         save_pytree("finetuned/", {"model": params})   # finetuned/model.safetensors
     """
+    output = Output.at(out)  # A URL is refused before any work.
     leaves, skipped, _, _ = _leaves(pytree, None)
     shards, leaves = _plan(leaves, max_shard_size)
     flat = jax.tree_util.tree_leaves(pytree, is_leaf=lambda x: x is None)
     arrays = (_host_or_streamed(flat[leaf.position], leaf.entry) for leaf in leaves)
     files = write_safetensors(
-        Output.at(out),
+        output,
         shards,
         arrays,
         metadata={**FORMAT_METADATA, **(metadata or {})},

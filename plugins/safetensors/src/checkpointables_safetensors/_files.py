@@ -161,28 +161,36 @@ def recognizes(path: epath.Path) -> bool:
         return any(e.name.endswith((SUFFIX, INDEX_SUFFIX)) and e.is_file() for e in entries)
 
 
+def _self_and_parents(path: os.PathLike[str] | str) -> list[str]:
+    """``path`` and the directories above it, nearest first: local ones resolved (a link
+    into a checkpoint counts too); on an object store the prefixes up to the bucket."""
+    text = os.fspath(path)
+    if cp.storage.is_local(text):
+        found = [os.path.realpath(text)]
+        while os.path.dirname(found[-1]) != found[-1]:
+            found.append(os.path.dirname(found[-1]))
+        return found
+    head, _, rest = text.partition("://")
+    parts = [p for p in rest.split("/") if p]  # The bucket, then the keys' components.
+    return [f"{head}://{'/'.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+
+
 def refuse_inside_checkpoint(path: os.PathLike[str] | str, what: str) -> None:
-    """Refuses to write ``what`` at ``path`` (local) when ``path`` is a checkpoint or lies in
-    one: a finished checkpoint is never changed (its loads and ``verify`` would meet files
-    its save did not write).
+    """Refuses to write ``what`` at ``path`` (local or on an object store) when ``path`` is a
+    checkpoint or lies in one: a finished checkpoint is never changed (its loads and
+    ``verify`` would meet files its save did not write).
 
     Raises:
       cp.errors.InvalidArgumentError: naming the checkpoint.
     """
-    if _local(epath.Path(path)) is None:
-        return
-    current = os.path.realpath(os.fspath(path))  # A link into a checkpoint counts too.
-    while True:
+    candidates = _self_and_parents(path)
+    for current in candidates:
         if cp.is_checkpoint(current):
-            where = "is" if current == os.path.realpath(os.fspath(path)) else "is inside"
+            where = "is" if current == candidates[0] else "is inside"
             raise cp.errors.InvalidArgumentError(
                 f"{path} {where} the finished checkpoint {current}: writing {what} there would "
                 f"change that checkpoint. Choose a path outside it."
             )
-        parent = os.path.dirname(current)
-        if parent == current:
-            return
-        current = parent
 
 
 def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:

@@ -60,13 +60,41 @@ def _batches(tensors: Sequence[StoredTensor], limit: int) -> Iterator[list[Store
         yield batch
 
 
+def _check_target(target: epath.Path) -> None:
+    """Refuses a ``target`` that is taken: a checkpoint or files there, an unfinished
+    session of partial saves, or a place inside a checkpoint. Local paths and object
+    stores alike (``cp.storage``): ``target`` itself is the session on an object store.
+
+    Raises:
+      cp.errors.CheckpointExistsError, cp.errors.InvalidArgumentError: naming the path.
+    """
+    session = cp.partial.session_path(target)
+    if cp.storage.exists(target):
+        if session != target or cp.is_checkpoint(target):
+            raise cp.errors.CheckpointExistsError(f"{target} exists; import into a new path.")
+        # An object store: partial saves are written at the path itself until finalize.
+        raise cp.errors.CheckpointExistsError(
+            f"{target} holds objects but no finished checkpoint: the partial saves of an "
+            f"earlier, unfinished import or partial save, or other files. Delete them (or call "
+            f"cp.partial.finalize on {target} if they are partial saves), or import into a new "
+            f"path."
+        )
+    refuse_inside_checkpoint(target, "a checkpoint")
+    if session != target and cp.storage.exists(session):
+        raise cp.errors.CheckpointExistsError(
+            f"{session} holds the partial saves of an earlier, unfinished import or partial "
+            f"save; delete it (or call cp.partial.finalize on {target}) and import again."
+        )
+
+
 def import_safetensors(
     source: os.PathLike[str] | str,
     checkpoint: os.PathLike[str] | str,
     *,
     batch_bytes: int = BATCH_BYTES,
 ) -> ImportResult:
-    """Writes the tensors of ``source`` as a pytree checkpoint at ``checkpoint``.
+    """Writes the tensors of ``source`` (local files) as a pytree checkpoint at
+    ``checkpoint``, a local path or a URL (``s3://bucket/run/imported``).
 
     Example::
 
@@ -74,22 +102,14 @@ def import_safetensors(
         params = cp.load_pytree("ckpt/gemma-2b")
 
     Raises:
-      FileExistsError: ``checkpoint`` exists, or an interrupted import left its
-        partial save session (delete it, or ``cp.partial.finalize`` it).
+      cp.errors.CheckpointExistsError: ``checkpoint`` exists, or an interrupted import
+        left its partial save session (delete it, or ``cp.partial.finalize`` it).
       cp.errors.MetadataError: a source file is malformed or truncated.
       cp.errors.InvalidArgumentError: ``checkpoint`` is inside another checkpoint.
     """
     tensor_set = open_tensor_set(source)
-    target = epath.Path(checkpoint)
-    session = cp.partial.session_path(target)
-    if target.exists():
-        raise FileExistsError(f"{target} exists; import into a new path.")
-    refuse_inside_checkpoint(target, "a checkpoint")
-    if session.exists():
-        raise FileExistsError(
-            f"{session} holds the partial saves of an earlier, unfinished import or partial "
-            f"save; delete it (or call cp.partial.finalize on {target}) and import again."
-        )
+    target = cp.path.as_path(checkpoint)
+    _check_target(target)
     custom = {
         IMPORTED_METADATA_KEY: dict(tensor_set.metadata),
         "imported_from": os.fspath(source),

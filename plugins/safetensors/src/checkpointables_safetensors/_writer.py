@@ -93,7 +93,20 @@ class Output:
 
     @classmethod
     def at(cls, path: os.PathLike[str] | str) -> Output:
-        """``x/model.safetensors`` writes that file (or its shards); a directory gets ``model``."""
+        """``x/model.safetensors`` writes that file (or its shards); a directory gets ``model``.
+
+        Raises:
+          cp.errors.UnsupportedPathError: ``path`` is a URL (``s3://``, ``gs://``...).
+          cp.errors.InvalidArgumentError: ``path`` is an existing file not named ``*.safetensors``.
+        """
+        if not cp.storage.is_local(path):
+            # Files are streamed larger than memory, fsynced and renamed into place; an object
+            # store takes a file in one write. (Without this, abspath makes a folder "s3:".)
+            raise cp.errors.UnsupportedPathError(
+                f"{os.fspath(path)}: safetensors files are written to local disk. Export to a "
+                f"local path, then upload the files (e.g. `aws s3 cp --recursive` or "
+                f"`gcloud storage cp`)."
+            )
         text = os.path.abspath(os.fspath(path))
         if text.endswith(SUFFIX) and not os.path.isdir(text):
             return cls(os.path.dirname(text), os.path.basename(text).removesuffix(SUFFIX))
