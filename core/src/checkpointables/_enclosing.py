@@ -17,7 +17,12 @@ What it costs, looking at the parents of the save's path for a finished checkpoi
   found), issued together: one round trip per save, whatever the depth of the
   prefix. Those levels catch the mistakes that happen (saving into a
   checkpoint, into one of its checkpointable directories, or a folder in one);
-  a deeper nesting on an object store is not looked for.
+  a deeper nesting on an object store is not looked for. A parent found to be
+  no checkpoint is not asked again by this process (a Checkpointer's steps
+  share their parents: its saves after the first add no request), until a save
+  of this process to that very path starts (it may commit a checkpoint there).
+  A checkpoint another process commits at a parent of this process's later
+  saves is therefore not seen.
 
 A training root is not a checkpoint (it has no ``_CHECKPOINT_METADATA``, no
 commit marker of its own), so the Checkpointer's steps pass; a Checkpointer
@@ -27,6 +32,7 @@ whose root lies in a finished checkpoint is refused like any save.
 from __future__ import annotations
 
 import os
+import threading
 
 from etils import epath
 
@@ -37,6 +43,10 @@ __all__ = ["OBJECT_STORE_LEVELS", "enclosing_checkpoint", "refuse_inside", "chec
 
 # How many parents of an object-store save are looked at (see the module's docstring).
 OBJECT_STORE_LEVELS = 4
+# Object-store parents found to be no checkpoint, not asked again (the module's docstring).
+_clear: set[str] = set()
+_CLEAR_MAX = 4096  # Then forgotten all at once: a bound on memory, not on correctness.
+_clear_lock = threading.Lock()
 
 
 def _parents(path: epath.PathLike) -> list[str]:
@@ -63,13 +73,26 @@ def enclosing_checkpoint(path: epath.PathLike) -> str | None:
     parents = [p for p in _parents(path) if not layout.is_temporary_path(p)]
     if storage.is_local(path):  # A stat each: cheaper in turn than handed to threads.
         return next((p for p in parents if layout.is_checkpoint(p)), None)
-    found = concurrently(layout.is_checkpoint, parents)
-    return next((p for p, is_one in zip(parents, found, strict=True) if is_one), None)
+    with _clear_lock:
+        asked = [p for p in parents if p not in _clear]
+    found = concurrently(layout.is_checkpoint, asked)
+    with _clear_lock:
+        if len(_clear) > _CLEAR_MAX:
+            _clear.clear()
+        _clear.update(p for p, is_one in zip(asked, found, strict=True) if not is_one)
+    return next((p for p, is_one in zip(asked, found, strict=True) if is_one), None)
+
+
+def _forget(path: epath.PathLike) -> None:
+    """A save to ``path`` starts: it may commit a checkpoint there, so ask again next time."""
+    with _clear_lock:
+        _clear.discard(os.fspath(path).rstrip("/"))
 
 
 def refuse_inside(path: epath.PathLike) -> None:
     """Raises ``cp.errors.InvalidArgumentError`` if ``path`` lies in a finished checkpoint
     (this process looks; ``check_not_inside`` for a look by the primary host alone)."""
+    _forget(path)
     problem = _problem(path)
     if problem:
         raise errors.InvalidArgumentError(problem)
@@ -83,6 +106,7 @@ def check_not_inside(path: epath.Path, *, operation: str = "") -> None:
     Args:
       operation: the save's name among the processes' collective operations.
     """
+    _forget(path)
     primary = multihost.is_primary_host()
     problem = multihost.broadcast_from_primary(
         f"{operation}/inside", _problem(path) if primary else None

@@ -31,3 +31,11 @@ def test_steps_of_a_root_still_save(bucket) -> None:
         for step in range(2):
             assert checkpointer.save_pytree(step, TREE, force=True)
     assert [s.step for s in checkpointer.steps()] == [0, 1]
+
+
+def test_a_parent_this_process_made_a_checkpoint_is_asked_again(bucket) -> None:
+    # The save to a/x found a/ to be no checkpoint (remembered); the save to a/ forgets it.
+    cp.save_pytree(f"{bucket}/a/x", TREE)
+    cp.save_pytree(f"{bucket}/a", TREE, overwrite=True)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
+        cp.save_pytree(f"{bucket}/a/y", TREE)
