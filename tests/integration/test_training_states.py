@@ -95,6 +95,32 @@ def test_nnx_training_continues_bit_for_bit(tmp_path, against) -> None:
     _assert_same_leaves(nnx.state(restored), nnx.state((model, optimizer)))
 
 
+def test_nnx_objects_saved_whole_load_in_every_natural_form(tmp_path) -> None:
+    # Saved as the objects themselves, not nnx.state: their empty `_pytree__state` nodes
+    # (and optax's EmptyState) are in the checkpoint, and nnx.state(...) has none of them.
+    # Restored into objects of another seed: every value (RNG keys and counts included)
+    # must come from the checkpoint. (Training from such a state: the tests above.)
+    model, optimizer = _nnx_objects(0)
+    cp.save_pytree(tmp_path / "c", (model, optimizer))
+
+    into_state = _nnx_objects(5)
+    nnx.update(into_state, cp.load_pytree(tmp_path / "c", nnx.state(into_state)))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _nnx_objects(5)))
+    forms = {
+        "nnx.update(objects, load(nnx.state(objects)))": into_state,
+        "nnx.merge(graphdef, load(abstract state))": nnx.merge(
+            graphdef, cp.load_pytree(tmp_path / "c", abstract)
+        ),
+        "load(objects)": cp.load_pytree(tmp_path / "c", _nnx_objects(5)),
+        "load(nnx.eval_shape(objects))": cp.load_pytree(
+            tmp_path / "c", nnx.eval_shape(lambda: _nnx_objects(5))
+        ),
+    }
+    for restored in forms.values():
+        assert type(restored[0]) is _Net and type(restored[1]) is nnx.Optimizer
+        _assert_same_leaves(nnx.state(restored), nnx.state((model, optimizer)))
+
+
 def test_nnx_restore_onto_another_mesh_and_params_only(tmp_path) -> None:
     model, optimizer = _nnx_objects(0)
     _nnx_losses(model, optimizer)

@@ -24,6 +24,7 @@ from etils import epath
 
 from checkpointables import (
     _commit,
+    _enclosing,
     _inflight,
     _leftovers,
     _os_errors,
@@ -74,6 +75,8 @@ class SaveRequest:
         ``cp.reuse.SaveReuse`` to hand the handlers (the Checkpointer's); ``None``: none.
       staging: where the handlers report the host memory they staged (the Checkpointer's,
         for ``last_save_stats``); ``None``: a new one.
+      inside_checked: the caller has checked that ``path`` is in no finished checkpoint
+        (``cp.partial``, for the user's path its staged saves lie under).
     """
 
     path: epath.PathLike
@@ -86,6 +89,7 @@ class SaveRequest:
     replace_unfinished: bool = False
     reuse: reuse_lib.SaveReuse | epath.PathLike | None = None
     staging: staging_lib.SaveStaging | None = None
+    inside_checked: bool = False
 
 
 @attrs.frozen
@@ -187,6 +191,8 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
     timeout = save.context.async_options.timeout_secs
     _inflight.wait_for(save.path, timeout)
     with save.context:  # The storage of an object store is configured by the context.
+        if not request.inside_checked:
+            _enclosing.check_not_inside(save.path, operation=save.operation)
         _commit.check_can_save(
             save.path,
             overwrite=request.overwrite,
@@ -382,6 +388,7 @@ def save_checkpointables_async(
     Raises (before anything is written):
       ValueError: a bad name, an empty dict, or metadata that is not JSON.
       FileExistsError: ``path`` exists and ``overwrite`` is false.
+      cp.errors.InvalidArgumentError: ``path`` lies inside a finished checkpoint.
       FileNotFoundError, cp.errors.NotACheckpointError: ``reuse_from`` is not a committed
         checkpoint.
       cp.errors.NameTooLongError: a name is too long for the filesystem.

@@ -50,6 +50,7 @@ from etils import epath
 
 from checkpointables import (
     _commit,
+    _enclosing,
     _leftovers,
     _saving,
     errors,
@@ -180,6 +181,7 @@ def _check_not_finished(path: epath.Path) -> None:
             f"{path} already holds {what}; a partial save never replaces it. Delete it first, or "
             f"choose another path."
         )
+    _enclosing.refuse_inside(path)
 
 
 def _promote(path: epath.Path, staged: epath.Path, target: epath.Path) -> None:
@@ -227,6 +229,7 @@ def save_async(
 
     Raises (before anything is written):
       FileExistsError: ``path`` already holds a checkpoint (or anything else).
+      cp.errors.InvalidArgumentError: ``path`` lies inside a finished checkpoint.
       ValueError: ``pytree`` is None, or ``custom_metadata`` is not a JSON object.
       cp.errors.NoHandlerForObjectError: some leaves cannot be saved.
     """
@@ -248,7 +251,9 @@ def save_async(
         try:
             forced = {DEFAULT_NAME: pytree_registration().handler_cls}
             inner = _saving.start(
-                _saving.SaveRequest(staged, item, custom_metadata, forced_handlers=forced)
+                _saving.SaveRequest(
+                    staged, item, custom_metadata, forced_handlers=forced, inside_checked=True
+                )
             )
         except BaseException:
             _end_pending(pending, session, failed=True)

@@ -33,7 +33,6 @@ __all__ = [
     "Flat",
     "flatten",
     "flatten_abstract",
-    "has_empty_node",
     "is_int_key",
     "key_names",
     "keystr",
@@ -348,34 +347,6 @@ def _int_keys(
             if type(key) is _DictKey and type(key.key) is not str and is_int_key(key):
                 found.add(key_names_[: i + 1])
     return frozenset(found)
-
-
-_MISSING = object()
-
-
-def _find_node(tree: Any, names: Sequence[str]) -> Any:
-    """The node of ``tree`` at the key path named ``names``, or ``_MISSING``.
-
-    Walks one level at a time (cost: the siblings along the path); used for the
-    few paths that need it, such as empty nodes recorded in a checkpoint.
-    """
-    node, depth = tree, 0
-    while depth < len(names):
-        children = _one_level(node) if node is not None else None
-        for keys, child in children or ():
-            width = len(keys)
-            if key_names(keys) == tuple(names[depth : depth + width]):
-                node, depth = child, depth + width
-                break
-        else:
-            return _MISSING
-    return node
-
-
-def has_empty_node(tree: Any, names: Sequence[str]) -> bool:
-    """Whether ``tree`` holds, at ``names``, a node with no leaves (``EmptyState()``, ``{}``)."""
-    node = _find_node(tree, names)
-    return node is not _MISSING and not jax.tree_util.tree_leaves(node)
 
 
 def _abstract_is_leaf(x: Any) -> bool:

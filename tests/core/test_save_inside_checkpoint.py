@@ -1,0 +1,89 @@
+"""A save into a finished checkpoint (``ck/pytree/sub``, ``ck/sub``) is refused before
+anything is written; a training root holding steps is not a checkpoint, so steps save."""
+
+from __future__ import annotations
+
+import os
+
+import checkpointables as cp
+import numpy as np
+import pytest
+from checkpointables import _enclosing
+
+TREE = {"w": np.arange(4.0)}
+
+
+@pytest.fixture
+def finished(tmp_path):
+    """A finished checkpoint, with the listing of everything in it."""
+    ck = tmp_path / "ck"
+    cp.save_pytree(ck, TREE)
+    return ck, sorted(os.walk(ck))
+
+
+def _refused(ck, before, save, inner) -> None:
+    with pytest.raises(cp.errors.InvalidArgumentError) as raised:
+        save(inner)
+    message = str(raised.value)
+    assert str(inner) in message and f"finished checkpoint {ck}" in message, message
+    assert "outside" in message, message  # Says what to do.
+    assert sorted(os.walk(ck)) == before  # Nothing was added to the checkpoint.
+    cp.load_pytree(ck)  # ... which still verifies and loads.
+
+
+_SAVES = {
+    "save_pytree": lambda p: cp.save_pytree(p, TREE),
+    "save_pytree_overwrite": lambda p: cp.save_pytree(p, TREE, overwrite=True),
+    "save_pytree_async": lambda p: cp.save_pytree_async(p, TREE).result(),
+    "save_checkpointables": lambda p: cp.save_checkpointables(p, {"state": TREE}),
+    "save_checkpointables_async": lambda p: cp.save_checkpointables_async(
+        p, {"state": TREE}
+    ).result(),
+    "partial_save": lambda p: cp.partial.save(p, TREE),
+}
+
+
+@pytest.mark.parametrize("save", list(_SAVES.values()), ids=list(_SAVES))
+@pytest.mark.parametrize("where", ["pytree/sub", "sub", "pytree/a/b"])
+def test_every_save_refuses_a_path_inside_a_finished_checkpoint(finished, save, where) -> None:
+    ck, before = finished
+    _refused(ck, before, save, ck / where)
+
+
+def test_a_link_into_a_checkpoint_counts(finished, tmp_path) -> None:
+    ck, before = finished
+    os.symlink(ck / "pytree", tmp_path / "link")
+    _refused(ck, before, _SAVES["save_pytree"], tmp_path / "link" / "sub")
+
+
+def test_a_checkpointer_whose_root_is_in_a_checkpoint_saves_no_step(finished) -> None:
+    ck, before = finished
+    with (
+        cp.training.Checkpointer(ck / "run") as checkpointer,
+        pytest.raises(cp.errors.InvalidArgumentError, match="inside the finished"),
+    ):
+        checkpointer.save_pytree(1, TREE, force=True)
+    assert sorted(os.walk(ck)) == before
+
+
+def test_steps_in_a_root_and_siblings_of_a_checkpoint_still_save(finished, tmp_path) -> None:
+    ck, _ = finished
+    cp.save_pytree(tmp_path / "ck2", TREE)  # Next to a checkpoint.
+    cp.save_pytree(ck, TREE, overwrite=True)  # The checkpoint itself, replaced.
+    with cp.training.Checkpointer(tmp_path / "run") as checkpointer:
+        for step in range(3):
+            assert checkpointer.save_pytree(step, TREE, force=True)
+    assert [s.step for s in checkpointer.steps()] == [0, 1, 2]
+    # A partial save's session (its parts are checkpoints) is no enclosing checkpoint.
+    cp.partial.save(tmp_path / "parts", {"a": TREE})
+    cp.partial.save(tmp_path / "parts", {"b": TREE})
+    cp.partial.finalize(tmp_path / "parts")
+    assert set(cp.load_pytree(tmp_path / "parts")) == {"a", "b"}
+
+
+def test_object_store_looks_at_a_bounded_number_of_parents() -> None:
+    levels = _enclosing.OBJECT_STORE_LEVELS
+    deep = "s3://bucket/" + "/".join(f"d{i}" for i in range(10))
+    parents = _enclosing._parents(deep)
+    assert len(parents) == levels and parents[0] == "s3://bucket/d0/d1/d2/d3/d4/d5/d6/d7/d8"
+    assert _enclosing._parents("gs://bucket/a/b/") == ["gs://bucket/a", "gs://bucket"]

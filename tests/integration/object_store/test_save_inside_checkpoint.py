@@ -1,0 +1,41 @@
+"""On an object store too, a save into a finished checkpoint is refused before anything is
+written, and a training root holding steps is not taken for a checkpoint."""
+
+from __future__ import annotations
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+TREE = {"w": np.arange(4.0)}
+
+
+@pytest.mark.parametrize("where", ["pytree/sub", "sub"])
+def test_a_save_inside_a_finished_checkpoint_is_refused(bucket, where) -> None:
+    ck = f"{bucket}/ck"
+    cp.save_pytree(ck, TREE)
+    before = sorted(cp.storage.list_files(ck))
+    for save in (
+        lambda p: cp.save_pytree(p, TREE),
+        lambda p: cp.save_checkpointables_async(p, {"state": TREE}).result(),
+        lambda p: cp.partial.save(p, TREE),
+    ):
+        with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {ck}:"):
+            save(f"{ck}/{where}")
+    assert sorted(cp.storage.list_files(ck)) == before
+    cp.load_pytree(ck)
+
+
+def test_steps_of_a_root_still_save(bucket) -> None:
+    with cp.training.Checkpointer(f"{bucket}/run") as checkpointer:
+        for step in range(2):
+            assert checkpointer.save_pytree(step, TREE, force=True)
+    assert [s.step for s in checkpointer.steps()] == [0, 1]
+
+
+def test_a_parent_this_process_made_a_checkpoint_is_asked_again(bucket) -> None:
+    # The save to a/x found a/ to be no checkpoint (remembered); the save to a/ forgets it.
+    cp.save_pytree(f"{bucket}/a/x", TREE)
+    cp.save_pytree(f"{bucket}/a", TREE, overwrite=True)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
+        cp.save_pytree(f"{bucket}/a/y", TREE)
