@@ -32,6 +32,7 @@ import attrs
 import numpy as np
 
 from checkpointables import errors
+from checkpointables.training.save_decision_policies import warn_about_clock
 from checkpointables.training.step_info import StepInfo
 
 __all__ = [
@@ -151,6 +152,10 @@ class EveryNSeconds:
     least ``interval_secs`` after the last kept one. Steps without a commit
     time are kept.
 
+    A step whose commit time is before the previous step's (a clock was fast,
+    or set back) is kept, with a warning, and later steps are measured from
+    it: a gap that a wrong clock makes negative never deletes a step.
+
     Attributes:
       interval_secs: the spacing, > 0.
     """
@@ -163,11 +168,24 @@ class EveryNSeconds:
         """True for the first step and every step ``interval_secs`` after the last kept one."""
         result = []
         last_kept: int | None = None
+        previous: tuple[int, int] | None = None  # (step, time): the latest step with a time.
         for s in steps:
             t = s.commit_timestamp_nsecs
             keep = t is None or last_kept is None or t - last_kept >= self.interval_secs * 1e9
+            # Compared with the previous step, not the last kept one: a step between them
+            # committed by a fast clock also shortens the gaps after it, undetected otherwise.
+            if t is not None and previous is not None and t < previous[1]:
+                warn_about_clock(
+                    s,
+                    f"before that of step {previous[0]} ({previous[1]} ns), unless step "
+                    f"{previous[0]} was saved again later; EveryNSeconds keeps step {s.step} and "
+                    f"measures the later steps from it",
+                )
+                keep = True
             if keep and t is not None:
                 last_kept = t
+            if t is not None:
+                previous = (s.step, t)
             result.append(keep)
         return result
 

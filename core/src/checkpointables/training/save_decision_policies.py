@@ -18,11 +18,14 @@ A policy of your own::
             if not previous_steps:
                 return True
             last = previous_steps[-1].commit_timestamp_nsecs or 0
-            return context.time_nsecs - last >= 600 * 10**9
+            # A time after now was written by a fast clock: save rather than wait for it.
+            return not 0 <= context.time_nsecs - last < 600 * 10**9
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -42,6 +45,41 @@ __all__ = [
     "AnySavePolicy",
     "default_policy",
 ]
+
+logger = logging.getLogger("checkpointables.training")
+
+# (step path, commit time) pairs already logged as impossible in this process: a policy
+# runs at every step, and one warning per bad timestamp is enough.
+_warned_clock: set[tuple[str, int]] = set()
+
+
+def warn_about_clock(info: StepInfo, detail: str) -> None:
+    """Logs, once per step and commit time, that ``info``'s commit time cannot be right
+    (``detail`` says why and what the policy does instead): a clock was fast or set back."""
+    t = info.commit_timestamp_nsecs
+    key = (str(info.path), t if t is not None else -1)
+    if key in _warned_clock:
+        return
+    _warned_clock.add(key)
+    logger.warning(
+        "Step %d (%s) records commit time %s, %s. A host's clock is probably wrong (fast, or "
+        "set back): check that the clocks of the hosts are synchronised (NTP).",
+        info.step,
+        info.path,
+        _time_text(t),
+        detail,
+    )
+
+
+def _time_text(nsecs: int | None) -> str:
+    """``nsecs`` as UTC, and as the number when no datetime can hold it (year 10000)."""
+    if nsecs is None:
+        return "None"
+    try:
+        when = datetime.datetime.fromtimestamp(nsecs / 1e9, tz=datetime.UTC)
+    except (OverflowError, OSError, ValueError):
+        return f"{nsecs} ns since the epoch"
+    return f"{when.isoformat()} ({nsecs} ns since the epoch)"
 
 
 @attrs.frozen
@@ -142,7 +180,10 @@ class ContinuousCheckpointingPolicy:
 
     Attributes:
       minimum_interval_secs: also skip until this long has passed since the
-        latest committed step was committed (``None``: no minimum).
+        latest committed step (the highest one with a commit time) was
+        committed (``None``: no minimum). A commit time after now, written by
+        a fast clock, does not delay the save: the step is saved (with a
+        warning), so that its own, current time is the one measured from.
     """
 
     minimum_interval_secs: float | None = attrs.field(default=None, validator=_interval_or_none)
@@ -155,10 +196,20 @@ class ContinuousCheckpointingPolicy:
             return False
         if self.minimum_interval_secs is None:
             return True
-        times = [p.commit_timestamp_nsecs for p in previous_steps if p.commit_timestamp_nsecs]
-        if not times:
+        # The latest step's time, not the largest of all: an older step committed by a fast
+        # clock would otherwise stop saving until real time caught up with it.
+        latest = next((p for p in reversed(previous_steps) if p.commit_timestamp_nsecs), None)
+        if latest is None or latest.commit_timestamp_nsecs is None:
             return True
-        return context.time_nsecs - max(times) >= self.minimum_interval_secs * 1e9
+        elapsed = context.time_nsecs - latest.commit_timestamp_nsecs
+        if elapsed < 0:
+            warn_about_clock(
+                latest,
+                f"{-elapsed / 1e9:.3f} s after now; ContinuousCheckpointingPolicy saves "
+                f"instead of waiting for that time",
+            )
+            return True
+        return elapsed >= self.minimum_interval_secs * 1e9
 
 
 @attrs.frozen
