@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import attrs
 from etils import epath
 
-from checkpointables import _saving, _step_metrics, errors, layout, storage
+from checkpointables import _commit, _saving, _step_metrics, errors, layout, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import Context
@@ -39,6 +39,8 @@ def _metrics(path: epath.Path, meta: dict[str, Any]) -> dict[str, Any]:
     try:
         return _step_metrics.read(path, meta)
     except errors.CheckpointError as e:
+        if _commit.identity(path) is None:
+            raise  # Deleted while we read it (see read_step), not damaged.
         # The step's checkpointables may be fine: list it, without metrics.
         logger.warning("Ignoring the damaged metrics of step directory %s: %s", path, e)
         return {}
@@ -49,11 +51,37 @@ def read_step(step: int, path: epath.Path, *, validated: bool = False) -> StepIn
 
     ``validated``: the caller knows it is committed (from a listing).
 
+    A read that fails may have raced another process: its preservation policy
+    deleting the step (renamed away, or its marker deleted, between our reads
+    of ``_CHECKSUMS`` and ``_CHECKPOINT_METADATA``), or a save replacing it. So
+    a failure counts as damage only if the step is still committed and a
+    second read fails too.
+
     Raises:
       FileNotFoundError, cp.errors.NotACheckpointError: ``path`` is not a
         finished checkpoint.
-      cp.errors.MetadataError: its ``_CHECKPOINT_METADATA`` is damaged.
+      cp.errors.CheckpointChangedError: the step was deleted while it was read.
+      cp.errors.MetadataError, cp.errors.IntegrityError: its metadata is damaged.
     """
+    retries = 1
+    while True:
+        try:
+            return _read_step_once(step, path, validated=validated)
+        except (FileNotFoundError, errors.NotACheckpointError):
+            raise
+        except (errors.CheckpointError, OSError) as e:
+            if _commit.identity(path) is None:
+                raise errors.CheckpointChangedError(
+                    f"Step {step} ({path}) was deleted while its metadata was being read (by a "
+                    f"preservation policy, or another process). Nothing is damaged: call "
+                    f"reload() or steps() for the steps that remain."
+                ) from e
+            if not retries:
+                raise
+            retries -= 1  # Still committed: maybe replaced meanwhile, which a new read tells.
+
+
+def _read_step_once(step: int, path: epath.Path, *, validated: bool) -> StepInfo:
     if not validated:
         layout.validate_checkpoint_directory(path)
     meta = read_checkpoint_metadata(path)
@@ -77,7 +105,7 @@ class Listing:
 def _read(step: int, path: epath.Path, *, validated: bool) -> StepInfo | None:
     try:
         return read_step(step, path, validated=validated)
-    except (FileNotFoundError, errors.NotACheckpointError):
+    except (FileNotFoundError, errors.NotACheckpointError, errors.CheckpointChangedError):
         return None  # Not committed, or deleted while we looked.
     except (errors.CheckpointError, OSError) as e:  # Damaged: its metadata, or checksums.
         logger.warning("Skipping step directory %s: %s", path, e)

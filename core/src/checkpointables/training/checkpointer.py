@@ -52,6 +52,7 @@ from checkpointables.training._readers import StepLike
 from checkpointables.training._retention import Retention
 from checkpointables.training._saves import Saves, StepSave
 from checkpointables.training._worker import BackgroundErrors, Worker
+from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.local_tier import LocalTier, RestoreStats, _tiered
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
@@ -464,14 +465,32 @@ class Checkpointer:
     def pytree_metadata(
         self, step: StepLike = None, *, checkpointable_name: str | None = None
     ) -> CheckpointMetadata[Any]:
-        """``cp.pytree_metadata`` of ``step`` (default: the latest step)."""
-        with self._leases.holding(step, self._call_context()) as info:
-            return _pytree_api.pytree_metadata(info.path, checkpointable_name=checkpointable_name)
+        """``cp.pytree_metadata`` of ``step`` (default: the latest persistent step).
+
+        With a local tier, a step only the local tier holds is read from this
+        host's copy of it.
+        """
+        return self._read_metadata(
+            step,
+            lambda path: _pytree_api.pytree_metadata(path, checkpointable_name=checkpointable_name),
+        )
 
     def checkpointables_metadata(self, step: StepLike = None) -> CheckpointMetadata[dict[str, Any]]:
-        """``cp.checkpointables_metadata`` of ``step`` (default: the latest step)."""
-        with self._leases.holding(step, self._call_context()) as info:
-            return _loading.checkpointables_metadata(info.path)
+        """``cp.checkpointables_metadata`` of ``step`` (default: the latest persistent step;
+        a step only the local tier holds: this host's copy of it)."""
+        return self._read_metadata(step, _loading.checkpointables_metadata)
+
+    def _read_metadata(self, step: StepLike, read: Callable[[epath.Path], T]) -> T:
+        context = self._call_context()
+        try:
+            info = self._leases.resolve(step, context)
+        except StepNotFoundError as missing:
+            if self._local is None or step is None:
+                raise
+            number = as_step(step.step if isinstance(step, StepInfo) else step)
+            return _tiered.local_metadata(self._local, number, context, read, missing)
+        with self._leases.holding(info, context) as held:
+            return read(held.path)
 
     # Waiting and closing.
 

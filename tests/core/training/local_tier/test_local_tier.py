@@ -206,3 +206,24 @@ def test_what_killed_saves_left_does_not_count_against_keep(tmp_path) -> None:
         ckptr.save_pytree(125, state(125), force=True)  # ...until a forced save.
         assert [s.step for s in ckptr.steps(tier="local")] == [120, 125]
     assert sorted(os.listdir(tmp_path / "local")) == [OWNER_FILE, LOCK_FILE, "120", "125"]
+
+
+def test_metadata_of_a_step_only_the_local_tier_holds_reads_this_hosts_copy(tmp_path) -> None:
+    with checkpointer(tmp_path, persistent=100, local=5) as ckptr:
+        for step in range(12):
+            ckptr.save_pytree(step, state(step), metrics={"loss": 1.0 / (step + 1)})
+        latest = ckptr.latest_step()
+        assert latest.step == 10 and [s.step for s in ckptr.steps(tier="persistent")] == [0]
+        meta = ckptr.metadata(latest.step)  # The idiom: the abstract tree of the latest step.
+        assert meta.path == tmp_path / "local" / "10" / "p0-of-1"
+        assert meta.metrics == {"loss": 1.0 / 11}
+        assert meta.metadata["w"].shape == (3, 4) and meta.metadata["b"].dtype == np.int32
+        assert ckptr.load_pytree(latest.step, meta.metadata)["step"] == 10
+        assert set(ckptr.checkpointables_metadata(5).metadata) == {"state"}
+        assert ckptr.metadata(0).path == tmp_path / "persistent" / "0"  # Persistent: as before.
+        with pytest.raises(
+            cp.training.errors.StepNotFoundError,
+            match=r"(?s)step 7 in .*local tier .* has no copy of it on this host "
+            r"\(local steps here: 5, 10\)",
+        ):
+            ckptr.metadata(7)

@@ -88,22 +88,31 @@ class LocalSaves:
 
     def steps(self) -> list[StepInfo]:
         """The steps with a finished copy on this host, sorted; each one's path is that
-        copy's, an ordinary checkpoint (of this host's shards, when several saved it)."""
-        infos = []
-        for step in self._store.steps():
-            copies = self._store.copies(step)
-            if copies:
-                writer = self._writer if self._writer in copies else next(iter(copies))
-                mine = copies[writer]
-                infos.append(
-                    StepInfo(
-                        step=step,
-                        path=self._store.copy_dir(step, writer),
-                        metrics=mine.metrics,
-                        commit_timestamp_nsecs=mine.commit_timestamp_nsecs,
-                    )
-                )
-        return infos
+        copy's, an ordinary checkpoint (of this host's shards, when several saved it):
+        this process's own copy if there is one, else a whole copy if there is one."""
+        infos = [self._copy(step, whole=False) for step in self._store.steps()]
+        return [info for info in infos if info is not None]
+
+    def whole_copy(self, step: int) -> StepInfo | None:
+        """A finished copy of ``step`` on this host that holds every checkpointable (not a
+        *partial* copy, of a peer's small items only), this process's own first; or None."""
+        return self._copy(step, whole=True)
+
+    def _copy(self, step: int, *, whole: bool) -> StepInfo | None:
+        copies = self._store.copies(step)
+        # This process's own copy first, then whole ones (sorted: stable across calls).
+        order = sorted(copies, key=lambda w: (w != self._writer, copies[w].partial, w))
+        if whole:
+            order = [w for w in order if not copies[w].partial]
+        if not order:
+            return None
+        chosen = copies[order[0]]
+        return StepInfo(
+            step=step,
+            path=self._store.copy_dir(step, order[0]),
+            metrics=chosen.metrics,
+            commit_timestamp_nsecs=chosen.commit_timestamp_nsecs,
+        )
 
     def in_progress(self) -> bool:
         """Whether a local save has started and not committed."""

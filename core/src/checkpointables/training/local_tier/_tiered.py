@@ -13,13 +13,15 @@ from checkpointables import errors
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
 from checkpointables.training._saves import Saves, StepSave
+from checkpointables.training.errors import StepNotFoundError
 from checkpointables.training.local_tier._config import LocalTier, RestoreStats
+from checkpointables.training.local_tier._saves import local_context
 from checkpointables.training.local_tier._tier import LocalTierRuntime, persistent_bytes
 from checkpointables.training.step_info import StepInfo
 
 T = TypeVar("T")
 
-__all__ = ["open_tier", "steps", "latest", "save", "timed"]
+__all__ = ["open_tier", "steps", "latest", "save", "timed", "local_metadata"]
 
 TIERS = (None, "local", "persistent")
 
@@ -114,3 +116,37 @@ def timed(
         return result
 
     return start_background(finish, f"load of step {info.step}", daemon=True)
+
+
+def local_metadata(
+    local: LocalTierRuntime,
+    step: int,
+    context: Context,
+    read: Callable[[epath.Path], T],
+    missing: StepNotFoundError,
+) -> T:
+    """``read(path)`` of this host's copy of ``step``, a step the persistent tier does not
+    hold (``missing``: what it raised); its copy is an ordinary checkpoint.
+
+    Raises:
+      cp.training.errors.StepNotFoundError: no whole copy of ``step`` on this host.
+    """
+    # Saves come from this thread: once the one in flight, its replication and retention
+    # are done, nothing removes the copy while it is read.
+    local.saves.wait_idle()
+    info = local.saves.whole_copy(step)
+    if info is None:
+        held = [s.step for s in local.saves.steps()]
+        where = (
+            "holds only other processes' small items of it here (a partial copy)"
+            if step in held
+            else f"has no copy of it on this host (local steps here: "
+            f"{', '.join(map(str, held)) or 'none'})"
+        )
+        raise StepNotFoundError(
+            f"{missing} The local tier ({local.store.directory}) {where}: the metadata of a "
+            f"local step is read from a whole copy on this host (load_*({step}) also fetches "
+            f"one from the hosts that hold it)."
+        ) from None
+    with local_context(context):
+        return read(epath.Path(info.path))
