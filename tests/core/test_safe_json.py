@@ -5,6 +5,8 @@ from __future__ import annotations
 import pickle
 
 import checkpointables as cp
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 
@@ -37,3 +39,52 @@ def test_values_to_save_must_be_json():
     for value in ({"a": object()}, looped):
         with pytest.raises(cp.errors.InvalidArgumentError, match="custom_metadata"):
             cp.safe_json.dumps_checked(value, what="custom_metadata")
+
+
+def test_numpy_and_jax_scalars_become_python_numbers():
+    value = {
+        "lr": np.float32(0.5),
+        "steps": np.int64(5),
+        "ok": np.bool_(True),
+        "loss": jnp.float32(2.5),
+        "zero_d": np.array(3),
+        "cfg": {"betas": (np.float64(0.9), 0.99)},
+    }
+    ready = cp.safe_json.to_json_value(value, what="custom_metadata")
+    assert ready == {
+        "lr": 0.5,
+        "steps": 5,
+        "ok": True,
+        "loss": 2.5,
+        "zero_d": 3,
+        "cfg": {"betas": [0.9, 0.99]},
+    }
+    assert [type(v) for v in ready.values()][:5] == [float, int, bool, float, int]
+    assert cp.safe_json.dumps_checked({"lr": np.float32(0.5)}, what="custom_metadata") == (
+        '{"lr": 0.5}'
+    )
+    one = cp.safe_json.to_json_value([np.ones(1)], what="metrics", one_element_arrays=True)
+    assert one == [1.0]
+
+
+def test_what_json_cannot_store_is_named_by_its_key_path():
+    cases = [
+        ({"cfg": {"lr": np.ones(3)}}, r"custom_metadata\['cfg'\]\['lr'\] is a ndarray of shape"),
+        ({"a": [1, {1, 2}]}, r"custom_metadata\['a'\]\[1\] is a set"),
+        ({"when": np.datetime64("2020-01-01")}, r"custom_metadata\['when'\] is a datetime64"),
+        ({(1, 2): 3}, r"custom_metadata has the key \(1, 2\)"),
+    ]
+    for value, message in cases:
+        with pytest.raises(cp.errors.InvalidArgumentError, match=message) as info:
+            cp.safe_json.to_json_value(value, what="custom_metadata")
+        assert "JSON-serializable" in str(info.value) and "tolist()" in str(info.value)
+
+
+def test_save_stores_numpy_scalars_of_custom_metadata_and_names_a_bad_key(tmp_path):
+    state = {"w": np.ones(2)}
+    custom = {"lr": np.float32(0.25), "cfg": {"seed": jnp.int32(7)}}
+    cp.save_pytree(tmp_path / "a", state, custom_metadata=custom)
+    assert cp.pytree_metadata(tmp_path / "a").custom_metadata == {"lr": 0.25, "cfg": {"seed": 7}}
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"custom_metadata\['cfg'\]\['w'\]"):
+        cp.save_pytree(tmp_path / "b", state, custom_metadata={"cfg": {"w": np.ones(2)}})
+    assert not (tmp_path / "b").exists()

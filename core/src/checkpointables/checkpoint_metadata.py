@@ -109,15 +109,22 @@ def checkpoint_metadata_json(
     distribution whose plugin saved them; recorded, if not empty, under a key of
     ``custom_metadata`` that our reader removes again (unless the user's own
     custom metadata holds that key: then it is not recorded).
+
+    Raises:
+      cp.errors.InvalidArgumentError: ``custom_metadata`` or ``metrics`` holds
+        something JSON cannot store (``safe_json.to_json_value``), naming its key path.
     """
     handlers = dict(item_handlers) if isinstance(item_handlers, Mapping) else item_handlers
     fields: dict[str, Any] = {
         "item_handlers": handlers,
-        "metrics": dict(metrics or {}),
+        "metrics": safe_json.to_json_value(dict(metrics or {}), what="metrics"),
         "performance_metrics": dict(performance_metrics or {}),
         "init_timestamp_nsecs": init_timestamp_nsecs,
         "commit_timestamp_nsecs": commit_timestamp_nsecs,
-        "custom_metadata": dict(custom_metadata or {}),
+        # NumPy and JAX scalars (np.float32(0.1), a jnp loss) are stored as Python numbers.
+        "custom_metadata": safe_json.to_json_value(
+            dict(custom_metadata or {}), what="custom_metadata"
+        ),
     }
     if distributions and DISTRIBUTIONS_FIELD not in fields["custom_metadata"]:
         fields["custom_metadata"][DISTRIBUTIONS_FIELD] = {

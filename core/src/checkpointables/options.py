@@ -16,10 +16,13 @@ pytree plugin's (TensorStore and S3 settings), looked up when first used.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 
 from checkpointables import errors, plugins
 
@@ -32,11 +35,147 @@ __all__ = [
     "MemoryOptions",
     "MIN_HOST_BYTES",
     "BUILTIN",
+    "OptionValidator",
+    "invalid_option",
+    "option_validator",
+    "int_at_least",
+    "positive_seconds",
+    "boolean",
+    "text_or_none",
 ]
 
+# -- Validation -----------------------------------------------------------------------------
+# Every option class checks its fields when it is built, so that a mistake fails where it is
+# made, naming the class, the field, the value and what the field takes, rather than deep
+# inside a save. Plugins' option classes use the same validators (see writing-a-plugin.md).
 
-def _frozenset_or_none(value: Any) -> frozenset[int] | None:
-    return None if value is None else frozenset(value)
+OptionValidator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+"""An attrs validator: ``validator(instance, attribute, value)`` raises or returns ``None``."""
+
+
+class InvalidOptionTypeError(errors.InvalidArgumentError, errors.InvalidArgumentTypeError):
+    """An option of the wrong type: both a ``cp.errors.InvalidArgumentError`` (what every bad
+    option raises) and a ``TypeError`` (``InvalidArgumentTypeError``), as Python's own."""
+
+
+def invalid_option(
+    owner: str,
+    field: str,
+    value: Any,
+    allowed: str,
+    *,
+    wrong_type: bool = False,
+    show_value: bool = True,
+) -> errors.InvalidArgumentError:
+    """The error for the option ``owner.field`` set to ``value``, which must be ``allowed``.
+
+    ``cp.errors.InvalidArgumentError``; with ``wrong_type``, also a
+    ``cp.errors.InvalidArgumentTypeError`` (a ``TypeError``). ``show_value=False``
+    names only the value's type (secrets: fields with ``repr=False``).
+
+    Example::
+
+        raise cp.options.invalid_option("MyOptions", "level", 12, "an int from 1 to 9")
+    """
+    error = InvalidOptionTypeError if wrong_type else errors.InvalidArgumentError
+    shown = f"{value!r} ({type(value).__name__})" if show_value else f"<a {type(value).__name__}>"
+    return error(f"{owner}.{field}={shown} is not valid: it must be {allowed}.")
+
+
+def option_validator(
+    allowed: str,
+    *,
+    kind: type | tuple[type, ...],
+    test: Callable[[Any], bool] | None = None,
+    optional: bool = False,
+) -> OptionValidator:
+    """An attrs validator for an option field: its value is a ``kind`` passing ``test``.
+
+    ``allowed`` says what the field takes, in the error's words ("an int >= 1
+    or None"). ``optional`` also accepts ``None``. A ``bool`` is refused unless
+    ``kind`` names ``bool``: to Python ``True`` is an int, never to an option.
+    Anything else raises ``invalid_option``, naming the class being built (and
+    the value, unless the field has ``repr=False``).
+
+    Example::
+
+        @attrs.frozen
+        class MyOptions:
+            level: int = attrs.field(
+                default=3, validator=cp.options.option_validator(
+                    "an int from 1 to 9", kind=int, test=lambda v: 1 <= v <= 9))
+    """
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        wrong_type = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+        if wrong_type or (test is not None and not test(value)):
+            raise invalid_option(
+                type(instance).__name__,
+                attribute.name,
+                value,
+                allowed,
+                wrong_type=wrong_type,
+                show_value=attribute.repr is not False,
+            )
+
+    return check
+
+
+def int_at_least(
+    minimum: int, *, optional: bool = False, allowed: str | None = None
+) -> OptionValidator:
+    """A validator: an int (NumPy's too) ``>= minimum``; ``optional``: or ``None``."""
+    allowed = allowed or f"an int >= {minimum}" + (" or None" if optional else "")
+    return option_validator(
+        allowed, kind=numbers.Integral, test=lambda v: v >= minimum, optional=optional
+    )
+
+
+def positive_seconds(*, optional: bool = False) -> OptionValidator:
+    """A validator: a finite number of seconds ``> 0``; ``optional``: or ``None``."""
+    allowed = "a finite number of seconds > 0 (e.g. 600)" + (" or None" if optional else "")
+    return option_validator(
+        allowed,
+        kind=numbers.Real,
+        test=lambda v: math.isfinite(v) and v > 0,
+        optional=optional,
+    )
+
+
+def boolean() -> OptionValidator:
+    """A validator: ``True`` or ``False`` (not a truthy string such as ``"no"``)."""
+    return option_validator("True or False", kind=(bool, np.bool_))
+
+
+def text_or_none() -> OptionValidator:
+    """A validator: a ``str`` or ``None``."""
+    return option_validator("a str or None", kind=str, optional=True)
+
+
+def _process_indices(value: Any) -> frozenset[int] | None:
+    """``active_processes`` as a frozenset, checked here to name the value as given."""
+    if value is None:
+        return None
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        indices = list(value)
+        if all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0
+            for i in indices
+        ):
+            return frozenset(int(i) for i in indices)
+    raise invalid_option(
+        "MultiprocessingOptions",
+        "active_processes",
+        value,
+        "a collection of process indices (ints >= 0) or None",
+        wrong_type=not isinstance(value, Iterable) or isinstance(value, str | bytes),
+    )
+
+
+# -- Core's options -------------------------------------------------------------------------
 
 
 @attrs.frozen
@@ -46,10 +185,10 @@ class AsyncOptions:
     Attributes:
       timeout_secs: the longest any wait on background work or on other
         processes may last before it fails with a ``TimeoutError`` that says
-        what was being waited for.
+        what was being waited for: a finite number of seconds > 0.
     """
 
-    timeout_secs: float = attrs.field(default=1200, validator=attrs.validators.gt(0))
+    timeout_secs: float = attrs.field(default=1200, validator=positive_seconds())
 
 
 @attrs.frozen
@@ -57,18 +196,17 @@ class MultiprocessingOptions:
     """Which processes take part in a save and which one commits it.
 
     Attributes:
-      primary_host: the process index that writes metadata and commits. ``None``
-        means every process acts as its own primary (process-local storage).
-      active_processes: the process indices taking part; ``None`` means all.
+      primary_host: the process index (an int >= 0) that writes metadata and
+        commits. ``None`` means every process acts as its own primary
+        (process-local storage).
+      active_processes: the process indices (ints >= 0) taking part; ``None`` means all.
       barrier_sync_key_prefix: a prefix for the keys of cross-process barriers,
         so that several independent checkpointers may run in one job.
     """
 
-    primary_host: int | None = 0
-    active_processes: frozenset[int] | None = attrs.field(
-        default=None, converter=_frozenset_or_none
-    )
-    barrier_sync_key_prefix: str | None = None
+    primary_host: int | None = attrs.field(default=0, validator=int_at_least(0, optional=True))
+    active_processes: frozenset[int] | None = attrs.field(default=None, converter=_process_indices)
+    barrier_sync_key_prefix: str | None = attrs.field(default=None, validator=text_or_none())
 
 
 @attrs.frozen
@@ -77,10 +215,20 @@ class FileOptions:
 
     Attributes:
       path_permission_mode: permission bits for directories the library
-        creates (e.g. ``0o750``); ``None`` keeps the process umask.
+        creates, an int from ``0`` to ``0o7777`` (e.g. ``0o750``, not the
+        string ``"0o750"``); ``None`` keeps the process umask.
     """
 
-    path_permission_mode: int | None = None
+    path_permission_mode: int | None = attrs.field(
+        default=None,
+        validator=option_validator(
+            "an int of permission bits from 0 to 0o7777 (e.g. 0o750, not the string "
+            "'0o750'), or None to keep the process umask",
+            kind=numbers.Integral,
+            test=lambda v: 0 <= v <= 0o7777,
+            optional=True,
+        ),
+    )
 
 
 @attrs.frozen
@@ -91,34 +239,17 @@ class PyTreeOptions:
       leaf_handler_registry: the leaf handlers to use; ``None`` means a
         ``cp.serialization.StandardLeafHandlerRegistry()`` holding every leaf
         handler that plugins registered.
-      partial_load: allow an abstract tree that omits keys of the stored tree.
+      partial_load: allow an abstract tree that omits keys of the stored tree
+        (``True`` or ``False``).
     """
 
     leaf_handler_registry: Any = None
-    partial_load: bool = False
+    partial_load: bool = attrs.field(default=False, validator=boolean())
 
 
 # The smallest host-memory budget: a budget is cut into pieces of an eighth of it (several
 # in flight, each copied once by the storage layer), and a piece is at least 1 MiB.
 MIN_HOST_BYTES = 8 << 20
-
-
-def _check_host_bytes(instance: Any, attribute: Any, value: int | None) -> None:
-    """``host_bytes`` is ``None`` or an int of at least ``MIN_HOST_BYTES``."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.InvalidArgumentTypeError(
-            f"MemoryOptions.host_bytes must be an int (bytes) or None, got "
-            f"{type(value).__name__} {value!r}."
-        )
-    if value < MIN_HOST_BYTES:
-        raise errors.InvalidArgumentError(
-            f"MemoryOptions.host_bytes={value} is too small: the smallest workable budget is "
-            f"{MIN_HOST_BYTES} bytes ({MIN_HOST_BYTES >> 20} MiB; a save or load moves arrays "
-            f"in pieces of an eighth of the budget, at least 1 MiB each). Pass at least "
-            f"{MIN_HOST_BYTES}, or None for no bound."
-        )
 
 
 @attrs.frozen
@@ -140,11 +271,25 @@ class MemoryOptions:
         ``cp.errors.InvalidArgumentError``. See docs/memory.md.
     """
 
-    host_bytes: int | None = attrs.field(default=None, validator=_check_host_bytes)
+    host_bytes: int | None = attrs.field(
+        default=None,
+        validator=int_at_least(
+            MIN_HOST_BYTES,
+            optional=True,
+            allowed=f"None (no bound) or an int of at least {MIN_HOST_BYTES} bytes "
+            f"({MIN_HOST_BYTES >> 20} MiB, the smallest workable budget: a save or load moves "
+            f"arrays in pieces of an eighth of the budget, at least 1 MiB each)",
+        ),
+    )
 
 
-def _handler_map(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return dict(value or {})
+def _handler_map(value: Any) -> Any:
+    # Anything but a mapping is left to the validator to name.
+    return dict(value or {}) if value is None or isinstance(value, Mapping) else value
+
+
+def _handler_choices(value: Mapping[Any, Any]) -> bool:
+    return all(isinstance(k, str) and isinstance(v, type | str) for k, v in value.items())
 
 
 @attrs.frozen
@@ -156,7 +301,16 @@ class CheckpointablesOptions:
         or typestr of a registered handler. Those names skip resolution.
     """
 
-    handlers: Mapping[str, Any] = attrs.field(factory=dict, converter=_handler_map)
+    handlers: Mapping[str, Any] = attrs.field(
+        factory=dict,
+        converter=_handler_map,
+        validator=option_validator(
+            "a dict of checkpointable name (str) to a handler class, or to the name or "
+            "typestr (str) of a registered handler",
+            kind=dict,
+            test=_handler_choices,
+        ),
+    )
 
     @classmethod
     def create_with_handlers(cls, **handlers: Any) -> CheckpointablesOptions:

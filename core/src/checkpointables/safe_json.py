@@ -6,19 +6,25 @@ not JSON, and nesting deeper than the interpreter can parse (the parser's
 ``RecursionError``, which unwinds cleanly). Nothing is evaluated or imported.
 Messages give the position of a problem, never the file's bytes.
 
+Values a caller gives at save time (custom metadata, metrics) go the other
+way: ``to_json_value`` turns NumPy and JAX scalars into Python numbers and
+names the key path of anything JSON cannot store.
+
 Example::
 
     document = cp.safe_json.loads_object(raw_bytes, source=path)
+    ready = cp.safe_json.to_json_value({"lr": np.float32(0.1)}, what="custom_metadata")
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from checkpointables import errors
 
-__all__ = ["loads", "loads_object", "dumps_checked"]
+__all__ = ["loads", "loads_object", "dumps_checked", "to_json_value"]
 
 _ADVICE = "The file is damaged; restore the checkpoint from a copy, or load an older one."
 
@@ -63,19 +69,74 @@ def loads_object(data: bytes | str, *, source: object) -> dict[str, Any]:
 
 
 def dumps_checked(value: Any, *, what: str) -> str:
-    """``json.dumps(value)``, or an ``InvalidArgumentError`` saying why ``value`` is not JSON.
+    """``json.dumps(to_json_value(value, what=what))``: the JSON text of a caller's value.
 
     For values given by the caller at save time (custom metadata, metrics): what
     cannot be written must fail before anything is written.
+
+    Raises:
+      cp.errors.InvalidArgumentError: as ``to_json_value``.
+    """
+    return json.dumps(to_json_value(value, what=what))
+
+
+def to_json_value(value: Any, *, what: str, one_element_arrays: bool = False) -> Any:
+    """A copy of ``value`` that ``json.dumps`` writes, NumPy and JAX scalars made Python's.
+
+    Dicts (any mapping), lists and tuples are copied; ``None``, bools, ints,
+    floats and strings kept (NaN and infinities too: Python's JSON writes
+    them); NumPy scalars (``np.float32(0.1)``) and 0-d NumPy or JAX arrays (a
+    ``jnp`` loss) become the Python number they hold, as ``.item()`` gives it
+    (converting a device value waits for its computation).
+    ``one_element_arrays``: arrays of shape ``(1,)`` too.
+
+    Example::
+
+        to_json_value({"lr": np.float32(0.5)}, what="custom_metadata")  # {"lr": 0.5}
+
+    Raises:
+      cp.errors.InvalidArgumentError: something else (an array, an object, a
+        key JSON cannot hold), naming its key path from ``what``
+        (``custom_metadata['cfg']['lr']``) and what to do; or nesting too deep.
     """
     try:
-        return json.dumps(value)
+        return _converted(value, what, one_element_arrays)
     except RecursionError:
         raise errors.InvalidArgumentError(
             f"{what} is nested too deeply (or refers to itself) to be stored as JSON; flatten it."
         ) from None
-    except (TypeError, ValueError) as e:
-        raise errors.InvalidArgumentError(
-            f"{what} must be JSON-serializable ({e}); convert arrays and objects to numbers, "
-            f"strings, lists or dicts."
-        ) from None
+
+
+def _not_json(where: str, problem: str) -> errors.InvalidArgumentError:
+    return errors.InvalidArgumentError(
+        f"{where} {problem}, which JSON cannot store: what is saved as JSON must be "
+        f"JSON-serializable, numbers, strings, booleans, None, or dicts/lists of them (NumPy "
+        f"and JAX scalars are converted). Convert it first, e.g. float(x), x.tolist() or str(x)."
+    )
+
+
+def _converted(value: Any, where: str, one_element_arrays: bool) -> Any:
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return float(value)  # np.float64 is a float subclass: store a plain float.
+    if isinstance(value, Mapping):
+        result = {}
+        for key, inner in value.items():
+            if not (key is None or isinstance(key, str | int | float)):
+                raise _not_json(where, f"has the key {key!r} ({type(key).__name__})")
+            result[key] = _converted(inner, f"{where}[{key!r}]", one_element_arrays)
+        return result
+    if isinstance(value, list | tuple):
+        return [_converted(v, f"{where}[{i}]", one_element_arrays) for i, v in enumerate(value)]
+    shape = getattr(value, "shape", None)
+    item = getattr(value, "item", None)
+    scalar_shapes = ((), (1,)) if one_element_arrays else ((),)
+    if callable(item) and isinstance(shape, tuple) and shape in scalar_shapes:
+        held = item()
+        if held is None or isinstance(held, bool | int | float | str):
+            return held
+    kind = type(value).__name__
+    if isinstance(shape, tuple) and shape:
+        kind = f"{kind} of shape {shape}"
+    raise _not_json(where, f"is {'an' if kind[0] in 'aeiou' else 'a'} {kind}")

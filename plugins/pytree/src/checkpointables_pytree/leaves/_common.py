@@ -30,7 +30,7 @@ from checkpointables.serialization import (
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree import zarr3
 from checkpointables_pytree.io import ArrayRead
-from checkpointables_pytree.leaves._options import ArrayStorageOptions
+from checkpointables_pytree.leaves._options import ArrayStorageOptions, check_shard_axes
 from checkpointables_pytree.leaves._session import LoadSession, SaveSession
 from checkpointables_pytree.zarr3 import ArrayWrite, zarr_shape_dtype
 
@@ -205,6 +205,7 @@ def schedule_array(
     the chunks are host memory the save made (copies, casts), counted in the writer's
     ``staging`` until the writes end; ``False``: the caller's or a CPU device's memory.
     """
+    check_shard_axes(storage, chunk_shape, dtype.itemsize, LeafLabel(param.keypath))
     primary = session.primary
     if held_by_every_process and not primary:
         chunks = []

@@ -7,16 +7,13 @@ The pytree plugin's own settings (TensorStore's S3 and GCS clients), added to
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
+import checkpointables as cp
 
 __all__ = ["StorageOptions"]
 
-
-def _positive_or_none(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"StorageOptions.{attribute.name} must be an int >= 1, got {value!r}.")
+_TEXT = cp.options.text_or_none()
+_COUNT = cp.options.int_at_least(1, optional=True)
 
 
 @attrs.frozen
@@ -55,24 +52,23 @@ class StorageOptions:
         for many minutes. Array data is bounded by ``request_retries`` alone.
     """
 
-    endpoint: str | None = None
-    region: str | None = None
-    profile: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = attrs.field(default=None, repr=False)
-    session_token: str | None = attrs.field(default=None, repr=False)
-    anonymous: bool = False
-    request_concurrency: int | None = attrs.field(default=None, validator=_positive_or_none)
-    request_retries: int | None = attrs.field(default=None, validator=_positive_or_none)
-    request_timeout_secs: float = attrs.field(default=60, validator=attrs.validators.gt(0))
+    endpoint: str | None = attrs.field(default=None, validator=_TEXT)
+    region: str | None = attrs.field(default=None, validator=_TEXT)
+    profile: str | None = attrs.field(default=None, validator=_TEXT)
+    access_key_id: str | None = attrs.field(default=None, validator=_TEXT)
+    secret_access_key: str | None = attrs.field(default=None, repr=False, validator=_TEXT)
+    session_token: str | None = attrs.field(default=None, repr=False, validator=_TEXT)
+    anonymous: bool = attrs.field(default=False, validator=cp.options.boolean())
+    request_concurrency: int | None = attrs.field(default=None, validator=_COUNT)
+    request_retries: int | None = attrs.field(default=None, validator=_COUNT)
+    request_timeout_secs: float = attrs.field(default=60, validator=cp.options.positive_seconds())
 
     def __attrs_post_init__(self) -> None:
         if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError(
+            raise cp.errors.InvalidArgumentError(
                 "StorageOptions needs both access_key_id and secret_access_key, or neither."
             )
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(
-                f"StorageOptions.endpoint must be an http:// or https:// URL, got "
-                f"{self.endpoint!r}."
+            raise cp.options.invalid_option(
+                "StorageOptions", "endpoint", self.endpoint, "an http:// or https:// URL"
             )
