@@ -116,8 +116,9 @@ def json_or_raise(value: Any, what: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise errors.InvalidArgumentError(f"{what} must be a dict, got {type(value).__name__}.")
-    safe_json.dumps_checked(value, what=what)
-    return dict(value)
+    # NumPy/JAX scalars become Python numbers here, so every later writer (the step's
+    # _CHECKPOINT_METADATA, a Checkpointer's root metadata) gets plain JSON.
+    return safe_json.to_json_value(dict(value), what=what)
 
 
 def resolve_save_handlers(

@@ -329,6 +329,14 @@ def test_step_name_format(tmp_path) -> None:
         cp.training.Checkpointer(tmp_path, step_name_format="{step}")
 
 
+def test_root_custom_metadata_takes_numpy_scalars(tmp_path) -> None:
+    # As a step's custom_metadata does: a config of NumPy numbers is stored as numbers.
+    ckptr = cp.training.Checkpointer(tmp_path, custom_metadata={"lr": np.float32(0.5)})
+    ckptr.save_pytree(0, {"x": np.arange(2)}, force=True)
+    ckptr.close()
+    assert cp.training.Checkpointer(tmp_path).metadata().custom_metadata == {"lr": 0.5}
+
+
 def test_root_custom_metadata(tmp_path) -> None:
     ckptr = cp.training.Checkpointer(tmp_path, custom_metadata={"experiment": "e1", "lr": 0.1})
     assert ckptr.metadata().custom_metadata == {"experiment": "e1", "lr": 0.1}
