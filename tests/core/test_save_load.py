@@ -148,7 +148,7 @@ def test_bad_arguments(tmp_path) -> None:
         cp.save_checkpointables(tmp_path / "c", {})
     with pytest.raises(ValueError, match="dict of name"):
         cp.save_checkpointables(tmp_path / "c", [1, 2])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="custom_metadata must be JSON"):
+    with pytest.raises(ValueError, match=r"custom_metadata\['x'\] is an object, which JSON"):
         cp.save_checkpointables(tmp_path / "c", {"a": {"k": 1}}, custom_metadata={"x": object()})
     assert os.listdir(tmp_path) == []
 
