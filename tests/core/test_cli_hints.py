@@ -38,12 +38,14 @@ def test_a_root_names_its_newest_step(tmp_path, capsys, command) -> None:
     assert f"{command} one of its steps; the newest is {newest}" in text
     assert f"`checkpointables {command} {newest}`" in text
     assert "load one of its steps" not in text  # The library's wording, for the API.
+    assert "cp.load_pytree" not in text
 
 
 def test_a_checkpointable_folder_points_to_its_checkpoint(tmp_path, capsys) -> None:
     step = _root(tmp_path) / "10"
     text = _inspect_error(step / "config", capsys)
     assert f"inside the checkpoint {step}" in text and f"`checkpointables inspect {step}`" in text
+    assert "checkpointable_name" not in text  # The API's advice.
     assert f"`checkpointables verify {step}`" in _verify_problem(step / "config", capsys)
 
 
@@ -55,6 +57,7 @@ def test_a_local_tier_step_points_to_its_copy(tmp_path, capsys) -> None:
     assert cp.is_checkpoint(copy)
     text = _inspect_error(tmp_path / "local" / "30", capsys)
     assert "step of a local tier" in text and f"`checkpointables inspect {copy}`" in text
+    assert "root of several" not in text and "ckptr.load_pytree" not in text
     text = _inspect_error(tmp_path / "local", capsys)
     assert "local tier's directory" in text and f"`checkpointables inspect {copy}`" in text
     assert f"`checkpointables verify {copy}`" in _verify_problem(tmp_path / "local" / "30", capsys)

@@ -7,6 +7,8 @@ Training after a restore continues bit for bit, dropout included.
 
 from __future__ import annotations
 
+import sys
+
 import checkpointables as cp
 import equinox as eqx
 import jax
@@ -258,6 +260,39 @@ def test_equinox_partition_and_combine(tmp_path) -> None:
     np.testing.assert_allclose(
         np.asarray(jax.vmap(restored)(X)), np.asarray(jax.vmap(model)(X)), rtol=1e-6
     )
+
+
+def test_an_equinox_model_itself_is_refused_with_what_to_save(tmp_path) -> None:
+    model = _eqx_model(0)
+    with pytest.raises(cp.errors.NoHandlerForObjectError) as raised:
+        cp.save_pytree(tmp_path / "model", model)
+    message = str(raised.value)
+    assert "Equinox: the tree, an eqx.Module, holds functions" in message
+    assert "eqx.filter(model, eqx.is_array)" in message and "docs/recipes.md" in message
+    assert "Flax NNX" not in message and not (tmp_path / "model").exists()
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=r"eqx.Module at \['model'\]"):
+        cp.save_pytree(tmp_path / "state", {"model": model, "step": 0})
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match="eqx.filter"):
+        cp.save_checkpointables(tmp_path / "items", {"model": model})
+
+    # As the message says: the filtered arrays, into the same filtered abstract tree.
+    cp.save_pytree(tmp_path / "model", eqx.filter(model, eqx.is_array))
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    abstract, static = eqx.partition(eqx.filter_eval_shape(_eqx_model, 1), is_abstract)
+    restored = eqx.combine(cp.load_pytree(tmp_path / "model", abstract), static)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(restored)(X)), np.asarray(jax.vmap(model)(X)))
+
+
+def test_equinox_advice_only_for_a_module_holding_functions(tmp_path, monkeypatch) -> None:
+    params = eqx.filter(_eqx_model(0), eqx.is_array)  # Saveable; the bad leaf is elsewhere.
+    with pytest.raises(cp.errors.NoHandlerForObjectError) as raised:
+        cp.save_pytree(tmp_path / "a", {"model": params, "bad": object()})
+    assert "Equinox" not in str(raised.value) and "['bad']" in str(raised.value)
+    # Without equinox imported there is no module to find, and nothing imports it.
+    monkeypatch.delitem(sys.modules, "equinox")
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match="Flax NNX"):
+        cp.save_pytree(tmp_path / "b", {"f": print})
+    assert "equinox" not in sys.modules
 
 
 def test_a_linen_module_itself_is_refused_with_what_to_save(tmp_path) -> None:

@@ -131,18 +131,13 @@ def _print_leaves(value: Any) -> int:
     return total
 
 
-def _natural_key(text: str) -> tuple[str | int, ...]:
-    """Sorts ``text`` with its runs of digits compared as numbers: ``layer_2`` before
-    ``layer_10`` (JAX and ``sorted`` put ``layer_10`` first)."""
-    parts = re.split(r"(\d+)", text)
-    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
-
-
 def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     """``(key path, leaf)`` pairs with string dict keys in natural order
-    (:func:`_natural_key`); other children (list items, dataclass fields, dict keys that
+    (``layout.natural_key``); other children (list items, dataclass fields, dict keys that
     are numbers, which JAX already orders by value) keep the order they flatten in."""
     import jax
+
+    from checkpointables.layout import natural_key
 
     first_seen: dict[tuple[Any, ...], int] = {}  # Key path prefix -> its first leaf.
     for i, (keypath, _) in enumerate(leaves):
@@ -152,7 +147,7 @@ def _naturally_sorted(leaves: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     def key(item: tuple[Any, Any]) -> list[tuple[Any, ...]]:
         keypath = item[0]
         return [
-            (0, _natural_key(entry.key), entry.key)
+            (0, natural_key(entry.key), entry.key)
             if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str)
             else (1, first_seen[tuple(keypath[: depth + 1])])
             for depth, entry in enumerate(keypath)
@@ -217,7 +212,7 @@ def _print_reuse(
     checkpoint: Any, directory: Any, name: str, recorded: str | None, context: Any
 ) -> None:
     """Per array an incremental save tracked: written by it, or reused from which checkpoint."""
-    from checkpointables import _loading
+    from checkpointables import _loading, layout
     from checkpointables.protocols import ReportsReuse
 
     try:
@@ -232,7 +227,7 @@ def _print_reuse(
     if report:
         print("  incremental save (arrays of at least 64 KiB):")
     gone = {s for s in set(report.values()) if s is not None and _source_deleted(checkpoint, s)}
-    for array in sorted(report, key=_natural_key):
+    for array in sorted(report, key=layout.natural_key):
         source = report[array]
         how = "written" if source is None else f"reused from {_printable(source)}"
         if source in gone:  # Reused files are hard links or copies: the step stays whole.
@@ -335,76 +330,20 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-# What layout's message says of a root; the command line names the step instead.
-_LIBRARY_ROOT_HINT = " It looks like a root of several checkpoints: load one of its steps."
-_LOCAL_COPY = re.compile(r"p[0-9]+-of-[0-9]+")
-_HINT_LOOKS = 20  # Children looked at (newest first) for a step: one stat, or request, each.
-
-
 def _with_hint(message: str, path: str, command: str) -> str:
-    """``message`` (``path`` is not a checkpoint) with which checkpoint to ``command``
-    instead, when ``path`` is a root of steps, a local tier's step or inside a checkpoint."""
-    try:
-        hint = _where_instead(path, command)
-    except (OSError, ValueError):  # Library errors are ValueErrors or OSErrors.
-        hint = None  # The hint is a courtesy: the original message stands.
-    if hint is None:
-        return message
-    return f"{message.replace(_LIBRARY_ROOT_HINT, '')} {hint}"
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path.rstrip('/')}/{name}" if "://" in path else os.path.join(path, name)
-
-
-def _where_instead(path: str, command: str) -> str | None:
-    from checkpointables import layout, storage
-
-    parent = path.rstrip("/")
-    for _ in range(3):  # <step>/<checkpointable>/<folder>: a few levels at most.
-        parent = parent.rpartition("/")[0] if "://" in parent else os.path.dirname(parent)
-        if not parent or parent.endswith(":/"):
-            break
-        if layout.is_checkpoint(parent):
-            return (
-                f"It is inside the checkpoint {parent} ({command} shows each of its "
-                f"checkpointables): run `checkpointables {command} {parent}`."
-            )
-    names = sorted((e.name for e in storage.list_dir(path)), key=_natural_key, reverse=True)
-    copies = [_join(path, n) for n in names if _LOCAL_COPY.fullmatch(n)]
-    copies = [c for c in copies if layout.is_checkpoint(c)]
-    if copies:
-        return (
-            f"It is a step of a local tier (docs/local-tier.md): each host's copy of it is a "
-            f"checkpoint, here {', '.join(reversed(copies))}. Run `checkpointables {command} "
-            f"{copies[-1]}`."
-        )
-    for name in names[:_HINT_LOOKS]:
-        step = _join(path, name)
-        if layout.is_checkpoint(step):
-            return (
-                f"It is a root of several checkpoints (a Checkpointer's steps): {command} one "
-                f"of its steps; the newest is {step}: `checkpointables {command} {step}`."
-            )
-        nested = [_join(step, n) for n in _local_copies(step)]
-        if nested:
-            return (
-                f"It is a local tier's directory (docs/local-tier.md): each host's copy of a "
-                f"step is a checkpoint; the newest here is {nested[0]}: "
-                f"`checkpointables {command} {nested[0]}`."
-            )
-    return None
-
-
-def _local_copies(step: str) -> list[str]:
-    """The names of the local tier's committed copies in ``step``, lowest process first."""
-    from checkpointables import layout, storage
+    """``message`` (``path`` is not a checkpoint) with its advice phrased for ``command``:
+    which checkpoint to run it on instead (``layout.where_instead``), where ``path`` holds,
+    or is inside, one."""
+    from checkpointables import errors, layout
+    from checkpointables.path._parse import as_path
 
     try:
-        names = [e.name for e in storage.list_dir(step) if _LOCAL_COPY.fullmatch(e.name)]
-    except (OSError, ValueError):  # A file, say.
-        return []
-    return [n for n in sorted(names, key=_natural_key) if layout.is_checkpoint(_join(step, n))]
+        layout.validate_checkpoint_directory(as_path(path), command)
+    except errors.NotACheckpointError as e:
+        return str(e)
+    except (OSError, ValueError):  # Refused otherwise now (deleted, say): the message stands.
+        pass
+    return message
 
 
 def _other_format(path: str) -> str | None:

@@ -39,6 +39,7 @@ __all__ = [
     "temporary_path_for",
     "validate_checkpoint_directory",
     "is_checkpoint",
+    "where_instead",
     "fsync_tree",
     "rename_durably",
     "commit",
@@ -168,8 +169,12 @@ def _unpublished_partial_saves(text: str) -> str:
     )
 
 
-def validate_checkpoint_directory(path: epath.Path) -> None:
+def validate_checkpoint_directory(path: epath.Path, command: str | None = None) -> None:
     """Raises unless ``path`` is a finished checkpoint.
+
+    Where ``path`` holds, or is inside, a checkpoint the message names it
+    (:func:`where_instead`): as the API loads it, or, given ``command``, as
+    that ``checkpointables`` subcommand is run on it.
 
     Raises:
       FileNotFoundError: nothing exists at ``path``.
@@ -204,13 +209,11 @@ def validate_checkpoint_directory(path: epath.Path) -> None:
         _refuse_irregular_marker(_commit_file(text))  # There, but not as a regular file.
     if CHECKSUMS_FILE in names and CHECKPOINT_METADATA_FILE not in names:
         _refuse_lost_metadata(text)
-    hint = ""
-    if any(store.is_file(_commit_file(f"{text.rstrip('/')}/{n}")) for n in names[:8]):
-        hint = " It looks like a root of several checkpoints: load one of its steps."
+    hint = where_instead(text, command, names)  # The error path only: a few stats more.
     raise errors.NotACheckpointError(
         f"{path} is not a finished checkpoint: it has no {os.path.basename(_commit_file(text))} "
         f"({f'it holds {names[:8]}' if names else 'the directory is empty'}), so a save to it "
-        f"did not finish (or is still running), or it is not a checkpoint.{hint}"
+        f"did not finish (or is still running), or it is not a checkpoint.{hint and ' '}{hint}"
     )
 
 
@@ -251,6 +254,149 @@ def is_checkpoint(path: epath.PathLike) -> bool:
         raise
     except OSError:
         return False
+
+
+# -- Where to look instead of a path that is not a checkpoint --------------------------------
+
+_LOCAL_COPY = re.compile(
+    r"p[0-9]+-of-([0-9]+)"
+)  # A local tier's copy of a step: docs/local-tier.md.
+_HINT_LOOKS = 20  # Children looked at (newest first) for a step: one stat, or request, each.
+_HINT_DEPTH = 3  # Ancestors looked at: <checkpoint>/<checkpointable>/<folder>/<folder>.
+
+
+def natural_key(text: str) -> tuple[str | int, ...]:
+    """Sorts ``text`` with its runs of digits compared as numbers: ``layer_2`` before
+    ``layer_10``, step ``9`` before ``10``."""
+    parts = re.split(r"(\d+)", text)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path.rstrip('/')}/{name}" if "://" in path else os.path.join(path, name)
+
+
+def where_instead(
+    path: epath.PathLike, command: str | None = None, names: Iterable[str] | None = None
+) -> str:
+    """Which checkpoint to give instead of ``path``, which is not one, when it is inside a
+    checkpoint (a checkpointable's folder), a local tier's step or directory, or a root of
+    a Checkpointer's steps; "" when it is none of these.
+
+    ``command``: the ``checkpointables`` subcommand the advice runs; ``None``: the API's
+    load functions. ``names``: the children of ``path``, if already listed. For error
+    messages only: it costs a stat (a request, on an object store) per ancestor and
+    child looked at, and a listing per child that is not a checkpoint (20 at most).
+    """
+    text = os.fspath(path)
+    try:
+        parent = _enclosing_checkpoint(text)
+        if parent is not None:
+            return _inside_hint(text, parent, command)
+        if names is None:
+            names = [e.name for e in storage.list_dir(text)]
+        return _holder_hint(text, sorted(names, key=natural_key, reverse=True), command)
+    except (OSError, ValueError):  # Library errors are ValueErrors or OSErrors.
+        return ""  # The hint is a courtesy: the message stands without it.
+
+
+def _enclosing_checkpoint(path: str) -> str | None:
+    """The checkpoint ``path`` is inside, a few levels up at most."""
+    parent = path.rstrip("/")
+    for _ in range(_HINT_DEPTH):
+        parent = parent.rpartition("/")[0] if "://" in parent else os.path.dirname(parent)
+        if not parent or parent.endswith(":/"):
+            return None
+        if is_checkpoint(parent):
+            return parent
+    return None
+
+
+def _inside_hint(path: str, parent: str, command: str | None) -> str:
+    if command is not None:
+        return (
+            f"It is inside the checkpoint {parent} ({command} shows each of its "
+            f"checkpointables): run `checkpointables {command} {parent}`."
+        )
+    relative = path.rstrip("/")[len(parent) :].strip("/\\")
+    name = re.split(r"[/\\]", relative)[0]
+    return (
+        f"It is inside the checkpoint {parent}, in its checkpointable {name!r}: give the "
+        f"checkpoint's path instead: cp.load_pytree({parent!r}, checkpointable_name={name!r}) "
+        f"loads this checkpointable, cp.load_checkpointables({parent!r}) all of them."
+    )
+
+
+def _holder_hint(path: str, names: list[str], command: str | None) -> str:
+    """The hint for ``path`` holding checkpoints: its ``names``, newest first."""
+    copies = [_join(path, n) for n in reversed(names) if _LOCAL_COPY.fullmatch(n)]
+    copies = [c for c in copies if is_checkpoint(c)]
+    if copies:
+        where = f"each host's copy of it is a checkpoint, here {', '.join(copies)}"
+        if command is not None:
+            return (
+                f"It is a step of a local tier (docs/local-tier.md): {where}. Run "
+                f"`checkpointables {command} {copies[0]}`."
+            )
+        return f"It is a step of a local tier (docs/local-tier.md): {where}. " + _local_advice(
+            copies[0],
+            "Restore the step with the Checkpointer whose local_tier saved it "
+            "(ckptr.load_pytree(step))",
+        )
+    for name in names[:_HINT_LOOKS]:
+        step = _join(path, name)
+        if is_checkpoint(step):
+            return _root_hint(path, step, command)
+        nested = _local_copies(step)
+        if nested:
+            text = (
+                f"It is a local tier's directory (docs/local-tier.md): each host's copy of a "
+                f"step is a checkpoint; the newest here is {nested[0]}"
+            )
+            if command is not None:
+                return f"{text}: `checkpointables {command} {nested[0]}`."
+            return f"{text}. " + _local_advice(
+                nested[0],
+                "Restore its newest step with the Checkpointer whose local_tier it is "
+                "(ckptr.load_pytree())",
+            )
+    return ""
+
+
+def _root_hint(path: str, step: str, command: str | None) -> str:
+    if command is not None:
+        return (
+            f"It is a root of several checkpoints (a Checkpointer's steps): {command} one of "
+            f"its steps; the newest is {step}: `checkpointables {command} {step}`."
+        )
+    return (
+        f"It is a root of several checkpoints (a Checkpointer's steps): load one of its steps; "
+        f"the newest is {step}: cp.load_pytree({step!r}), or "
+        f"cp.training.Checkpointer({path!r}).load_pytree() for the newest."
+    )
+
+
+def _local_advice(copy: str, restore: str) -> str:
+    """How the API restores a local tier's step of which ``copy`` is a host's copy:
+    ``restore`` (with the Checkpointer), or a load of ``copy`` alone."""
+    one_process = _LOCAL_COPY.fullmatch(os.path.basename(copy.rstrip("/")))
+    whole = one_process is not None and one_process.group(1) == "1"
+    return f"{restore}, which gathers every host's shards; " + (
+        f"or load the copy, cp.load_pytree({copy!r}): one process saved it, so it holds "
+        f"every shard."
+        if whole
+        else f"a copy loaded alone, cp.load_pytree({copy!r}), holds its process's shards only."
+    )
+
+
+def _local_copies(step: str) -> list[str]:
+    """The local tier's committed copies in ``step``, lowest process first."""
+    try:
+        names = [e.name for e in storage.list_dir(step) if _LOCAL_COPY.fullmatch(e.name)]
+    except (OSError, ValueError):  # A file, say.
+        return []
+    copies = [_join(step, n) for n in sorted(names, key=natural_key)]
+    return [c for c in copies if is_checkpoint(c)]
 
 
 def checkpointable_directories(path: epath.Path, recorded: Iterable[str]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -109,6 +110,52 @@ def _reason(instance: Any, checkpointable: Any) -> str:
         return ""
 
 
+_FLAX_ADVICE = (
+    "Flax linen: the variables init returns, or a TrainState, not the Module; "
+    "Flax NNX: the module or nnx.state(model)"
+)
+
+
+def _equinox_module_path(checkpointable: Any) -> str | None:
+    """The key path ("" for the root) of the first ``eqx.Module`` in ``checkpointable``
+    that holds functions (activations, say), which no leaf handler saves; or ``None``.
+    Equinox is never imported here: such a module exists only if it was."""
+    equinox = sys.modules.get("equinox")
+    module_type = getattr(equinox, "Module", None)
+    if not isinstance(module_type, type):
+        return None
+    import jax
+
+    def is_module(x: Any) -> bool:
+        return isinstance(x, module_type)
+
+    try:
+        found, _ = jax.tree_util.tree_flatten_with_path(checkpointable, is_leaf=is_module)
+        for keypath, node in found:
+            if is_module(node) and any(callable(x) for x in jax.tree_util.tree_leaves(node)):
+                return jax.tree_util.keystr(keypath)
+    except Exception:  # Advice must never hide the real error.
+        return None
+    return None
+
+
+def _equinox_advice(checkpointable: Any) -> str:
+    """What to save instead of an Equinox module holding functions (docs/recipes.md), or
+    ""."""
+    where = _equinox_module_path(checkpointable)
+    if where is None:
+        return ""
+    model = f"the eqx.Module at {where}" if where else "the tree, an eqx.Module,"
+    return (
+        f"Equinox: {model} holds functions besides its arrays. Save the arrays, "
+        f"eqx.filter(model, eqx.is_array) (the first part of eqx.partition(model, "
+        f"eqx.is_array)), and load them into the same filtered abstract tree (the first part "
+        f"of eqx.partition(eqx.filter_eval_shape(make_model, ...), lambda x: isinstance(x, "
+        f"jax.ShapeDtypeStruct)), or eqx.filter of a fresh model), then eqx.combine it with "
+        f"the rest: see docs/recipes.md, 'Equinox'"
+    )
+
+
 def resolve_for_save(
     registrations: Sequence[HandlerRegistration],
     checkpointable: Any,
@@ -141,8 +188,7 @@ def resolve_for_save(
                 f"which cannot save an object of type "
                 f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
                 f"{f' ({why})' if why else ''}. Pass an object it accepts: a pytree of arrays "
-                f"(Flax linen: the variables init returns, or a TrainState, not the Module; "
-                f"Flax NNX: the module or nnx.state(model)); or force no handler in "
+                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE}); or force no handler in "
                 f"CheckpointablesOptions."
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
@@ -157,10 +203,12 @@ def resolve_for_save(
         why = _reason(instance, checkpointable)
         if why:
             reasons += f" {r.name}: {why}."
+    equinox = _equinox_advice(checkpointable)
     raise errors.NoHandlerForObjectError(
         f"No handler can save checkpointable {name!r} of type "
         f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}. "
-        f"Handlers tried, in order: {_describe(scoped + generic)}.{reasons} Give the object "
+        f"Handlers tried, in order: {_describe(scoped + generic)}.{reasons} "
+        f"{f'{equinox}. Or give' if equinox else 'Give'} the object "
         f"save/load methods (cp.StatefulCheckpointable), register a handler for it with "
         f"cp.handlers.register_handler, or install the plugin that handles it."
     )
