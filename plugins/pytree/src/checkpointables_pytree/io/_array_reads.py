@@ -387,6 +387,7 @@ async def open_stored(read: ArrayRead, spec: dict[str, Any], context: ts.Context
 
     Raises:
       cp.errors.IntegrityError: its ``zarr.json`` disagrees with ``_METADATA``.
+      cp.errors.MetadataError: ... or names a codec this library never writes.
       cp.errors.TreeMismatchError: the target's shape differs from the stored one.
       cp.errors.CheckpointError: it cannot be opened (``IntegrityError`` where it is damaged).
     """
@@ -398,4 +399,6 @@ async def open_stored(read: ArrayRead, spec: dict[str, Any], context: ts.Context
     shape = tuple(int(s) for s in store.shape)
     dtype = store.dtype.numpy_dtype
     check_against_metadata(read, shape, dtype)
+    if read.stored is not None:  # Ours: its codecs must be ones this library writes.
+        zarr3.check_own_codecs(store.codec, f"{read.what} (array {read.name!r})")
     return OpenedArray(store, shape, dtype, regions_of(read, check_shape(read, shape)))

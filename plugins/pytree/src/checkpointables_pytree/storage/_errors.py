@@ -29,8 +29,9 @@ _DATA_LOSS_MARKERS = ("DATA_LOSS", "checksum", "crc32c", "Checksum", "corrupt", 
 _MISSING_MARKERS = ("NOT_FOUND", "not found", "Missing", "missing", "OUT_OF_RANGE")
 
 
-def is_data_loss(error: BaseException) -> bool:
-    """Whether a TensorStore error reports damaged bytes (failed checksum, bad encoding)."""
+def is_data_loss(error: BaseException | str) -> bool:
+    """Whether a TensorStore error (or its text) reports damaged bytes (failed checksum,
+    bad encoding)."""
     text = str(error)
     return any(marker in text for marker in _DATA_LOSS_MARKERS)
 
@@ -52,11 +53,82 @@ _FILE = re.compile(r'local file "([^"]+)"')
 def storage_error(what: str, error: BaseException) -> Exception:
     """The error to raise when TensorStore fails while reading ``what``: it names the file
     that failed first when TensorStore's error names one (a damaged manifest or b-tree node
-    is not the leaf's damage)."""
-    if is_data_loss(error) or any(marker in str(error) for marker in _MISSING_MARKERS):
-        file = _FILE.search(str(error))
+    is not the leaf's damage).
+
+    An array's ``zarr.json`` that TensorStore cannot parse, or whose data type, chunk
+    shape or codecs claim chunks of another size than the stored ones, is a
+    ``cp.errors.MetadataError``; a chunk that does not decode as it says (a zstd or gzip
+    stream that is none, bytes that are no bools) an ``IntegrityError``: either may be
+    the damaged one."""
+    # TensorStore appends the spec it opened, whose member names ("fill_missing_data_reads")
+    # must not read as its verdict.
+    text = _SPEC.sub("", str(error))
+    if is_data_loss(text) or any(marker in text for marker in _MISSING_MARKERS):
+        file = _FILE.search(text)
         return integrity_error(what if file is None else f"{file[1]} (read for {what})", error)
+    edited = _edited_zarr_json(what, text)
+    if edited is not None:
+        return edited
     return cp.errors.CheckpointError(f"Reading {what} failed: {error}")
+
+
+_SPEC = re.compile(r" \[tensorstore_spec='.*$", re.DOTALL)
+# TensorStore's words for an array's zarr metadata it cannot accept.
+_UNPARSED = re.compile(
+    r'Error opening "zarr3?" driver: Error reading "([^"]*(?:zarr\.json|\.zarray))"'
+)
+# ... for a chunk whose decoded bytes are fewer (``_SHORT``: needed, and missing) or more
+# (``_LONG``: left over, after the bytes needed) than its zarr.json's data type and chunk
+# shape need: its checksums passed (ours; Orbax's chunks carry none), so the zarr.json lies.
+_SHORT = re.compile(r"Not enough data: expected at least (\d+) or (\d+) more")
+_LONG = re.compile(r"End of data expected; remaining length: (\d+)")
+_AT = re.compile(r"at (?:uncompressed )?byte (\d+)")
+# ... for a chunk that does not decode with its zarr.json's codecs and data type.
+_UNDECODED = ("ZSTD_decompress", "inflate()", "Invalid bool value", "blosc", "Blosc")
+_DATABASE = re.compile(r'OCDBT database at (?:local file )?"([^"]+)": ')
+_CHUNK = re.compile(r'in "([^"]+)" in OCDBT database at (?:local file )?"([^"]+)"')
+_RESTORE = "the array's metadata was edited or is damaged; restore the checkpoint from a copy"
+
+
+def _edited_zarr_json(what: str, text: str) -> Exception | None:
+    """The error for TensorStore's ``text`` when it says that an array's zarr metadata is
+    malformed or contradicts its stored chunks; ``None`` for any other failure."""
+    unparsed = _UNPARSED.search(text)
+    if unparsed is not None:
+        where = _DATABASE.search(text)
+        database = f" in the database at {where[1]}" if where else ""
+        return cp.errors.MetadataError(
+            f"{what}: the array's {unparsed[1]}{database} is malformed ({_detail(text)}): "
+            f"{_RESTORE}."
+        )
+    short, long = _SHORT.search(text), _LONG.search(text)
+    if short is None and long is None and not any(m in text for m in _UNDECODED):
+        return None
+    found = _CHUNK.search(text)
+    chunk = f"chunk {found[1]!r} of the database at {found[2]}" if found else "a chunk"
+    zarr_json = f"{found[1].split('/c/')[0]}/zarr.json" if found else "zarr.json"
+    if short is None and long is None:
+        return integrity_error(
+            f"{what}: {chunk}",
+            f"it does not decode as the array's {zarr_json} says (its codecs and data type: "
+            f"{_detail(text)}); the chunk or the array's metadata is damaged",
+        )
+    if short is not None:
+        needed, held = int(short[1]), int(short[1]) - int(short[2])
+    else:
+        positions = _AT.findall(text)
+        needed = int(positions[-1]) if positions else 0
+        held = needed + int(long[1])  # type: ignore[index]
+    return cp.errors.MetadataError(
+        f"{what}: {chunk} holds {held:,} bytes where the array's {zarr_json} (its data_type, "
+        f"chunk_shape and codecs) needs {needed:,}: {_RESTORE}."
+    )
+
+
+def _detail(text: str) -> str:
+    """TensorStore's own words for the failure: what it says after naming the database."""
+    where = _DATABASE.search(text)
+    return (text[where.end() :] if where else text.rsplit('": ', 1)[-1]).strip()
 
 
 # TensorStore's errors are ValueErrors whose text starts with a status code, and name the

@@ -33,6 +33,8 @@ import numpy as np
 __all__ = [
     "array_prefix",
     "zarr_shape_dtype",
+    "check_own_codecs",
+    "foreign_codec",
     "ArrayWrite",
     "zarr_dtype_name",
     "zarr_json",
@@ -309,7 +311,83 @@ def zarr_shape_dtype(
             f"{where} does not describe an array (shape, data type and chunk shape): the "
             f"checkpoint is damaged. Restore it from a copy."
         )
+    problem = _contradiction(document, shape, dtype, chunks) if "data_type" in document else None
+    if problem is not None:
+        raise cp.errors.MetadataError(
+            f"{where} contradicts itself: {problem}. The array's metadata was edited or is "
+            f"damaged; restore the checkpoint from a copy."
+        )
     return shape, dtype, chunks
+
+
+def _contradiction(
+    document: Mapping[str, Any],
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    chunks: tuple[int, ...] | None,
+) -> str | None:
+    """What a zarr v3 ``zarr.json`` says against itself (which TensorStore, and so every
+    load, refuses), or ``None``: the checks a metadata read can afford without any data."""
+    if chunks is not None and len(chunks) != len(shape):
+        return f"its chunk_shape {list(chunks)} and its shape {list(shape)} differ in rank"
+    fill = document.get("fill_value")
+    if dtype.kind == "b" and type(fill) is not bool:
+        return f"its data_type bool takes a fill_value of true or false, not {fill!r}"
+    if dtype.kind == "c" and not (isinstance(fill, list) and len(fill) == 2):
+        return f"its data_type {dtype.name} takes a fill_value of two numbers, not {fill!r}"
+    if dtype.kind == "f" and (type(fill) is bool or not isinstance(fill, int | float | str)):
+        return f"its data_type {dtype.name} takes a numeric fill_value, not {fill!r}"
+    for codec in document.get("codecs") or ():
+        inner = codec.get("configuration", {}).get("chunk_shape") if type(codec) is dict else None
+        if codec.get("name") != "sharding_indexed" or chunks is None or type(inner) is not list:
+            continue
+        if len(inner) != len(chunks) or not all(
+            type(i) is int and i > 0 and c % i == 0 for i, c in zip(inner, chunks, strict=False)
+        ):
+            return (
+                f"its sharding codec's chunk_shape {inner} does not divide its chunk_shape "
+                f"{list(chunks)}"
+            )
+    return None
+
+
+# Codecs that reorder a chunk's bytes without changing their size: this library never
+# writes them, so an array of its own that names one was edited, and would load other values.
+_REORDERING = ("transpose",)
+
+
+def foreign_codec(codec_spec: Mapping[str, Any]) -> str | None:
+    """The first codec of ``codec_spec`` (TensorStore's ``store.codec.to_json()``) that
+    this library never writes and that would read its chunks as other values (big-endian
+    bytes, a transpose), or ``None``."""
+    pending = list(codec_spec.get("codecs") or ()) if isinstance(codec_spec, Mapping) else []
+    while pending:
+        codec = pending.pop(0)
+        if type(codec) is not dict:
+            continue
+        name, configuration = codec.get("name"), codec.get("configuration") or {}
+        if name in _REORDERING or (name == "bytes" and configuration.get("endian") == "big"):
+            return json.dumps(codec, sort_keys=True)
+        if name == "sharding_indexed":
+            pending += configuration.get("codecs") or ()
+    return None
+
+
+def check_own_codecs(codec: Any, what: str) -> None:
+    """Refuses an array this library wrote whose ``zarr.json`` names a codec it never
+    writes (``foreign_codec``): loaded, the chunks would be other values. ``codec``: the
+    opened store's ``codec`` (a ``ts.CodecSpec``, or ``None``).
+
+    Raises:
+      cp.errors.MetadataError: naming ``what`` (the leaf and array) and the codec.
+    """
+    codec = None if codec is None else foreign_codec(codec.to_json())
+    if codec is not None:
+        raise cp.errors.MetadataError(
+            f"{what}: its zarr.json names the codec {codec}, which this library never writes "
+            f"and which would load its chunks as other values: the array's metadata was "
+            f"edited or is damaged; restore the checkpoint from a copy."
+        )
 
 
 class ZarrLayout:
