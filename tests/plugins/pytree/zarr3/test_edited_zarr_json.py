@@ -114,8 +114,9 @@ def test_a_zarr_json_against_itself_is_refused_by_loads_and_metadata(
     for how in PATHS:
         with pytest.raises(cp.errors.MetadataError, match=r"a/zarr\.json .* is malformed"):
             _load(checkpoint, how)
-    with pytest.raises(cp.errors.MetadataError, match=said):
+    with pytest.raises(cp.errors.MetadataError, match=said) as info:
         cp.pytree_metadata(checkpoint)
+    assert str(checkpoint) in str(info.value) and "['a']" in str(info.value)
 
 
 def test_ours_with_a_big_endian_or_transposing_codec_is_refused_not_misread(

@@ -275,8 +275,9 @@ async def stored_layouts(
         documents = await session.zarr_metadata(unknown)
         for i, param in enumerate(params):
             if found[i] is None:
-                document = documents[session.storage_name(param.keypath)]
-                found[i] = StoredLayout(*zarr_shape_dtype(document))
+                name = session.storage_name(param.keypath)
+                where = f"{session.directory}: {_what(param.keypath)}: the zarr.json of {name!r}"
+                found[i] = StoredLayout(*zarr_shape_dtype(documents[name], where=where))
     return found  # type: ignore[return-value]
 
 
