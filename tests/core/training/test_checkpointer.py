@@ -270,8 +270,13 @@ def test_exit_waits_for_the_save_and_closed_checkpointer_refuses_saves(tmp_path)
         threading.Timer(0.1, gate.set).start()
     assert response.done() and response.result()
     assert cp.is_checkpoint(tmp_path / "1")
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(cp.training.errors.CheckpointerClosedError, match="closed") as raised:
         ckptr.save_checkpointables(2, {"extra": {}})
+    # A library error that keeps the builtin meaning.
+    assert isinstance(raised.value, cp.errors.CheckpointError)
+    assert isinstance(raised.value, RuntimeError)
+    with pytest.raises(cp.training.errors.CheckpointerClosedError):
+        ckptr.save_pytree_async(3, {"a": np.arange(3)}, force=True)
     assert load_value(ckptr, 1) == 1  # Reading still works.
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import attrs
 from etils import epath
 
-from checkpointables import _commit, _saving, _step_metrics, errors, layout, storage
+from checkpointables import _commit, _enclosing, _saving, _step_metrics, errors, layout, storage
 from checkpointables._asyncio import concurrently
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 from checkpointables.context import Context
@@ -199,7 +199,13 @@ def open_root(
     context: Context,
     primary: bool,
 ) -> Listing:
-    """Checks ``root`` can hold steps, writes its metadata if it has none, and lists it."""
+    """Checks ``root`` can hold steps, writes its metadata if it has none, and lists it.
+
+    Raises:
+      NotADirectoryError: ``root`` is a file.
+      cp.errors.InvalidArgumentError: ``root`` is a finished checkpoint, or lies in one
+        (the same error every save there would raise; the step saves then skip that check).
+    """
     custom = None
     if custom_metadata is not None:
         custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
@@ -215,6 +221,9 @@ def open_root(
                 f"directory that holds the steps (probably {root.parent}), or load this "
                 f"checkpoint with the free functions (cp.load_pytree, cp.load_checkpointables)."
             )
+        # Every save of a step would be refused (a step would add a directory to that
+        # checkpoint): refused now, once, rather than at the first save.
+        _enclosing.refuse_inside(root)
         if custom is not None and primary:
             _root_metadata.write_if_absent(root, custom)
         return list_root(root, name_format)
@@ -247,6 +256,9 @@ class StepIndex:
     def __init__(self, steps: dict[int, StepInfo]) -> None:
         self._lock = threading.Lock()
         self._steps = dict(steps)
+        # How many steps loads found deleted (``forget``) since the last listing: a load of
+        # the latest step that fails meanwhile tries again after a reload.
+        self.forgotten = 0
 
     def sorted(self) -> list[StepInfo]:
         """Every step, sorted by step number."""
@@ -272,6 +284,14 @@ class StepIndex:
         """Forgets every step, and records ``steps``."""
         with self._lock:
             self._steps = dict(steps)
+            self.forgotten = 0
+
+    def forget(self, info: StepInfo) -> None:
+        """Forgets ``info``, found deleted by another process, unless a save replaced it."""
+        with self._lock:
+            if self._steps.get(info.step) is info:
+                del self._steps[info.step]
+                self.forgotten += 1
 
     def take(self, info: StepInfo, action: Callable[[], T]) -> T | None:
         """Runs ``action`` and forgets ``info``, unless another save replaced it (or it is

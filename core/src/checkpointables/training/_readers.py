@@ -149,9 +149,12 @@ class Leases:
             gone = not storage.exists(info.path)
         if gone:
             self._release(key)
+            self._steps.forget(info)  # Else steps() and latest_step() would keep naming it.
             raise StepNotFoundError(
                 f"Step {info.step} was deleted from {self._root} (by this run's preservation "
-                f"policy or another process). Call steps() for what remains."
+                f"policy or another process); it is no longer listed. Call reload() to list "
+                f"the steps saved since (load without a step does so itself), or steps() for "
+                f"the steps known."
             )
         return info, key
 

@@ -169,6 +169,10 @@ class Saves:
                     replace_unfinished=True,
                     reuse=reuse,
                     staging=staging,
+                    # The root was checked as the Checkpointer opened it (``open_root``): its
+                    # steps lie in no finished checkpoint, without a look (and, on object
+                    # stores, a request and a broadcast) per save.
+                    inside_checked=True,
                 )
             )
         except BaseException:
@@ -240,11 +244,10 @@ class Saves:
         with context:
             occupied = _commit.occupied(path)
         if known or occupied:
-            what = "a checkpoint" if known else "a directory that is not a committed checkpoint"
             raise StepAlreadyExistsError(
-                f"Step {step} already exists: {path} holds {what}. Pass overwrite=True "
-                f"to replace it (the old one stays until the new one commits), or save another "
-                f"step."
+                f"Step {step} already exists: {path} holds {_occupant(known, path, context)}. "
+                f"Pass overwrite=True to replace it (the old one stays until the new one "
+                f"commits), or save another step."
             )
 
     def _check_step(self, request: StepSave, context: Context) -> epath.Path:
@@ -329,6 +332,22 @@ def _identity_in(context: Context, path: epath.Path) -> _commit.Identity:
     """``_commit.identity(path)`` under ``context`` (its storage options)."""
     with context:
         return _commit.identity(path)
+
+
+def _occupant(known: bool, path: epath.Path, context: Context) -> str:
+    """What the existing step directory ``path`` holds, for the error refusing the save: a
+    step this Checkpointer did not list may be committed since (another Checkpointer or
+    process saved it), which the disk tells (read-only)."""
+    if known:
+        return "a committed checkpoint"
+    with context:
+        committed = layout.is_checkpoint(path)
+    if committed:
+        return (
+            "a committed checkpoint that another Checkpointer or process saved since this one "
+            "listed the root (call reload() to list it)"
+        )
+    return "a directory that is not a committed checkpoint"
 
 
 def _contained(step: int, path: epath.Path) -> bool:

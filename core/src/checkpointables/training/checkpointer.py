@@ -52,7 +52,7 @@ from checkpointables.training._readers import StepLike
 from checkpointables.training._retention import Retention
 from checkpointables.training._saves import Saves, StepSave
 from checkpointables.training._worker import BackgroundErrors, Worker
-from checkpointables.training.errors import StepNotFoundError
+from checkpointables.training.errors import CheckpointerClosedError, StepNotFoundError
 from checkpointables.training.local_tier import LocalTier, RestoreStats, _tiered
 from checkpointables.training.step_info import RootMetadata, StepInfo
 from checkpointables.training.step_name_formats import StepNameFormat, standard_name_format
@@ -255,7 +255,9 @@ class Checkpointer:
 
     def _save_async(self, request: StepSave) -> AsyncResponse[bool]:
         if self._closed:
-            raise RuntimeError(f"The Checkpointer of {self._root} is closed; create a new one.")
+            raise CheckpointerClosedError(
+                f"The Checkpointer of {self._root} is closed; create a new one to save there."
+            )
         return _tiered.save(request, self._call_context(), self._saves, self._local)
 
     def save_pytree_async(
@@ -357,9 +359,13 @@ class Checkpointer:
     ) -> AsyncResponse[T]:
         context = self._call_context()
         if self._local is None:
-            info = self._leases.resolve(step, context)
-            response = self._leases.load_async(info, context, start)
-            return _tiered.timed(response, info, self._set_persistent_stats)
+
+            def load() -> AsyncResponse[T]:
+                info = self._leases.resolve(step, context)
+                response = self._leases.load_async(info, context, start)
+                return _tiered.timed(response, info, self._set_persistent_stats)
+
+            return self._latest_again(step, load)
         number = (
             None if step is None else as_step(step.step if isinstance(step, StepInfo) else step)
         )
@@ -371,6 +377,19 @@ class Checkpointer:
             self._steps.sorted(),
             lambda info, go: self._leases.load_async(info, context, go),
         )
+
+    def _latest_again(self, step: StepLike, attempt: Callable[[], T]) -> T:
+        """``attempt()``; if it was for the latest step (``step`` is ``None``) and failed
+        after a load found a listed step deleted (by another process's preservation policy:
+        an evaluator watching a trainer's root), once more after ``reload()``: the list is
+        stale, and the latest step is a newer one."""
+        try:
+            return attempt()
+        except StepNotFoundError:
+            if step is not None or not self._steps.forgotten:
+                raise
+        self.reload()
+        return attempt()
 
     def _last_restore_stats(self) -> RestoreStats | None:
         if self._local is not None:
@@ -489,8 +508,12 @@ class Checkpointer:
                 raise
             number = as_step(step.step if isinstance(step, StepInfo) else step)
             return _tiered.local_metadata(self._local, number, context, read, missing)
-        with self._leases.holding(info, context) as held:
-            return read(held.path)
+
+        def attempt() -> T:
+            with self._leases.holding(step if step is None else info, context) as held:
+                return read(held.path)
+
+        return self._latest_again(step, attempt)
 
     # Waiting and closing.
 
@@ -504,7 +527,8 @@ class Checkpointer:
         self._errors.raise_pending()
 
     def close(self) -> None:
-        """Waits like ``wait()``, then stops background work. Later saves raise."""
+        """Waits like ``wait()``, then stops background work. Later saves raise
+        ``cp.training.errors.CheckpointerClosedError`` (loads still work)."""
         try:
             self.wait()
         finally:

@@ -1,14 +1,15 @@
 """Errors raised by the training ``Checkpointer``.
 
-Both keep the builtin meaning, so ``except FileExistsError`` and ``except
-FileNotFoundError`` keep working, and both are ``cp.errors.CheckpointError``s.
+Each keeps the builtin meaning, so ``except FileExistsError``, ``except
+FileNotFoundError`` and ``except RuntimeError`` keep working, and each is a
+``cp.errors.CheckpointError``.
 """
 
 from __future__ import annotations
 
 from checkpointables.errors import CheckpointError
 
-__all__ = ["StepAlreadyExistsError", "StepNotFoundError"]
+__all__ = ["CheckpointerClosedError", "StepAlreadyExistsError", "StepNotFoundError"]
 
 
 class StepAlreadyExistsError(CheckpointError, FileExistsError):
@@ -20,3 +21,8 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
 
     The message lists the steps that do exist.
     """
+
+
+class CheckpointerClosedError(CheckpointError, RuntimeError):
+    """A save was asked of a ``Checkpointer`` after ``close()`` (or its ``with`` block): its
+    background work has stopped. Create a new ``Checkpointer`` on the same root."""

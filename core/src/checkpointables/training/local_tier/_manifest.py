@@ -11,13 +11,22 @@ presence is the copy's commit). It records:
   decided from data (which shards exist somewhere), not from process ids;
 - ``small``: the checkpointables without a ``jax.Array`` (JSON, iterators,
   custom handlers' items), which every host keeps a copy of: a *partial* copy
-  (``partial``) holds only them and the copy's top-level files, and no shard.
+  (``partial``) holds only them and the copy's top-level files, and no shard;
+- ``left``: the copies the save left behind (``Copy``: step, writer, commit
+  time): those of steps at or after its own that its host held when it
+  started (the run went back; the save removes them), and those such copies
+  recorded in turn. A restore never uses a copy some manifest names there,
+  whichever host still holds it: the trajectory it belongs to was left. This,
+  not the commit times, tells a rollback: commit times come from the clocks
+  of different hosts and jobs, and a fast clock in an earlier job would make
+  the steps saved after it look older.
 
 Checksums are CRC-32C when the ``crc32c`` module is installed (the pytree
 plugin depends on it), else CRC-32 (``zlib``); the manifest names which.
 
-The manifest decides what a restore reads, which step is newest (``run``,
-``commit_timestamp_nsecs``) and which files a host fetches and removes, so it
+The manifest decides what a restore reads, which copies belong to the run
+(``run``) and to its current trajectory (``left``), and which files a host
+fetches and removes, so it
 is trusted only whole and well formed: it ends with the CRC-32 of everything
 before it, framed as ``_CHECKSUMS`` is (``cp.metadata_checksums``), and every
 field must have the one form a save writes (``writer`` is
@@ -55,6 +64,9 @@ __all__ = [
 SUFFIX = ".manifest.json"
 _CHUNK = 1 << 20
 Index = tuple[tuple[int, int], ...]
+# One copy of a step, as a manifest names it: (step, writer, commit_timestamp_nsecs). The
+# copies of one save (on its host, and its replicas) have the same; another save's differ.
+Copy = tuple[int, str, int]
 _WRITER = re.compile(r"p(0|[1-9][0-9]*)-of-([1-9][0-9]*)")
 _SEAL = re.compile(r'(.*),"checksum":"([0-9a-f]{8})"\}\n?', re.DOTALL)
 _ALGORITHMS = ("crc32", "crc32c")
@@ -253,6 +265,18 @@ def _check(m: Manifest) -> None:
         raise InvalidManifest("small is not a list of names")
     if not isinstance(m.partial, bool):
         raise InvalidManifest(f"partial is {m.partial!r}, not true or false")
+    _check_left(m.left)
+
+
+def _check_left(left: Any) -> None:
+    """Raises unless ``left`` is a list of copies, ``[step, writer, commit time]``."""
+    if not isinstance(left, list):
+        raise InvalidManifest("left is not a list of copies")
+    for entry in left:
+        if not isinstance(entry, tuple) or len(entry) != 3 or not is_writer_name(entry[1]):
+            raise InvalidManifest(f"left holds {entry!r}, not [step, writer, commit time]")
+        _natural(entry[0], "a step in left")
+        _natural(entry[2], "a commit time in left")
 
 
 def _sealed(body: str) -> str:
@@ -281,9 +305,17 @@ class Manifest:
     partial: bool = False
     # The run it belongs to: the persistent root its local directory's record names.
     run: str = ""
+    # The copies this save left behind (see the module's docstring); none in manifests
+    # written before it was recorded.
+    left: list[Copy] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         _check(self)
+
+    @property
+    def copy(self) -> Copy:
+        """Which copy this is, as a manifest's ``left`` names it."""
+        return (self.step, self.writer, self.commit_timestamp_nsecs)
 
     def small_part(self) -> Manifest:
         """The manifest of this copy's small part, which every host keeps: its top-level
@@ -327,6 +359,8 @@ class Manifest:
             raw["files"] = {k: tuple(v) for k, v in raw["files"].items()}
             raw["held"] = shards(raw["held"])
             raw["shards"] = shards(raw["shards"])
+            if isinstance(raw.get("left"), list):  # Entries of another form: refused.
+                raw["left"] = [tuple(e) if isinstance(e, list) else e for e in raw["left"]]
             return cls(**raw)
         except InvalidManifest:
             raise

@@ -53,48 +53,53 @@ class Inventory:
     copies: dict[int, dict[int, dict[str, Manifest]]]  # process -> step -> writer -> manifest
 
     def holders(self, step: int) -> dict[str, list[tuple[int, Manifest]]]:
-        """For ``step``: writer -> the processes holding a copy (with its manifest)."""
+        """For ``step``: writer -> the processes holding a copy (with its manifest); copies
+        of a trajectory the run left (``left_behind``) are not counted."""
+        return self._holders(step, self.left_behind())
+
+    def _holders(
+        self, step: int, left: set[_manifest.Copy]
+    ) -> dict[str, list[tuple[int, Manifest]]]:
         found: dict[str, list[tuple[int, Manifest]]] = {}
         for process, steps in sorted(self.copies.items()):
             for writer, manifest in steps.get(step, {}).items():
-                found.setdefault(writer, []).append((process, manifest))
+                if manifest.copy not in left:
+                    found.setdefault(writer, []).append((process, manifest))
         return found
 
     def complete_steps(self) -> list[int]:
-        """The local steps every writer of which has a copy somewhere, newest first (but
-        none of a trajectory the run left: see ``abandoned``)."""
-        steps = {s for held in self.copies.values() for s in held} - self.abandoned()
+        """The local steps every writer of which has a copy somewhere, newest first (of
+        the copies the run did not leave behind: see ``left_behind``)."""
+        left = self.left_behind()
         complete = []
-        for step in steps:
-            holders = self.holders(step)
+        for step in {s for held in self.copies.values() for s in held}:
+            holders = self._holders(step, left)
             counts = {m.process_count for copies in holders.values() for _, m in copies}
             if len(counts) != 1:
-                continue  # Copies of different runs' saves: not one step.
+                continue  # Copies of different runs' saves: not one step (or none left).
             (n,) = counts
             if all(writer_name(i, n) in holders for i in range(n)) and _every_shard_held(holders):
                 complete.append(step)
         return sorted(complete, reverse=True)
 
-    def abandoned(self) -> set[int]:
-        """The steps some older step was committed after: the run went back to it (a
-        rollback) and left them, whichever hosts still hold them.
+    def left_behind(self) -> set[_manifest.Copy]:
+        """The copies of a trajectory the run left: those some manifest of any host names in
+        its ``left`` (a save at or before their step started while its host held them: the
+        run went back), whichever hosts still hold them.
 
-        Each process commits its copies in step order, so in one trajectory a step's
-        newest copy is newer than every older step's (replicas keep their writer's
-        time). A process killed between its commit of the older step and another's
-        retention of the newer one leaves both on disk: the times tell them apart.
+        A host killed before its commit of the step the run went back to still holds the
+        copies of the newer steps (maybe whole, with its replicas); the hosts that committed
+        it record which copies they removed. Commit times do not tell: they come from the
+        clocks of different hosts and jobs (a fast clock in an earlier job would make every
+        step saved after it look older than its steps).
         """
-        newest: dict[int, int] = {}
-        for steps in self.copies.values():
-            for step, by_writer in steps.items():
-                for m in by_writer.values():
-                    newest[step] = max(newest.get(step, 0), m.commit_timestamp_nsecs)
-        found, latest_below = set(), 0
-        for step in sorted(newest):
-            if newest[step] < latest_below:
-                found.add(step)
-            latest_below = max(latest_below, newest[step])
-        return found
+        return {
+            entry
+            for steps in self.copies.values()
+            for by_writer in steps.values()
+            for manifest in by_writer.values()
+            for entry in manifest.left
+        }
 
 
 def _every_shard_held(holders: Mapping[str, list[tuple[int, Manifest]]]) -> bool:

@@ -7,8 +7,10 @@ A local save of step ``s`` by process ``i`` of ``n``:
 2. **write**: an ordinary checkpoint of this process's shards (process-local
    storage: ``primary_host=None``) at ``<dir>/<s>/p<i>-of-<n>``, through the
    core's save (temporary name, rename on commit);
-3. **commit**: the manifest (file checksums, shards held) is written next to
-   it; the save's response finishes here;
+3. **commit**: the manifest (file checksums, shards held, and the copies of
+   step ``s`` and later steps this host held as the save started: the
+   trajectory it leaves, ``left``) is written next to it; the save's response
+   finishes here;
 4. **replicate** (background, in order): the manifest and this process's
    address are published; the copies of the ``replicas`` processes before
    this one (``i-1, i-2, ...`` mod ``n``) are fetched from them, and from
@@ -156,6 +158,8 @@ class LocalSaves:
         self.wait_idle()
         number, self._count = self._count, self._count + 1
         held, every = _manifest.describe_shards(request.checkpointables)
+        # Read before the removals: they are what this save's manifest says it left.
+        left = self._store.left_behind(request.step)
         # A step directory already here was written by an earlier incarnation of the run
         # (it resumed from an older step): its copies are of other data.
         self._store.remove_step(request.step)
@@ -184,6 +188,7 @@ class LocalSaves:
             "small": _manifest.small_items(request.checkpointables),
             "metrics": metrics,
             "run": self._store.run,
+            "left": left,
         }
         response: AsyncResponse[bool] = AsyncResponse(f"local save of step {request.step}")
         with self._lock:

@@ -103,6 +103,19 @@ class Store:
                 found[writer] = manifest
         return found
 
+    def left_behind(self, step: int) -> list[_manifest.Copy]:
+        """What a save of ``step`` leaves behind (its manifest's ``left``): the copies here
+        of ``step`` and later steps (the save removes them: the run went back, or saves
+        the step again), and the copies of such steps that the copies here record as left.
+        Copies of earlier steps are not carried on: no restore prefers them to ``step``."""
+        found: set[_manifest.Copy] = set()
+        for held in self.steps():
+            for manifest in self.copies(held).values():
+                if held >= step:
+                    found.add(manifest.copy)
+                found.update(entry for entry in manifest.left if entry[0] >= step)
+        return sorted(found)
+
     def _pass_over(self, path: str, why: str) -> None:
         if path not in self._reported:
             self._reported.add(path)
