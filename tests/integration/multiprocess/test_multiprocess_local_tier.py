@@ -824,8 +824,6 @@ def test_a_step_left_by_a_rollback_is_not_restored_though_a_host_holds_it_whole(
     # (and dropped its step 30), process 1 was killed before its commit (its save had
     # removed its old step 20). Host 1 still holds step 30 whole, with process 0's replica;
     # it is of the trajectory left, so the persistent step 25 is restored.
-    import time
-
     import attrs
     from checkpointables.training.local_tier._manifest import Manifest
 
@@ -836,7 +834,9 @@ def test_a_step_left_by_a_rollback_is_not_restored_though_a_host_holds_it_whole(
     shutil.rmtree(host1 / "20")
     again = host0 / "20" / "p0-of-2.manifest.json"
     manifest = Manifest.from_json(again.read_text())
-    # Committed after step 30 (the manifest's checksum is of its new fields).
-    again.write_text(attrs.evolve(manifest, commit_timestamp_nsecs=time.time_ns()).to_json())
+    # What process 0's save of step 20 records: the copies of step 30 it held and removed
+    # (its own, and process 1's replica), whatever the clocks (the checksum covers them).
+    left = [Manifest.from_json(p.read_text()).copy for p in (host1 / "30").glob("*.manifest.json")]
+    again.write_text(attrs.evolve(manifest, left=left).to_json())
     for resumed in _resume(run_dir, "latest"):
         assert resumed == {"latest": 25, "step": 25, "tier": "persistent", "config": 25}
