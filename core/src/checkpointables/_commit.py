@@ -39,11 +39,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import attrs
 from etils import epath
 
 from checkpointables import _leftovers, errors, layout, metadata_checksums, multihost, storage
 from checkpointables._asyncio import concurrently
 from checkpointables._leftovers import SAVE_RECORD_FILE, read_record
+from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.metadata_checksums import CHECKSUMS_FILE
 
 __all__ = [
     "SAVE_RECORD_FILE",
@@ -52,6 +55,7 @@ __all__ = [
     "marker",
     "resolve_final",
     "check_can_save",
+    "Occupant",
     "write_root_for",
     "target_for",
     "Identity",
@@ -62,6 +66,7 @@ __all__ = [
     "occupied",
     "Retired",
     "retire",
+    "committed_after_refusal",
 ]
 
 
@@ -103,63 +108,197 @@ def check_can_save(
     replace_unfinished: bool,
     timeout_secs: float,
     operation: str = "",
-) -> None:
-    """Raises ``FileExistsError`` (on every process) if a save to ``path`` must not start.
+) -> bool:
+    """Raises ``CheckpointExistsError`` (on every process) if a save to ``path`` must not start.
 
-    The primary host looks, and tells the others: once it has claimed an
-    object-store prefix, the others would take its claim for another save.
+    The primary host looks (one listing of ``path``), and tells the others: once it has
+    claimed an object-store prefix, the others would take its claim for another save.
 
     Args:
-      overwrite: replace a finished checkpoint (or anything else) at ``path``.
-      replace_unfinished: replace an unfinished save on an object store even if
-        it may still be running (the Checkpointer, sole writer of its root).
+      overwrite: replace what a save may replace (``Occupant.replaceable``): a checkpoint,
+        finished or not, or leftovers of saves; never a directory of checkpoints, nor files
+        that no save wrote.
+      replace_unfinished: replace an unfinished save on an object store even if it may
+        still be running (the Checkpointer, sole writer of its root).
       timeout_secs: an unfinished save older than this is abandoned.
       operation: the save's name among the processes' collective operations.
+
+    Returns:
+      Whether the save replaces a committed checkpoint (the primary host's answer; the
+      others get ``False``): its record says so to loads that meet the save.
     """
-    problem = ""
-    if multihost.is_primary_host() and not overwrite:
-        problem = _why_not(path, replace_unfinished, timeout_secs)
+    problem, replaces = "", False
+    if multihost.is_primary_host():
+        found = Occupant.at(path)
+        replaces = found.committed
+        problem = found.refusal(overwrite, replace_unfinished, timeout_secs)
     problem = multihost.broadcast_from_primary(
         f"{operation}/check", problem if multihost.is_primary_host() else None
     )
     if problem:
         raise errors.CheckpointExistsError(problem)
+    return replaces
 
 
-def _why_not(path: epath.Path, replace_unfinished: bool, timeout_secs: float) -> str:
-    """What is at ``path`` that a save without ``overwrite`` must not replace, or ``""``."""
-    if uses_rename(path):
-        if not os.path.lexists(os.fspath(path)):
+# Top-level files that only a checkpoint holds (ours or Orbax's; finished, damaged, or being
+# written): a path holding one is a checkpoint, which ``overwrite=True`` may replace.
+_CHECKPOINT_FILES = frozenset(
+    {
+        CHECKPOINT_METADATA_FILE,
+        layout.COMMIT_SUCCESS_FILE,
+        CHECKSUMS_FILE,
+        layout.MARKER_FILE,
+        SAVE_RECORD_FILE,
+    }
+)
+_SHOWN = 8  # The most names an error lists.
+
+
+def _is_leftover(name: str) -> bool:
+    """Whether ``name`` is an unfinished save's temporary directory (ours or Orbax's); not a
+    ``cp.partial`` session, which holds saves waiting for ``finalize``."""
+    return layout.is_temporary_path(name) and layout.PARTIAL_SESSION_SUFFIX not in name
+
+
+def _shown(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+@attrs.frozen
+class Occupant:
+    """What is at a save's path, from one listing of it.
+
+    Attributes:
+      path: the path.
+      exists: something is there (locally: even an empty directory).
+      names: the names directly inside it (``None``: a local file, not a directory).
+      files: those of ``names`` that are files.
+    """
+
+    path: epath.Path
+    exists: bool
+    names: frozenset[str] | None
+    files: frozenset[str] = frozenset()
+
+    @classmethod
+    def at(cls, path: epath.Path) -> Occupant:
+        """Lists ``path`` (one request on an object store)."""
+        text = os.fspath(path)
+        local = uses_rename(text)
+        if local and os.path.lexists(text) and not os.path.isdir(text):
+            return cls(path, True, None)
+        entries = storage.list_dir(path)
+        return cls(
+            path,
+            os.path.lexists(text) if local else bool(entries),
+            frozenset(e.name for e in entries),
+            frozenset(e.name for e in entries if not e.is_dir),
+        )
+
+    @property
+    def commit_file(self) -> str:
+        """The file whose presence makes the path a committed checkpoint (see ``layout``)."""
+        return CHECKPOINT_METADATA_FILE if uses_rename(self.path) else layout.COMMIT_SUCCESS_FILE
+
+    @property
+    def committed(self) -> bool:
+        """Whether a committed checkpoint is there."""
+        return self.commit_file in self.files
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Whether a checkpoint is there: finished, damaged, or a save's unfinished one."""
+        return bool(self.files & _CHECKPOINT_FILES)
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether ``overwrite=True`` may replace it: nothing or an empty directory, a
+        checkpoint, or only the temporary directories of saves that did not finish."""
+        if self.names is None:
+            return False
+        return self.is_checkpoint or all(map(_is_leftover, self.names))
+
+    def refusal(self, overwrite: bool, replace_unfinished: bool, timeout_secs: float) -> str:
+        """Why a save must not replace it, or ``""``."""
+        if not self.replaceable:
+            return self._not_replaceable()
+        if overwrite or not self.exists:
             return ""
+        if not uses_rename(self.path):
+            return self._unfinished(replace_unfinished, timeout_secs)
+        what = f"holds {self._what()}" if self.names else "exists (an empty directory)"
         return (
-            f"{path} already exists. Pass overwrite=True to replace it (the old checkpoint is "
-            f"removed only after the new one is complete), or choose another path."
+            f"{self.path} already {what}. Pass overwrite=True to replace it (it is removed "
+            f"only after the new checkpoint is complete), or choose another path."
         )
-    names = {e.name for e in storage.list_dir(path)}
-    if layout.COMMIT_SUCCESS_FILE in names:
+
+    def _what(self) -> str:
+        if self.committed:
+            return "a checkpoint"
+        if self.is_checkpoint:
+            return (
+                f"a checkpoint that is damaged or was not finished (it has "
+                f"{_shown(self.files & _CHECKPOINT_FILES)}, but no {self.commit_file})"
+            )
         return (
-            f"{path} already holds a checkpoint. Pass overwrite=True to replace it (on an object "
-            f"store the old one stops being a checkpoint as soon as the new save starts writing; "
-            f"see docs/object-stores.md), or choose another path."
+            f"only temporary directories of saves that did not finish ({_shown(self.names or ())})"
         )
-    record = read_record(path) if SAVE_RECORD_FILE in names else None
-    if (
-        not names
-        or replace_unfinished
-        or _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs)
-    ):
-        return ""
-    what = (
-        f"an unfinished save ({record.describe()}) that may still be running"
-        if record is not None
-        else f"objects but no finished checkpoint (no {layout.COMMIT_SUCCESS_FILE}; not written "
-        f"by this library, or by an older version)"
-    )
-    return (
-        f"{path} holds {what}. Pass overwrite=True to replace it, choose another path, or wait: "
-        f"an unfinished save is cleaned by the next save once its process is gone or after "
-        f"AsyncOptions.timeout_secs ({timeout_secs:g} s)."
-    )
+
+    def _not_replaceable(self) -> str:
+        """The refusal for what no save replaces, ``overwrite=True`` or not."""
+        if self.names is None:
+            return (
+                f"{self.path} is a file, not a checkpoint: a save never replaces it, even with "
+                f"overwrite=True. Choose another path, or remove it yourself."
+            )
+        steps = _checkpoints_among(self.path, self.names - self.files)
+        if steps:
+            return (
+                f"{self.path} is not a checkpoint but a Checkpointer's root (or a directory of "
+                f"checkpoints) with steps {_shown(steps)}: a save never replaces it, even with "
+                f"overwrite=True. Save to {self.path}/<step>, or use "
+                f"cp.training.Checkpointer({os.fspath(self.path)!r})."
+            )
+        return (
+            f"{self.path} holds files that are not a checkpoint: "
+            f"{_shown(n for n in self.names if not _is_leftover(n))}. A save replaces only a "
+            f"checkpoint (or what an unfinished save left), never them, even with "
+            f"overwrite=True: choose another path, or remove them yourself."
+        )
+
+    def _unfinished(self, replace_unfinished: bool, timeout_secs: float) -> str:
+        """The refusal, on an object store, of a checkpoint or an unfinished save."""
+        if self.committed:
+            return (
+                f"{self.path} already holds a checkpoint. Pass overwrite=True to replace it (on "
+                f"an object store the old one stops being a checkpoint as soon as the new save "
+                f"starts writing; see docs/object-stores.md), or choose another path."
+            )
+        record = read_record(self.path) if SAVE_RECORD_FILE in self.files else None
+        if replace_unfinished or _leftovers.record_is_abandoned(record, timeout_secs=timeout_secs):
+            return ""
+        what = (
+            f"an unfinished save ({record.describe()}) that may still be running"
+            if record is not None
+            else f"{self._what()}, not written by this library (or by an older version)"
+        )
+        return (
+            f"{self.path} holds {what}. Pass overwrite=True to replace it, choose another path, "
+            f"or wait: an unfinished save is cleaned by the next save once its process is gone "
+            f"or after AsyncOptions.timeout_secs ({timeout_secs:g} s)."
+        )
+
+
+def _checkpoints_among(path: epath.Path, names: Iterable[str]) -> list[str]:
+    """Which of the directories ``names`` in ``path`` hold a committed checkpoint (steps).
+    Asks about the first few only (one request each on an object store, issued together):
+    enough to name them in an error."""
+    commit = CHECKPOINT_METADATA_FILE if uses_rename(path) else layout.COMMIT_SUCCESS_FILE
+    candidates = sorted(n for n in names if not _is_leftover(n))[: 4 * _SHOWN]
+    found = concurrently(storage.is_file, [_join(_join(path, n), commit) for n in candidates])
+    return [n for n, is_step in zip(candidates, found, strict=True) if is_step]
 
 
 def write_root_for(path: epath.Path) -> epath.Path:
@@ -167,11 +306,14 @@ def write_root_for(path: epath.Path) -> epath.Path:
     return layout.temporary_path_for(path) if uses_rename(path) else path
 
 
-def target_for(final: epath.Path, root: epath.Path, *, overwrite: bool) -> SaveTarget:
-    """The protocol that publishes a save written at ``root`` as ``final``."""
+def target_for(
+    final: epath.Path, root: epath.Path, *, overwrite: bool, replacing: bool = False
+) -> SaveTarget:
+    """The protocol that publishes a save written at ``root`` as ``final`` (``replacing``: a
+    committed checkpoint, as ``check_can_save`` found)."""
     if uses_rename(final):
         return RenameTarget(final, root, overwrite=overwrite)
-    return MarkerTarget(final, root, overwrite=overwrite)
+    return MarkerTarget(final, root, overwrite=overwrite, replacing=replacing)
 
 
 # -- Saving -----------------------------------------------------------------------------------
@@ -241,9 +383,11 @@ class RenameTarget(SaveTarget):
 class MarkerTarget(SaveTarget):
     """Object stores: written in place, committed by ``commit_success.txt`` written last."""
 
-    def __init__(self, final: epath.Path, root: epath.Path, *, overwrite: bool) -> None:
+    def __init__(
+        self, final: epath.Path, root: epath.Path, *, overwrite: bool, replacing: bool = False
+    ) -> None:
         super().__init__(final, root, overwrite=overwrite)
-        self._record = _leftovers.SaveRecord.new()
+        self._record = _leftovers.SaveRecord.new(replacing=overwrite and replacing)
 
     def create(self, names: Iterable[str], mode: int | None) -> None:
         """Claims the prefix with this save's record, then clears what was there.
@@ -392,3 +536,35 @@ def check_unchanged(path: epath.PathLike, opened: Identity, error: BaseException
         f"overwrite=True, or a deletion, ran meanwhile). Nothing is damaged: load it again."
     )
     raise errors.CheckpointChangedError(message) from error
+
+
+def committed_after_refusal(
+    path: epath.PathLike, refusal: errors.NotACheckpointError, *, timeout_secs: float
+) -> Identity:
+    """The identity of an object-store checkpoint that ``layout.validate_checkpoint_directory``
+    refused (``refusal``) for its missing commit marker, if it was committed meanwhile (its
+    listing may then show the marker); else raises what a load of it meets.
+
+    Raises:
+      cp.errors.CheckpointChangedError: a save with ``overwrite=True`` (or a deletion) is
+        replacing the checkpoint (its record says so): load it again once it commits.
+      cp.errors.NotACheckpointError: ``refusal``: no save committed there.
+    """
+    for _ in range(2):  # Again after the record: a save may commit (and drop it) meanwhile.
+        now = identity(path)
+        if now is not None:
+            return now
+        record = read_record(path)
+        if record is None:
+            continue
+        if (record.replacing or record.deleting) and not record.is_abandoned(
+            timeout_secs=timeout_secs
+        ):
+            what = "deleted" if record.deleting else "replaced by a save with overwrite=True"
+            raise errors.CheckpointChangedError(
+                f"The checkpoint at {path} is being {what} ({record.describe()}), so there is "
+                f"no checkpoint to read there at the moment. Nothing is damaged: load it again "
+                f"once the save commits."
+            ) from None
+        break
+    raise refusal

@@ -100,11 +100,14 @@ class SaveRecord:
     pid: int
     host: str
     deleting: bool = False
+    # A save that replaces a committed checkpoint (``overwrite=True``): a load that meets it
+    # says the checkpoint is being replaced (retry), not that there is none.
+    replacing: bool = False
 
     @classmethod
-    def new(cls, *, deleting: bool = False) -> SaveRecord:
+    def new(cls, *, deleting: bool = False, replacing: bool = False) -> SaveRecord:
         """A record for a save (or deletion) starting now in this process."""
-        return cls(uuid.uuid4().hex, time.time_ns(), os.getpid(), this_host(), deleting)
+        return cls(uuid.uuid4().hex, time.time_ns(), os.getpid(), this_host(), deleting, replacing)
 
     def to_json(self) -> str:
         """The record's text."""
@@ -121,6 +124,7 @@ class SaveRecord:
                 int(value["pid"]),
                 str(value["host"]),
                 bool(value.get("deleting", False)),
+                bool(value.get("replacing", False)),
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
             return None

@@ -128,10 +128,7 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
         # The identity first: a replacement after this is noticed when the load ends.
         identity = _commit.identity(path)
         if identity is None or _commit.uses_rename(path) or layout.is_temporary_path(path):
-            layout.validate_checkpoint_directory(path)
-            if identity is None:  # Committed just now.
-                identity = _commit.identity(path)
-                _commit.check_unchanged(path, identity, None)
+            identity = _validated(path, identity, context.async_options.timeout_secs)
         _confinement.check_contained(path)
         try:
             return Opened(path, read_checkpoint_metadata(path), identity)
@@ -145,6 +142,23 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
                 f"{path} has a commit marker but no {CHECKPOINT_METADATA_FILE}; it is not a "
                 f"checkpoint this library can read."
             ) from None
+
+
+def _validated(path: epath.Path, identity: Any, timeout_secs: float) -> Any:
+    """Checks that ``path`` is a finished checkpoint; returns its identity (``identity``: the
+    one read before, ``None`` where nothing was committed then)."""
+    try:
+        layout.validate_checkpoint_directory(path)
+    except errors.NotACheckpointError as e:
+        if identity is not None or _commit.uses_rename(path):
+            raise
+        # On an object store a save may commit, or an overwrite start, while the refusal
+        # lists the prefix: look again rather than contradict the listing.
+        return _commit.committed_after_refusal(path, e, timeout_secs=timeout_secs)
+    if identity is None:  # Committed just now.
+        identity = _commit.identity(path)
+        _commit.check_unchanged(path, identity, None)
+    return identity
 
 
 def recorded_typestrs(meta: Mapping[str, Any]) -> dict[str, str]:

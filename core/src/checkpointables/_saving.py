@@ -194,7 +194,7 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
     with save.context:  # The storage of an object store is configured by the context.
         if not request.inside_checked:
             _enclosing.check_not_inside(save.path, operation=save.operation)
-        _commit.check_can_save(
+        replacing = _commit.check_can_save(
             save.path,
             overwrite=request.overwrite,
             replace_unfinished=request.replace_unfinished,
@@ -206,7 +206,9 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
             str(_commit.write_root_for(save.path)) if save.primary else None,
             context=save.context,
         )
-        return _commit.target_for(save.path, epath.Path(root), overwrite=request.overwrite)
+        return _commit.target_for(
+            save.path, epath.Path(root), overwrite=request.overwrite, replacing=replacing
+        )
 
 
 def _directory(save: _Checked, target: _commit.SaveTarget) -> PathAwaitingCreation:
