@@ -117,7 +117,10 @@ def check_not_inside(path: epath.Path, *, operation: str = "") -> None:
 
 def _problem(path: epath.PathLike) -> str:
     """Why a save must not write ``path`` (it is inside a finished checkpoint), or ``""``."""
-    enclosing = enclosing_checkpoint(path)
+    try:
+        enclosing = enclosing_checkpoint(path)
+    except errors.StorageError as e:  # It names a parent's marker: say which save asked.
+        raise errors.StorageError(f"Saving {path}: {e}") from e
     if enclosing is None:
         return ""
     return (
