@@ -530,13 +530,15 @@ def _budget(total: int, most: int, threads: int) -> int:
 
 def _streams_unbounded(read: ArrayRead) -> bool:
     """Whether a load without a budget streams ``read`` as byte ranges (where the b-tree
-    locates its chunks): stored directly, at least ``UNBOUNDED_STREAM_BYTES``, with a sink."""
+    locates its chunks): read whole (stored directly, not a small part of it wanted), at
+    least ``UNBOUNDED_STREAM_BYTES``, with a sink. A part (another process's rows elsewhere)
+    stays with the driver, which reads only the chunks it touches, as before."""
     stored = read.stored
     return (
         read.sink is not None
         and stored is not None
-        and stored.direct
         and stored.nbytes >= UNBOUNDED_STREAM_BYTES
+        and read.whole
     )
 
 
