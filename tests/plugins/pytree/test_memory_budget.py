@@ -14,7 +14,7 @@ import os
 import checkpointables as cp
 import numpy as np
 import pytest
-from checkpointables_pytree.io import pieces
+from checkpointables_pytree.io import UNBOUNDED_LIMIT, pieces
 from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE, chunk_shape_within
 
 from tests.peak_rss import RESHARDED_STATE, run_child
@@ -77,11 +77,15 @@ def test_save_and_resharded_load_stay_within_the_budget(tmp_path) -> None:
     assert report["load_unbudgeted_save"] <= BUDGET + SLACK + whole_chunk, report
 
 
-def test_without_a_budget_the_resharded_load_stages_more(tmp_path) -> None:
-    """The measurement can fail: an unbounded resharded load holds the state again on host."""
+@pytest.mark.fast_path  # Chunks located by our own index.
+def test_without_a_budget_loads_stage_at_most_the_pieces_in_flight(tmp_path) -> None:
+    """Without a budget, arrays this library wrote are read as byte ranges too: a load holds
+    at most the reader's pieces in flight. The measurement can fail: it held the state twice
+    more before (1023 MiB here), and holds it again with the fast path off (read whole)."""
     report = _run(tmp_path, 0)
-    assert report["exact"]
-    assert report["load_resharded"] > BUDGET + SLACK, report
+    assert report["exact"] and report["sharding_kept"]
+    for op in ("load_resharded", "load_unbudgeted_save"):
+        assert report[op] <= UNBOUNDED_LIMIT + SLACK, (op, report[op] >> 20, report)
 
 
 def test_streamed_pieces_and_chunks_cover_exactly() -> None:

@@ -43,7 +43,14 @@ from checkpointables_pytree.io._multiprocess import (
     shards_to_write,
 )
 from checkpointables_pytree.io._ranged_reads import chunk_pieces
-from checkpointables_pytree.io._reader import INLINE_READ_KEYS, Reader, read_groups, read_values
+from checkpointables_pytree.io._reader import (
+    INLINE_READ_KEYS,
+    UNBOUNDED_LIMIT,
+    UNBOUNDED_STREAM_BYTES,
+    Reader,
+    read_groups,
+    read_values,
+)
 from checkpointables_pytree.io._remote_reads import requests_in_flight
 from checkpointables_pytree.io._small_reads import Small, read_small
 from checkpointables_pytree.io._staging import Staging
@@ -74,6 +81,8 @@ __all__ = [
     "shards_to_write",
     "chunk_shape_of",
     "INLINE_READ_KEYS",
+    "UNBOUNDED_LIMIT",
+    "UNBOUNDED_STREAM_BYTES",
     "Reader",
     "read_groups",
     "read_values",

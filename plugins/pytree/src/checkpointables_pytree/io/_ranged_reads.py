@@ -168,7 +168,12 @@ class RangeSource:
         base = await self._index.base()
         key = os.path.relpath(location.file, self._index.root)
         first = location.offset + start
-        result = await base.read(key, byte_range=slice(first, first + len(into)))
+        try:
+            result = await base.read(key, byte_range=slice(first, first + len(into)))
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            return False  # A truncated object (the store refuses a range past its end).
         if result.state != "value" or len(result.value) != len(into):
             return False
         into[:] = np.frombuffer(result.value, np.uint8)
@@ -282,19 +287,20 @@ async def _chunk_in_turn(
         if not targets and not verify:
             continue
         buffers = shared.buffers
-        async with shared.limiter.hold(max(length, buffers.size)):  # What the buffer holds.
+        async with shared.limiter.hold(max(length, buffers.size)):  # What a buffer holds.
+            if source.local:
+                # A local file's piece is read in the worker thread too: one hand-over.
+                fill = functools.partial(_fill, source, chunk.location, start, state.read, key)
+                crc = await asyncio.to_thread(
+                    _put_local, state, piece, targets, buffers, length, crc, verify, fill
+                )
+                continue
             buffer = buffers.take(length)
             try:
                 data = buffer[:length]
-                # A local file's piece is read in the worker thread too: one hand-over.
-                fill: Callable[[np.ndarray], None] | None = functools.partial(
-                    _fill, source, chunk.location, start, state.read, key
-                )
-                if not source.local:
-                    fill = None
-                    if not await source.read(chunk.location, start, data):
-                        raise layout_error(state.read, key, "is cut short")
-                crc = await asyncio.to_thread(_put, state, piece, targets, data, crc, verify, fill)
+                if not await source.read(chunk.location, start, data):
+                    raise layout_error(state.read, key, "is cut short")
+                crc = await asyncio.to_thread(_put, state, piece, targets, data, crc, verify)
             finally:
                 buffers.give(buffer)
     # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
@@ -331,6 +337,33 @@ def _destination(
     return None if into is None else into.reshape(-1).view(np.uint8)
 
 
+def _put_local(
+    state: _Stream,
+    piece: Region,
+    targets: list[tuple[int, Region]],
+    buffers: PieceBuffers,
+    length: int,
+    crc: int,
+    verify: bool,
+    fill: Callable[[np.ndarray], None],
+) -> int:
+    """Reads a piece of a local file with ``fill`` (in a worker thread): straight into the
+    array being loaded where it is one block of it, else into a buffer, then ``_put``.
+    Returns the CRC-32C so far."""
+    into = _destination(state, piece, targets)
+    if into is not None:  # No copy, and no buffer taken (a fresh one is a piece's memory).
+        fill(into)
+        # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
+        return crc32c.crc32c(into, crc) if verify else crc  # type: ignore[arg-type]
+    buffer = buffers.take(length)
+    try:
+        data = buffer[:length]
+        fill(data)
+        return _put(state, piece, targets, data, crc, verify)
+    finally:
+        buffers.give(buffer)
+
+
 def _put(
     state: _Stream,
     piece: Region,
@@ -338,18 +371,10 @@ def _put(
     buffer: np.ndarray,
     crc: int,
     verify: bool,
-    fill: Callable[[np.ndarray], None] | None,
 ) -> int:
-    """Reads a piece into ``buffer`` (with ``fill``, unless it was read), checksums it and
-    puts its parts into their regions (in a worker thread); waits until the devices hold
-    them, so that the buffer may be reused. Returns the CRC-32C so far."""
-    if fill is not None:
-        into = _destination(state, piece, targets)
-        if into is not None:  # Read straight into the array being loaded: no copy.
-            fill(into)
-            # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
-            return crc32c.crc32c(into, crc) if verify else crc  # type: ignore[arg-type]
-        fill(buffer)
+    """Checksums a piece read into ``buffer`` and puts its parts into their regions (in a
+    worker thread); waits until the devices hold them, so that the buffer may be reused.
+    Returns the CRC-32C so far."""
     if verify:
         # NumPy's stubs give ndarray a __buffer__ only on Python 3.12+ (mypy checks 3.11).
         crc = crc32c.crc32c(buffer, crc)  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ from checkpointables_pytree import zarr3 as zarr3_room
 from checkpointables_pytree.io import _ranged_reads, _remote_reads, _small_reads, _streamed_reads
 from checkpointables_pytree.io._array_reads import (
     ArrayRead,
+    Region,
     StoredArray,
     assemble,
     check_fits_in_memory,
@@ -73,6 +74,14 @@ _NBYTES = operator.attrgetter("stored.nbytes")  # Of a read's stored array.
 
 # Large arrays being decoded by the zarr3 driver at once: bounds the extra memory of a load.
 IN_FLIGHT_BYTES = 128 << 20
+# Without a budget, arrays this library wrote of at least UNBOUNDED_STREAM_BYTES, loaded
+# through a sink, are read as byte ranges straight into their regions, as under a budget:
+# read whole, a sharded or many-chunk array is held on the host twice (the stored bytes, then
+# the regions cut from them), and is slower for the page faults of the second copy. Pieces of
+# UNBOUNDED_PIECE, at most UNBOUNDED_LIMIT bytes of them in flight (as a budget of 256 MiB).
+UNBOUNDED_STREAM_BYTES = 4 << 20
+UNBOUNDED_PIECE = 32 << 20
+UNBOUNDED_LIMIT = IN_FLIGHT_BYTES
 # Bytes of arrays per group of whole reads (a larger array is a group of its own): a
 # group is read, checked and converted by one worker thread, and several per thread
 # even out their ends.
@@ -177,7 +186,26 @@ class Reader:
         if self._host_bytes is not None:
             await self._run_within(context, self._host_bytes)
         else:
+            await self._run_unbounded(context)
+
+    async def _run_unbounded(self, context: ts.Context) -> None:
+        """Reads without a budget: every array at once, the large ones this library wrote
+        as byte ranges straight into their regions (``_ranged_reads``), the rest whole."""
+        large = [r for r in self._reads if _streams_unbounded(r)] if self._index else []
+        if not large:
             await self._read_all(self._reads, context, IN_FLIGHT_BYTES)
+            return
+        found = await self._locate_streamed(large, context)
+        ranged = {id(r) for r in large if self._plan(r, found) is not None}
+        rest = [r for r in self._reads if id(r) not in ranged]
+        streamed = [r for r in large if id(r) in ranged]
+        tasks = [
+            asyncio.ensure_future(self._read_all(rest, context, IN_FLIGHT_BYTES)),
+            asyncio.ensure_future(
+                self._stream_all(streamed, context, found, UNBOUNDED_LIMIT, UNBOUNDED_PIECE)
+            ),
+        ]
+        await gather_settled(tasks)
 
     async def _run_within(self, context: ts.Context, host_bytes: int) -> None:
         """Reads under a budget: the small arrays a window at a time, then the large ones
@@ -195,24 +223,49 @@ class Reader:
             await asyncio.to_thread(storage.give_back_free_memory)
         if not streamed:
             return
-        # One limit for every piece in flight, of every streamed array.
-        limit = host_bytes // 2
-        limiter = ByteLimiter(limit)
         found = await self._locate_streamed(streamed, context)
+        # One limit for every piece in flight, of every streamed array.
+        await self._stream_all(streamed, context, found, host_bytes // 2, most)
+
+    def _plan(
+        self, read: ArrayRead, found: dict[bytes, Any]
+    ) -> tuple[list[Region], list[Any]] | None:
+        """The regions and located chunks of a ranged read of ``read`` (``None``: the
+        driver or the whole-read path reads it)."""
+        if read.stored is None:
+            return None
+        regions = regions_of(read, check_shape(read, read.stored.shape))
+        chunks = _ranged_reads.plan(read, regions, found)
+        return None if chunks is None else (regions, chunks)
+
+    async def _stream_all(
+        self,
+        streamed: Sequence[ArrayRead],
+        context: ts.Context,
+        found: dict[bytes, bytes | ocdbt_room.ValueLocation],
+        limit: int,
+        most: int,
+    ) -> None:
+        """Streams ``streamed`` onto their sinks in pieces of at most ``most`` bytes, at
+        most ``limit`` bytes in flight: as byte ranges where ``found`` locates their chunks,
+        else through the driver."""
+        if not streamed:
+            return
+        limiter = ByteLimiter(limit)
         source = (
             None if self._index is None else _ranged_reads.RangeSource(self._index, self._local)
         )
         shared = _ranged_reads.Shared(limiter, limit, most)
 
         async def one(read: ArrayRead) -> None:
-            if source is not None and read.stored is not None:
-                regions = regions_of(read, check_shape(read, read.stored.shape))
-                chunks = _ranged_reads.plan(read, regions, found)
-                if chunks is not None:
-                    await _ranged_reads.stream_ranges(
-                        read, regions, chunks, source, shared, verify=self._verify
-                    )
-                    return
+            planned = None if source is None else self._plan(read, found)
+            if planned is not None:
+                assert source is not None
+                regions, chunks = planned
+                await _ranged_reads.stream_ranges(
+                    read, regions, chunks, source, shared, verify=self._verify
+                )
+                return
             spec = self.array_spec(read.name)
             await _streamed_reads.stream(read, spec, context, limiter, most)
 
@@ -473,6 +526,20 @@ def _small_groups(small: list[_small_reads.Small], threads: int) -> list[list[_s
 def _budget(total: int, most: int, threads: int) -> int:
     """Bytes per group: several groups per thread, each at least ``MIN_GROUP_BYTES``."""
     return max(MIN_GROUP_BYTES, min(most, total // (GROUPS_PER_THREAD * threads)))
+
+
+def _streams_unbounded(read: ArrayRead) -> bool:
+    """Whether a load without a budget streams ``read`` as byte ranges (where the b-tree
+    locates its chunks): read whole (stored directly, not a small part of it wanted), at
+    least ``UNBOUNDED_STREAM_BYTES``, with a sink. A part (another process's rows elsewhere)
+    stays with the driver, which reads only the chunks it touches, as before."""
+    stored = read.stored
+    return (
+        read.sink is not None
+        and stored is not None
+        and stored.nbytes >= UNBOUNDED_STREAM_BYTES
+        and read.whole
+    )
 
 
 def _nbytes(reads: Iterable[ArrayRead]) -> int:
