@@ -22,7 +22,12 @@ CHECKPOINT_FILES = (
     "orbax.checkpoint",
     ".checkpointables-save",
 )
+WRITTEN_BY_A_SAVE = ("_CHECKPOINT_METADATA", "commit_success.txt", ".checkpointables-save")
 LEFTOVERS = ("x.checkpointables-tmp-1-2-ab", "x.orbax-checkpoint-tmp", "y.orbax-checkpoint-tmp-7")
+
+
+def _is_leftover(name: str) -> bool:
+    return ".checkpointables-tmp-" in name or ".orbax-checkpoint-tmp" in name
 
 
 def _tree(path: pathlib.Path) -> dict[str, bytes]:
@@ -52,14 +57,18 @@ def test_user_files_and_a_file_are_never_replaced(tmp_path) -> None:
     (mine / "experiments").mkdir(parents=True)
     (mine / "experiments" / "results.csv").write_text("1,2\n")
     (mine / "a.csv").write_text("x")
-    with pytest.raises(cp.errors.CheckpointExistsError, match="not a checkpoint: a.csv, exp"):
+    with pytest.raises(
+        cp.errors.CheckpointExistsError, match="holds a.csv, exp.*, which no checkpoint"
+    ):
         cp.save_pytree(mine, TREE, overwrite=True)
-    with pytest.raises(FileExistsError, match="remove them yourself"):
+    with pytest.raises(FileExistsError, match="remove it yourself"):
         cp.save_pytree(mine, TREE)
     assert _tree(mine) == {"a.csv": b"x", "experiments/results.csv": b"1,2\n"}
     waiting = tmp_path / "waiting"  # Partial saves waiting for finalize: no leftovers.
     (waiting / "ck.partial_save").mkdir(parents=True)
-    with pytest.raises(cp.errors.CheckpointExistsError, match="not a checkpoint: ck.partial_save"):
+    with pytest.raises(
+        cp.errors.CheckpointExistsError, match="holds ck.partial_save, which no checkpoint"
+    ):
         cp.save_pytree(waiting, TREE, overwrite=True)
     (tmp_path / "f").write_text("keep")
     with pytest.raises(cp.errors.CheckpointExistsError, match="is a file, not a checkpoint"):
@@ -88,6 +97,72 @@ def test_what_a_save_may_replace(tmp_path) -> None:
             cp.save_pytree(path, TREE)
         cp.save_pytree(path, {"w": np.ones(2)}, overwrite=True)
         np.testing.assert_array_equal(cp.load_pytree(path)["w"], np.ones(2))
+
+
+@pytest.mark.parametrize(
+    "stray",
+    ["_CHECKPOINT_METADATA", "commit_success.txt", "_CHECKSUMS", "orbax.checkpoint"],
+)
+def test_a_stray_checkpoint_file_never_makes_what_is_beside_it_replaceable(tmp_path, stray):
+    # Steps of a run, a user's files and folders, a checkpoint with a nested one and notes:
+    # one file of a checkpoint's name beside them proves nothing.
+    finished = tmp_path / "finished"
+    cp.save_pytree(finished, TREE)
+    for name, make in {
+        "steps": lambda p: [cp.save_pytree(p / str(i), TREE) for i in (1, 2)],
+        "user file": lambda p: (p / "thesis.tex").write_text("x"),
+        "user folder": lambda p: [(p / "data").mkdir(), (p / "data" / "a.bin").write_text("y")],
+        "nested and notes": lambda p: [
+            cp.save_pytree(p / "pytree", TREE),
+            (p / "notes.txt").write_text("z"),
+        ],
+    }.items():
+        path = tmp_path / name.replace(" ", "_")
+        path.mkdir()
+        make(path)
+        (path / stray).write_bytes((finished / stray).read_bytes())
+        check_overwrite(path, False, _tree)
+    real = tmp_path / "real"  # A checkpoint with a nested one in a folder it does not name.
+    cp.save_pytree(real, TREE)
+    cp.save_pytree(tmp_path / "inner", TREE)  # A save inside ``real`` is refused: moved in.
+    os.rename(tmp_path / "inner", real / "inner_ckpt")
+    check_overwrite(real, False, _tree)
+
+
+def _save_v0(ocp: Any, path: pathlib.Path) -> None:
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, TREE)
+        checkpointer.wait_until_finished()
+
+
+def test_orbax_checkpoints_are_replaced_and_what_lost_its_records_is_refused(tmp_path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    ocp_v1 = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    v0 = tmp_path / "v0"  # A pytree directly at the top: its files are the pytree plugin's.
+    _save_v0(ocp, v0)
+    with ocp.CheckpointManager(tmp_path / "manager") as manager:
+        manager.save(1, args=ocp.args.StandardSave(TREE))
+        manager.wait_until_finished()
+    v1 = tmp_path / "v1"
+    ocp_v1.save(v1, TREE)
+    for path in (v0, tmp_path / "manager" / "1", v1):
+        check_overwrite(path, True, _tree)
+    # Nothing says a save wrote these any more: an Orbax V0 tree without its
+    # _CHECKPOINT_METADATA (older releases), ours with only its checkpointable's folder.
+    older_v0 = tmp_path / "older_v0"
+    _save_v0(ocp, older_v0)
+    nothing_left = tmp_path / "nothing_left"
+    cp.save_pytree(nothing_left, TREE)
+    for path in (older_v0, nothing_left):
+        for name in (
+            "_CHECKPOINT_METADATA",
+            "commit_success.txt",
+            "_CHECKSUMS",
+            "orbax.checkpoint",
+        ):
+            (path / name).unlink(missing_ok=True)
+        with pytest.raises(cp.errors.CheckpointExistsError, match="older or foreign checkpoint"):
+            cp.save_pytree(path, TREE, overwrite=True)
 
 
 def check_overwrite(path: Any, ours: bool, contents: Callable[[Any], object]) -> None:
@@ -123,8 +198,12 @@ def test_overwrite_removes_only_checkpoints_and_leftovers(tmp_path_factory, entr
             (path / name / "inside").write_text(name)
         else:
             (path / name).write_text(name)
-    ours = any(not d and n in CHECKPOINT_FILES for n, d in entries.items()) or all(
-        ".checkpointables-tmp-" in n or ".orbax-checkpoint-tmp" in n for n in entries
+    rest = {n: d for n, d in entries.items() if not _is_leftover(n)}
+    # A file only a save writes, and nothing beside it but checkpoint files: random
+    # directories are never ones its (random) records name.
+    ours = not rest or (
+        any(not d and n in WRITTEN_BY_A_SAVE for n, d in rest.items())
+        and all(not d and n in CHECKPOINT_FILES for n, d in rest.items())
     )
     check_overwrite(path, ours, _tree)
     assert sorted(os.listdir(path.parent)) == ["target"]  # No temporary directory is left.

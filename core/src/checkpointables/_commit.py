@@ -34,6 +34,7 @@ blaming damage.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -42,10 +43,19 @@ from typing import Any
 import attrs
 from etils import epath
 
-from checkpointables import _leftovers, errors, layout, metadata_checksums, multihost, storage
+from checkpointables import (
+    _leftovers,
+    errors,
+    handlers,
+    layout,
+    metadata_checksums,
+    multihost,
+    protocols,
+    storage,
+)
 from checkpointables._asyncio import concurrently
 from checkpointables._leftovers import SAVE_RECORD_FILE, read_record
-from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE
+from checkpointables.checkpoint_metadata import CHECKPOINT_METADATA_FILE, read_checkpoint_metadata
 from checkpointables.metadata_checksums import CHECKSUMS_FILE
 
 __all__ = [
@@ -151,6 +161,11 @@ _CHECKPOINT_FILES = frozenset(
         SAVE_RECORD_FILE,
     }
 )
+# Files that say by themselves that a save wrote the directory (``orbax.checkpoint`` and
+# ``_CHECKSUMS`` alone do not: a stray copy of either beside a user's files proves nothing).
+_WRITTEN_BY_A_SAVE = frozenset(
+    {CHECKPOINT_METADATA_FILE, layout.COMMIT_SUCCESS_FILE, SAVE_RECORD_FILE}
+)
 _SHOWN = 8  # The most names an error lists.
 
 
@@ -212,17 +227,43 @@ class Occupant:
         """Whether a checkpoint is there: finished, damaged, or a save's unfinished one."""
         return bool(self.files & _CHECKPOINT_FILES)
 
-    @property
-    def replaceable(self) -> bool:
-        """Whether ``overwrite=True`` may replace it: nothing or an empty directory, a
-        checkpoint, or only the temporary directories of saves that did not finish."""
+    def replaceable(self, *, in_own_root: bool = False) -> bool:
+        """Whether ``overwrite=True`` may replace it: nothing or an empty directory, only the
+        temporary directories of saves that did not finish, or a checkpoint holding nothing
+        but what saves write (see ``unexplained``). ``in_own_root``: a step of the
+        Checkpointer that is its root's sole writer, where any file of a checkpoint marks
+        what an interrupted save left (an older version's, or Orbax's)."""
         if self.names is None:
             return False
-        return self.is_checkpoint or all(map(_is_leftover, self.names))
+        return (in_own_root and self.is_checkpoint) or not self.unexplained()
+
+    def unexplained(self) -> list[str]:
+        """The names here that no save wrote: every name but leftovers unless a file says a
+        save wrote the directory; else what is not a checkpoint's file nor named by its own
+        records (never steps, nested checkpoints or a user's files)."""
+        rest = {n for n in self.names or () if not _is_leftover(n)}
+        if not rest or not self.files & _WRITTEN_BY_A_SAVE:
+            return sorted(rest)
+        foreign: set[str] = set(self.files - _CHECKPOINT_FILES) | (rest - self.files)
+        if foreign and self._being_saved():  # Its checkpointables, not yet named.
+            foreign &= self.files
+        if foreign:  # Read only when needed: one request on an object store.
+            own = _own_names(self.path)
+            foreign = set() if own is None else foreign - own
+        return sorted(foreign)
+
+    def _being_saved(self) -> bool:
+        """Whether a save of ours writes here (or did, unfinished): its record says so, and
+        the directories are its checkpointables, not yet named by any metadata."""
+        if SAVE_RECORD_FILE not in self.files:
+            return False
+        with contextlib.suppress(errors.CheckpointError, OSError, ValueError):
+            return read_record(self.path) is not None
+        return False
 
     def refusal(self, overwrite: bool, replace_unfinished: bool, timeout_secs: float) -> str:
         """Why a save must not replace it, or ``""``."""
-        if not self.replaceable:
+        if not self.replaceable(in_own_root=replace_unfinished):
             return self._not_replaceable()
         if overwrite or not self.exists:
             return ""
@@ -262,10 +303,11 @@ class Occupant:
                 f"cp.training.Checkpointer({os.fspath(self.path)!r})."
             )
         return (
-            f"{self.path} holds files that are not a checkpoint: "
-            f"{_shown(n for n in self.names if not _is_leftover(n))}. A save replaces only a "
-            f"checkpoint (or what an unfinished save left), never them, even with "
-            f"overwrite=True: choose another path, or remove them yourself."
+            f"{self.path} holds {_shown(self.unexplained())}, which no checkpoint's metadata or "
+            f"save record accounts for. A save replaces only a checkpoint (or what an "
+            f"unfinished save left), never anything else, even with overwrite=True: choose "
+            f"another path, or, if this is a damaged, older or foreign checkpoint or files you "
+            f"no longer need, remove it yourself."
         )
 
     def _unfinished(self, replace_unfinished: bool, timeout_secs: float) -> str:
@@ -289,6 +331,30 @@ class Occupant:
             f"or wait: an unfinished save is cleaned by the next save once its process is gone "
             f"or after AsyncOptions.timeout_secs ({timeout_secs:g} s)."
         )
+
+
+def _own_names(path: epath.Path) -> frozenset[str] | None:
+    """The top-level names a checkpoint's own records give it: its checkpointables (in
+    ``_CHECKPOINT_METADATA``), else what its ``_CHECKSUMS`` covers (one that lost its
+    metadata); empty where neither can be read. ``None``: a pytree saved directly at the
+    top (Orbax V0's ``StandardCheckpointer``: ``item_handlers`` one typestr), which the
+    pytree plugin recognizes; all it holds is its own."""
+    with contextlib.suppress(errors.CheckpointError, OSError, ValueError):
+        item_handlers = read_checkpoint_metadata(path).get("item_handlers")
+        if isinstance(item_handlers, Mapping):
+            return frozenset(map(str, item_handlers))
+        if isinstance(item_handlers, str) and _recognized(path):
+            return None
+    return metadata_checksums.covered_top_level_names(path)
+
+
+def _recognized(path: epath.Path) -> bool:
+    """Whether a registered handler recognizes ``path`` as its own (``cp.protocols.
+    Recognizing``: core knows nothing of a handler's files)."""
+    return any(
+        issubclass(r.handler_cls, protocols.Recognizing) and r.handler_cls.recognizes(path)
+        for r in handlers.registered_handlers()
+    )
 
 
 def _checkpoints_among(path: epath.Path, names: Iterable[str]) -> list[str]:

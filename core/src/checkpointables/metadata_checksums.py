@@ -54,6 +54,7 @@ __all__ = [
     "is_protected",
     "RECORDED_MARK",
     "check_recorded",
+    "covered_top_level_names",
     "verify",
 ]
 
@@ -260,6 +261,21 @@ def _look_for_table(directory: str) -> _Table | None:
             _tables.clear()
         _tables[path] = (identity, table)
     return table
+
+
+def covered_top_level_names(checkpoint: epath.PathLike) -> frozenset[str]:
+    """The names directly in ``checkpoint`` that its ``_CHECKSUMS`` covers files of (its own
+    files and checkpointable directories); empty without a sound table.
+
+    Example::
+
+        covered_top_level_names("ck")  # frozenset({"_CHECKPOINT_METADATA", "pytree", ...})
+    """
+    with contextlib.suppress(errors.CheckpointError, OSError):
+        table = _table_in(os.fspath(checkpoint))
+        if table is not None:
+            return frozenset(name.split("/")[0] for name in table.files)
+    return frozenset()
 
 
 def _covering_table(path: str) -> tuple[_Table, str] | None:

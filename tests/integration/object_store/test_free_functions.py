@@ -105,7 +105,7 @@ def test_a_save_that_may_still_run_is_not_replaced_without_overwrite(s3, bucket)
     # Objects no save of ours wrote are never taken for a leftover.
     foreign = f"{bucket}/foreign"
     plant_unfinished(s3, foreign, pid=None)
-    with pytest.raises(FileExistsError, match="not written by this library"):
+    with pytest.raises(FileExistsError, match="orbax.checkpoint, pytree, which no checkpoint"):
         cp.save_pytree(foreign, {"a": np.arange(3)})
 
 

@@ -4,6 +4,8 @@ overwrite says the checkpoint is being replaced, and never contradicts its own l
 
 from __future__ import annotations
 
+import json
+
 import checkpointables as cp
 import numpy as np
 import pytest
@@ -11,7 +13,12 @@ from checkpointables import _commit, _leftovers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ...core.test_overwrite_safety import CHECKPOINT_FILES, TREE, check_overwrite
+from ...core.test_overwrite_safety import (
+    CHECKPOINT_FILES,
+    TREE,
+    WRITTEN_BY_A_SAVE,
+    check_overwrite,
+)
 
 
 def _objects(prefix: str) -> dict[str, bytes]:
@@ -36,7 +43,9 @@ def test_objects_no_save_wrote_are_never_replaced(bucket) -> None:
     mine = f"{bucket}/mydata"
     cp.storage.write_bytes(f"{mine}/experiments/results.csv", b"1,2\n")
     cp.storage.write_bytes(f"{mine}/a.csv", b"x")
-    with pytest.raises(cp.errors.CheckpointExistsError, match="not a checkpoint: a.csv, exp"):
+    with pytest.raises(
+        cp.errors.CheckpointExistsError, match="holds a.csv, exp.*, which no checkpoint"
+    ):
         cp.save_pytree(mine, TREE, overwrite=True)
     assert _objects(mine) == {"a.csv": b"x", "experiments/results.csv": b"1,2\n"}
 
@@ -49,8 +58,10 @@ def test_what_a_save_may_replace(bucket) -> None:
     live = _leftovers.SaveRecord.new()  # A save of this (live) process that did not finish.
     cp.storage.write_bytes(f"{unfinished}/.checkpointables-save", live.to_json().encode())
     cp.storage.write_bytes(f"{unfinished}/pytree/x", b"x")
-    # Orbax's save in place (commit-file mode) before its commit_success.txt.
-    cp.storage.write_bytes(f"{orbax}/_CHECKPOINT_METADATA", b"{}")
+    # Orbax's save in place (commit-file mode) between its metadata and commit_success.txt.
+    handler = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+    metadata = json.dumps({"item_handlers": {"state": handler}})
+    cp.storage.write_bytes(f"{orbax}/_CHECKPOINT_METADATA", metadata.encode())
     cp.storage.write_bytes(f"{orbax}/state/x", b"x")
     for path in (finished, lost, unfinished, orbax):
         with pytest.raises(cp.errors.CheckpointExistsError, match=f"{path} .*overwrite=True"):
@@ -73,7 +84,9 @@ def test_overwrite_removes_only_checkpoints(bucket, entries) -> None:
     path = f"{bucket}/p{abs(hash(tuple(entries.items())))}"
     for name, is_dir in entries.items():
         cp.storage.write_bytes(f"{path}/{name}/inside" if is_dir else f"{path}/{name}", b"v")
-    ours = any(not d and n in CHECKPOINT_FILES for n, d in entries.items())
+    ours = any(not d and n in WRITTEN_BY_A_SAVE for n, d in entries.items()) and all(
+        not d and n in CHECKPOINT_FILES for n, d in entries.items()
+    )  # Random records and metadata name no directory (see the local test).
     check_overwrite(path, ours, _objects)
 
 
