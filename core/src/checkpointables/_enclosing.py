@@ -20,7 +20,7 @@ What it costs, looking at the parents of the save's path for a finished checkpoi
   a deeper nesting on an object store is not looked for. A parent found to be
   no checkpoint is not asked again by this process (a Checkpointer's steps
   share their parents: its saves after the first add no request), until a save
-  of this process to that very path starts (it may commit a checkpoint there).
+  of this process to that very path starts or commits (it may commit a checkpoint there).
   A checkpoint another process commits at a parent of this process's later
   saves is therefore not seen.
 
@@ -39,7 +39,13 @@ from etils import epath
 from checkpointables import errors, layout, multihost, storage
 from checkpointables._asyncio import concurrently
 
-__all__ = ["OBJECT_STORE_LEVELS", "enclosing_checkpoint", "refuse_inside", "check_not_inside"]
+__all__ = [
+    "OBJECT_STORE_LEVELS",
+    "enclosing_checkpoint",
+    "forget",
+    "refuse_inside",
+    "check_not_inside",
+]
 
 # How many parents of an object-store save are looked at (see the module's docstring).
 OBJECT_STORE_LEVELS = 4
@@ -83,8 +89,9 @@ def enclosing_checkpoint(path: epath.PathLike) -> str | None:
     return next((p for p, is_one in zip(asked, found, strict=True) if is_one), None)
 
 
-def _forget(path: epath.PathLike) -> None:
-    """A save to ``path`` starts: it may commit a checkpoint there, so ask again next time."""
+def forget(path: epath.PathLike) -> None:
+    """A save to ``path`` starts, or commits: a checkpoint may be there, so ask again next
+    time (a parent check that ran while it wrote found it clear)."""
     with _clear_lock:
         _clear.discard(os.fspath(path).rstrip("/"))
 
@@ -92,7 +99,7 @@ def _forget(path: epath.PathLike) -> None:
 def refuse_inside(path: epath.PathLike) -> None:
     """Raises ``cp.errors.InvalidArgumentError`` if ``path`` lies in a finished checkpoint
     (this process looks; ``check_not_inside`` for a look by the primary host alone)."""
-    _forget(path)
+    forget(path)
     problem = _problem(path)
     if problem:
         raise errors.InvalidArgumentError(problem)
@@ -106,7 +113,7 @@ def check_not_inside(path: epath.Path, *, operation: str = "") -> None:
     Args:
       operation: the save's name among the processes' collective operations.
     """
-    _forget(path)
+    forget(path)
     primary = multihost.is_primary_host()
     problem = multihost.broadcast_from_primary(
         f"{operation}/inside", _problem(path) if primary else None

@@ -284,6 +284,8 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
     files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.
     target.publish(files, _commit.marker(save.path))
+    # A check of this process that ran while the save wrote may have found its path clear.
+    _enclosing.forget(save.path)
 
 
 def _write_and_commit(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import checkpointables as cp
 import numpy as np
 import pytest
+from checkpointables import _enclosing
 
 TREE = {"w": np.arange(4.0)}
 
@@ -39,5 +40,16 @@ def test_a_parent_this_process_made_a_checkpoint_is_asked_again(bucket) -> None:
     # Removed by hand: a save never replaces a directory of checkpoints, overwrite or not.
     cp.storage.remove_tree(f"{bucket}/a/x")
     cp.save_pytree(f"{bucket}/a", TREE)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
+        cp.save_pytree(f"{bucket}/a/y", TREE)
+
+
+def test_a_parent_found_clear_while_its_own_save_wrote_is_asked_again(bucket) -> None:
+    # A check of this process that ran while the save to a/ was writing found a/ clear (and
+    # remembered it); a/'s commit forgets it, so the next save into a/ is refused.
+    big = {"w": np.random.default_rng(0).random(2 << 20)}  # 16 MiB: a save that takes a while.
+    writing = cp.save_pytree_async(f"{bucket}/a", big)
+    assert _enclosing.enclosing_checkpoint(f"{bucket}/a/z") is None  # Before a/'s commit.
+    writing.result()
     with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
         cp.save_pytree(f"{bucket}/a/y", TREE)
