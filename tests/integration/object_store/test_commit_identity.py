@@ -29,6 +29,7 @@ def _versions(path: str) -> bool:
     return isinstance(cp.storage.for_path(path), cp.storage.Versions)
 
 
+@pytest.mark.fast_path  # The total: the fast path reads the database in fewer requests.
 def test_a_small_load_checks_its_commit_in_few_requests(s3, bucket, proxy) -> None:
     path = f"{bucket}/ckpt"
     cp.save_pytree(path, {"a": np.arange(4.0)})
