@@ -3,9 +3,10 @@
 An array is a ``zarr.json`` (``zarr_json``: shape, dtype, chunk grid and
 codecs) and one key per chunk (``chunk_key``), each a sharding-codec shard:
 the chunk's bytes, their CRC-32C, then the shard index and its CRC-32C
-(``encode_shard``, ``shard_end``, ``shard_trailer``), split into inner chunks when a save asks for a chunk
-size (``inner_chunk_shape``: the one definition saves and reuse's checks share).
-``ZarrLayout`` is one array's planned layout and ``ArrayWrite`` what a save hands the writer for it. Pure
+(``encode_shard``, ``shard_end``, ``shard_trailer``), split into inner
+chunks when a save asks for a chunk size (``inner_chunk_shape``: the one
+definition saves and reuse's checks share). ``ZarrLayout`` is one array's
+planned layout and ``ArrayWrite`` what a save hands the writer for it. Pure
 encoding: no I/O, nothing of the plugin imported, so the writer, the reader
 and the OCDBT room share one definition of the bytes.
 """
