@@ -4,9 +4,11 @@ the value and what the field takes (``cp.errors.InvalidArgumentError``)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import attrs
 import checkpointables as cp
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -148,3 +150,91 @@ def test_any_bad_value_is_an_invalid_argument_naming_the_field(case) -> None:
     with pytest.raises(cp.errors.InvalidArgumentError) as info:
         cls(**{field: value})
     assert f"{cls.__name__}.{field}=" in str(info.value) and "must be" in str(info.value)
+
+
+# -- NumPy and JAX scalars ------------------------------------------------------------------
+# A JAX user's numbers are 0-d jax.Arrays (jnp.int32(5), a config read through jnp); NumPy's
+# are scalars. Every numeric field takes both, as the Python number they hold.
+
+_INT_MAKERS = [np.int8, np.uint16, np.int32, np.int64, np.array, jnp.int32, jnp.uint8, jnp.asarray]
+_REAL_MAKERS = [*_INT_MAKERS, np.float16, np.float32, np.float64, jnp.float32, jnp.bfloat16]
+
+# (class, field, good Python values, makers of scalars holding them).
+NUMERIC = [
+    (OPT.AsyncOptions, "timeout_secs", st.integers(1, 100), _REAL_MAKERS),
+    (OPT.MultiprocessingOptions, "primary_host", st.integers(0, 100), _INT_MAKERS),
+    (OPT.FileOptions, "path_permission_mode", st.integers(0, 0o177), _INT_MAKERS),
+    (OPT.MemoryOptions, "host_bytes", st.integers(OPT.MIN_HOST_BYTES, 2**31 - 1), _INT_MAKERS),
+]
+
+
+def _fits(maker, value) -> bool:
+    # An int8 cannot hold 300: such a draw says nothing about the option.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return bool(np.asarray(maker(value)).item() == value)
+    except (OverflowError, ValueError, RuntimeWarning, DeprecationWarning):
+        return False
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_numpy_and_jax_scalars_are_taken_as_python_numbers(data) -> None:
+    cls, field, values, makers = data.draw(st.sampled_from(NUMERIC))
+    value = data.draw(values)
+    maker = data.draw(st.sampled_from([m for m in makers if _fits(m, value)]))
+    options = cls(**{field: maker(value)})
+    stored = getattr(options, field)
+    assert type(stored) in (int, float) and stored == value
+    assert options == cls(**{field: value}) and hash(options) == hash(cls(**{field: value}))
+    assert "Array(" not in repr(options) and "np." not in repr(options)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_an_array_that_is_not_0d_is_refused_naming_its_shape(data) -> None:
+    cls, field, values, _ = data.draw(st.sampled_from(NUMERIC))
+    shape = data.draw(st.sampled_from([(1,), (3,), (1, 1), (2, 0)]))
+    make = data.draw(st.sampled_from([np.full, jnp.full]))
+    array = make(shape, data.draw(values.filter(lambda v: v < 2**31)))
+    with pytest.raises(cp.errors.InvalidArgumentTypeError) as info:
+        cls(**{field: array})
+    message = str(info.value)
+    assert message.startswith(f"{cls.__name__}.{field}=") and f"has shape {shape}" in message
+
+
+def test_a_jax_scalar_is_checked_as_the_number_it_holds() -> None:
+    assert OPT.AsyncOptions(timeout_secs=jnp.float32(2.5)).timeout_secs == 2.5
+    assert OPT.PyTreeOptions(partial_load=jnp.bool_(True)).partial_load is True
+    multi = OPT.MultiprocessingOptions(active_processes=jnp.arange(3), primary_host=jnp.int32(2))
+    assert multi.active_processes == frozenset({0, 1, 2}) and multi.primary_host == 2
+    refused = [
+        (OPT.AsyncOptions, "timeout_secs", jnp.float32(-1), "seconds > 0"),
+        (OPT.AsyncOptions, "timeout_secs", jnp.float32(math.inf), "finite"),
+        (OPT.AsyncOptions, "timeout_secs", jnp.bool_(True), "seconds > 0"),  # Not a number.
+        (OPT.AsyncOptions, "timeout_secs", np.complex64(1), "seconds > 0"),
+        (OPT.MemoryOptions, "host_bytes", jnp.int32(1 << 20), str(OPT.MIN_HOST_BYTES)),
+        (OPT.PyTreeOptions, "partial_load", jnp.int32(1), "True or False"),
+        (OPT.MultiprocessingOptions, "active_processes", jnp.int32(3), "process indices"),
+        (OPT.MultiprocessingOptions, "active_processes", jnp.array([0, -1]), "process indices"),
+    ]
+    for cls, field, value, allowed in refused:
+        with pytest.raises(cp.errors.InvalidArgumentError) as info:
+            cls(**{field: value})
+        # The value is named as given, not as the number it was checked as.
+        assert str(info.value).startswith(f"{cls.__name__}.{field}={value!r} ")
+        assert allowed in str(info.value)
+
+
+def test_a_plugins_numeric_field_takes_jax_scalars_through_the_public_validators() -> None:
+    @attrs.frozen
+    class LevelOptions:
+        level: int = attrs.field(
+            default=3,
+            validator=OPT.option_validator("an int", kind=int, test=lambda v: 1 <= v <= 9),
+        )
+
+    assert type(LevelOptions(level=jnp.int32(4)).level) is int
+    assert OPT.python_scalar(jnp.float32(0.5)) == 0.5
+    assert OPT.python_scalar("5") == "5" and OPT.python_scalar(np.ones(2)).shape == (2,)

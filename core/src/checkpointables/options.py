@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -42,6 +42,7 @@ __all__ = [
     "positive_seconds",
     "boolean",
     "text_or_none",
+    "python_scalar",
 ]
 
 # -- Validation -----------------------------------------------------------------------------
@@ -56,6 +57,38 @@ OptionValidator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 class InvalidOptionTypeError(errors.InvalidArgumentError, errors.InvalidArgumentTypeError):
     """An option of the wrong type: both a ``cp.errors.InvalidArgumentError`` (what every bad
     option raises) and a ``TypeError`` (``InvalidArgumentTypeError``), as Python's own."""
+
+
+def python_scalar(value: Any) -> Any:
+    """``value`` as the Python ``bool``, ``int`` or ``float`` it holds, when it is a NumPy
+    scalar or a 0-d NumPy or JAX array of such a dtype; anything else as given.
+
+    A JAX user's ``jnp.int32(5)`` is a 0-d ``jax.Array``, not a ``numbers.Integral``: an
+    option takes it as the ``5`` it holds, as it takes ``np.int32(5)``. Arrays of other
+    shapes, and 0-d arrays of other dtypes (complex, dates), are left for the check to refuse.
+
+    Example::
+
+        cp.options.python_scalar(jnp.float32(0.5))  # 0.5, a float
+    """
+    if type(value) in (bool, int, float) or getattr(value, "shape", None) != ():
+        return value
+    item = getattr(value, "item", None)
+    if not callable(item):
+        return value
+    try:
+        held = item()  # A traced value inside jit has none: left for the check to name.
+    except Exception:
+        return value
+    return held if type(held) in (bool, int, float) else value
+
+
+def _shape_hint(value: Any) -> str:
+    # An array where a number goes: say why, as its repr alone looks like a number.
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple) and shape:
+        return f"; an array is taken only when 0-d (one number), and this one has shape {shape}"
+    return ""
 
 
 def invalid_option(
@@ -94,6 +127,9 @@ def option_validator(
     ``allowed`` says what the field takes, in the error's words ("an int >= 1
     or None"). ``optional`` also accepts ``None``. A ``bool`` is refused unless
     ``kind`` names ``bool``: to Python ``True`` is an int, never to an option.
+    When ``kind`` is numeric (``int``, ``numbers.Real``, ``bool``...), NumPy
+    scalars and 0-d NumPy or JAX arrays are checked and stored as the Python
+    number they hold (``python_scalar``); an array of another shape is refused.
     Anything else raises ``invalid_option``, naming the class being built (and
     the value, unless the field has ``repr=False``).
 
@@ -106,17 +142,24 @@ def option_validator(
                     "an int from 1 to 9", kind=int, test=lambda v: 1 <= v <= 9))
     """
     kinds = kind if isinstance(kind, tuple) else (kind,)
+    numeric = any(issubclass(k, numbers.Number | np.bool_) for k in kinds)
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
             return
+        given = value
+        if numeric and (value := python_scalar(given)) is not given:
+            # NumPy and JAX scalars are stored as the Python number they hold: options then
+            # hash, compare and print as numbers, and a device value is read once, here.
+            # attrs has set the field already; a frozen class is set the way attrs does.
+            object.__setattr__(instance, attribute.name, value)
         wrong_type = not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
         if wrong_type or (test is not None and not test(value)):
             raise invalid_option(
                 type(instance).__name__,
                 attribute.name,
-                value,
-                allowed,
+                given,
+                allowed + (_shape_hint(given) if numeric else ""),
                 wrong_type=wrong_type,
                 show_value=attribute.repr is not False,
             )
@@ -159,19 +202,20 @@ def _process_indices(value: Any) -> frozenset[int] | None:
     """``active_processes`` as a frozenset, checked here to name the value as given."""
     if value is None:
         return None
-    if isinstance(value, Iterable) and not isinstance(value, str | bytes):
-        indices = list(value)
-        if all(
-            isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0
-            for i in indices
-        ):
-            return frozenset(int(i) for i in indices)
+    try:  # A 0-d array says it is Iterable, then refuses to be iterated.
+        indices = None if isinstance(value, str | bytes) else [python_scalar(i) for i in value]
+    except TypeError:
+        indices = None
+    if indices is not None and all(
+        isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 0 for i in indices
+    ):
+        return frozenset(int(i) for i in indices)
     raise invalid_option(
         "MultiprocessingOptions",
         "active_processes",
         value,
         "a collection of process indices (ints >= 0) or None",
-        wrong_type=not isinstance(value, Iterable) or isinstance(value, str | bytes),
+        wrong_type=indices is None,
     )
 
 

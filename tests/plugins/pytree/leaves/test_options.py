@@ -112,3 +112,35 @@ def test_any_bad_storage_value_is_an_invalid_argument(case) -> None:
     field, value = case
     with pytest.raises(cp.errors.InvalidArgumentError, match=f"ArrayStorageOptions.{field}="):
         OPT.ArrayStorageOptions(**{field: value})
+
+
+# The plugin's numeric fields, with makers of NumPy and JAX scalars of each kind they take.
+_INTS = [np.int16, np.int64, np.array, jnp.int32, jnp.uint16, jnp.asarray]
+NUMERIC = [
+    (OPT.ArrayStorageOptions, "chunk_byte_size", st.integers(1, 30000), _INTS),
+    (OPT.StorageOptions, "request_concurrency", st.integers(1, 1000), _INTS),
+    (OPT.StorageOptions, "request_retries", st.integers(1, 1000), _INTS),
+    (OPT.StorageOptions, "request_timeout_secs", st.integers(1, 1000), [*_INTS, jnp.float32]),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_numpy_and_jax_scalars_are_taken_as_python_numbers(data) -> None:
+    cls, field, values, makers = data.draw(st.sampled_from(NUMERIC))
+    value, make = data.draw(values), data.draw(st.sampled_from(makers))
+    options = cls(**{field: make(value)})
+    assert type(getattr(options, field)) in (int, float) and getattr(options, field) == value
+    assert options == cls(**{field: value}) and "Array(" not in repr(options)
+    with pytest.raises(cp.errors.InvalidArgumentTypeError, match=r"has shape \(2,\)"):
+        cls(**{field: jnp.asarray([value, value])})
+
+
+def test_shard_axes_may_be_jax_scalars_or_a_jax_array() -> None:
+    storage = OPT.ArrayStorageOptions(chunk_byte_size=jnp.int32(64), shard_axes=jnp.array([0, -1]))
+    assert storage == OPT.ArrayStorageOptions(chunk_byte_size=64, shard_axes=(0, -1))
+    assert [type(a) for a in storage.shard_axes] == [int, int]
+    assert OPT.ArrayStorageOptions(shard_axes=[np.int8(1), jnp.int32(2)]).shard_axes == (1, 2)
+    for bad in (jnp.int32(1), [jnp.float32(0.5)], [jnp.ones(2, int)]):
+        with pytest.raises(cp.errors.InvalidArgumentError, match="a tuple of array axes"):
+            OPT.ArrayStorageOptions(shard_axes=bad)

@@ -44,9 +44,13 @@ def _storable_dtype(value: Any) -> bool:
 
 
 def _axes_tuple(value: Any) -> Any:
-    # Anything that is not a collection of axes is left to the validator to name.
+    # Anything that is not a collection of axes is left to the validator to name. Axes that
+    # are NumPy or JAX scalars (jnp.int32(-1)) are kept as the ints they hold.
     if isinstance(value, Iterable) and not isinstance(value, str | bytes):
-        return tuple(value)
+        try:
+            return tuple(cp.options.python_scalar(a) for a in value)
+        except TypeError:  # A 0-d array is Iterable by its type, not by its shape.
+            return value
     return value
 
 
