@@ -88,3 +88,17 @@ def test_save_stores_numpy_scalars_of_custom_metadata_and_names_a_bad_key(tmp_pa
     with pytest.raises(cp.errors.InvalidArgumentError, match=r"custom_metadata\['cfg'\]\['w'\]"):
         cp.save_pytree(tmp_path / "b", state, custom_metadata={"cfg": {"w": np.ones(2)}})
     assert not (tmp_path / "b").exists()
+
+
+def test_string_keys_refuses_keys_json_would_give_back_as_strings():
+    # custom_metadata keeps taking them (json.dumps writes 1 as "1"); metrics ask for strings.
+    assert cp.safe_json.to_json_value({1: 2.0, None: 3}, what="custom_metadata") == {
+        1: 2.0,
+        None: 3,
+    }
+    for key in (1, 2.5, None):
+        with pytest.raises(cp.errors.InvalidArgumentError, match=r"its keys must be strings") as e:
+            cp.safe_json.to_json_value({"a": {key: 1}}, what="metrics", string_keys=True)
+        assert f"metrics['a'] has the key {key!r}" in str(e.value)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"\['a'\] is an ArrayImpl of shape"):
+        cp.safe_json.to_json_value({"a": jnp.ones(2)}, what="x")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from checkpointables import errors
 
@@ -80,7 +80,9 @@ def dumps_checked(value: Any, *, what: str) -> str:
     return json.dumps(to_json_value(value, what=what))
 
 
-def to_json_value(value: Any, *, what: str, one_element_arrays: bool = False) -> Any:
+def to_json_value(
+    value: Any, *, what: str, one_element_arrays: bool = False, string_keys: bool = False
+) -> Any:
     """A copy of ``value`` that ``json.dumps`` writes, NumPy and JAX scalars made Python's.
 
     Dicts (any mapping), lists and tuples are copied; ``None``, bools, ints,
@@ -88,7 +90,9 @@ def to_json_value(value: Any, *, what: str, one_element_arrays: bool = False) ->
     them); NumPy scalars (``np.float32(0.1)``) and 0-d NumPy or JAX arrays (a
     ``jnp`` loss) become the Python number they hold, as ``.item()`` gives it
     (converting a device value waits for its computation).
-    ``one_element_arrays``: arrays of shape ``(1,)`` too.
+    ``one_element_arrays``: arrays of shape ``(1,)`` too. ``string_keys``:
+    refuse keys that are not strings (``None``, numbers), which JSON would
+    give back as strings (``{1: x}`` loads as ``{"1": x}``).
 
     Example::
 
@@ -100,7 +104,7 @@ def to_json_value(value: Any, *, what: str, one_element_arrays: bool = False) ->
         (``custom_metadata['cfg']['lr']``) and what to do; or nesting too deep.
     """
     try:
-        return _converted(value, what, one_element_arrays)
+        return _converted(value, what, _Choices(one_element_arrays, string_keys))
     except RecursionError:
         raise errors.InvalidArgumentError(
             f"{what} is nested too deeply (or refers to itself) to be stored as JSON; flatten it."
@@ -115,7 +119,27 @@ def _not_json(where: str, problem: str) -> errors.InvalidArgumentError:
     )
 
 
-def _converted(value: Any, where: str, one_element_arrays: bool) -> Any:
+def _key_checked(key: Any, where: str, string_keys: bool) -> Any:
+    if isinstance(key, str):
+        return key
+    if string_keys and (key is None or isinstance(key, int | float)):
+        raise errors.InvalidArgumentError(
+            f"{where} has the key {key!r} ({type(key).__name__}); its keys must be strings, "
+            f"as JSON gives every key back as one. Name it with a string, e.g. {str(key)!r}."
+        )
+    if not (key is None or isinstance(key, int | float)):
+        raise _not_json(where, f"has the key {key!r} ({type(key).__name__})")
+    return key
+
+
+class _Choices(NamedTuple):
+    """What ``to_json_value`` was asked to take, passed down its recursion as one."""
+
+    one_element_arrays: bool
+    string_keys: bool
+
+
+def _converted(value: Any, where: str, choices: _Choices) -> Any:
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
@@ -123,15 +147,14 @@ def _converted(value: Any, where: str, one_element_arrays: bool) -> Any:
     if isinstance(value, Mapping):
         result = {}
         for key, inner in value.items():
-            if not (key is None or isinstance(key, str | int | float)):
-                raise _not_json(where, f"has the key {key!r} ({type(key).__name__})")
-            result[key] = _converted(inner, f"{where}[{key!r}]", one_element_arrays)
+            key = _key_checked(key, where, choices.string_keys)
+            result[key] = _converted(inner, f"{where}[{key!r}]", choices)
         return result
     if isinstance(value, list | tuple):
-        return [_converted(v, f"{where}[{i}]", one_element_arrays) for i, v in enumerate(value)]
+        return [_converted(v, f"{where}[{i}]", choices) for i, v in enumerate(value)]
     shape = getattr(value, "shape", None)
     item = getattr(value, "item", None)
-    scalar_shapes = ((), (1,)) if one_element_arrays else ((),)
+    scalar_shapes = ((), (1,)) if choices.one_element_arrays else ((),)
     if callable(item) and isinstance(shape, tuple) and shape in scalar_shapes:
         held = item()
         if held is None or isinstance(held, bool | int | float | str):
@@ -139,4 +162,4 @@ def _converted(value: Any, where: str, one_element_arrays: bool) -> Any:
     kind = type(value).__name__
     if isinstance(shape, tuple) and shape:
         kind = f"{kind} of shape {shape}"
-    raise _not_json(where, f"is {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+    raise _not_json(where, f"is {'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}")

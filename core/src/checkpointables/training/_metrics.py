@@ -2,7 +2,8 @@
 
 Training code passes whatever it has: Python numbers, NumPy scalars, 0-d
 ``jax.Array`` losses. They are converted to Python numbers only when a save
-really happens (converting a device value waits for the computation).
+really happens (converting a device value waits for the computation), by
+``cp.safe_json.to_json_value``, as custom metadata is.
 """
 
 from __future__ import annotations
@@ -10,50 +11,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from checkpointables import errors
+from checkpointables import errors, safe_json
 
 __all__ = ["to_json"]
-
-
-def _scalar(value: Any, where: str) -> Any:
-    # NaN and infinities are kept (Python's json writes them): a diverged loss
-    # is worth recording, and they load back as floats.
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return float(value)  # np.float64 is a float subclass: store a plain float.
-    shape = getattr(value, "shape", None)
-    item = getattr(value, "item", None)
-    if callable(item) and shape is not None and tuple(shape) in ((), (1,)):
-        return _scalar(item(), where)
-    raise errors.InvalidArgumentError(
-        f"metrics{where} is a {type(value).__name__}; metrics must be numbers, strings, "
-        f"booleans, None, or dicts/lists of them (scalar NumPy/JAX arrays are converted). "
-        f"Reduce arrays to a number first, e.g. float(loss.mean())."
-    )
-
-
-def _convert(value: Any, where: str) -> Any:
-    if isinstance(value, Mapping):
-        result = {}
-        for key, inner in value.items():
-            if not isinstance(key, str):
-                raise errors.InvalidArgumentError(
-                    f"metrics{where} has the key {key!r}; metric names must be strings."
-                )
-            result[key] = _convert(inner, f"{where}[{key!r}]")
-        return result
-    if isinstance(value, list | tuple):
-        return [_convert(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    return _scalar(value, where)
 
 
 def to_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     """A JSON-ready copy of ``metrics`` (``{}`` for ``None``).
 
+    NaN and infinities are kept (a diverged loss is worth recording); arrays
+    of one element are taken as the number they hold (a ``(1,)`` loss); keys
+    must be strings, so that the metrics read back are those given.
+
     Raises:
-      ValueError: metrics is not a dict, or holds a value JSON cannot store;
-        the message names its key path.
+      cp.errors.InvalidArgumentError: metrics is not a dict, or holds a value
+        or key JSON cannot store; the message names its key path
+        (``metrics['eval']['acc']``).
     """
     if metrics is None:
         return {}
@@ -62,4 +35,6 @@ def to_json(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
             f"metrics must be a dict of name to number, got {type(metrics).__name__}; "
             f'e.g. metrics={{"loss": loss}}.'
         )
-    return _convert(metrics, "")
+    return safe_json.to_json_value(
+        metrics, what="metrics", one_element_arrays=True, string_keys=True
+    )
