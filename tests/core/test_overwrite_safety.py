@@ -207,3 +207,60 @@ def test_overwrite_removes_only_checkpoints_and_leftovers(tmp_path_factory, entr
     )
     check_overwrite(path, ours, _tree)
     assert sorted(os.listdir(path.parent)) == ["target"]  # No temporary directory is left.
+
+
+def _nothing(path: pathlib.Path) -> None:
+    """Nothing there as the save starts."""
+
+
+def _checkpoint(path: pathlib.Path) -> None:
+    cp.save_pytree(path, TREE)
+
+
+@pytest.mark.parametrize(
+    "start, meanwhile, appeared",
+    [
+        # A checkpoint, which the save may replace; a user's notes are put into it.
+        (_checkpoint, lambda p: (p / "notes.txt").write_text("mine"), "notes"),
+        # Nothing; a user's folder of results is made there.
+        (_nothing, lambda p: [p.mkdir(), (p / "r.csv").write_text("1")], "r.csv"),
+        # Nothing; a user's file is put there.
+        (_nothing, lambda p: p.write_text("mine"), "a file"),
+    ],
+    ids=["into a checkpoint", "a folder", "a file"],
+)
+def test_what_appears_while_an_overwrite_writes_is_never_replaced(
+    tmp_path, misbehaving_handlers, start, meanwhile, appeared
+) -> None:
+    from .helpers import Gate
+
+    path = tmp_path / "ck"
+    start(path)
+    gate = Gate()
+    saving = cp.save_checkpointables_async(path, {"gate": gate}, overwrite=True)
+    assert gate.started.wait(30)  # Checked, and writing: the commit's swap is still to come.
+    meanwhile(path)
+    before = _tree(path) if path.is_dir() else path.read_text()
+    gate.release.set()
+    with pytest.raises(cp.errors.CheckpointExistsError) as refused:
+        saving.result(30)
+    message = str(refused.value)
+    assert f"{path} changed while this save was writing ({appeared}" in message, message
+    assert "was not committed" in message and "left as it is" in message, message
+    assert (_tree(path) if path.is_dir() else path.read_text()) == before
+    assert os.listdir(tmp_path) == ["ck"]  # The save's temporary directory was removed.
+
+
+def test_an_overwrite_whose_path_did_not_change_replaces_it(tmp_path, misbehaving_handlers) -> None:
+    from .helpers import Gate
+
+    path = tmp_path / "ck"
+    cp.save_pytree(path, TREE)
+    gate = Gate()
+    saving = cp.save_checkpointables_async(path, {"gate": gate}, overwrite=True)
+    assert gate.started.wait(30)
+    (tmp_path / "beside.txt").write_text("x")  # Beside the path, not in it: no matter.
+    gate.release.set()
+    saving.result(30)
+    assert (path / "gate" / "gate.txt").read_text() == "ok"  # The new checkpoint.
+    assert not (path / "pytree").exists() and cp.is_checkpoint(path)

@@ -4,11 +4,12 @@ anything is written; a training root holding steps is not a checkpoint, so steps
 from __future__ import annotations
 
 import os
+import shutil
 
 import checkpointables as cp
 import numpy as np
 import pytest
-from checkpointables import _enclosing
+from checkpointables import _enclosing, multihost
 
 TREE = {"w": np.arange(4.0)}
 
@@ -85,3 +86,39 @@ def test_object_store_looks_at_a_bounded_number_of_parents() -> None:
     parents = _enclosing._parents(deep)
     assert len(parents) == levels and parents[0] == "s3://bucket/d0/d1/d2/d3/d4/d5/d6/d7/d8"
     assert _enclosing._parents("gs://bucket/a/b/") == ["gs://bucket/a", "gs://bucket"]
+
+
+def test_a_parent_that_becomes_a_checkpoint_while_a_save_writes_stops_its_commit(
+    tmp_path, misbehaving_handlers
+) -> None:
+    from .helpers import Gate
+
+    other = tmp_path / "other"  # What another process commits at a/, while a/x is written.
+    cp.save_pytree(other, TREE)
+    gate = Gate()
+    saving = cp.save_checkpointables_async(tmp_path / "a" / "x", {"gate": gate})
+    assert gate.started.wait(30)  # The start's look found a/ to be no checkpoint.
+    shutil.copytree(other, tmp_path / "a", dirs_exist_ok=True)
+    before = sorted(os.listdir(tmp_path / "a"))
+    gate.release.set()
+    with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
+        saving.result(30)
+    assert f"finished checkpoint {tmp_path / 'a'} (" in str(refused.value)
+    after = sorted(os.listdir(tmp_path / "a"))
+    assert after == [n for n in before if ".checkpointables-tmp-" not in n]  # Temp dir gone.
+    assert "x" not in after
+    cp.load_pytree(tmp_path / "a")
+
+
+def test_a_save_broadcasts_its_checks_once(tmp_path, monkeypatch) -> None:
+    told: list[str] = []
+    real = multihost.broadcast_from_primary
+
+    def counted(name, value, **kwargs):
+        told.append(name)
+        return real(name, value, **kwargs)
+
+    monkeypatch.setattr(multihost, "broadcast_from_primary", counted)
+    cp.save_pytree(tmp_path / "ck", TREE)
+    # The look for an enclosing checkpoint shares the existence check's broadcast.
+    assert [name.rsplit("/", 1)[1] for name in told] == ["check", "tmp"]

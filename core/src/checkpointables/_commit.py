@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
+import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 from etils import epath
 
 from checkpointables import (
+    _enclosing,
     _leftovers,
     errors,
     handlers,
@@ -65,6 +68,7 @@ __all__ = [
     "marker",
     "resolve_final",
     "check_can_save",
+    "clear_to_save",
     "Occupant",
     "write_root_for",
     "target_for",
@@ -119,10 +123,33 @@ def check_can_save(
     timeout_secs: float,
     operation: str = "",
 ) -> bool:
-    """Raises ``CheckpointExistsError`` (on every process) if a save to ``path`` must not start.
+    """``clear_to_save`` (without the look for an enclosing checkpoint); returns whether the
+    save replaces a committed checkpoint (the primary host's answer; the others get
+    ``False``)."""
+    found = clear_to_save(
+        path,
+        overwrite=overwrite,
+        replace_unfinished=replace_unfinished,
+        timeout_secs=timeout_secs,
+        operation=operation,
+    )
+    return found is not None and found.committed
 
-    The primary host looks (one listing of ``path``), and tells the others: once it has
-    claimed an object-store prefix, the others would take its claim for another save.
+
+def clear_to_save(
+    path: epath.Path,
+    *,
+    overwrite: bool,
+    replace_unfinished: bool,
+    timeout_secs: float,
+    operation: str = "",
+    not_inside: bool = False,
+) -> Occupant | None:
+    """Raises (on every process) if a save to ``path`` must not start.
+
+    The primary host looks (one listing of ``path``), and tells the others in one broadcast:
+    once it has claimed an object-store prefix, the others would take its claim for another
+    save.
 
     Args:
       overwrite: replace what a save may replace (``Occupant.replaceable``): a checkpoint,
@@ -132,22 +159,34 @@ def check_can_save(
         still be running (the Checkpointer, sole writer of its root).
       timeout_secs: an unfinished save older than this is abandoned.
       operation: the save's name among the processes' collective operations.
+      not_inside: look first for a finished checkpoint that ``path`` lies in
+        (``_enclosing``), told in the same broadcast.
 
     Returns:
-      Whether the save replaces a committed checkpoint (the primary host's answer; the
-      others get ``False``): its record says so to loads that meet the save.
+      What the primary host found at ``path`` (the others get ``None``): the save's
+      commit checks that it did not change meanwhile (``SaveTarget``).
+
+    Raises:
+      cp.errors.InvalidArgumentError: ``path`` lies in a finished checkpoint.
+      cp.errors.CheckpointExistsError: what is at ``path`` must not be replaced.
     """
-    problem, replaces = "", False
+    _enclosing.forget(path)  # A save to it starts: it may commit a checkpoint there.
+    found, answer = None, {"inside": "", "exists": ""}
     if multihost.is_primary_host():
-        found = Occupant.at(path)
-        replaces = found.committed
-        problem = found.refusal(overwrite, replace_unfinished, timeout_secs)
-    problem = multihost.broadcast_from_primary(
-        f"{operation}/check", problem if multihost.is_primary_host() else None
+        answer["inside"] = _enclosing.problem(path) if not_inside else ""
+        if not answer["inside"]:
+            found = Occupant.at(path)
+            answer["exists"] = found.refusal(overwrite, replace_unfinished, timeout_secs)
+    told = json.loads(
+        multihost.broadcast_from_primary(
+            f"{operation}/check", json.dumps(answer) if multihost.is_primary_host() else None
+        )
     )
-    if problem:
-        raise errors.CheckpointExistsError(problem)
-    return replaces
+    if told["inside"]:
+        raise errors.InvalidArgumentError(told["inside"])
+    if told["exists"]:
+        raise errors.CheckpointExistsError(told["exists"])
+    return found
 
 
 # Top-level files that only a checkpoint holds (ours or Orbax's; finished, damaged, or being
@@ -373,13 +412,22 @@ def write_root_for(path: epath.Path) -> epath.Path:
 
 
 def target_for(
-    final: epath.Path, root: epath.Path, *, overwrite: bool, replacing: bool = False
+    final: epath.Path,
+    root: epath.Path,
+    *,
+    overwrite: bool,
+    found: Occupant | None = None,
+    in_own_root: bool = False,
 ) -> SaveTarget:
-    """The protocol that publishes a save written at ``root`` as ``final`` (``replacing``: a
-    committed checkpoint, as ``check_can_save`` found)."""
-    if uses_rename(final):
-        return RenameTarget(final, root, overwrite=overwrite)
-    return MarkerTarget(final, root, overwrite=overwrite, replacing=replacing)
+    """The protocol that publishes a save written at ``root`` as ``final``.
+
+    Args:
+      found: what ``clear_to_save`` found at ``final`` (the primary host's).
+      in_own_root: the save is the Checkpointer's, its root's sole writer
+        (``Occupant.replaceable``).
+    """
+    cls = RenameTarget if uses_rename(final) else MarkerTarget
+    return cls(final, root, overwrite=overwrite, found=found, in_own_root=in_own_root)
 
 
 # -- Saving -----------------------------------------------------------------------------------
@@ -391,12 +439,24 @@ class SaveTarget(abc.ABC):
     Attributes:
       final: the checkpoint's path.
       root: where the handlers write (a temporary directory, or ``final``).
+      found: what was at ``final`` as the save started (``clear_to_save``), if known.
+      in_own_root: the save is the Checkpointer's, its root's sole writer.
     """
 
-    def __init__(self, final: epath.Path, root: epath.Path, *, overwrite: bool) -> None:
+    def __init__(
+        self,
+        final: epath.Path,
+        root: epath.Path,
+        *,
+        overwrite: bool,
+        found: Occupant | None = None,
+        in_own_root: bool = False,
+    ) -> None:
         self.final = final
         self.root = root
         self.overwrite = overwrite
+        self.found = found
+        self.in_own_root = in_own_root
 
     @abc.abstractmethod
     def create(self, names: Iterable[str], mode: int | None) -> None:
@@ -407,9 +467,12 @@ class SaveTarget(abc.ABC):
         """Marks ``root`` as being written by this save (``create`` does it too)."""
 
     @abc.abstractmethod
-    def publish(self, files: Mapping[str, str], marker: str) -> None:
+    def publish(
+        self, files: Mapping[str, str], marker: str, check: _enclosing.Recheck | None = None
+    ) -> None:
         """Writes ``files`` (name -> text, a name may hold one ``/``) into ``root`` and the
-        checksums of its metadata files, then commits with ``marker`` last."""
+        checksums of its metadata files, then commits with ``marker`` last; ``check``
+        refuses the commit if a parent became a finished checkpoint meanwhile."""
 
     @abc.abstractmethod
     def discard(self) -> None:
@@ -429,9 +492,11 @@ class RenameTarget(SaveTarget):
     def claim(self) -> None:
         """Nothing to do: the temporary directory's name says whose it is."""
 
-    def publish(self, files: Mapping[str, str], marker: str) -> None:
-        """Writes the files and the checksums, flushes everything, renames (or swaps) into
-        place."""
+    def publish(
+        self, files: Mapping[str, str], marker: str, check: _enclosing.Recheck | None = None
+    ) -> None:
+        """Writes the files and the checksums, flushes everything, looks at the path again,
+        renames (or swaps) into place."""
         written = {n: t.encode() for n, t in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items()}
         for name, data in written.items():
             if "/" in name:  # In a directory of its own (the metrics item).
@@ -439,7 +504,37 @@ class RenameTarget(SaveTarget):
             storage.write_bytes(self.root / name, data)
         metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)
+        if check is not None:
+            check.conclude([ask() for ask in check.requests()])  # A stat each.
+        if self.overwrite:
+            self._refuse_what_appeared()
         layout.commit(self.root, self.final, overwrite=self.overwrite)
+
+    def _refuse_what_appeared(self) -> None:
+        """Raises ``CheckpointExistsError`` if what is at ``final`` changed since the save
+        started into something no save replaces (a user's files put there while it wrote).
+
+        The start's check (``clear_to_save``) ran a whole save earlier; the swap that follows
+        would otherwise replace, then delete, whatever came meanwhile. One listing (a few
+        syscalls); the full check (which may read the metadata) only if it changed. What
+        comes between this listing and the swap (microseconds) is not seen.
+        """
+        now = Occupant.at(self.final)
+        before = self.found
+        if before is not None and (now.exists, now.names, now.files) == (
+            before.exists,
+            before.names,
+            before.files,
+        ):
+            return
+        if now.replaceable(in_own_root=self.in_own_root):
+            return
+        raise errors.CheckpointExistsError(
+            f"{self.final} changed while this save was writing ({_appeared(before, now)} "
+            f"appeared there): {now._not_replaceable()} This save was not "
+            f"committed and its files were discarded; what is at {self.final} was left as it "
+            f"is."
+        )
 
     def discard(self) -> None:
         """Deletes the temporary directory."""
@@ -449,11 +544,11 @@ class RenameTarget(SaveTarget):
 class MarkerTarget(SaveTarget):
     """Object stores: written in place, committed by ``commit_success.txt`` written last."""
 
-    def __init__(
-        self, final: epath.Path, root: epath.Path, *, overwrite: bool, replacing: bool = False
-    ) -> None:
-        super().__init__(final, root, overwrite=overwrite)
-        self._record = _leftovers.SaveRecord.new(replacing=overwrite and replacing)
+    @functools.cached_property
+    def _record(self) -> _leftovers.SaveRecord:
+        """This save's record (made once, as the save claims the prefix)."""
+        replacing = self.overwrite and self.found is not None and self.found.committed
+        return _leftovers.SaveRecord.new(replacing=replacing)
 
     def create(self, names: Iterable[str], mode: int | None) -> None:
         """Claims the prefix with this save's record, then clears what was there.
@@ -471,14 +566,20 @@ class MarkerTarget(SaveTarget):
         """Writes this save's record into the prefix."""
         storage.write_bytes(_join(self.final, SAVE_RECORD_FILE), self._record.to_json().encode())
 
-    def publish(self, files: Mapping[str, str], marker: str) -> None:
+    def publish(
+        self, files: Mapping[str, str], marker: str, check: _enclosing.Recheck | None = None
+    ) -> None:
         """Writes the files and the checksums of the metadata, checks the prefix is still this
-        save's, writes the marker."""
+        save's (and ``check``'s parents, in the same round trip), writes the marker."""
         written = {name: text.encode() for name, text in files.items()}
         for name, data in written.items():
             storage.write_bytes(_join(self.final, name), data)
         metadata_checksums.record(self.final, known=written)
-        if read_record(self.final) != self._record:
+        asks = check.requests() if check is not None else []
+        record, *found = concurrently(_call, [lambda: read_record(self.final), *asks])
+        if check is not None:
+            check.conclude(found)
+        if record != self._record:
             raise errors.CheckpointExistsError(
                 f"Another save to {self.final} started while this one was writing, so this one "
                 f"was not committed (two saves must not write one path at once). The other "
@@ -491,6 +592,19 @@ class MarkerTarget(SaveTarget):
         """Deletes what this save wrote, unless another save has taken the prefix over."""
         if read_record(self.final) == self._record:
             _leftovers.remove_unfinished(self.final)
+
+
+def _call(ask: Callable[[], Any]) -> Any:
+    return ask()
+
+
+def _appeared(before: Occupant | None, now: Occupant) -> str:
+    """What is at a path now that was not when ``before`` was listed, in words."""
+    if now.names is None:
+        return "a file"
+    earlier = before.names if before is not None and before.names is not None else frozenset()
+    new = now.names - earlier
+    return _shown(new or now.unexplained() or now.names)
 
 
 # -- Deleting ---------------------------------------------------------------------------------

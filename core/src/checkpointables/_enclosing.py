@@ -3,26 +3,33 @@
 ``cp.save_pytree("ck/pytree/sub", x)`` after ``ck`` was committed would add a
 directory that ``ck``'s save did not write: ``ck``'s ``_CHECKSUMS`` and
 ``verify`` would then disagree with what it holds, and deleting either one
-could be taken for deleting the other. Every save (``_saving.start``: the free
-functions, their async forms, the Checkpointer) asks ``check_not_inside``
-first; ``cp.partial`` asks ``refuse_inside`` about the user's path (its staged
-saves, under that path's session, are then not looked at again).
+could be taken for deleting the other. Every save (``_saving``: the free
+functions, their async forms) asks twice: when it starts (``problem``, by the
+primary host, told to the others in the broadcast that reports the save's other
+checks, ``_commit.check_can_save``: no broadcast of its own), and again just
+before its commit (``Recheck``), which catches a checkpoint another process
+committed at a parent while the save wrote. ``cp.partial`` asks
+``refuse_inside`` about the user's path, the training Checkpointer about its
+root as it opens (their staged saves and steps are then not looked at again).
 
 What it costs, looking at the parents of the save's path for a finished checkpoint:
 
 - local disks: every parent up to ``/`` (one ``stat`` each, microseconds), after
-  resolving symbolic links, so a link into a checkpoint counts too;
+  resolving symbolic links, so a link into a checkpoint counts too; at the start
+  and at the commit;
 - object stores: the nearest ``OBJECT_STORE_LEVELS`` parents only, one request
   each (the marker's HEAD; a second, the metadata's, only for a checkpoint
-  found), issued together: one round trip per save, whatever the depth of the
-  prefix. Those levels catch the mistakes that happen (saving into a
+  found). Those levels catch the mistakes that happen (saving into a
   checkpoint, into one of its checkpointable directories, or a folder in one);
-  a deeper nesting on an object store is not looked for. A parent found to be
-  no checkpoint is not asked again by this process (a Checkpointer's steps
-  share their parents: its saves after the first add no request), until a save
-  of this process to that very path starts or commits (it may commit a checkpoint there).
-  A checkpoint another process commits at a parent of this process's later
-  saves is therefore not seen.
+  a deeper nesting on an object store is not looked for. At the commit every
+  level is asked, issued together with the read-back of the save's record that
+  the commit makes anyway: no round trip of its own. At the start, a parent
+  found to be no checkpoint by this process's last look (a commit's included)
+  is not asked again, so a save usually adds no request there: what this
+  remembers may be stale (another process may have committed a checkpoint at
+  that parent since), and the commit's look is the one that refuses such a
+  save, after it wrote (what it wrote is then removed). A save of this process
+  to a path forgets it (it may commit a checkpoint there).
 
 A training root is not a checkpoint (it has no ``_CHECKPOINT_METADATA``, no
 commit marker of its own), so the Checkpointer's steps pass; a Checkpointer
@@ -31,25 +38,28 @@ whose root lies in a finished checkpoint is refused like any save.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from collections.abc import Callable
 
 from etils import epath
 
-from checkpointables import errors, layout, multihost, storage
+from checkpointables import errors, layout, storage
 from checkpointables._asyncio import concurrently
 
 __all__ = [
     "OBJECT_STORE_LEVELS",
+    "Recheck",
     "enclosing_checkpoint",
     "forget",
+    "problem",
     "refuse_inside",
-    "check_not_inside",
 ]
 
 # How many parents of an object-store save are looked at (see the module's docstring).
 OBJECT_STORE_LEVELS = 4
-# Object-store parents found to be no checkpoint, not asked again (the module's docstring).
+# Object-store parents found to be no checkpoint, not asked again at a save's start.
 _clear: set[str] = set()
 _CLEAR_MAX = 4096  # Then forgotten all at once: a bound on memory, not on correctness.
 _clear_lock = threading.Lock()
@@ -57,7 +67,8 @@ _clear_lock = threading.Lock()
 
 def _parents(path: epath.PathLike) -> list[str]:
     """The parents of ``path``, nearest first: every one locally (links resolved), the
-    nearest ``OBJECT_STORE_LEVELS`` on an object store (down to the bucket)."""
+    nearest ``OBJECT_STORE_LEVELS`` on an object store (down to the bucket); never a
+    temporary directory (a save's own)."""
     text = os.fspath(path).rstrip("/")
     if storage.is_local(text):
         current = os.path.realpath(text)
@@ -65,74 +76,104 @@ def _parents(path: epath.PathLike) -> list[str]:
         while os.path.dirname(current) != current:
             current = os.path.dirname(current)
             parents.append(current)
-        return parents
-    scheme, _, rest = text.partition("://")
-    parts = rest.split("/")  # bucket, then the key's components
-    levels = range(len(parts) - 1, max(len(parts) - 1 - OBJECT_STORE_LEVELS, 0), -1)
-    return [f"{scheme}://{'/'.join(parts[:n])}" for n in levels]
+    else:
+        scheme, _, rest = text.partition("://")
+        parts = rest.split("/")  # bucket, then the key's components
+        levels = range(len(parts) - 1, max(len(parts) - 1 - OBJECT_STORE_LEVELS, 0), -1)
+        parents = [f"{scheme}://{'/'.join(parts[:n])}" for n in levels]
+    return [p for p in parents if not layout.is_temporary_path(p)]
+
+
+def _remember(asked: list[str], found: list[bool]) -> None:
+    """Remembers which object-store parents were found to be no checkpoint (and forgets
+    those found to be one)."""
+    with _clear_lock:
+        if len(_clear) > _CLEAR_MAX:
+            _clear.clear()
+        for parent, is_one in zip(asked, found, strict=True):
+            if is_one:
+                _clear.discard(parent)
+            else:
+                _clear.add(parent)
 
 
 def enclosing_checkpoint(path: epath.PathLike) -> str | None:
     """The finished checkpoint that ``path`` lies in (see the module's docstring for how far
-    up it looks), or ``None``. ``path`` itself does not count (a save's existence check
-    handles it)."""
-    parents = [p for p in _parents(path) if not layout.is_temporary_path(p)]
+    up it looks, and what it remembers), or ``None``. ``path`` itself does not count (a
+    save's existence check handles it)."""
+    parents = _parents(path)
     if storage.is_local(path):  # A stat each: cheaper in turn than handed to threads.
         return next((p for p in parents if layout.is_checkpoint(p)), None)
     with _clear_lock:
         asked = [p for p in parents if p not in _clear]
     found = concurrently(layout.is_checkpoint, asked)
-    with _clear_lock:
-        if len(_clear) > _CLEAR_MAX:
-            _clear.clear()
-        _clear.update(p for p, is_one in zip(asked, found, strict=True) if not is_one)
+    _remember(asked, found)
     return next((p for p, is_one in zip(asked, found, strict=True) if is_one), None)
 
 
 def forget(path: epath.PathLike) -> None:
     """A save to ``path`` starts, or commits: a checkpoint may be there, so ask again next
-    time (a parent check that ran while it wrote found it clear)."""
+    time."""
     with _clear_lock:
         _clear.discard(os.fspath(path).rstrip("/"))
 
 
 def refuse_inside(path: epath.PathLike) -> None:
     """Raises ``cp.errors.InvalidArgumentError`` if ``path`` lies in a finished checkpoint
-    (this process looks; ``check_not_inside`` for a look by the primary host alone)."""
+    (this process looks)."""
     forget(path)
-    problem = _problem(path)
-    if problem:
-        raise errors.InvalidArgumentError(problem)
+    found = problem(path)
+    if found:
+        raise errors.InvalidArgumentError(found)
 
 
-def check_not_inside(path: epath.Path, *, operation: str = "") -> None:
-    """Raises ``cp.errors.InvalidArgumentError`` (on every process) if ``path`` lies in a
-    finished checkpoint. The primary host looks and tells the others (one look, not one
-    per process).
-
-    Args:
-      operation: the save's name among the processes' collective operations.
-    """
-    forget(path)
-    primary = multihost.is_primary_host()
-    problem = multihost.broadcast_from_primary(
-        f"{operation}/inside", _problem(path) if primary else None
-    )
-    if problem:
-        raise errors.InvalidArgumentError(problem)
-
-
-def _problem(path: epath.PathLike) -> str:
+def problem(path: epath.PathLike) -> str:
     """Why a save must not write ``path`` (it is inside a finished checkpoint), or ``""``."""
     try:
         enclosing = enclosing_checkpoint(path)
     except errors.StorageError as e:  # It names a parent's marker: say which save asked.
         raise errors.StorageError(f"Saving {path}: {e}") from e
-    if enclosing is None:
-        return ""
+    return "" if enclosing is None else _refusal(path, enclosing)
+
+
+def _refusal(path: epath.PathLike, enclosing: str, after: str = "") -> str:
     return (
-        f"{path} is inside the finished checkpoint {enclosing}: saving there would add a "
-        f"directory to that checkpoint (its checksums and `checkpointables verify` would no "
+        f"{path} is inside the finished checkpoint {enclosing}{after}: saving there would add "
+        f"a directory to that checkpoint (its checksums and `checkpointables verify` would no "
         f"longer match it, and deleting one could delete the other). Save to a path outside "
         f"{enclosing}, e.g. a sibling of it."
     )
+
+
+class Recheck:
+    """The look, just before a save's commit, for a checkpoint committed at a parent of its
+    path while it wrote: every parent is asked (nothing remembered is trusted), by requests
+    the commit issues together with its own (``requests``, then ``conclude``)."""
+
+    def __init__(self, path: epath.PathLike) -> None:
+        self.path = path
+        self._parents = _parents(path)
+
+    def requests(self) -> list[Callable[[], bool]]:
+        """One per parent: whether it is a finished checkpoint."""
+        return [functools.partial(self._ask, p) for p in self._parents]
+
+    def _ask(self, parent: str) -> bool:
+        try:
+            return layout.is_checkpoint(parent)
+        except errors.StorageError as e:
+            raise errors.StorageError(f"Committing {self.path}: {e}") from e
+
+    def conclude(self, found: list[bool]) -> None:
+        """Raises ``cp.errors.InvalidArgumentError`` if the answers to ``requests`` found a
+        parent to be a finished checkpoint; remembers them (the next save's start uses them)."""
+        if not storage.is_local(self.path):
+            _remember(self._parents, found)
+        enclosing = next((p for p, is_one in zip(self._parents, found, strict=True) if is_one), "")
+        if enclosing:
+            after = (
+                " (found as this save was about to commit: committed after this save started, "
+                "or after this process last looked; so this save was not committed and what "
+                "it wrote was removed)"
+            )
+            raise errors.InvalidArgumentError(_refusal(self.path, enclosing, after))

@@ -76,7 +76,8 @@ class SaveRequest:
       staging: where the handlers report the host memory they staged (the Checkpointer's,
         for ``last_save_stats``); ``None``: a new one.
       inside_checked: the caller has checked that ``path`` is in no finished checkpoint
-        (``cp.partial``, for the user's path its staged saves lie under).
+        (``cp.partial``, for the user's path its staged saves lie under; the Checkpointer,
+        for its root): neither the save's start nor its commit looks at its parents.
     """
 
     path: epath.PathLike
@@ -105,6 +106,7 @@ class _Checked:
     context: Context
     primary: bool
     operation: str  # The save's name among the processes' collective operations.
+    inside_checked: bool  # SaveRequest's: its commit does not look at the parents again.
     reuse: reuse_lib.SaveReuse | None = None
     staging: staging_lib.SaveStaging = attrs.field(factory=staging_lib.SaveStaging)
     init_ns: int = attrs.field(factory=time.time_ns)
@@ -181,6 +183,7 @@ def _validate(request: SaveRequest) -> _Checked:
         operation=f"save/{multihost.next_operation_id()}"
         if multihost.is_coordinated(context)
         else "",
+        inside_checked=request.inside_checked,
         reuse=reuse,
         staging=request.staging or staging_lib.SaveStaging(),
     )
@@ -192,14 +195,13 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
     timeout = save.context.async_options.timeout_secs
     _inflight.wait_for(save.path, timeout)
     with save.context:  # The storage of an object store is configured by the context.
-        if not request.inside_checked:
-            _enclosing.check_not_inside(save.path, operation=save.operation)
-        replacing = _commit.check_can_save(
+        found = _commit.clear_to_save(
             save.path,
             overwrite=request.overwrite,
             replace_unfinished=request.replace_unfinished,
             timeout_secs=timeout,
             operation=save.operation,
+            not_inside=not request.inside_checked,
         )
         root = multihost.broadcast_from_primary(
             f"{save.operation}/tmp",
@@ -207,7 +209,11 @@ def _stage(save: _Checked, request: SaveRequest) -> _commit.SaveTarget:
             context=save.context,
         )
         return _commit.target_for(
-            save.path, epath.Path(root), overwrite=request.overwrite, replacing=replacing
+            save.path,
+            epath.Path(root),
+            overwrite=request.overwrite,
+            found=found,
+            in_own_root=request.replace_unfinished,
         )
 
 
@@ -283,7 +289,9 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
     )
     files = {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: metadata}
     files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.
-    target.publish(files, _commit.marker(save.path))
+    # A parent may have become a checkpoint while the save wrote (another process's).
+    check = None if save.inside_checked else _enclosing.Recheck(save.path)
+    target.publish(files, _commit.marker(save.path), check)
     # A check of this process that ran while the save wrote may have found its path clear.
     _enclosing.forget(save.path)
 

@@ -53,3 +53,30 @@ def test_a_parent_found_clear_while_its_own_save_wrote_is_asked_again(bucket) ->
     writing.result()
     with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
         cp.save_pytree(f"{bucket}/a/y", TREE)
+
+
+def _committed_elsewhere(source: str, path: str) -> None:
+    """Copies the checkpoint ``source`` to ``path`` object by object, as another process's
+    save would commit one there: nothing this process remembers about ``path`` changes."""
+    names = sorted(cp.storage.list_files(source))
+    names.remove("commit_success.txt")
+    for name in [*names, "commit_success.txt"]:  # The marker last, as a commit writes it.
+        cp.storage.write_bytes(f"{path}/{name}", cp.storage.read_bytes(f"{source}/{name}"))
+
+
+def test_a_parent_another_process_made_a_checkpoint_stops_the_commit(bucket) -> None:
+    # The save to a/x found a/ clear (remembered); another process then commits a/. The next
+    # save into a/ starts on what this process remembers, but its commit asks again.
+    cp.save_pytree(f"{bucket}/a/x", TREE)
+    cp.storage.remove_tree(f"{bucket}/a/x")
+    cp.save_pytree(f"{bucket}/other", TREE)
+    _committed_elsewhere(f"{bucket}/other", f"{bucket}/a")
+    before = sorted(cp.storage.list_files(f"{bucket}/a"))
+    refused = f"finished checkpoint {bucket}/a .found as this save was about to commit"
+    with pytest.raises(cp.errors.InvalidArgumentError, match=refused):
+        cp.save_pytree(f"{bucket}/a/y", TREE)
+    assert sorted(cp.storage.list_files(f"{bucket}/a")) == before  # y removed.
+    # The commit's answers are remembered: the next save is refused as it starts.
+    with pytest.raises(cp.errors.InvalidArgumentError, match=f"finished checkpoint {bucket}/a:"):
+        cp.save_pytree(f"{bucket}/a/z", TREE)
+    cp.load_pytree(f"{bucket}/a")
