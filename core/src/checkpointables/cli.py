@@ -377,10 +377,13 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.directory, steps=args.steps)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``checkpointables`` command, with the plugins' commands."""
+def build_parser(*, commands_only: bool = False) -> argparse.ArgumentParser:
+    """The argument parser of the ``checkpointables`` command, with the plugins' commands
+    (``commands_only``: found calling plugins' ``register_commands`` alone, see
+    ``_cli_plugins.registered_commands``)."""
     parser, sub, common = _built_in_parser()
-    _cli_plugins.add_plugin_commands(sub, common)
+    commands = _cli_plugins.registered_commands(commands_only=commands_only)
+    _cli_plugins.add_plugin_commands(sub, common, commands)
     return parser
 
 
@@ -470,13 +473,21 @@ def _is_dashed_value(word: str) -> bool:
     return bool(re.match(r"-\d", word)) and not re.fullmatch(r"-\d+|-\d*\.\d+", word)
 
 
+def _parsed(parser: argparse.ArgumentParser, words: Sequence[str]) -> argparse.Namespace:
+    return parser.parse_args(_with_dashed_values_joined(words, _value_options(parser)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     from checkpointables import errors, progress
 
-    parser = build_parser()
     words = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(_with_dashed_values_joined(words, _value_options(parser)))
+    # `--help`, a wrong argument and the built-in commands need only the plugins' commands:
+    # no plugin's handlers, which import JAX (a second or two). A plugin's command is
+    # parsed again as all plugins register it, so it runs only where its plugin loads.
+    args = _parsed(build_parser(commands_only=True), words)
+    if args.command not in _built_in_commands():
+        args = _parsed(build_parser(), words)
     progress.set_enabled(not args.quiet)
     try:
         return int(args.run(args))

@@ -14,28 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import checkpointables as cp
-import jax
-import numpy as np
-from checkpointables.serialization import AbstractArray, AbstractShardedArray
 
-from checkpointables_pytree import leaves, storage
-from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
-from checkpointables_pytree.leaves import (
-    BYTES,
-    JAX_ARRAY,
-    NUMPY_ARRAY,
-    PRNG_KEY,
-    SCALAR,
-    STRING,
-    AbstractPRNGKey,
-    ArrayLeafHandler,
-    BytesLeafHandler,
-    NumpyLeafHandler,
-    PRNGKeyLeafHandler,
-    ScalarLeafHandler,
-    StringLeafHandler,
-    key_array_type,
-)
+# The hooks import what they register (JAX, TensorStore): importing this module is
+# cheap, so that `checkpointables --help`, which calls only `register_commands`, is too.
 
 PRIORITY = 90
 
@@ -43,6 +24,8 @@ PRIORITY = 90
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
     """Registers ``PyTreeHandler`` as ``pytree`` (priority 90), recorded as Orbax's handler."""
+    from checkpointables_pytree._handler import ORBAX_TYPESTR, READABLE_TYPESTRS, PyTreeHandler
+
     register(
         PyTreeHandler,
         priority=PRIORITY,
@@ -55,6 +38,27 @@ def register_checkpointable_handlers(register: Any) -> None:
 @cp.hookimpl
 def register_leaf_handlers(register: Any) -> None:
     """Registers leaf handlers for arrays, typed PRNG keys, scalars, ``str`` and ``bytes``."""
+    import jax
+    import numpy as np
+    from checkpointables.serialization import AbstractArray, AbstractShardedArray
+
+    from checkpointables_pytree.leaves import (
+        BYTES,
+        JAX_ARRAY,
+        NUMPY_ARRAY,
+        PRNG_KEY,
+        SCALAR,
+        STRING,
+        AbstractPRNGKey,
+        ArrayLeafHandler,
+        BytesLeafHandler,
+        NumpyLeafHandler,
+        PRNGKeyLeafHandler,
+        ScalarLeafHandler,
+        StringLeafHandler,
+        key_array_type,
+    )
+
     register(jax.Array, AbstractShardedArray, ArrayLeafHandler, secondary_typestrs=(JAX_ARRAY,))
     # Key arrays are jax.Arrays in Orbax's format; their own value type tells them apart.
     register(
@@ -77,6 +81,8 @@ def register_leaf_handlers(register: Any) -> None:
 @cp.hookimpl
 def register_storage(register: Any) -> None:
     """Registers ``s3://`` and ``gs://`` storage, through TensorStore's key-value stores."""
+    from checkpointables_pytree import storage
+
     for scheme in storage.SCHEMES:
         register(scheme, storage.storage_for)
 
@@ -85,5 +91,7 @@ def register_storage(register: Any) -> None:
 def register_options(register: Any) -> None:
     """Adds the plugin's settings to ``cp.Context``: ``array_options`` (zarr3 chunks, zstd,
     checksums) and ``storage_options`` (S3 and GCS through TensorStore)."""
+    from checkpointables_pytree import leaves, storage
+
     register("array_options", leaves.ArrayOptions, parts=(leaves.ArrayStorageOptions,))
     register("storage_options", storage.StorageOptions)

@@ -13,7 +13,6 @@ from typing import Any
 import checkpointables as cp
 
 from checkpointables_safetensors import _commands
-from checkpointables_safetensors._reader import SafetensorsReader
 
 PRIORITY = 50
 
@@ -21,6 +20,9 @@ PRIORITY = 50
 @cp.hookimpl
 def register_pytree_readers(register: Any) -> None:
     """Registers ``SafetensorsReader`` as ``safetensors``."""
+    # Here, not at the top: the reader imports JAX, which listing commands does not need.
+    from checkpointables_safetensors._reader import SafetensorsReader
+
     register(SafetensorsReader, priority=PRIORITY, name="safetensors")
 
 
