@@ -19,7 +19,7 @@ from ..python_subprocess import run_python
 # Their packages import JAX at their top (their __init__ imports their handlers), so loading
 # their entry points does, whichever hooks are called; until those import lazily they are
 # left out here, and the plugin below stands in: its handler hook imports JAX.
-_IMPORT_JAX_WITH_THEIR_PACKAGE = "pytree,safetensors"
+_IMPORT_JAX_WITH_THEIR_PACKAGE = ""
 
 _PLUGIN = """
     import checkpointables as cp

@@ -10,8 +10,9 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from checkpointables.lazy import first_use_attributes
 
 if TYPE_CHECKING:
     from checkpointables import (
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
         handlers,
         hookspecs,
         layout,
+        lazy,
         metadata_checksums,
         multihost,
         options,
@@ -103,6 +105,7 @@ __all__ = [
     "handlers",
     "hookspecs",
     "layout",
+    "lazy",
     "metadata_checksums",
     "multihost",
     "options",
@@ -150,22 +153,5 @@ _LAZY_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
-# Hidden from type checkers, which would take any ``cp.X`` for a name then (a typo too);
-# they see the imports above.
-if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> Any:
-        """``cp.X``: the public module or name ``X``, imported the first time it is asked for."""
-        if name in _LAZY_NAMES:
-            module, attribute = _LAZY_NAMES[name]
-            value = getattr(importlib.import_module(module), attribute)
-        elif name in __all__:  # A public module.
-            value = importlib.import_module(f"{__name__}.{name}")
-        else:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        globals()[name] = value  # Asked once: later lookups find it without this function.
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+if not TYPE_CHECKING:  # Type checkers see the imports above, so a typo stays an error.
+    __getattr__, __dir__ = first_use_attributes(__name__, _LAZY_NAMES, __all__)

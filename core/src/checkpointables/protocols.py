@@ -9,11 +9,12 @@ has a capability exactly when it defines the protocol's method.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from etils import epath
+if TYPE_CHECKING:  # Annotations only: plugin discovery (`checkpointables --help`) needs no etils.
+    from etils import epath
 
-from checkpointables.path import PathAwaitingCreation
+    from checkpointables.path import PathAwaitingCreation
 
 __all__ = [
     "CheckpointableHandler",

@@ -21,27 +21,32 @@ settings), which ``cp.Context`` takes as ``array_options`` and
 
 from __future__ import annotations
 
-from checkpointables_pytree._handler import PyTreeHandler
-from checkpointables_pytree._maintenance import record_checksums_again
-from checkpointables_pytree.leaves import (
-    FAST_PATH_ENVIRONMENT_VARIABLE,
-    AbstractPRNGKey,
-    ArrayLeafHandler,
-    ArrayMetadata,
-    ArrayOptions,
-    ArrayStorageOptions,
-    BytesLeafHandler,
-    BytesMetadata,
-    NumpyLeafHandler,
-    NumpyMetadata,
-    PRNGKeyLeafHandler,
-    PRNGKeyMetadata,
-    ScalarLeafHandler,
-    StorageMetadata,
-    StringLeafHandler,
-    choose_inner_chunk_shape,
-)
-from checkpointables_pytree.storage import StorageOptions
+from typing import TYPE_CHECKING
+
+from checkpointables.lazy import first_use_attributes
+
+if TYPE_CHECKING:
+    from checkpointables_pytree._handler import PyTreeHandler
+    from checkpointables_pytree._maintenance import record_checksums_again
+    from checkpointables_pytree.leaves import (
+        FAST_PATH_ENVIRONMENT_VARIABLE,
+        AbstractPRNGKey,
+        ArrayLeafHandler,
+        ArrayMetadata,
+        ArrayOptions,
+        ArrayStorageOptions,
+        BytesLeafHandler,
+        BytesMetadata,
+        NumpyLeafHandler,
+        NumpyMetadata,
+        PRNGKeyLeafHandler,
+        PRNGKeyMetadata,
+        ScalarLeafHandler,
+        StorageMetadata,
+        StringLeafHandler,
+        choose_inner_chunk_shape,
+    )
+    from checkpointables_pytree.storage import StorageOptions
 
 __all__ = [
     # The checkpointable handler.
@@ -73,3 +78,32 @@ __all__ = [
     # After rewriting a saved database on purpose: its checksums recorded anew.
     "record_checksums_again",
 ]
+
+
+# Imported on first use: the plugin's entry point (plugin.py) is imported at every
+# discovery, `checkpointables --help` too, which needs no JAX. Name -> its module.
+_LAZY_NAMES: dict[str, str] = {
+    "PyTreeHandler": "checkpointables_pytree._handler",
+    "record_checksums_again": "checkpointables_pytree._maintenance",
+    "FAST_PATH_ENVIRONMENT_VARIABLE": "checkpointables_pytree.leaves",
+    "AbstractPRNGKey": "checkpointables_pytree.leaves",
+    "ArrayLeafHandler": "checkpointables_pytree.leaves",
+    "ArrayMetadata": "checkpointables_pytree.leaves",
+    "ArrayOptions": "checkpointables_pytree.leaves",
+    "ArrayStorageOptions": "checkpointables_pytree.leaves",
+    "BytesLeafHandler": "checkpointables_pytree.leaves",
+    "BytesMetadata": "checkpointables_pytree.leaves",
+    "NumpyLeafHandler": "checkpointables_pytree.leaves",
+    "NumpyMetadata": "checkpointables_pytree.leaves",
+    "PRNGKeyLeafHandler": "checkpointables_pytree.leaves",
+    "PRNGKeyMetadata": "checkpointables_pytree.leaves",
+    "ScalarLeafHandler": "checkpointables_pytree.leaves",
+    "StorageMetadata": "checkpointables_pytree.leaves",
+    "StringLeafHandler": "checkpointables_pytree.leaves",
+    "choose_inner_chunk_shape": "checkpointables_pytree.leaves",
+    "StorageOptions": "checkpointables_pytree.storage",
+}
+
+
+if not TYPE_CHECKING:  # Type checkers see the imports above, so a typo stays an error.
+    __getattr__, __dir__ = first_use_attributes(__name__, _LAZY_NAMES, __all__)
