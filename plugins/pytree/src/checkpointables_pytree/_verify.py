@@ -74,11 +74,29 @@ async def _check_zarr_metadata(
         expected = zarr3.zarr_json(stored.shape, stored.dtype, stored.chunk_shape)
         # Parsed, so that a fill value of 0.0 equals 0 (TensorStore's for int4; ours was 0.0).
         if value != expected and _parsed(value) != _parsed(expected):
-            problems.append(
-                f"{entry.keystr}: its zarr.json is missing or "
-                "damaged (other tools cannot read the array)"
-            )
+            problems.append(_zarr_json_problem(session, entry, value))
     return problems
+
+
+def _zarr_json_problem(session: LoadSession, entry: tree_room.Entry, value: bytes) -> str:
+    """Why ``value``, the array's ``zarr.json``, is not the one its record makes: it
+    contradicts ``_METADATA`` (a load refuses it), or is otherwise missing or damaged."""
+    name = session.tree.storage_name(entry.names)
+    stored = session.stored_array(entry)
+    assert stored is not None
+    document = _parsed(value)
+    try:
+        shape, dtype, chunks = zarr3.zarr_shape_dtype(document if type(document) is dict else {})
+    except cp.errors.MetadataError:
+        problem = None
+    else:
+        recorded = (stored.shape, stored.dtype)
+        problem = zarr3.record_contradiction(shape, dtype, chunks, recorded=recorded)
+    if problem is not None:
+        return str(zarr3.contradiction_error(entry.keystr, session.directory, name, problem))
+    return (
+        f"{entry.keystr}: its zarr.json is missing or damaged (other tools cannot read the array)"
+    )
 
 
 def _parsed(text: bytes) -> Any:
@@ -231,9 +249,13 @@ async def _driver_layout_problem(
     shape = tuple(int(s) for s in store.shape)
     dtype = store.dtype.numpy_dtype
     stored = session.stored_array(entry)
-    if stored is not None and (shape, dtype) != (stored.shape, stored.dtype):
-        return f"{entry.keystr}: its zarr.json disagrees with _METADATA on shape or dtype"
     chunk = _write_chunk(store)
+    recorded = (stored.shape, stored.dtype) if stored is not None else None
+    problem = zarr3.record_contradiction(
+        shape, dtype, chunk, recorded=recorded, write_shape=entry.write_shape
+    )
+    if problem is not None:
+        return str(zarr3.contradiction_error(entry.keystr, session.directory, name, problem))
     chunk_bytes = math.prod(chunk) * dtype.itemsize
     memory = io.physical_memory_bytes()
     if memory and chunk_bytes > memory:
@@ -353,6 +375,10 @@ async def verify_pytree(
     except cp.errors.CheckpointError as e:
         return [str(e)]
     if tree.use_ocdbt:  # Every b-tree node against the save's list (a forged node).
+        try:  # Before anything reads the manifest and the root, which are read whole.
+            await asyncio.to_thread(ocdbt.check_manifest, directory)
+        except cp.errors.CheckpointError as e:
+            return [str(e)]
         problems = await asyncio.to_thread(ocdbt.node_checksum_problems, directory)
         if problems:
             return problems  # Reading values through a changed b-tree proves nothing.

@@ -37,12 +37,21 @@ the index decodes what TensorStore writes or declines it
 and ``zarr3`` only.
 """
 
-from checkpointables_pytree.ocdbt._btree_nodes import LeafNode, decode, decoded, split_location
+from checkpointables_pytree.ocdbt._btree_nodes import (
+    MAX_ENCODED_NODE_BYTES,
+    LeafNode,
+    decode,
+    decoded,
+    split_location,
+)
+from checkpointables_pytree.ocdbt._btree_nodes import check_length as check_node_length
 from checkpointables_pytree.ocdbt._context import (
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     OCDBT_CONFIG,
     SAVE_OCDBT_CACHE_BYTES,
     Source,
+    check_manifest_size,
     database_directory,
     flush_data_files,
     is_local,
@@ -82,6 +91,7 @@ from checkpointables_pytree.ocdbt._index import (
 )
 from checkpointables_pytree.ocdbt._node_checksums import (
     NODE_CHECKSUMS_FILE,
+    check_manifest,
     check_recorded_nodes,
     node_checksum_problems,
     node_checksums,
@@ -90,14 +100,18 @@ from checkpointables_pytree.ocdbt._node_checksums import (
 from checkpointables_pytree.ocdbt._statistics import stored_key_count
 
 __all__ = [
+    "MAX_ENCODED_NODE_BYTES",
     "LeafNode",
+    "check_node_length",
     "decode",
     "decoded",
     "split_location",
     "MANIFEST_FILE",
+    "MAX_MANIFEST_BYTES",
     "OCDBT_CONFIG",
     "SAVE_OCDBT_CACHE_BYTES",
     "Source",
+    "check_manifest_size",
     "database_directory",
     "flush_data_files",
     "is_local",
@@ -130,6 +144,7 @@ __all__ = [
     "parse_location",
     "stored_key_count",
     "NODE_CHECKSUMS_FILE",
+    "check_manifest",
     "check_recorded_nodes",
     "node_checksums",
     "record_node_checksums",

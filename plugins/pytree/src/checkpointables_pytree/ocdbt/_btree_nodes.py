@@ -28,11 +28,14 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
+from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _format
 from checkpointables_pytree.storage import ValueLocation
 
 __all__ = [
+    "MAX_ENCODED_NODE_BYTES",
     "LeafNode",
+    "check_length",
     "decode",
     "decoded",
     "parse_location",
@@ -50,6 +53,11 @@ _VARINT_BYTES = 9  # 63 bits: offsets and lengths of files; longer ones are dama
 _RECENT: dict[str, tuple[bytes, Any]] = {}
 _RECENT_KEPT = 4
 _RECENT_LOCK = threading.Lock()
+# The most bytes a node's location may claim: the decoded limit this library and Orbax
+# configure (``max_decoded_node_bytes``) plus zstd's worst-case growth. A node's bytes are
+# read whole into memory (here or by TensorStore), so a location claiming more (a damaged
+# or forged parent node, manifest or ``_btree_checksums``) is refused before the read.
+MAX_ENCODED_NODE_BYTES = _format.MAX_NODE_BYTES + (_format.MAX_NODE_BYTES >> 6)
 
 
 @attrs.define
@@ -123,6 +131,25 @@ def file_inside(directory: str, base: str, relative: str) -> str | None:
         if os.path.commonpath([os.path.normpath(file), root]) != root:
             return None
     return file
+
+
+def check_length(directory: str, location: str) -> None:
+    """Refuses, before it is read, a node whose ``location`` claims more than
+    ``MAX_ENCODED_NODE_BYTES`` (a location that does not parse is left to the read).
+
+    Raises:
+      cp.errors.IntegrityError: naming the node's file and location.
+    """
+    try:
+        base, relative, _, length = split_location(location)
+    except ValueError:
+        return
+    if length > MAX_ENCODED_NODE_BYTES:
+        raise storage.integrity_error(
+            f"{os.path.join(directory, base + relative)} (the b-tree node at {location})",
+            f"its location claims {length:,} bytes, more than any b-tree node holds "
+            f"({MAX_ENCODED_NODE_BYTES:,}): the b-tree is damaged or forged",
+        )
 
 
 def read(base: ts.KvStore, location: str) -> Any:

@@ -24,7 +24,9 @@ from checkpointables_pytree import storage
 
 __all__ = [
     "MANIFEST_FILE",
+    "MAX_MANIFEST_BYTES",
     "Source",
+    "check_manifest_size",
     "database_directory",
     "flush_data_files",
     "is_local",
@@ -37,6 +39,10 @@ __all__ = [
 ]
 
 MANIFEST_FILE = "manifest.ocdbt"
+# A manifest holds the database's configuration and its latest versions (TensorStore
+# moves older ones into version-tree nodes): a few KiB. TensorStore reads it whole into
+# memory whenever it opens the database, so a larger one is refused before that.
+MAX_MANIFEST_BYTES = 64 << 20
 # Values above this size go to data files; smaller ones sit in the b-tree's leaves.
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000}
 # B-tree nodes are read by every key lookup of a load: cached.
@@ -100,8 +106,55 @@ def kvstore_spec(
 
 
 def open_kvstore(database: epath.PathLike, context: ts.Context, **options: Any) -> Any:
-    """A future of the OCDBT kvstore of ``database`` (``options``: of ``kvstore_spec``)."""
+    """A future of the OCDBT kvstore of ``database`` (``options``: of ``kvstore_spec``).
+
+    A local database's manifest is checked first (``check_manifest_size``; a ``stat``).
+    An object store's is not (that costs a request): loads check it once, in
+    ``start_node_check``; other readers call ``check_manifest_size`` themselves.
+
+    Raises:
+      cp.errors.MetadataError: the local manifest holds more than ``MAX_MANIFEST_BYTES``.
+    """
+    if is_local(database):
+        check_manifest_size(database)
     return ts.KvStore.open(kvstore_spec(database, **options), context=context)
+
+
+def check_manifest_size(database: epath.PathLike) -> None:
+    """Refuses a database whose ``manifest.ocdbt`` holds more than ``MAX_MANIFEST_BYTES``,
+    before TensorStore (which reads it whole) or this library reads it. A missing or
+    unreadable manifest passes: the reads report it.
+
+    Costs a ``stat`` for a local database; for an object store one ranged GET of the byte
+    at the bound (TensorStore reads no range past an object's end: a small manifest
+    answers OUT_OF_RANGE).
+
+    Raises:
+      cp.errors.MetadataError: naming the manifest (``cp.storage.file_too_large``).
+    """
+    root = os.fspath(database)
+    if is_local(root):
+        path = os.path.join(root, MANIFEST_FILE)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return
+        if size > MAX_MANIFEST_BYTES:
+            raise cp.storage.file_too_large(path, MAX_MANIFEST_BYTES)
+        return
+    if _remote_holds_more(root, MAX_MANIFEST_BYTES):
+        raise cp.storage.file_too_large(f"{root.rstrip('/')}/{MANIFEST_FILE}", MAX_MANIFEST_BYTES)
+
+
+def _remote_holds_more(root: str, max_bytes: int) -> bool:
+    """Whether the object-store manifest of ``root`` holds more than ``max_bytes`` (one
+    ranged GET; ``False`` when it is missing or cannot be read: the reads report that)."""
+    try:
+        base = open_location(root).result()
+        result = base.read(MANIFEST_FILE, byte_range=slice(max_bytes, max_bytes + 1)).result()
+    except ValueError:  # OUT_OF_RANGE: no byte there. Other failures: the reads report them.
+        return False
+    return bool(result.state == "value")
 
 
 def database_directory(pytree_directory: epath.Path) -> epath.Path:

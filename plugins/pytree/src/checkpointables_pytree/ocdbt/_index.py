@@ -147,6 +147,7 @@ class DatabaseIndex:
         location = latest.get("root", {}).get("location")
         if location is None:  # An empty database.
             return base, None
+        _btree_nodes.check_length(self.root, location)
         if self._plain:
             node = _btree_nodes.decoded(self._node_bytes(base, location), location)
             if node is not None:
@@ -158,6 +159,7 @@ class DatabaseIndex:
         """The node at ``location``: decoded here if it is uncompressed, else by dump."""
         base = await self.base()
         self._refuse_unlisted(location)
+        _btree_nodes.check_length(self.root, location)
         if self._plain:
             data = await asyncio.to_thread(self._node_bytes, base, location)
             node = _btree_nodes.decoded(data, location)
@@ -171,15 +173,8 @@ class DatabaseIndex:
             raise _node_checksums.unlisted_node(self.root, location)
 
     def _manifest_key(self) -> tuple[Any, ...] | None:
-        """What identifies the manifest's content: a local file's identity, size and time
-        (an object store's is not known without a request: ``None``, dumped each time)."""
-        if not self._local:
-            return None
-        try:
-            stat = os.stat(os.path.join(self.root, _context.MANIFEST_FILE))
-        except OSError:
-            return None
-        return (self.root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        """What identifies the manifest's content (``_node_checksums.manifest_key``)."""
+        return _node_checksums.manifest_key(self.root)
 
     def _node_bytes(self, base: Any, location: str) -> bytes:
         """The bytes of a node (``b""``: missing); a local database's are read directly,
@@ -417,12 +412,19 @@ class OpenedDatabase:
         ``many_values``: the database holds many values (the caller knows from its own
         files), so the index is prefetched instead of a warming read. Anything unusual
         is left to the reads, which report it.
+
+        Raises:
+          cp.errors.MetadataError: the manifest holds more than ``MAX_MANIFEST_BYTES``.
+          cp.errors.IntegrityError: its root's location claims more than a node holds.
         """
         root = os.fspath(directory)
         if not _context.is_local(root) or not os.path.exists(
             os.path.join(root, _context.MANIFEST_FILE)
         ):
             return None
+        # Before TensorStore reads the manifest and the root whole (outside the try: a
+        # MetadataError is a ValueError, which would leave them to TensorStore's reads).
+        _node_checksums.check_manifest(root)
         context = _context.make_context()
         try:
             kvstore = _context.open_kvstore(directory, context).result()

@@ -45,6 +45,7 @@ __all__ = [
     "read_listed",
     "check_node",
     "unlisted_node",
+    "check_manifest",
     "check_recorded_nodes",
     "node_checksum_problems",
     "node_file",
@@ -65,7 +66,12 @@ def _digest(data: bytes) -> str:
 
 def _read_node(base: ts.KvStore | None, root: str, location: str) -> Any:
     """A future of the node's bytes: read directly from a local file, else by the kvstore
-    (``base``, which only an object store's database needs)."""
+    (``base``, which only an object store's database needs).
+
+    Raises:
+      cp.errors.IntegrityError: ``location`` claims more than any node holds.
+    """
+    _btree_nodes.check_length(root, location)
     if base is None or _context.is_local(root):
         done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
         # A node that cannot be read, or lies outside the database, is read as nothing:
@@ -96,6 +102,7 @@ def node_checksums(directory: epath.PathLike) -> dict[str, str]:
 
     Raises:
       ValueError: TensorStore cannot read the manifest or a node.
+      cp.errors.IntegrityError: a node's location claims more than any node holds.
     """
     root = os.fspath(directory)
     if not cp.storage.exists(epath.Path(root) / _context.MANIFEST_FILE):
@@ -203,6 +210,45 @@ def unlisted_node(directory: str, location: str) -> cp.errors.IntegrityError:
     return cp.errors.IntegrityError(f"{problem}; restore the checkpoint from a copy.")
 
 
+def manifest_key(root: str) -> tuple[Any, ...] | None:
+    """What identifies a manifest's content, for ``dump``'s cache: a local file's identity,
+    size and time (an object store's is not known without a request: ``None``)."""
+    if not _context.is_local(root):
+        return None
+    try:
+        stat = os.stat(os.path.join(root, _context.MANIFEST_FILE))
+    except OSError:
+        return None
+    return (root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def check_manifest(directory: epath.PathLike, base: ts.KvStore | None = None) -> None:
+    """Refuses a manifest TensorStore must not read (``check_manifest_size``), or whose root
+    node's location claims more than any node holds (``check_length``), before TensorStore
+    reads either: it reads both whole. A manifest that cannot be read is left to the reads.
+
+    Costs a ``stat`` and the manifest's decoding (once per local manifest: ``dump`` keeps
+    it); on an object store the size check's GET and one GET of the manifest.
+
+    Raises:
+      cp.errors.MetadataError: the manifest is too large.
+      cp.errors.IntegrityError: its root's location claims too many bytes.
+    """
+    root = os.fspath(directory)
+    _context.check_manifest_size(root)
+    try:
+        base = base if base is not None else _context.open_location(root).result()
+        manifest = dump(base, key=manifest_key(root))
+    except ValueError:
+        return
+    versions = manifest.get("versions") or []
+    if versions:
+        latest = max(versions, key=lambda v: v.get("generation_number", 0))
+        location = (latest.get("root") or {}).get("location")
+        if isinstance(location, str):
+            _btree_nodes.check_length(root, location)
+
+
 def check_recorded_nodes(
     directory: epath.PathLike, base: ts.KvStore | None = None
 ) -> dict[str, bytes] | None:
@@ -217,10 +263,16 @@ def check_recorded_nodes(
 
     Raises:
       cp.errors.IntegrityError: the manifest or a node differs (naming its file).
-      cp.errors.MetadataError: ``_btree_checksums`` is malformed.
+      cp.errors.MetadataError: ``_btree_checksums`` is malformed, or the manifest holds
+        more than ``MAX_MANIFEST_BYTES`` (``check_manifest_size``).
+      cp.errors.IntegrityError: (nothing recorded) the root's location claims too many
+        bytes (``check_manifest``).
     """
+    # Before TensorStore (or this check) reads the manifest, whole.
+    _context.check_manifest_size(directory)
     listed = read_listed(directory)
-    if listed is None:
+    if listed is None:  # Nothing recorded: the root's location is checked (the only one
+        check_manifest(directory, base)  # known before TensorStore reads the b-tree).
         return None
     root = os.fspath(directory)
     # The manifest names the root node: with it unchanged, unchanged nodes are the tree.
@@ -256,6 +308,8 @@ def node_checksum_problems(directory: epath.PathLike) -> list[str]:
         return []
     try:
         walked = node_checksums(directory)
+    except cp.errors.CheckpointError as e:  # A manifest or node too large to read.
+        return [str(e)]
     except ValueError as e:
         return [f"{root}: the b-tree cannot be read ({e}); restore the checkpoint from a copy."]
     found = [_mismatch(listed, root, where, digest) for where, digest in walked.items()]

@@ -17,8 +17,12 @@ def stored_key_count(directory: epath.PathLike) -> int | None:
     manifest records; ``None`` if that cannot be read (the reads then report why).
 
     Reads the manifest only (one small file).
+
+    Raises:
+      cp.errors.MetadataError: the manifest holds more than ``MAX_MANIFEST_BYTES``.
     """
     root = os.fspath(directory)
+    _context.check_manifest_size(root)  # Not in the try: a MetadataError is a ValueError.
     try:
         base = _context.open_location(root).result()
         manifest = dump(base)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -34,7 +35,9 @@ __all__ = [
     "array_prefix",
     "zarr_shape_dtype",
     "check_own_codecs",
+    "contradiction_error",
     "foreign_codec",
+    "record_contradiction",
     "ArrayWrite",
     "zarr_dtype_name",
     "zarr_json",
@@ -349,6 +352,61 @@ def _contradiction(
                 f"{list(chunks)}"
             )
     return None
+
+
+def record_contradiction(
+    shape: Sequence[int],
+    dtype: Any,
+    chunk_shape: Sequence[int] | None,
+    *,
+    recorded: tuple[Sequence[int], Any] | None = None,
+    write_shape: Sequence[int] | None = None,
+) -> str | None:
+    """What an array's ``zarr.json`` (its ``shape``, ``dtype`` and ``chunk_shape``) says
+    against what ``_METADATA`` recorded of it, or ``None``.
+
+    ``recorded``: the shape and dtype this library records of every array. ``write_shape``:
+    what Orbax records of a ``jax.Array`` (and this library too), the shape of each shard
+    the save wrote: it lies within the array (no dimension larger), and the chunks divide
+    it (Orbax's chunk shape is a divisor of it in every dimension; ours is it). Orbax
+    records no dtype and no shape of an array: nothing else can be compared.
+    """
+    shape = tuple(int(s) for s in shape)
+    if recorded is not None:
+        recorded_shape = tuple(int(s) for s in recorded[0])
+        if shape != recorded_shape or np.dtype(dtype) != np.dtype(recorded[1]):
+            return (
+                f"its zarr.json records shape {list(shape)} and dtype {np.dtype(dtype)}, but "
+                f"_METADATA records shape {list(recorded_shape)} and dtype {np.dtype(recorded[1])}"
+            )
+    if write_shape is None:
+        return None
+    write = tuple(int(w) for w in write_shape)
+    said = f"_METADATA records the write_shape {list(write)} (the shape of each shard saved)"
+    if len(write) != len(shape) or any(w > s for w, s in zip(write, shape, strict=False)):
+        return f"its zarr.json records shape {list(shape)}, but {said}, which does not fit in it"
+    chunks = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else None
+    if chunks is not None and (
+        len(chunks) != len(write) or any(max(1, w) % c for w, c in zip(write, chunks, strict=True))
+    ):
+        return f"its zarr.json records chunk_shape {list(chunks)}, but {said}: it must divide it"
+    return None
+
+
+def contradiction_error(
+    what: str, directory: os.PathLike[str] | str, name: str, problem: str
+) -> cp.errors.MetadataError:
+    """The error for an array whose ``zarr.json`` contradicts ``_METADATA``
+    (``record_contradiction``'s ``problem``), naming ``what`` (the leaf's key path), the
+    array's ``zarr.json`` and ``_METADATA`` in ``directory`` (the pytree's)."""
+    root = os.fspath(directory)
+    zarr_json = os.path.join(root, array_prefix(name) + "zarr.json")
+    return cp.errors.MetadataError(
+        f"{what} (array {name!r}): {problem}. Its zarr.json ({zarr_json}, a key of the "
+        f"database in {root}) and {os.path.join(root, '_METADATA')} contradict each other: "
+        f"the checkpoint's metadata was edited or is damaged; restore the checkpoint from a "
+        f"copy."
+    )
 
 
 # Codecs that reorder a chunk's bytes without changing their size: this library never
