@@ -123,3 +123,21 @@ def test_a_root_node_claiming_gibibytes_is_refused_before_it_is_read(tmp_path) -
     assert problems and str(huge) in problems[0], problems
     # Under the RSS a 2 GiB read would take (the whole test process stays far below).
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < (HUGE >> 10)
+
+
+@pytest.mark.orbax
+def test_metadata_of_an_orbax_checkpoint_on_an_object_store_refuses_a_huge_manifest(
+    saved,
+    bucket,  # noqa: F811
+) -> None:
+    # Orbax records no shapes or dtypes: its metadata reads each zarr.json through TensorStore.
+    source, pytree = saved["orbax"]
+    path = f"{bucket}/orbax"
+    for file in source.rglob("*"):
+        if file.is_file():
+            cp.storage.write_bytes(f"{path}/{file.relative_to(source)}", file.read_bytes())
+    manifest = f"{path}/{pytree}/{ocdbt.MANIFEST_FILE}"
+    cp.storage.write_bytes(manifest, b"\0" * (ocdbt.MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(cp.errors.MetadataError, match="holds more than") as raised:
+        cp.pytree_metadata(path)
+    assert manifest in str(raised.value)

@@ -360,6 +360,9 @@ class LoadSession:
         if wanted:
             file = "zarr.json" if self.tree.use_zarr3 else ".zarray"
             if self.tree.use_ocdbt:
+                # Before TensorStore reads the manifest and the root node whole (a local
+                # database's open checks them itself; on an object store: two GETs).
+                ocdbt.check_manifest(self.directory)
                 kvstore = await ocdbt.open_kvstore(self.directory, ocdbt.make_context())
                 futures = [kvstore.read(f"{n}/{file}") for n in wanted]
                 try:
