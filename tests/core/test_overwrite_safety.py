@@ -264,3 +264,22 @@ def test_an_overwrite_whose_path_did_not_change_replaces_it(tmp_path, misbehavin
     saving.result(30)
     assert (path / "gate" / "gate.txt").read_text() == "ok"  # The new checkpoint.
     assert not (path / "pytree").exists() and cp.is_checkpoint(path)
+
+
+def test_an_overwrite_never_deletes_a_save_still_writing_inside(
+    tmp_path, misbehaving_handlers
+) -> None:
+    from .helpers import Gate
+
+    path = tmp_path / "d"
+    path.mkdir()
+    gate = Gate()
+    saving = cp.save_checkpointables_async(path / "sub", {"gate": gate})
+    assert gate.started.wait(30)  # Its temporary directory is in d, alone.
+    (writing,) = os.listdir(path)
+    with pytest.raises(cp.errors.CheckpointExistsError, match=writing) as refused:
+        cp.save_pytree(path, TREE, overwrite=True)
+    assert "a save still writing there" in str(refused.value)
+    gate.release.set()
+    saving.result(30)
+    assert cp.is_checkpoint(path / "sub")

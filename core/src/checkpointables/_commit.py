@@ -53,6 +53,7 @@ from checkpointables import (
     layout,
     metadata_checksums,
     multihost,
+    options,
     protocols,
     storage,
 )
@@ -210,8 +211,28 @@ _SHOWN = 8  # The most names an error lists.
 
 def _is_leftover(name: str) -> bool:
     """Whether ``name`` is an unfinished save's temporary directory (ours or Orbax's); not a
-    ``cp.partial`` session, which holds saves waiting for ``finalize``."""
-    return layout.is_temporary_path(name) and layout.PARTIAL_SESSION_SUFFIX not in name
+    ``cp.partial`` session, which holds saves waiting for ``finalize``, nor the directory of
+    a save that may still be writing (``_may_be_writing``)."""
+    return (
+        layout.is_temporary_path(name)
+        and layout.PARTIAL_SESSION_SUFFIX not in name
+        and not _may_be_writing(name)
+    )
+
+
+# No save writes longer than the default wait for background work (AsyncOptions).
+_LONGEST_SAVE_NS = int(options.AsyncOptions().timeout_secs * 1e9)
+
+
+def _may_be_writing(name: str) -> bool:
+    """Whether our temporary directory ``name`` may belong to a save still writing: its
+    process (named in it) runs on this host, and it is younger than any save lasts. An
+    overwrite of the directory holding it would delete that save's work."""
+    parsed = layout.parse_temporary_name(name)
+    if parsed is None:
+        return False
+    _, created_ns, pid = parsed
+    return time.time_ns() - created_ns < _LONGEST_SAVE_NS and _leftovers.process_exists(pid)
 
 
 def _shown(names: Iterable[str]) -> str:
@@ -341,8 +362,16 @@ class Occupant:
                 f"overwrite=True. Save to {self.path}/<step>, or use "
                 f"cp.training.Checkpointer({os.fspath(self.path)!r})."
             )
+        unexplained = self.unexplained()
+        writing = [n for n in unexplained if _may_be_writing(n)]
+        if writing:
+            return (
+                f"{self.path} holds {_shown(writing)}, the work of a save still writing there: "
+                f"a save never replaces it, even with overwrite=True. Wait for that save to "
+                f"finish, or choose another path."
+            )
         return (
-            f"{self.path} holds {_shown(self.unexplained())}, which no checkpoint's metadata or "
+            f"{self.path} holds {_shown(unexplained)}, which no checkpoint's metadata or "
             f"save record accounts for. A save replaces only a checkpoint (or what an "
             f"unfinished save left), never anything else, even with overwrite=True: choose "
             f"another path, or, if this is a damaged, older or foreign checkpoint or files you "
