@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import checkpointables as cp
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
 
 
 @dataclasses.dataclass
@@ -103,3 +108,30 @@ class GatedHandler:
 
     def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
         return None
+
+
+# Values that are neither True nor False, though `if` would take each for one of them.
+NOT_BOOLS = st.one_of(
+    st.text(max_size=5),
+    st.sampled_from(["no", "false", "False", "0", "yes", ""]),
+    st.integers(),  # 0 and 1 too: an int is not a bool here.
+    st.floats(allow_nan=True),
+    st.none(),
+    st.binary(max_size=3),
+    st.lists(st.booleans(), max_size=2),
+    st.sampled_from([np.int64(1), np.float32(0), np.array([True]), jnp.array([False, True])]),
+)
+
+
+def assert_bool_refused(
+    call: Callable[[Any], object], argument: str, value: Any, state: Callable[[], object]
+) -> None:
+    """``call(value)``, ``value`` given as the bool ``argument``, raises
+    ``InvalidArgumentTypeError`` naming both, and ``state()`` reads the same after it."""
+    before = state()
+    with pytest.raises(cp.errors.InvalidArgumentTypeError) as raised:
+        call(value)
+    message = str(raised.value)
+    assert f"{argument}={value!r}" in message and "True or False" in message
+    assert isinstance(raised.value, cp.errors.InvalidArgumentError)  # As a bad option's.
+    assert state() == before  # Nothing was replaced or written.

@@ -15,6 +15,7 @@ from checkpointables import (
     handlers,
     layout,
     metadata_checksums,
+    options,
     readers,
 )
 from checkpointables._asyncio import AsyncResponse, synchronous
@@ -207,7 +208,7 @@ def _raise_if_saved_by_a_missing_handler(
 
 
 def _with_partial_load(context: Context, partial_load: bool) -> Context:
-    if not partial_load:
+    if not options.checked_bool(partial_load, "partial_load"):
         return context
     return context.replace(pytree_options=attrs.evolve(context.pytree_options, partial_load=True))
 

@@ -35,6 +35,7 @@ from checkpointables import (
     handlers,
     layout,
     multihost,
+    options,
     safe_json,
     storage,
 )
@@ -54,6 +55,11 @@ from checkpointables.path._parse import as_path
 from checkpointables.protocols import Finalizable
 
 __all__ = ["SaveRequest", "start", "save_checkpointables", "save_checkpointables_async"]
+
+
+def overwrite_flag(value: Any) -> bool:
+    """``overwrite`` as a bool, checked (``cp.options.checked_bool``)."""
+    return options.checked_bool(value, "overwrite")
 
 
 @attrs.frozen
@@ -83,7 +89,8 @@ class SaveRequest:
     path: epath.PathLike
     checkpointables: Mapping[str, Any]
     custom_metadata: Mapping[str, Any] | None = None
-    overwrite: bool = False
+    # Checked as the request is made: a truthy "no" must not replace a checkpoint.
+    overwrite: bool = attrs.field(default=False, converter=overwrite_flag)
     metrics: Mapping[str, Any] | None = None
     forced_handlers: Mapping[str, type] | None = None
     context: Context | None = None

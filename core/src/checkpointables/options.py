@@ -41,6 +41,7 @@ __all__ = [
     "int_at_least",
     "positive_seconds",
     "boolean",
+    "checked_bool",
     "text_or_none",
     "python_scalar",
 ]
@@ -191,6 +192,36 @@ def positive_seconds(*, optional: bool = False) -> OptionValidator:
 def boolean() -> OptionValidator:
     """A validator: ``True`` or ``False`` (not a truthy string such as ``"no"``)."""
     return option_validator("True or False", kind=(bool, np.bool_))
+
+
+def checked_bool(value: Any, argument: str) -> bool:
+    """``value``, a function's argument named ``argument``, as the Python ``bool`` it is.
+
+    ``True`` and ``False`` are taken, and so are NumPy's ``np.bool_`` and a 0-d NumPy or
+    JAX bool array (a comparison's result), as the bool they hold. Anything else, a
+    string such as ``"no"`` (which ``if`` would take for true) or an int, even ``0`` or
+    ``1``, raises ``cp.errors.InvalidArgumentTypeError`` (also an
+    ``InvalidArgumentError``, as a bad option's) naming the argument and the value.
+
+    Example::
+
+        overwrite = cp.options.checked_bool(overwrite, "overwrite")
+    """
+    if type(value) is bool:  # The usual case first: one comparison per call.
+        return value
+    held = python_scalar(value)
+    if type(held) is bool:
+        return held
+    if isinstance(value, str | bytes):
+        hint = f" (a string is not read as a bool: {value!r} would count as true)"
+    elif isinstance(held, numbers.Integral):
+        hint = " (not an int, even 0 or 1: pass False or True)"
+    else:
+        hint = _shape_hint(value)
+    raise InvalidOptionTypeError(
+        f"{argument}={value!r} ({type(value).__name__}) is not valid: it must be True or "
+        f"False{hint}."
+    )
 
 
 def text_or_none() -> OptionValidator:

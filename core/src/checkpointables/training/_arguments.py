@@ -29,9 +29,41 @@ def as_step(step: Any) -> int:
     return value
 
 
+def refuse_class(argument: str, value: Any, protocol: type) -> None:
+    """Raises when ``value`` is a class of ``protocol``'s kind rather than an instance: a
+    class has the protocol's methods too, and would fail at its first call (``self``
+    missing), far from the mistake."""
+    if not isinstance(value, type):
+        return
+    try:
+        kind = issubclass(value, protocol)
+    except TypeError:  # A protocol with data members cannot tell; nor can the hint.
+        kind = False
+    if kind:
+        raise errors.InvalidArgumentTypeError(
+            f"{argument} must be an instance, got the class {value.__name__} itself: pass an "
+            f"instance: {value.__name__}(...)."
+        )
+
+
+def as_list(owner: str, what: str, value: Any, example: str) -> list[Any]:
+    """``value``, the collection of ``what`` that ``owner`` takes, as a list; a single item
+    (or a string) is refused, rather than failing as "not iterable" or read as characters."""
+    if not isinstance(value, str | bytes):
+        try:
+            return list(value)
+        except TypeError:
+            pass
+    raise errors.InvalidArgumentTypeError(
+        f"{owner} takes a list of {what} (e.g. {example}), got {reprlib.repr(value)} "
+        f"({type(value).__name__}): put a single one in a list."
+    )
+
+
 def checked(argument: str, value: Any, default: Callable[[], Any], protocol: type) -> Any:
     """``value`` (``default()`` if ``None``), checked to meet the documented ``protocol``."""
     chosen = default() if value is None else value
+    refuse_class(argument, chosen, protocol)
     if not isinstance(chosen, protocol):
         public = (
             "cp.Context"

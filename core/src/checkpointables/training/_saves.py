@@ -35,6 +35,7 @@ from checkpointables import (
     errors,
     layout,
     multihost,
+    options,
     storage,
 )
 from checkpointables import reuse as reuse_lib
@@ -72,14 +73,19 @@ class SaveResponse(AsyncResponse[bool]):
         return error
 
 
+def _force_flag(value: Any) -> bool:
+    return options.checked_bool(value, "force")
+
+
 @attrs.frozen
 class StepSave:
     """What a front door asks: save ``checkpointables`` as ``step``."""
 
     step: int
     checkpointables: Mapping[str, Any]
-    force: bool = False
-    overwrite: bool = False
+    # Checked as the front door is called, also for a step the policy skips.
+    force: bool = attrs.field(default=False, converter=_force_flag)
+    overwrite: bool = attrs.field(default=False, converter=_saving.overwrite_flag)
     metrics: Mapping[str, Any] | None = None
     custom_metadata: Mapping[str, Any] | None = None
     pytree_name: str | None = None  # Saved by the pytree handler (``save_pytree``).

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from checkpointables import _loading, _pytree_api, errors, multihost, storage
+from checkpointables import _loading, _pytree_api, errors, multihost, options, storage
 from checkpointables import reuse as reuse_lib
 from checkpointables._asyncio import AsyncResponse, synchronous
 from checkpointables.checkpoint_metadata import CheckpointMetadata
@@ -74,13 +74,14 @@ def _reuse_setting(
         return storage.scheme_of(root) in (None, "s3"), None
     if callable(reuse_unchanged):
         return True, reuse_lib.checked_frozen(reuse_unchanged)
-    if not isinstance(reuse_unchanged, bool):
+    on = options.python_scalar(reuse_unchanged)  # np.True_ is True.
+    if type(on) is not bool:
         raise errors.InvalidArgumentTypeError(
             f"reuse_unchanged must be True, False, None or a predicate on leaf names, got "
             f"{type(reuse_unchanged).__name__}: for the leaves under a prefix, pass "
             f"lambda name: name.startswith('base.') (docs/incremental.md)."
         )
-    return reuse_unchanged, None
+    return on, None
 
 
 # The pytree's checkpointable name in a step: Orbax's training Checkpointer's, so that its
@@ -414,6 +415,8 @@ class Checkpointer:
         Raises:
           cp.training.errors.StepNotFoundError: no committed checkpoint for the step.
         """
+        # Checked before the step is looked for: its load may start later, or never.
+        partial_load = options.checked_bool(partial_load, "partial_load")
         return self._load_async(
             step,
             lambda path: _pytree_api.load_pytree_async(

@@ -31,7 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from checkpointables import errors
+from checkpointables import errors, options
+from checkpointables.training._arguments import as_list, refuse_class
 from checkpointables.training.save_decision_policies import warn_about_clock
 from checkpointables.training.step_info import StepInfo
 
@@ -75,18 +76,9 @@ class PreservationPolicy(Protocol):
         ...
 
 
-def _count_or_none(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise errors.InvalidArgumentError(
-            f"{attribute.name} must be an int >= 0 or None, got {value!r}."
-        )
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise errors.InvalidArgumentError(
-            f"{attribute.name} must be a positive number, got {value!r}."
-        )
+# Each field is checked where the policy is made (cp.options' validators): a wrong type
+# raises cp.errors.InvalidArgumentTypeError, also an InvalidArgumentError as before.
+_count_or_none = options.int_at_least(0, optional=True, allowed="an int >= 0 (e.g. 3) or None")
 
 
 @attrs.frozen
@@ -128,14 +120,9 @@ class EveryNSteps:
       interval_steps: the interval, > 0.
     """
 
-    interval_steps: int = attrs.field()
-
-    @interval_steps.validator
-    def _check(self, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise errors.InvalidArgumentError(
-                f"interval_steps must be a positive int, got {value!r}."
-            )
+    interval_steps: int = attrs.field(
+        validator=options.int_at_least(1, allowed="an int >= 1 (e.g. 1000)")
+    )
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext
@@ -160,7 +147,11 @@ class EveryNSeconds:
       interval_secs: the spacing, > 0.
     """
 
-    interval_secs: float = attrs.field(validator=_positive)
+    interval_secs: float = attrs.field(
+        validator=options.option_validator(
+            "a number of seconds > 0 (e.g. 3600)", kind=numbers.Real, test=lambda v: v > 0
+        )
+    )
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext
@@ -208,9 +199,9 @@ class BestN:
     """
 
     get_metric_fn: Callable[[Mapping[str, Any]], float] = attrs.field()
-    reverse: bool = False
+    reverse: bool = attrs.field(default=False, validator=options.boolean())
     n: int | None = attrs.field(default=None, validator=_count_or_none)
-    keep_checkpoints_without_metrics: bool = True
+    keep_checkpoints_without_metrics: bool = attrs.field(default=True, validator=options.boolean())
 
     @get_metric_fn.validator
     def _check(self, attribute: object, value: object) -> None:
@@ -261,7 +252,8 @@ class BestN:
 
 
 def _policy_tuple(policies: Iterable[PreservationPolicy]) -> tuple[PreservationPolicy, ...]:
-    return tuple(policies)
+    example = "AnyPreservationPolicy([LatestN(3), EveryNSteps(1000)])"
+    return tuple(as_list("AnyPreservationPolicy", "policies", policies, example))
 
 
 @attrs.frozen
@@ -277,6 +269,7 @@ class AnyPreservationPolicy:
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
+            refuse_class("each of AnyPreservationPolicy's policies", policy, PreservationPolicy)
             if not isinstance(policy, PreservationPolicy):
                 raise errors.InvalidArgumentTypeError(
                     f"AnyPreservationPolicy takes preservation policies (objects with a "

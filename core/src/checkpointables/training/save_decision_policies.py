@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import numbers
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
-from checkpointables import errors
+from checkpointables import errors, options
+from checkpointables.training._arguments import as_list, refuse_class
 from checkpointables.training.step_info import StepInfo
 
 __all__ = [
@@ -113,13 +115,6 @@ class SaveDecisionPolicy(Protocol):
         ...
 
 
-def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise errors.InvalidArgumentError(
-            f"{attribute.name} must be a positive int, got {value!r}."
-        )
-
-
 @attrs.frozen
 class EveryNStepsPolicy:
     """Saves steps that are multiples of ``steps`` (0, N, 2N, ...).
@@ -128,7 +123,7 @@ class EveryNStepsPolicy:
       steps: the interval, > 0.
     """
 
-    steps: int = attrs.field(validator=_positive_int)
+    steps: int = attrs.field(validator=options.int_at_least(1, allowed="an int >= 1 (e.g. 1000)"))
 
     def should_save(
         self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
@@ -138,13 +133,19 @@ class EveryNStepsPolicy:
 
 
 def _steps_set(values: Iterable[int]) -> frozenset[int]:
-    result = frozenset(values)
-    bad = [s for s in result if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    given = as_list("SpecificStepsPolicy", "steps", values, "SpecificStepsPolicy([10, 100])")
+    steps = [options.python_scalar(s) for s in given]  # np.int64(10) is the step 10.
+    wrong_type = [s for s in steps if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+    bad = wrong_type or [s for s in steps if s < 0]
     if bad:
-        raise errors.InvalidArgumentError(
-            f"SpecificStepsPolicy takes integers >= 0, got {sorted(map(repr, bad))}."
+        raise options.invalid_option(
+            "SpecificStepsPolicy",
+            "steps",
+            values,
+            f"a list of steps, ints >= 0 (not {bad[0]!r})",
+            wrong_type=bool(wrong_type),
         )
-    return result
+    return frozenset(int(s) for s in steps)
 
 
 @attrs.frozen
@@ -164,13 +165,6 @@ class SpecificStepsPolicy:
         return step.step in self.steps
 
 
-def _interval_or_none(instance: object, attribute: object, value: float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not value >= 0):
-        raise errors.InvalidArgumentError(
-            f"minimum_interval_secs must be >= 0 or None, got {value!r}."
-        )
-
-
 @attrs.frozen
 class ContinuousCheckpointingPolicy:
     """Saves whenever no save is in flight: the next save starts as soon as the last commits.
@@ -186,7 +180,15 @@ class ContinuousCheckpointingPolicy:
         warning), so that its own, current time is the one measured from.
     """
 
-    minimum_interval_secs: float | None = attrs.field(default=None, validator=_interval_or_none)
+    minimum_interval_secs: float | None = attrs.field(
+        default=None,
+        validator=options.option_validator(
+            "a number of seconds >= 0 (e.g. 600) or None",
+            kind=numbers.Real,
+            test=lambda v: v >= 0,
+            optional=True,
+        ),
+    )
 
     def should_save(
         self, step: StepInfo, previous_steps: Sequence[StepInfo], *, context: DecisionContext
@@ -224,7 +226,8 @@ class InitialSavePolicy:
 
 
 def _policy_tuple(policies: Iterable[SaveDecisionPolicy]) -> tuple[SaveDecisionPolicy, ...]:
-    return tuple(policies)
+    example = "AnySavePolicy([InitialSavePolicy(), EveryNStepsPolicy(1000)])"
+    return tuple(as_list("AnySavePolicy", "policies", policies, example))
 
 
 @attrs.frozen
@@ -240,6 +243,7 @@ class AnySavePolicy:
     @policies.validator
     def _check(self, attribute: object, value: tuple[object, ...]) -> None:
         for policy in value:
+            refuse_class("each of AnySavePolicy's policies", policy, SaveDecisionPolicy)
             if not isinstance(policy, SaveDecisionPolicy):
                 raise errors.InvalidArgumentTypeError(
                     f"AnySavePolicy takes save decision policies (objects with a should_save "
