@@ -176,6 +176,13 @@ def test_bad_arguments_are_named(tmp_path) -> None:
             cp.training.LocalTier(tmp_path, timeout_secs=seconds)
     with pytest.raises(cp.errors.UnsupportedPathError, match="own disk"):
         cp.training.LocalTier("s3://bucket/x")
+    for count in ("2", 2.0):  # A wrong type: both errors, as every option's.
+        with pytest.raises(cp.errors.InvalidArgumentTypeError, match="replicas"):
+            cp.training.LocalTier(tmp_path, replicas=count)
+    assert cp.training.LocalTier(tmp_path, keep=np.int64(3)).keep == 3
+    every_10 = cp.training.save_decision_policies.EveryNStepsPolicy
+    with pytest.raises(cp.errors.InvalidArgumentTypeError, match=r"instance: EveryNStepsPolicy\("):
+        cp.training.LocalTier(tmp_path, save_decision_policy=every_10)
     with pytest.raises(cp.errors.InvalidArgumentTypeError, match="LocalTier"):
         cp.training.Checkpointer(tmp_path / "p", local_tier=str(tmp_path))
     with (

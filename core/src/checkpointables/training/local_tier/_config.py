@@ -7,39 +7,21 @@ import os
 import attrs
 from etils import epath
 
-from checkpointables import errors
+from checkpointables import errors, options
+from checkpointables.training import _arguments as arguments
 from checkpointables.training import save_decision_policies as decision_lib
 
 __all__ = ["LocalTier", "RestoreStats"]
 
 
-def _count(minimum: int):  # type: ignore[no-untyped-def]
-    def check(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise errors.InvalidArgumentError(
-                f"LocalTier({attribute.name}={value!r}): expected an int >= {minimum}."
-            )
-
-    return check
-
-
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise errors.InvalidArgumentError(
-            f"LocalTier({attribute.name}={value!r}): expected a number of seconds > 0."
-        )
-
-
 def _policy(value: object) -> decision_lib.SaveDecisionPolicy:
-    if value is None:
-        # A local save is cheap: save whenever the previous local save has committed.
-        return decision_lib.ContinuousCheckpointingPolicy()
-    if not isinstance(value, decision_lib.SaveDecisionPolicy):
-        raise errors.InvalidArgumentTypeError(
-            f"LocalTier(save_decision_policy={value!r}): expected a save decision policy "
-            f"(e.g. cp.training.save_decision_policies.EveryNStepsPolicy(10))."
-        )
-    return value
+    # None: a local save is cheap, so save whenever the previous local save has committed.
+    return arguments.checked(
+        "LocalTier(save_decision_policy=...)",
+        value,
+        decision_lib.ContinuousCheckpointingPolicy,
+        decision_lib.SaveDecisionPolicy,
+    )
 
 
 def _directory(value: epath.PathLike) -> epath.Path:
@@ -85,10 +67,12 @@ class LocalTier:
     save_decision_policy: decision_lib.SaveDecisionPolicy | None = attrs.field(
         default=None, kw_only=True, converter=_policy
     )
-    replicas: int = attrs.field(default=1, kw_only=True, validator=_count(0))
-    keep: int = attrs.field(default=2, kw_only=True, validator=_count(1))
+    replicas: int = attrs.field(default=1, kw_only=True, validator=options.int_at_least(0))
+    keep: int = attrs.field(default=2, kw_only=True, validator=options.int_at_least(1))
     serve_address: str = attrs.field(default="127.0.0.1", kw_only=True)
-    timeout_secs: float = attrs.field(default=120.0, kw_only=True, validator=_positive)
+    timeout_secs: float = attrs.field(
+        default=120.0, kw_only=True, validator=options.positive_seconds()
+    )
 
 
 @attrs.frozen
