@@ -182,7 +182,9 @@ def _validated(path: epath.Path, raw: dict[str, Any]) -> dict[str, Any]:
     """The known fields of a parsed ``_CHECKPOINT_METADATA``, checked."""
     result: dict[str, Any] = {k: raw.get(k) for k in _KNOWN_FIELDS}
     custom = raw.get("custom_metadata")
-    result["custom_metadata"] = dict(custom) if isinstance(custom, dict) else {}
+    if custom is not None and not isinstance(custom, dict):  # Never dropped unseen.
+        raise _malformed(path, "'custom_metadata' must be an object")
+    result["custom_metadata"] = dict(custom or {})
     # Recorded inside custom_metadata (for Orbax): ours, not the user's.
     if result[DISTRIBUTIONS_FIELD] is None:
         result[DISTRIBUTIONS_FIELD] = result["custom_metadata"].pop(DISTRIBUTIONS_FIELD, None)

@@ -66,6 +66,10 @@ RESERVED_NAMES = frozenset(
     }
 )
 _TMP_PATTERN = re.compile(r"\.checkpointables-(tmp|old)-(\d+)-(\d+)-([0-9a-f]+)$")
+# A partial save (cp.partial) is an ordinary checkpoint at ``<session>/pytree/partial-<seq>``
+# (partial's SOURCE_PREFIX), kept at ``<path>/pytree/partial-<seq>`` once finalized.
+_PARTIAL_PIECE = re.compile(r"partial-[0-9]+")
+_PARTIAL_PIECE_PARENT = "pytree"
 
 
 def validate_checkpointable_name(name: object) -> str:
@@ -169,6 +173,48 @@ def _unpublished_partial_saves(text: str) -> str:
     )
 
 
+def partial_piece_of(path: epath.PathLike) -> tuple[str, str] | None:
+    """``(where it is kept, the checkpoint to load instead)`` if ``path`` is one partial save
+    of ``cp.partial`` (``<session>/pytree/partial-<seq>``, or the same inside the checkpoint
+    ``finalize`` published), else ``None``.
+
+    Such a save is a checkpoint on disk but holds only that call's keys: reading it
+    alone would look like the whole checkpoint. Cheap: names only, and a stat of the
+    grandparent (none on object stores, where the session is the path itself) when
+    the names fit.
+    """
+    text = os.fspath(path).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    if not _PARTIAL_PIECE.fullmatch(name) or parent.rpartition("/")[2] != _PARTIAL_PIECE_PARENT:
+        return None
+    holder = parent.rpartition("/")[0]
+    if not holder:
+        return None
+    if holder.endswith(PARTIAL_SESSION_SUFFIX):
+        return holder, holder.removesuffix(PARTIAL_SESSION_SUFFIX)
+    if not storage.is_local(text) or storage.is_file(_commit_file(holder)):
+        return holder, holder
+    return None
+
+
+def _refuse_partial_piece(path: epath.PathLike) -> None:
+    piece = partial_piece_of(path)
+    if piece is None:
+        return
+    holder, final = piece
+    published = holder == final and is_checkpoint(final)
+    advice = (
+        f"load {final}, the checkpoint finalize published from all of them"
+        if published
+        else f"load {final} after cp.partial.finalize({final!r}) published it"
+    )
+    raise errors.NotACheckpointError(
+        f"{path} is a piece of a partial save (one cp.partial.save call, kept in {holder}), not "
+        f"a checkpoint of its own: it holds only that call's keys. To read the checkpoint, "
+        f"{advice}."
+    )
+
+
 def validate_checkpoint_directory(path: epath.Path, command: str | None = None) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -178,8 +224,9 @@ def validate_checkpoint_directory(path: epath.Path, command: str | None = None) 
 
     Raises:
       FileNotFoundError: nothing exists at ``path``.
-      errors.NotACheckpointError: ``path`` is a file, a temporary directory, or
-        has no ``_CHECKPOINT_METADATA`` (on an object store: no commit marker).
+      errors.NotACheckpointError: ``path`` is a file, a temporary directory, one
+        partial save of ``cp.partial`` (``partial_piece_of``), or has no
+        ``_CHECKPOINT_METADATA`` (on an object store: no commit marker).
     """
     text = os.fspath(path)
     if text.rstrip("/").endswith(PARTIAL_SESSION_SUFFIX):
@@ -189,6 +236,7 @@ def validate_checkpoint_directory(path: epath.Path, command: str | None = None) 
             f"not a checkpoint. Publish them with cp.partial.finalize({final!r}), then load "
             f"{final}."
         )
+    _refuse_partial_piece(text)
     if is_temporary_path(text):
         raise errors.NotACheckpointError(
             f"{path} is the temporary directory of a save that did not finish; it is not a "
@@ -237,6 +285,8 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     (two requests for a checkpoint; one for anything else). A marker alone, or
     a prefix missing its metadata, is not a checkpoint: no save of ours or
     Orbax's commits without it, and a load could not read it.
+    Nor is one partial save of ``cp.partial`` (``partial_piece_of``), before or
+    after ``finalize``: it holds only some of the checkpoint's keys.
 
     Raises:
       cp.errors.StorageError: the object store cannot be reached or refuses the
@@ -247,6 +297,8 @@ def is_checkpoint(path: epath.PathLike) -> bool:
     text = os.fspath(path)
     try:
         if is_temporary_path(text) or not storage.is_file(_commit_file(text)):
+            return False
+        if partial_piece_of(text) is not None:  # Rare: only then a stat more.
             return False
         # Locally the commit file is the metadata; on an object store a load reads it next.
         return storage.is_local(text) or storage.is_file(_metadata_file(text))
@@ -262,6 +314,9 @@ _LOCAL_COPY = re.compile(
     r"p[0-9]+-of-([0-9]+)"
 )  # A local tier's copy of a step: docs/local-tier.md.
 _HINT_LOOKS = 20  # Children looked at (newest first) for a step: one stat, or request, each.
+_HOLDER_SHOWN = 3  # Checkpoints named when a directory holds several.
+# A step's directory name: ``[<prefix>_]<digits>`` (cp.training's standard step name format).
+_STEP_NAME = re.compile(r"(?:.+_)?[0-9]+")
 _HINT_DEPTH = 3  # Ancestors looked at: <checkpoint>/<checkpointable>/<folder>/<folder>.
 
 
@@ -343,10 +398,10 @@ def _holder_hint(path: str, names: list[str], command: str | None) -> str:
             "Restore the step with the Checkpointer whose local_tier saved it "
             "(ckptr.load_pytree(step))",
         )
-    for name in names[:_HINT_LOOKS]:
+    for i, name in enumerate(names[:_HINT_LOOKS]):
         step = _join(path, name)
         if is_checkpoint(step):
-            return _root_hint(path, step, command)
+            return _root_hint(path, step, names[i + 1 : _HINT_LOOKS], command)
         nested = _local_copies(step)
         if nested:
             text = (
@@ -363,7 +418,33 @@ def _holder_hint(path: str, names: list[str], command: str | None) -> str:
     return ""
 
 
-def _root_hint(path: str, step: str, command: str | None) -> str:
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a name a Checkpointer gives a step: an integer, or the standard
+    step name format's ``<prefix>_<integer>``."""
+    return _STEP_NAME.fullmatch(name) is not None
+
+
+def checkpoints_holder(names: Iterable[str]) -> str:
+    """What a directory holding the checkpoints ``names`` is, for a message: a
+    Checkpointer's root "with steps ..." only if every name is a step's name, else "a
+    directory holding checkpoints ...". Example: ``checkpoints_holder(["nx_orbax"])``."""
+    names = list(names)
+    shown = ", ".join(names[:_HOLDER_SHOWN]) + (", ..." if len(names) > _HOLDER_SHOWN else "")
+    if names and all(is_step_name(n) for n in names):
+        return f"a Checkpointer's root (or a directory of checkpoints) with steps {shown}"
+    return f"a directory holding checkpoints {shown}"
+
+
+def _root_hint(path: str, step: str, rest: list[str], command: str | None) -> str:
+    """The hint for ``path`` holding checkpoints: ``step``, the newest, and others among
+    ``rest`` (names newest first; only a few looked at)."""
+    name = os.path.basename(step.rstrip("/"))
+    if not is_step_name(name):
+        others = [n for n in rest[: _HOLDER_SHOWN - 1] if is_checkpoint(_join(path, n))]
+        where = f"It is {checkpoints_holder([name, *others])}, not a checkpoint itself"
+        if command is not None:
+            return f"{where}: {command} one of them: `checkpointables {command} {step}`."
+        return f"{where}: load one of them, e.g. cp.load_pytree({step!r})."
     if command is not None:
         return (
             f"It is a root of several checkpoints (a Checkpointer's steps): {command} one of "

@@ -200,13 +200,15 @@ def _promote(path: epath.Path, staged: epath.Path, target: epath.Path) -> None:
 
 def _end_pending(pending: epath.Path | None, session: epath.Path, *, failed: bool) -> None:
     """Removes a save's ``.pending`` entry (if it made one), and the session if the save
-    failed and left it empty."""
+    failed and left it empty. Only ``os.rmdir``: it removes an empty directory or fails
+    (``epath``'s ``rmdir`` would raise ``ValueError`` over a session holding earlier saves,
+    hiding the save's own error, and deletes by listing first, which is not atomic)."""
     if pending is None:
         return
     with contextlib.suppress(OSError):
         os.rmdir(pending)
         if failed:
-            session.rmdir()  # Only if empty.
+            os.rmdir(os.fspath(session))  # Only if empty (local sessions: ``pending`` is).
 
 
 def _mark_pending(staged: epath.Path) -> epath.Path:
@@ -417,7 +419,8 @@ def _read_source(session: epath.Path, source: epath.Path) -> _Source:
         not match its checksum.
     """
     problems = metadata_checksums.verify(source)
-    if not problems and not layout.is_checkpoint(source):
+    # Not layout.is_checkpoint: that answers False for a piece of a partial save, by design.
+    if not problems and not storage.is_file(source / CHECKPOINT_METADATA_FILE):
         problems = [f"{source / CHECKPOINT_METADATA_FILE} is missing"]
     if problems:
         found = "; ".join(p.rstrip(". ") for p in problems)

@@ -63,6 +63,7 @@ __all__ = [
     "Entry",
     "LocalStorage",
     "MissingStorageError",
+    "PathIsAFileError",
     "StorageFactory",
     "for_path",
     "scheme_of",
@@ -190,6 +191,17 @@ class MissingStorageError(errors.UnsupportedPathError):
     """No installed plugin serves the scheme of a path (``s3://``, ``gs://``, ...)."""
 
 
+class PathIsAFileError(errors.InvalidArgumentError, NotADirectoryError):
+    """A directory cannot be created where a file is (the path, or one of its parents).
+    Both a ``cp.errors.InvalidArgumentError`` and the builtin ``NotADirectoryError``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        NotADirectoryError.__init__(self, code, message)
+
+    def __str__(self) -> str:
+        return f"{self.strerror}."
+
+
 class LocalStorage:
     """The local file system, through ``os`` calls."""
 
@@ -271,8 +283,32 @@ class LocalStorage:
         shutil.rmtree(path, ignore_errors=True)
 
     def make_dirs(self, path: str, mode: int | None = None) -> None:
-        """Creates a directory and its parents."""
-        os.makedirs(path, mode=0o777 if mode is None else mode, exist_ok=True)
+        """Creates a directory and its parents.
+
+        Raises:
+          PathIsAFileError: ``path`` or one of its parents is a file.
+        """
+        try:
+            os.makedirs(path, mode=0o777 if mode is None else mode, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            blocking = _non_directory_in(path)
+            if blocking is None:
+                raise
+            raise PathIsAFileError(
+                errno.ENOTDIR,
+                f"Cannot create the directory {path}: {blocking} is a file, not a directory. "
+                f"Choose a path whose parents are directories, or move {blocking} away",
+            ) from e
+
+
+def _non_directory_in(path: str) -> str | None:
+    """The first of ``path`` and its parents that exists but is no directory, or ``None``."""
+    parts = os.path.normpath(path).split(os.sep)
+    for end in range(1, len(parts) + 1):
+        prefix = os.sep.join(parts[:end]) or os.sep
+        if os.path.exists(prefix) and not os.path.isdir(prefix):
+            return prefix
+    return None
 
 
 _LOCAL = LocalStorage()

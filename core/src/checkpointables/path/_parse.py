@@ -4,7 +4,11 @@ TensorStore's file driver refuses paths with ``..`` components ("Invalid file
 path"), which users write naturally (``../runs/7``). Such a local path is
 resolved as the operating system would resolve it (``os.path.realpath``:
 symbolic links first, then ``..``); any other path is left as given, so
-messages show what the user wrote.
+messages show what the user wrote. A local path starting with ``~`` (or
+``~user``) is expanded to that home directory, as the shell, pandas and
+Hugging Face do (``pathlib`` and ``etils`` do not: a save would silently create
+a directory named ``~``); ``./~`` names a directory really called ``~``. Bytes
+are taken as ``open()`` takes them (``os.fsdecode``).
 
 Object-store URLs are checked here, before any request and before
 ``etils.epath`` reads them: it folds ``s3:///x`` (no bucket) into
@@ -42,27 +46,33 @@ def as_path(path: epath.PathLike) -> epath.Path:
         cp.path.as_path("/tmp/ckpt/100")       # a local path
         cp.path.as_path("memory://x")          # raises cp.errors.UnsupportedPathError
         cp.path.as_path("s3:///ckpt")          # raises cp.errors.InvalidArgumentError
+        cp.path.as_path("~/ckpt/100")          # the home directory's ckpt/100, as in a shell
 
     Raises:
-      cp.errors.InvalidArgumentTypeError: ``path`` is not a str or path-like object.
+      cp.errors.InvalidArgumentTypeError: ``path`` is not a str, bytes or path-like object.
       cp.errors.UnsupportedPathError: the path names a scheme (``memory://``,
         ``ftp://``, ``file://``...) that no storage here reaches.
       cp.errors.InvalidArgumentError: an ``s3://`` or ``gs://`` URL names no
-        bucket, or an S3 bucket name that S3 and TensorStore refuse (``s3://a..b/x``).
+        bucket, or an S3 bucket name that S3 and TensorStore refuse (``s3://a..b/x``),
+        or a local path starts with ``~user`` for no known user (``expand_user``).
     """
     try:
-        text = os.fspath(path)
+        # Bytes, as os.fspath and open() take them: decoded as the file system encodes names.
+        text = os.fsdecode(os.fspath(path))
     except TypeError:
         raise errors.InvalidArgumentTypeError(
-            f"A checkpoint path must be a str or a path-like object, got {type(path).__name__}."
+            f"The checkpoint path argument must be a str, bytes or a path-like object (such as "
+            f"pathlib.Path), got a {type(path).__name__}."
         ) from None
+    if "://" not in text and text.startswith("~"):
+        text = expand_user(text)
     if "://" not in text and ".." in text.split(os.sep):
         return epath.Path(os.path.realpath(text))
     check_bucket(text)
     if isinstance(path, epath.Path):
         return path
     try:
-        return epath.Path(path)
+        return epath.Path(text)
     except KeyError:
         text = str(path)
         scheme = text.split("://", 1)[0] + "://" if "://" in text else text
@@ -71,6 +81,28 @@ def as_path(path: epath.PathLike) -> epath.Path:
             "Use a local path (for file:// URLs, the path without the scheme), or a gs:// or "
             "s3:// URL."
         ) from None
+
+
+def expand_user(text: str) -> str:
+    """A local path starting with ``~`` or ``~user``, with that home directory put in, as
+    the shell does (``os.path.expanduser``): nothing ever creates a directory named ``~``.
+
+    Raises:
+      cp.errors.InvalidArgumentError: ``~user`` names no user, and no such relative
+        directory exists (a directory of that name is used as it is).
+    """
+    expanded = os.path.expanduser(text)
+    if expanded != text:
+        return expanded
+    first = text.split(os.sep, 1)[0]
+    if os.path.lexists(first):
+        return text  # A directory really named so: written ./~x to be unambiguous.
+    raise errors.InvalidArgumentError(
+        f"Cannot use {text!r} as a checkpoint path: it starts with {first!r}, but "
+        f"{'no home directory is known' if first == '~' else f'there is no user {first[1:]!r}'}"
+        f" to put in its place (paths starting with ~ are expanded as the shell does). Write "
+        f"the full path, or ./{text} for a directory really named {first!r}."
+    )
 
 
 def check_bucket(text: str) -> None:
