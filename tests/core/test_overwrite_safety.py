@@ -283,3 +283,12 @@ def test_an_overwrite_never_deletes_a_save_still_writing_inside(
     gate.release.set()
     saving.result(30)
     assert cp.is_checkpoint(path / "sub")
+
+
+def test_a_directory_of_checkpoints_not_named_as_steps_is_not_called_a_root(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "nx_orbax", TREE)
+    with pytest.raises(cp.errors.CheckpointExistsError) as refused:
+        cp.save_pytree(tmp_path, TREE, overwrite=True)
+    message = str(refused.value)
+    assert "a directory holding checkpoints nx_orbax" in message, message
+    assert "steps" not in message and "Checkpointer" not in message, message

@@ -356,11 +356,15 @@ class Occupant:
             )
         steps = _checkpoints_among(self.path, self.names - self.files)
         if steps:
+            # Checkpointer advice only for a root of steps (not for "other, nx_orbax").
+            if all(layout.is_step_name(s) for s in steps):
+                instead = f"<step>, or use cp.training.Checkpointer({os.fspath(self.path)!r})"
+            else:
+                instead = "<name>"
             return (
-                f"{self.path} is not a checkpoint but a Checkpointer's root (or a directory of "
-                f"checkpoints) with steps {_shown(steps)}: a save never replaces it, even with "
-                f"overwrite=True. Save to {self.path}/<step>, or use "
-                f"cp.training.Checkpointer({os.fspath(self.path)!r})."
+                f"{self.path} is not a checkpoint but {layout.checkpoints_holder(sorted(steps))}: "
+                f"a save never replaces it, even with overwrite=True. Save to "
+                f"{self.path}/{instead}."
             )
         unexplained = self.unexplained()
         writing = [n for n in unexplained if _may_be_writing(n)]
