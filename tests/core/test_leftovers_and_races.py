@@ -58,6 +58,23 @@ def test_loads_racing_overwrites_return_one_checkpoint_whole_or_say_it_changed(t
     assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
 
 
+def test_a_checkpoint_in_a_deleted_ones_inode_is_told_from_it(tmp_path) -> None:
+    # ext4 gives the next directory made the inode of one just deleted: a load that opened
+    # the first (and so a check that nothing replaced it) must not take the second for it.
+    from checkpointables import _commit
+
+    path = tmp_path / "ckpt"
+    for _ in range(20):
+        cp.save_pytree(path, {"n": 1}, overwrite=True)
+        inode, opened = path.stat().st_ino, _commit.identity(path)
+        cp.save_pytree(path, {"n": 2}, overwrite=True)  # Frees the first one's inode,
+        cp.save_pytree(path, {"n": 3}, overwrite=True)  # which this one may get.
+        if path.stat().st_ino == inode:
+            assert _commit.identity(path) != opened
+            return
+    pytest.skip("this file system gave no inode back within 20 tries")
+
+
 def test_racing_saves_name_no_directory_that_does_not_exist(tmp_path, misbehaving_handlers) -> None:
     path = tmp_path / "ckpt"
     gate = Gate()

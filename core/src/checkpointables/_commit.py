@@ -700,7 +700,10 @@ MAX_MARKER_BYTES = 64 << 10
 def identity(path: epath.PathLike) -> Identity:
     """What tells this committed checkpoint from one that replaces it at the same path.
 
-    Local: the directory's inode (an overwrite swaps in another directory).
+    Local: the directory's inode and its change time (an overwrite swaps in another
+    directory; file systems such as ext4 give a deleted directory's inode to the next one
+    made, so an overwrite after another could bring the first inode back: the change time,
+    which every rename and every new directory sets, tells them apart).
     Object stores: the version of ``commit_success.txt`` where the storage
     tells it (``storage.Versions``: one HEAD, no body), else its contents
     (ours hold the commit time), read up to ``MAX_MARKER_BYTES``. ``None``
@@ -715,7 +718,7 @@ def identity(path: epath.PathLike) -> Identity:
             stat = os.stat(text)
         except OSError:
             return None
-        return (stat.st_dev, stat.st_ino)
+        return (stat.st_dev, stat.st_ino, stat.st_ctime_ns)
     marker = _join(text, layout.COMMIT_SUCCESS_FILE)
     backend = storage.for_path(marker)
     if isinstance(backend, storage.Versions):
