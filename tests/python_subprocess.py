@@ -17,6 +17,23 @@ import textwrap
 import time
 
 
+def install_fake_distribution(root, name: str, module_source: str) -> dict[str, str]:
+    """Writes plugin module ``name`` (``-`` read as ``_``) of ``module_source`` and a
+    ``.dist-info`` whose entry point (group ``checkpointables``) names it, into ``root``.
+
+    Returns an environment with ``root`` on ``PYTHONPATH``: a process started with it
+    discovers the plugin exactly as an installed distribution's, version 0.3.
+    """
+    module = name.replace("-", "_")
+    (root / f"{module}.py").write_text(textwrap.dedent(module_source))
+    info = root / f"{module}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[checkpointables]\n{name} = {module}\n")
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """Runs ``code`` (dedented) with ``args`` in a new interpreter, with ``env`` added.
 

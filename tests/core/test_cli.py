@@ -272,3 +272,22 @@ def test_a_path_the_system_cannot_resolve_is_one_line_not_a_traceback(
     assert cli.main([command, str(tmp_path / "loop1")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "symbolic links" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "description"),
+    [
+        ("plugins", "list installed plugins"),
+        ("inspect", "print what a checkpoint"),
+        ("verify", "check every metadata file"),
+        ("demo", "train a small JAX model"),
+    ],
+)
+def test_each_built_in_command_help_opens_with_its_description(
+    command, description, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, "--help"])
+    assert exited.value.code == 0
+    usage, _, rest = capsys.readouterr().out.partition("\n\n")
+    assert usage.startswith("usage:") and rest.startswith(description), rest

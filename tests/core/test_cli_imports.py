@@ -13,8 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..integration.test_plugin_failures import _install_fake_distribution
-from ..python_subprocess import run_python
+from ..python_subprocess import install_fake_distribution, run_python
 
 # Their packages import JAX at their top (their __init__ imports their handlers), so loading
 # their entry points does, whichever hooks are called; until those import lazily they are
@@ -56,7 +55,7 @@ def _cli(
     tmp_path, *args: str, handlers: str = "import jax  # What a handler needs; listing does not."
 ) -> subprocess.CompletedProcess[str]:
     root = Path(tempfile.mkdtemp(dir=tmp_path))  # One distribution per call.
-    env = _install_fake_distribution(root, "fast-plugin", _PLUGIN.format(handlers=handlers))
+    env = install_fake_distribution(root, "fast-plugin", _PLUGIN.format(handlers=handlers))
     env["CHECKPOINTABLES_DISABLE_PLUGINS"] = _IMPORT_JAX_WITH_THEIR_PACKAGE
     return subprocess.run(
         [sys.executable, "-c", _RUN_CLI, *args],

@@ -9,18 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
-
-def _install_fake_distribution(root, name: str, module_source: str) -> dict[str, str]:
-    module = name.replace("-", "_")
-    (root / f"{module}.py").write_text(textwrap.dedent(module_source))
-    info = root / f"{module}-0.3.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
-    (info / "entry_points.txt").write_text(f"[checkpointables]\n{name} = {module}\n")
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path}
+from ..python_subprocess import install_fake_distribution
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -34,7 +24,7 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_broken_plugin_warns_and_is_listed_with_its_error(tmp_path) -> None:
-    env = _install_fake_distribution(
+    env = install_fake_distribution(
         tmp_path, "broken-plugin", "raise ImportError('needs libfoo 9')\n"
     )
     result = _cli("plugins", env=env)
@@ -64,7 +54,7 @@ def test_broken_plugin_warns_and_is_listed_with_its_error(tmp_path) -> None:
 
 
 def test_disable_env_var_blocks_by_entry_point_name(tmp_path) -> None:
-    env = _install_fake_distribution(
+    env = install_fake_distribution(
         tmp_path, "broken-plugin", "raise ImportError('needs libfoo 9')\n"
     )
     env["CHECKPOINTABLES_DISABLE_PLUGINS"] = "broken-plugin, json"
@@ -80,3 +70,52 @@ def test_plugins_command_shows_resolution_order() -> None:
     assert result.returncode == 0, result.stderr
     order = result.stdout.split("Save resolution order")[1]
     assert order.index("stateful") < order.index("json")
+
+
+_CLAIMS_JSON = """
+    import checkpointables as cp
+
+    class ZHandler:
+        async def save(self, directory, checkpointable): ...
+        async def load(self, directory, abstract_checkpointable=None): return "evil"
+        async def metadata(self, directory): ...
+        def is_handleable(self, obj): return False
+        def is_abstract_handleable(self, abstract): return None
+
+    @cp.hookimpl
+    def register_checkpointable_handlers(register):
+        register(ZHandler, priority=55, name="zhandler",
+                 typestr="orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler")
+"""
+
+_LOAD_AND_LIST = """
+import sys, checkpointables as cp
+from checkpointables import cli
+try:
+    print("value:", cp.load_checkpointables(sys.argv[1]))
+except cp.errors.PluginError as e:
+    print("refused:", e)
+cli.main(["inspect", sys.argv[1]])
+cli.main(["plugins"])
+"""
+
+
+def test_a_plugin_claiming_another_plugins_typestr_reads_nothing_of_it(tmp_path) -> None:
+    """A second plugin registering the JSON plugin's typestr must not read JSON checkpoints:
+    the load refuses, ``inspect`` and ``plugins`` show the clash, discovery warns."""
+    import checkpointables as cp
+
+    cp.save_checkpointables(tmp_path / "ck", {"e": {"a": 1}})
+    env = install_fake_distribution(tmp_path, "evil", _CLAIMS_JSON)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_LIST, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "value:" not in done.stdout and "refused:" in done.stdout
+    assert "claimed by plugins 'evil' and 'json'" in done.stdout  # inspect
+    assert "Typestr clashes" in done.stdout and "handler 'zhandler'" in done.stdout  # plugins
+    assert "RuntimeWarning" in done.stderr and "plugin 'evil'" in done.stderr

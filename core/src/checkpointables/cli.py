@@ -57,7 +57,24 @@ def _plugins(args: argparse.Namespace) -> int:
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")
+    _print_typestr_clashes()
     return 0
+
+
+def _print_typestr_clashes() -> None:
+    """Each typestr two handlers claim: checkpoints recording it are read by neither."""
+    from checkpointables import handlers, plugins
+
+    contested = plugins.contested_typestrs(handlers.registered_handlers())
+    if not contested:
+        return
+    print(
+        "\nTypestr clashes (neither handler reads or saves these until one is removed or forced):"
+    )
+    for claimed, claimants in contested.items():
+        print(f"  {_escaped(claimed)}: claimed by")
+        for r in claimants:
+            print(f"    {_escaped(plugins.describe_claimant(r))}")
 
 
 def _describe_leaf(leaf: Any) -> tuple[str, int | None]:
@@ -198,11 +215,16 @@ def _inspect(args: argparse.Namespace) -> int:
 def _handler_line(recorded: str | None) -> str:
     """The recorded handler, and which installed plugin reads it (a checkpoint records
     Orbax's names where Orbax reads the data too, so the name alone does not say)."""
-    from checkpointables import handlers
+    from checkpointables import handlers, plugins
 
     if recorded is None:
         return "handler: unrecorded"
-    found = next((r for r in handlers.registered_handlers() if r.matches_typestr(recorded)), None)
+    registered = handlers.registered_handlers()
+    claimants = plugins.contested_typestrs(r for r in registered if r.matches_typestr(recorded))
+    if claimants:
+        who = " and ".join(repr(r.plugin) for r in claimants.get(recorded, ()))
+        return f"handler: {recorded}  (claimed by plugins {who}: read by neither unless forced)"
+    found = next((r for r in registered if r.matches_typestr(recorded)), None)
     if found is None:
         return f"handler: {recorded}  (no installed plugin reads it)"
     return f"handler: {recorded}  (read by plugin {found.plugin!r})"
@@ -402,36 +424,40 @@ def _built_in_parser() -> tuple[argparse.ArgumentParser, Any, argparse.ArgumentP
     # Accepted after the command too; SUPPRESS keeps a -q given before it.
     common = _cli_plugins.quiet_option(default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "plugins", help="list installed plugins and their handlers", parents=[common]
-    )
+    p = _command(sub, common, "plugins", "list installed plugins and their handlers")
     p.set_defaults(run=_plugins)
-    p = sub.add_parser(
+    p = _command(
+        sub,
+        common,
         "inspect",
-        help="print what a checkpoint (or a file a plugin reads) holds, without loading arrays",
-        parents=[common],
+        "print what a checkpoint (or a file a plugin reads) holds, without loading arrays",
     )
     p.add_argument(
         "path", help="a checkpoint, a training root's step, or a file a plugin reads (s3:// too)"
     )
     p.set_defaults(run=_inspect)
-    p = sub.add_parser(
+    p = _command(
+        sub,
+        common,
         "verify",
-        help="check every metadata file and read every chunk, as a load would; exit status 1 "
+        "check every metadata file and read every chunk, as a load would; exit status 1 "
         "if a load would fail or return different values",
-        parents=[common],
     )
     p.add_argument("path", help="a checkpoint (a local path, s3:// or gs://)")
     p.set_defaults(run=_verify)
-    p = sub.add_parser(
-        "demo", help="train a small JAX model with checkpoints, then resume it", parents=[common]
-    )
+    p = _command(sub, common, "demo", "train a small JAX model with checkpoints, then resume it")
     p.add_argument(
         "directory", nargs="?", default=None, help="where to write (default: a temp dir)"
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.set_defaults(run=_demo)
     return parser, sub, common
+
+
+def _command(sub: Any, common: argparse.ArgumentParser, name: str, text: str) -> Any:
+    """Adds built-in command ``name``; ``text`` is both its line in ``--help`` and the
+    description its own ``--help`` opens with (as plugins' commands have)."""
+    return sub.add_parser(name, help=text, description=text, parents=[common])
 
 
 def _with_dashed_values_joined(argv: Sequence[str], value_options: set[str]) -> list[str]:

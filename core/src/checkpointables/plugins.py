@@ -20,7 +20,7 @@ import attrs
 import importlib_metadata
 import pluggy
 
-from checkpointables import hookspecs
+from checkpointables import errors, hookspecs
 from checkpointables.protocols import CheckpointableHandler, PyTreeReader, missing_methods
 from checkpointables.protocols import typestr as typestr_of
 
@@ -160,6 +160,52 @@ def _default_handler_name(handler_cls: type) -> str:
     return name.lower()
 
 
+def typestr_tuple(value: Iterable[str], what: str) -> tuple[str, ...]:
+    """``value`` (``secondary_typestrs=``) as a tuple of non-empty strs; a bare str, whose
+    characters would each become a typestr, is refused."""
+    if isinstance(value, (str, bytes)):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} takes a list of typestrs, got the str {value!r}: pass [{value!r}]."
+        )
+    typestrs = tuple(value)
+    if not all(isinstance(t, str) and t for t in typestrs):
+        raise errors.InvalidArgumentTypeError(
+            f"{what} takes non-empty strs (typestrs like 'module.QualName'), got {typestrs!r}."
+        )
+    return typestrs
+
+
+def contested_typestrs(
+    registrations: Iterable[HandlerRegistration],
+) -> dict[str, tuple[HandlerRegistration, ...]]:
+    """Each typestr that handlers of more than one class claim (as their typestr or a
+    secondary one), with those handlers' registrations, sorted by plugin then name.
+
+    Such a typestr is read by none of them unless the user forces one: which of two
+    plugins wrote a checkpoint cannot be told, and data one plugin wrote must never be
+    read by another silently (docs/handler-resolution.md, "Typestr clashes").
+    """
+    claims: dict[str, dict[type, HandlerRegistration]] = {}
+    for r in registrations:
+        for claimed in (r.typestr, *r.secondary_typestrs):
+            claims.setdefault(claimed, {}).setdefault(r.handler_cls, r)
+    return {
+        claimed: tuple(sorted(by_cls.values(), key=lambda r: (r.plugin, r.name)))
+        for claimed, by_cls in sorted(claims.items())
+        if len(by_cls) > 1
+    }
+
+
+def describe_claimant(r: HandlerRegistration) -> str:
+    """``r`` as a clash names it: handler, class, and where it came from."""
+    origin = (
+        "registered with cp.handlers.register_handler"
+        if r.plugin == USER_PLUGIN
+        else f"of plugin {r.plugin!r}"
+    )
+    return f"handler {r.name!r} ({typestr_of(r.handler_cls)}) {origin}"
+
+
 def make_handler_registration(
     handler_cls: type,
     *,
@@ -190,7 +236,7 @@ def make_handler_registration(
         name=name or _default_handler_name(handler_cls),
         priority=DEFAULT_PRIORITY if priority is None else priority,
         typestr=typestr or typestr_of(handler_cls),
-        secondary_typestrs=tuple(secondary_typestrs),
+        secondary_typestrs=typestr_tuple(secondary_typestrs, "secondary_typestrs="),
         checkpointable_name=checkpointable_name,
         plugin=plugin,
     )
@@ -359,9 +405,8 @@ def _load_plugin(
         handler_cls: type,
         secondary_typestrs: Iterable[str] = (),
     ) -> LeafRegistration:
-        return LeafRegistration(
-            leaf_type, abstract_type, handler_cls, tuple(secondary_typestrs), ep.name
-        )
+        typestrs = typestr_tuple(secondary_typestrs, "register_leaf_handlers' secondary_typestrs")
+        return LeafRegistration(leaf_type, abstract_type, handler_cls, typestrs, ep.name)
 
     def make_reader(cls: type, **kwargs: Any) -> ReaderRegistration:
         return make_reader_registration(cls, plugin=ep.name, **kwargs)
@@ -465,6 +510,7 @@ def discover(
             continue
         everything.extend(registered)
         infos.append(_plugin_info(ep, "loaded", None, registered))
+    _warn_contested(everything.handlers)
     return _Discovery(
         plugins=tuple(infos),
         handlers=_sort_handlers(everything.handlers),
@@ -474,6 +520,23 @@ def discover(
         storages=tuple(everything.storages),
         options=tuple(everything.options),
     )
+
+
+def _warn_contested(registrations: Iterable[HandlerRegistration]) -> None:
+    """Warns of each typestr two plugins' handlers claim: loads of it refuse (neither
+    plugin may read what the other may have written), so the user must choose."""
+    for claimed, claimants in contested_typestrs(registrations).items():
+        names = " and ".join(describe_claimant(r) for r in claimants)
+        entry_names = ",".join(dict.fromkeys(r.plugin for r in claimants))
+        warnings.warn(
+            f"checkpointables plugins clash: {names} both claim the typestr {claimed!r}, so "
+            f"checkpoints recording it are read by neither (nor saved) until you choose: "
+            f"uninstall one, or block it with {DISABLE_ENV_VAR} (one of {entry_names}), or force "
+            f"a handler per checkpointable with "
+            f"cp.options.CheckpointablesOptions.create_with_handlers.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 _lock = threading.RLock()

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from checkpointables import errors, plugins
-from checkpointables.handlers._resolution import install_hint
+from checkpointables.handlers._resolution import install_hint, refuse_contested
 from checkpointables.protocols import typestr as handlers_typestr
 
 H = TypeVar("H", bound=type)
@@ -36,7 +36,10 @@ def register_handler(
         class name, lower-cased, without a ``Handler`` suffix.
       checkpointable_name: if given, the handler is used for that
         checkpointable name only, ahead of resolution.
-      secondary_typestrs: other typestrs (older names) this handler can load.
+      secondary_typestrs: other typestrs (older names) this handler can load, as a list
+        (a bare str is refused with ``cp.errors.InvalidArgumentTypeError``). A typestr
+        that another handler also claims is read by neither: loads of it raise
+        ``cp.errors.PluginError`` until one handler is forced for the checkpointable.
       typestr: what checkpoints record for this handler; defaults to the
         class's ``module.qualname``.
 
@@ -108,6 +111,8 @@ def get(name_or_typestr: Any) -> type:
             return r.handler_cls
     for r in registrations:
         if r.matches_typestr(name_or_typestr):
+            # Two handlers claiming the typestr: returning either would pick one silently.
+            refuse_contested(registrations, name_or_typestr, name_or_typestr, "look up")
             return r.handler_cls
     known = ", ".join(sorted(r.name for r in registrations)) or "none"
     hint = install_hint(name_or_typestr)

@@ -95,6 +95,36 @@ def install_hint(recorded_typestr: str, distribution: tuple[str, str | None] | N
     )
 
 
+def refuse_contested(
+    registrations: Sequence[HandlerRegistration], claimed: str, name: str, doing: str
+) -> None:
+    """Raises ``PluginError`` if handlers of two classes claim the typestr ``claimed``.
+
+    Which of them wrote data recorded under it cannot be told, and data one plugin
+    wrote must never be read by another unless the user says so; so neither is used
+    for checkpointable ``name`` (``doing``: what was asked, for the message).
+    """
+    claimants = plugins.contested_typestrs(
+        r for r in registrations if r.matches_typestr(claimed)
+    ).get(claimed)
+    if not claimants:
+        return
+    names = " and ".join(plugins.describe_claimant(r) for r in claimants)
+    removals = "; ".join(
+        f"cp.handlers.unregister_handler({r.handler_cls.__qualname__})"
+        if r.plugin == plugins.USER_PLUGIN
+        else f"{plugins.DISABLE_ENV_VAR}={r.plugin}"
+        for r in claimants
+    )
+    raise errors.PluginError(
+        f"Cannot {doing} checkpointable {name!r}: its typestr {claimed!r} is claimed by "
+        f"{names}, so which of them wrote such data cannot be told, and neither is used. Say "
+        f"which handler reads it, in cp.Context(checkpointables_options=cp.options."
+        f"CheckpointablesOptions.create_with_handlers({name}=<handler name or class>)), or "
+        f"remove one claimant (uninstall its plugin, or one of: {removals})."
+    )
+
+
 def _describe(registrations: Sequence[HandlerRegistration]) -> str:
     return ", ".join(f"{r.name} ({r.typestr})" for r in registrations) or "none registered"
 
@@ -156,6 +186,16 @@ def _equinox_advice(checkpointable: Any) -> str:
     )
 
 
+def _unforce_advice(name: str) -> str:
+    """What to do instead when the handler forced for ``name`` cannot save the object."""
+    return (
+        f" If the object is not a pytree, save it with cp.save_checkpointables({{{name!r}: obj}}), "
+        f"which picks the handler by the object (JSON, proto, your own), rather than "
+        f"cp.save_pytree; and if CheckpointablesOptions.create_with_handlers({name}=...) is in "
+        f"force, drop {name}= from it."
+    )
+
+
 def resolve_for_save(
     registrations: Sequence[HandlerRegistration],
     checkpointable: Any,
@@ -188,10 +228,11 @@ def resolve_for_save(
                 f"which cannot save an object of type "
                 f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
                 f"{f' ({why})' if why else ''}. Pass an object it accepts: a pytree of arrays "
-                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE}); or force no handler in "
-                f"CheckpointablesOptions."
+                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE}).{_unforce_advice(name)}"
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
+        if match is not None:
+            refuse_contested(registrations, match.typestr, name, "save")
         return match, instance
     scoped = [r for r in registrations if r.checkpointable_name == name]
     generic = [r for r in registrations if r.checkpointable_name is None]
@@ -199,6 +240,7 @@ def resolve_for_save(
     for r in scoped + generic:
         instance = r.handler_cls()
         if instance.is_handleable(checkpointable):
+            refuse_contested(registrations, r.typestr, name, "save")
             return r, instance
         why = _reason(instance, checkpointable)
         if why:
@@ -280,6 +322,7 @@ def resolve_for_load(
     recorded = recorded_typestr
     by_typestr = None
     if recorded is not None:
+        refuse_contested(registrations, recorded, name, "load")
         by_typestr = next((r for r in registrations if r.matches_typestr(recorded)), None)
     if by_typestr is not None:
         instance = by_typestr.handler_cls()
