@@ -101,7 +101,7 @@ def _check_command_and_reader(namespace: dict, tmp_path) -> None:
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         assert run(parser.parse_args([str(tmp_path / "c")])) == 0
-    assert (name, output.getvalue()) == ("points", "p: (1.0, 2.0)\n")
+    assert (name, output.getvalue()) == ("show-points", "p: (1.0, 2.0)\n")
     reader = readers[0][0][0]()
     (tmp_path / "a.point.json").write_text('{"x": 1, "y": 2.5}')
     path = epath.Path(tmp_path / "a.point.json")
