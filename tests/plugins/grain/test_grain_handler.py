@@ -19,7 +19,7 @@ from checkpointables_grain import (
 )
 
 from ...metadata_edits import with_metadata_checksums_recomputed, without_metadata_checksums
-from .pipelines import PIPELINES, data_loader, map_pipeline, take
+from .pipelines import PIPELINES, batched_pipeline, data_loader, map_pipeline, take
 
 
 class _StatefulPoint:
@@ -267,3 +267,11 @@ def test_a_dataset_iterator_state_does_not_record_the_seed(tmp_path) -> None:
     expected = take(it, 2)
     assert take(same, 2) == expected
     assert take(other, 2) != expected
+
+
+@pytest.mark.parametrize("pipeline", [map_pipeline, batched_pipeline, data_loader])
+def test_saving_a_dataset_asks_for_its_iterator(tmp_path, pipeline) -> None:
+    hint = r"grain: a grain\.\w+ has no position to save; save the iterator .*iter\(d"
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=hint):
+        cp.save_checkpointables(tmp_path / "c", {"dataset": pipeline()})
+    assert not os.path.exists(tmp_path / "c")

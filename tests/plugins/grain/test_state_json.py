@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from checkpointables_grain import UnsupportedStateError
 from checkpointables_grain._state_json import StateDecodingError, StateEncodingError, dumps, loads
+from hypothesis import given, settings
+from hypothesis.extra import numpy as hnp
 
 
 def _strict_json(text: str):
@@ -25,8 +27,15 @@ def _same(a, b) -> bool:
     """Equal, and of the same types all the way down (NaN equals NaN)."""
     if type(a) is not type(b):
         return False
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.ndarray | np.generic):
+        # Bytes: NaN and NaT equal themselves. dtype == ignores alignment; the flag does not.
+        return (
+            a.dtype == b.dtype
+            and a.dtype.descr == b.dtype.descr
+            and a.dtype.isalignedstruct == b.dtype.isalignedstruct
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+        )
     if isinstance(a, float | np.floating) and math.isnan(a):
         return bool(math.isnan(b))
     if isinstance(a, dict):
@@ -49,6 +58,11 @@ RICH_STATE = {
     "big_endian": np.array([1, 2], dtype=">i4"),
     "names": np.array(["ab", "c"]),
     "wide": np.complex64(1 + 2j),
+    "text": np.str_("np"),
+    "raw": np.bytes_(b"np"),
+    "records": np.array([(1, 2.5)], dtype=[("a", "<i4"), ("b", "<f8")]),
+    "record": np.array([(3, [4, 5])], dtype=[("a", ">u2"), ("b", "<i1", (2,))])[0],
+    "aligned": np.zeros(2, dtype=np.dtype([("a", "i1"), ("b", [("c", "<f4")])], align=True)),
     "nan": float("nan"),
     "inf": [float("inf"), float("-inf"), np.float64("nan")],
     "tag_lookalike": {"__checkpointables__": "bytes", "base64": "not ours"},
@@ -74,6 +88,12 @@ def test_plain_states_are_written_as_grain_writes_them() -> None:
         ({"a": [1, object()]}, r"state\['a'\]\[1\] is a builtins.object"),
         ({"s": {1, 2}}, r"state\['s'\] is a builtins.set"),
         ({"o": np.array([None])}, r"state\['o'\] is a NumPy array of Python objects"),
+        (
+            {"r": np.zeros(1, dtype=[("a", "O")])},
+            r"state\['r'\] is a NumPy array of Python objects",
+        ),
+        ({"n": [10**5000]}, r"state\['n'\]\[0\] is an integer of 16,610 bits, more than"),
+        ({-(10**4300): 1}, r"state key <an integer of 14,285 bits> is an integer of 14,285 bits"),
     ],
 )
 def test_unsupported_values_are_named(state, where) -> None:
@@ -89,11 +109,44 @@ def test_unsupported_values_are_named(state, where) -> None:
         '{"__checkpointables__": "float", "value": "1e400"}',
         '{"__checkpointables__": "ndarray", "dtype": "O", "shape": [1], "base64": ""}',
         '{"__checkpointables__": "tuple"}',
+        # Structured dtypes: only what a save writes, exactly; nothing NumPy would build.
+        '{"__checkpointables__": "ndarray", "dtype": {"names": ["a"], "formats": ["O"], '
+        '"offsets": [0], "itemsize": 8}, "shape": [0], "base64": ""}',
+        '{"__checkpointables__": "ndarray", "dtype": {"names": ["a"], "formats": ["<i4"], '
+        '"offsets": [0], "itemsize": 4, "evil": 1}, "shape": [0], "base64": ""}',
+        '{"__checkpointables__": "ndarray", "dtype": {"names": ["a"], "formats": ["<i4"]}, '
+        '"shape": [0], "base64": ""}',
+        '{"__checkpointables__": "ndarray", "dtype": {"base": "<i4", "shape": [-1]}, '
+        '"shape": [0], "base64": ""}',
+        '{"__checkpointables__": "ndarray", "dtype": ["<i4"], "shape": [0], "base64": ""}',
+        '{"__checkpointables__": "ndarray", "dtype": '
+        + '{"names": ["a"], "offsets": [0], "itemsize": 4, "formats": [' * 300
+        + '"<i4"'
+        + "]}" * 300
+        + ', "shape": [0], "base64": ""}',
     ],
 )
 def test_malformed_text_is_refused(text) -> None:
     with pytest.raises(StateDecodingError):
         loads(text)
+
+
+def _no_objects(dtype: np.dtype) -> bool:
+    return not dtype.hasobject
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    hnp.arrays(
+        hnp.nested_dtypes(
+            subtype_strategy=hnp.scalar_dtypes().filter(_no_objects), max_itemsize=64
+        ).filter(_no_objects),
+        hnp.array_shapes(min_dims=0, max_dims=2, max_side=3),
+    )
+)
+def test_any_numpy_array_or_scalar_round_trips(array: np.ndarray) -> None:
+    state = {"array": array, "scalar": array.reshape(-1)[0] if array.size else array[()]}
+    assert _same(loads(dumps(state)), state)
 
 
 def test_unknown_tag_asks_for_an_upgrade() -> None:
@@ -137,4 +190,11 @@ def test_unsupported_state_fails_before_anything_is_written(tmp_path) -> None:
     it = RichStateIterator(extra=object())
     with pytest.raises(UnsupportedStateError, match=r"'dataset'.*state\['extra'\]"):
         cp.save_checkpointables(tmp_path / "c", {"x": {"a": 1}, "dataset": it})
+    assert os.listdir(tmp_path) == []
+
+
+def test_too_long_integer_is_refused_with_where(tmp_path) -> None:
+    it = RichStateIterator(extra={"seed": 10**5000})
+    with pytest.raises(UnsupportedStateError, match=r"state\['extra'\]\['seed'\].*digits"):
+        cp.save_checkpointables(tmp_path / "c", {"dataset": it})
     assert os.listdir(tmp_path) == []

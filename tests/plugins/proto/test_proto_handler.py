@@ -327,3 +327,9 @@ def test_a_class_that_is_no_message_is_named(tmp_path) -> None:
     cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=5)})
     with pytest.raises(MessageTypeMismatchError, match="got the class int"):
         cp.load_checkpointables(tmp_path / "c", {"d": int})
+
+
+def test_saving_a_message_class_asks_for_an_instance(tmp_path) -> None:
+    hint = r"proto: Duration is a message class; save a message, an instance such as Duration"
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=hint):
+        cp.save_checkpointables(tmp_path / "c", {"timeout": duration_pb2.Duration})

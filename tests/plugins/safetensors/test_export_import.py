@@ -67,7 +67,9 @@ def test_export_is_read_by_safetensors_with_transformers_names(tmp_path, capsys)
 def test_whole_tree_export_skips_what_safetensors_cannot_hold(tmp_path, capsys) -> None:
     cp.save_pytree(tmp_path / "ckpt", train_state())
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
-    assert "skipped 1 leaves safetensors cannot hold: [\"['note']\"]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped 1 leaves safetensors cannot hold (not arrays, or PRNG keys" in out
+    assert "[\"['note']\"]" in out
     tensors = load_file(tmp_path / "out" / "model.safetensors")
     assert tensors["step"].shape == () and tensors["step"] == 1200
     assert "params.model.layers.0.self_attn.q_proj.weight" in tensors
@@ -212,6 +214,59 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys) -> None:
         export_checkpoint(tmp_path / "ckpt", tmp_path / "o", subtree="parms")
     with pytest.raises(ValueError, match=r"\[.c.\] \(safetensors cannot store complex128: Unknown"):
         save_pytree(tmp_path / "c.safetensors", {"c": np.ones(2, np.complex128)})
+
+
+def nnx_like_state() -> dict:
+    """The leaves nnx.state(model) has for a Linear and a Dropout (typed RNG key, count)."""
+    return {
+        "dropout": {"rngs": {"count": np.uint32(0), "key": jax.random.key(0)}},
+        "linear": {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(3, np.float32)},
+    }
+
+
+def test_prng_keys_are_skipped_and_listed_by_export_and_save_pytree(tmp_path, capsys) -> None:
+    cp.save_pytree(tmp_path / "ckpt", nnx_like_state())
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "PRNG keys: RNG state, not weights" in out and "['dropout']['rngs']['key']" in out
+    assert set(load_file(tmp_path / "out.safetensors")) == {
+        "dropout.rngs.count",
+        "linear.kernel",
+        "linear.bias",
+    }
+    result = save_pytree(tmp_path / "py.safetensors", nnx_like_state())
+    assert result.skipped == ("['dropout']['rngs']['key']",) and result.tensors == 3
+
+
+def test_unstorable_dtypes_are_invalid_arguments_with_advice_for_each_caller(
+    tmp_path, capsys
+) -> None:
+    tree = {"w": np.ones(2, np.float32), "c": np.ones(2, np.complex128)}
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"nnx\.state\(model, nnx\.Param\)"):
+        save_pytree(tmp_path / "c.safetensors", tree)
+    cp.save_pytree(tmp_path / "ckpt", tree)
+    with pytest.raises(cp.errors.InvalidArgumentError, match=r"subtree='KEY' in export_checkpoint"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "c.safetensors")
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "c.safetensors")]) == 2
+    assert "--subtree KEY on the command line" in capsys.readouterr().err
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out.safetenors", "model.safetensors.index.json"])
+def test_an_output_named_like_another_kind_of_file_is_refused(tmp_path, capsys, name) -> None:
+    cp.save_pytree(tmp_path / "ckpt", {"w": np.ones(4, np.float32)})
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert f"ends in {os.path.splitext(name)[1]!r}, not .safetensors" in err
+    assert "end the path with a slash" in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    # A directory by choice: a trailing slash, or one that exists.
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / name) + "/"]) == 0
+    assert os.path.exists(tmp_path / name / "model.safetensors")
+    result = save_pytree(tmp_path / name, {"w": np.ones(4, np.float32)}, overwrite=True)
+    assert result.files == (str(tmp_path / name / "model.safetensors"),)
+    # Dotted names that are no extension stay directories.
+    assert save_pytree(tmp_path / "gemma-2.0", {"w": np.ones(1, np.float32)}).tensors == 1
 
 
 @pytest.mark.parametrize("option", ["--max-shard-size", "--host-memory"])

@@ -365,3 +365,44 @@ def test_an_index_naming_a_tensor_twice_is_refused(tmp_path) -> None:
             cp.errors.MetadataError, match=r"index.json lists \['model.norm.weight'\] more"
         ):
             read(tmp_path / "hub")
+
+
+def test_an_index_nested_too_deeply_is_a_metadata_error_everywhere(tmp_path, capsys) -> None:
+    from checkpointables import cli
+
+    index = tmp_path / "idx" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    index.write_text('{"weight_map":' + "[" * 100_000 + "]" * 100_000 + "}")
+    for read in (cp.load_pytree, cp.pytree_metadata):
+        with pytest.raises(cp.errors.MetadataError, match="nested too deeply") as raised:
+            read(tmp_path / "idx")
+        assert str(index) in str(raised.value)
+    for command in (
+        ["inspect", str(tmp_path / "idx")],
+        ["import", str(index), str(tmp_path / "ck")],
+    ):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "nested too deeply" in err, err
+        assert "Traceback" not in err
+
+
+def test_an_index_larger_than_any_index_is_refused_unread(tmp_path) -> None:
+    index = write_sharded(tmp_path / "hub", model_tensors())
+    with open(index, "r+b") as f:  # Sparse: costs no disk, and must cost no memory.
+        f.truncate(cp.metadata_checksums.MAX_FILE_BYTES + 1)
+    with pytest.raises(cp.errors.MetadataError, match=r"holds more than 268,435,456 bytes"):
+        cp.load_pytree(tmp_path / "hub")
+
+
+def test_a_directory_of_two_indexes_names_one_to_give_any_caller(tmp_path, capsys) -> None:
+    from checkpointables import cli
+
+    index = write_sharded(tmp_path / "hub", model_tensors())
+    os.link(index, tmp_path / "hub" / "other.safetensors.index.json")
+    with pytest.raises(cp.errors.MetadataError, match="holds several indexes") as raised:
+        cp.load_pytree(tmp_path / "hub")
+    assert f"e.g. {index}." in str(raised.value) and "cp.load_pytree" not in str(raised.value)
+    assert cli.main(["import", str(tmp_path / "hub"), str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert f"Give the path of one instead of the directory, e.g. {index}." in err

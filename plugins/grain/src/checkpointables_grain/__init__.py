@@ -401,6 +401,20 @@ class GrainIteratorHandler:
         """True for ``grain.DatasetIterator`` and ``grain.DataLoader`` iterators."""
         return _grain_types.iterator_kind(checkpointable) is not None
 
+    def unhandleable_reason(self, checkpointable: Any) -> str | None:
+        """For a Grain dataset or data loader given to save: pass its iterator instead
+        (``cp.protocols.ExplainsUnhandleable``). ``None`` for anything else, which is
+        no concern of Grain's."""
+        kind = _grain_types.source_kind(checkpointable)
+        if kind is None:
+            return None
+        source = "data_loader" if kind == "DataLoader" else "dataset"
+        return (
+            f"a grain.{kind} has no position to save; save the iterator you draw from, "
+            f"iter({source}), whose position is saved (a load may take the {kind} itself "
+            f"and makes the iterator with iter())"
+        )
+
     def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
         """True for Grain iterators, datasets and data loaders; undecided otherwise."""
         if _grain_types.iterator_kind(abstract_checkpointable) is not None:

@@ -10,7 +10,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-__all__ = ["DATASET_ITERATOR", "DATA_LOADER_ITERATOR", "iterator_kind", "is_iterable_source"]
+__all__ = [
+    "DATASET_ITERATOR",
+    "DATA_LOADER_ITERATOR",
+    "iterator_kind",
+    "is_iterable_source",
+    "source_kind",
+]
 
 IteratorKind = Literal["DatasetIterator", "DataLoaderIterator"]
 DATASET_ITERATOR: IteratorKind = "DatasetIterator"
@@ -54,18 +60,19 @@ def iterator_kind(obj: Any) -> IteratorKind | None:
     return None
 
 
-def is_iterable_source(obj: Any) -> bool:
-    """Whether ``obj`` is a Grain dataset or data loader (``iter()`` makes an iterator)."""
+def source_kind(obj: Any) -> str | None:
+    """Which Grain dataset or data loader ``obj`` is (``"MapDataset"``, ``"IterDataset"``,
+    ``"DataLoader"``: the public class it derives from), or ``None`` if it is none."""
     grain = _grain()
     if grain is None or isinstance(obj, type):
-        return False
-    sources = tuple(
-        t
-        for t in (
-            getattr(grain, "MapDataset", None),
-            getattr(grain, "IterDataset", None),
-            getattr(grain, "DataLoader", None),
-        )
-        if t is not None
-    )
-    return bool(sources) and isinstance(obj, sources)
+        return None
+    for name in ("MapDataset", "IterDataset", "DataLoader"):
+        source = getattr(grain, name, None)
+        if isinstance(source, type) and isinstance(obj, source):
+            return name
+    return None
+
+
+def is_iterable_source(obj: Any) -> bool:
+    """Whether ``obj`` is a Grain dataset or data loader (``iter()`` makes an iterator)."""
+    return source_kind(obj) is not None

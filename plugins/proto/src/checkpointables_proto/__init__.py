@@ -96,6 +96,18 @@ class ProtoHandler:
         """True for protobuf message instances."""
         return _types.is_message(checkpointable)
 
+    def unhandleable_reason(self, checkpointable: Any) -> str | None:
+        """For a message class given to save: pass an instance of it
+        (``cp.protocols.ExplainsUnhandleable``); ``None`` for anything else, which is no
+        concern of protobuf's."""
+        if not _types.is_message_class(checkpointable):
+            return None
+        name = checkpointable.__qualname__
+        return (
+            f"{name} is a message class; save a message, an instance such as {name}(...) "
+            f"(the class is what a load takes, to say which type to parse into)"
+        )
+
     def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
         """True for message classes and instances; undecided for anything else."""
         if _types.is_message_class(abstract_checkpointable) or _types.is_message(

@@ -101,7 +101,10 @@ def _export(args: argparse.Namespace) -> int:
         print(f"  {file}")
     if result.skipped:
         skipped = list(result.skipped)
-        print(f"skipped {len(skipped)} leaves safetensors cannot hold: {skipped}")
+        print(
+            f"skipped {len(skipped)} leaves safetensors cannot hold (not arrays, or PRNG keys: "
+            f"RNG state, not weights): {skipped}"
+        )
     return 0
 
 

@@ -3,11 +3,13 @@
 Tensor names are key paths joined with dots (``{"model": {"layers": [{"w":
 ...}]}}`` gives ``model.layers.0.w``, as transformers names weights), taken
 below ``subtree`` when one is given. Arrays and numeric scalars (as 0-d
-tensors) are exported; leaves that are not arrays (strings...) are skipped
-and reported; arrays of dtypes safetensors cannot store (complex128, typed
-PRNG keys) are an error naming them. A checkpoint is read in batches of about
-``BATCH_BYTES``, in the order the files are written, so an export holds at
-most one batch in memory whatever the model's size.
+tensors) are exported; leaves that are not arrays (strings...) and typed
+PRNG keys (RNG state, such as an NNX model's ``rngs``: no weight, and no
+safetensors dtype holds one) are skipped and reported; arrays of other dtypes
+safetensors cannot store (complex128) are an error naming them. A checkpoint
+is read in batches of about ``BATCH_BYTES``, in the order the files are
+written, so an export holds at most one batch in memory whatever the model's
+size.
 
 Under a host-memory budget (``cp.options.MemoryOptions``) batches are a quarter
 of it at most, and a tensor larger than a batch is loaded onto the default
@@ -69,11 +71,11 @@ def _as_entry(name: str, leaf: Any) -> tuple[TensorEntry, Any] | None:
     if isinstance(leaf, bool | int | float) and not isinstance(leaf, np.generic):
         return TensorEntry(name, (), np.asarray(leaf).dtype), leaf
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
+    if shape is None or dtype is None or _is_prng_key(dtype):
         return None
     try:
         dtype = np.dtype(dtype)
-    except TypeError:  # e.g. typed PRNG keys.
+    except TypeError:  # An extended dtype JAX has besides PRNG keys.
         raise ValueError(f"safetensors cannot store {dtype}") from None
     code_of(dtype)  # Raises ValueError for dtypes it cannot store (complex128...).
     entry = TensorEntry(name, tuple(shape), dtype)
@@ -83,8 +85,32 @@ def _as_entry(name: str, leaf: Any) -> tuple[TensorEntry, Any] | None:
     return entry, np.broadcast_to(np.empty((), dtype), entry.shape)
 
 
-def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any, int]:
-    """The exportable leaves under ``prefix``, the skipped key paths, the treedef and leaf count."""
+def _is_prng_key(dtype: Any) -> bool:
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:  # Not a dtype at all: left to np.dtype to refuse.
+        return False
+
+
+# What to do about arrays of dtypes safetensors cannot store, said for each caller.
+_CHECKPOINT_ADVICE = (
+    "Export a subtree without them (--subtree KEY on the command line, subtree='KEY' in "
+    "export_checkpoint), or save a checkpoint with them cast first"
+)
+_TREE_ADVICE = (
+    "Pass a tree without them (for Flax NNX, e.g. nnx.state(model, nnx.Param)), or cast "
+    "them first (x.astype(np.float32), or two real arrays for x.real and x.imag)"
+)
+
+
+def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], list[str], Any, int]:
+    """The exportable leaves under ``prefix``, the skipped key paths, the treedef and leaf count.
+
+    Raises:
+      cp.errors.InvalidArgumentError: arrays safetensors cannot store (saying ``advice``),
+        or two leaves of one name.
+      KeyError: ``prefix`` selects no leaf.
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     head = f"{prefix}{_names.SEPARATOR}" if prefix else ""
     leaves, skipped, unsupported, seen = [], [], [], set()
@@ -107,17 +133,16 @@ def _leaves(tree: Any, prefix: str | None) -> tuple[list[_Leaf], list[str], Any,
             skipped.append(jax.tree_util.keystr(keypath))
             continue
         if name in seen:
-            raise ValueError(
+            raise cp.errors.InvalidArgumentError(
                 f"Two leaves are both named {name!r} once their keys are joined with dots (a key "
                 f"holds a dot); safetensors names must be unique. Rename the key."
             )
         seen.add(name)
         leaves.append(_Leaf(position, *found))
     if unsupported:
-        raise ValueError(
+        raise cp.errors.InvalidArgumentError(
             f"{len(unsupported)} arrays have dtypes safetensors cannot store: "
-            f"{'; '.join(unsupported[:8])}. Export a subtree without them (--subtree), or cast "
-            f"them first."
+            f"{'; '.join(unsupported[:8])}. {advice}."
         )
     if prefix and not leaves and not skipped:
         _names.subtree(tree, prefix)  # Raises KeyError naming the keys there.
@@ -220,10 +245,14 @@ def export_checkpoint(
 
     Raises:
       cp.errors.UnsupportedPathError: ``out`` is a URL (``s3://``...), before any work.
+      cp.errors.InvalidArgumentError: ``out`` is named like a file of another kind
+        (``out.txt``), or the tree holds arrays of dtypes safetensors cannot store
+        (``complex128``; typed PRNG keys are skipped), naming them.
+      KeyError: ``subtree`` selects no leaf.
     """
     output = Output.at(out)  # A URL is refused before any work.
     meta = cp.pytree_metadata(checkpoint)
-    leaves, skipped, treedef, count = _leaves(meta.metadata, subtree)
+    leaves, skipped, treedef, count = _leaves(meta.metadata, subtree, _CHECKPOINT_ADVICE)
     shards, leaves = _plan(leaves, max_shard_size)
     imported = (meta.custom_metadata or {}).get(IMPORTED_METADATA_KEY)
     header = {**FORMAT_METADATA, **(imported if isinstance(imported, dict) else {})}
@@ -254,9 +283,15 @@ def save_pytree(
     Example::
 
         save_pytree("finetuned/", {"model": params})   # finetuned/model.safetensors
+
+    Leaves that are not arrays (strings) and typed PRNG keys (an NNX model's
+    ``rngs``) are skipped and listed in the result's ``skipped``.
+
+    Raises:
+      cp.errors.InvalidArgumentError: as ``export_checkpoint``.
     """
     output = Output.at(out)  # A URL is refused before any work.
-    leaves, skipped, _, _ = _leaves(pytree, None)
+    leaves, skipped, _, _ = _leaves(pytree, None, _TREE_ADVICE)
     shards, leaves = _plan(leaves, max_shard_size)
     flat = jax.tree_util.tree_leaves(pytree, is_leaf=lambda x: x is None)
     arrays = (_host_or_streamed(flat[leaf.position], leaf.entry) for leaf in leaves)

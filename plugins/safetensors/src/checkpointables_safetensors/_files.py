@@ -207,9 +207,11 @@ def _files_of(path: epath.Path) -> tuple[list[str], dict[str, str] | None]:
         names = sorted(os.listdir(local))
         indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
         if len(indexes) > 1:
+            # Said for every caller (load_pytree, inspect, import): name the index, not the
+            # directory.
             raise cp.errors.MetadataError(
-                f"{path} holds several indexes {indexes}; load one of them "
-                f"(cp.load_pytree('{path}/{indexes[0]}'))."
+                f"{path} holds several indexes {indexes}, and which to read is not clear. "
+                f"Give the path of one instead of the directory, e.g. {path / indexes[0]}."
             )
         if indexes:
             return _files_of(path / indexes[0])
@@ -243,15 +245,32 @@ def _unique_keys(what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]
     return unique
 
 
+# An index names files, not data: a model of a million tensors has one of some
+# tens of MB. Bounded like a checkpoint's metadata files, so a damaged or hostile
+# one (a sparse file of many GiB) is refused before it is read.
+MAX_INDEX_BYTES = cp.metadata_checksums.MAX_FILE_BYTES
+
+
 def _read_index(index: str) -> dict[str, str]:
     """The index's ``weight_map``.
 
     Raises:
-      cp.errors.MetadataError: the index is not JSON of that form, or repeats a key.
+      cp.errors.MetadataError: the index is not JSON of that form (or nested too deeply
+        to parse), repeats a key, or holds more than ``MAX_INDEX_BYTES``.
     """
     try:
-        with open(cp.storage.open_regular_file(index), encoding="utf-8") as f:
-            weight_map = json.load(f, object_pairs_hook=_unique_keys(index))["weight_map"]
+        raw = cp.storage.read_bytes(index, max_bytes=MAX_INDEX_BYTES)
+    except cp.errors.MetadataError:
+        raise cp.errors.MetadataError(
+            f"{index} holds more than {MAX_INDEX_BYTES:,} bytes, more than a safetensors "
+            f"index (tensor names and file names) ever holds: it is damaged or not an index. "
+            f"Load the *{SUFFIX} files' directory without it, or restore it from a copy."
+        ) from None
+    except OSError as e:
+        raise _not_an_index(index, e) from e
+    try:
+        document = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys(index))
+        weight_map = document["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and os.path.basename(v) == v
             for k, v in weight_map.items()
@@ -259,12 +278,20 @@ def _read_index(index: str) -> dict[str, str]:
             raise ValueError("weight_map must map tensor names to file names in its directory")
     except cp.errors.MetadataError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise cp.errors.MetadataError(
-            f"{index} is not a valid safetensors index ({type(e).__name__}: {e}); it must be "
-            f'JSON like {{"weight_map": {{"tensor name": "model-00001-of-00002.safetensors"}}}}.'
-        ) from e
+    except RecursionError:  # The parser's, unwound cleanly: JSON nested beyond its depth.
+        raise _not_an_index(index, "it holds JSON nested too deeply to parse") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise _not_an_index(index, e) from e
     return weight_map
+
+
+def _not_an_index(index: str, problem: Exception | str) -> cp.errors.MetadataError:
+    if isinstance(problem, Exception):
+        problem = f"{type(problem).__name__}: {problem}"
+    return cp.errors.MetadataError(
+        f"{index} is not a valid safetensors index ({problem}); it must be "
+        f'JSON like {{"weight_map": {{"tensor name": "model-00001-of-00002.safetensors"}}}}.'
+    )
 
 
 def _data_starts(file: str) -> dict[str, int]:

@@ -118,6 +118,7 @@ class Output:
                 f"must be a *{SUFFIX} path or a directory (for {DEFAULT_FILE_NAME}). Name it "
                 f"{os.path.basename(text)}{SUFFIX}, or remove the file first."
             )
+        _refuse_a_file_name(path, text)
         return cls(text, DEFAULT_FILE_NAME.removesuffix(SUFFIX))
 
     def file_names(self, count: int) -> list[str]:
@@ -142,6 +143,30 @@ class Output:
         ours = {self.stem + SUFFIX, self.index_name}
         found = [n for n in names if n in ours or shard.fullmatch(n)]
         return [os.path.join(self.directory, n) for n in sorted(found)]
+
+
+# A name's extension: letters, then letters or digits ("out.txt", "model.safetenors",
+# "weights.pt"); not "gemma-2.0" or "run.5", which name directories as often as not.
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,15}")
+
+
+def _refuse_a_file_name(path: os.PathLike[str] | str, text: str) -> None:
+    """Refuses a new output named like a file of another kind (``out.txt``, a typo such as
+    ``out.safetenors``), which would otherwise become a directory holding
+    ``model.safetensors``. A path ending in a separator, or a directory that exists, is a
+    directory by choice."""
+    given = os.fspath(path)
+    if os.path.isdir(text) or given.endswith((os.sep, "/")):
+        return
+    extension = os.path.splitext(text)[1]
+    if not _EXTENSION.fullmatch(extension):
+        return
+    raise cp.errors.InvalidArgumentError(
+        f"{given} ends in {extension!r}, not {SUFFIX}: the output is a *{SUFFIX} file, or a "
+        f"directory to write {DEFAULT_FILE_NAME} in. Name the file "
+        f"{os.path.splitext(given)[0]}{SUFFIX}; for a directory of that name, end the path "
+        f"with a slash ({given}/) or create the directory first."
+    )
 
 
 def parse_size(text: str | int) -> int:
