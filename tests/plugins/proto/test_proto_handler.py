@@ -333,3 +333,10 @@ def test_saving_a_message_class_asks_for_an_instance(tmp_path) -> None:
     hint = r"proto: Duration is a message class; save a message, an instance such as Duration"
     with pytest.raises(cp.errors.NoHandlerForObjectError, match=hint):
         cp.save_checkpointables(tmp_path / "c", {"timeout": duration_pb2.Duration})
+
+
+def test_a_message_given_to_save_pytree_names_the_handler_that_saves_it(tmp_path) -> None:
+    hint = r"The proto handler saves it: save it with cp.save_checkpointables\({'pytree': obj}\)"
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match=hint):
+        cp.save_pytree(tmp_path / "c", duration_pb2.Duration(seconds=1))
+    assert not (tmp_path / "c").exists()

@@ -186,14 +186,30 @@ def _equinox_advice(checkpointable: Any) -> str:
     )
 
 
-def _unforce_advice(name: str) -> str:
-    """What to do instead when the handler forced for ``name`` cannot save the object."""
+def _unforce_advice(
+    registrations: Sequence[HandlerRegistration], forced: type, checkpointable: Any, name: str
+) -> str:
+    """What to do instead when the handler forced for ``name`` cannot save the object: the
+    registered handler that can, by name, where there is one."""
+    saver = next((r for r in registrations if _saves(r, forced, checkpointable)), None)
+    who = f"The {saver.name} handler saves it" if saver else "If the object is not a pytree"
     return (
-        f" If the object is not a pytree, save it with cp.save_checkpointables({{{name!r}: obj}}), "
+        f" {who}: save it with cp.save_checkpointables({{{name!r}: obj}}), "
         f"which picks the handler by the object (JSON, proto, your own), rather than "
         f"cp.save_pytree; and if CheckpointablesOptions.create_with_handlers({name}=...) is in "
         f"force, drop {name}= from it."
     )
+
+
+def _saves(registration: HandlerRegistration, forced: type, checkpointable: Any) -> bool:
+    """Whether ``registration``'s handler, not the forced one, would save ``checkpointable``
+    (a handler that fails to tell counts as no)."""
+    if registration.handler_cls is forced:
+        return False
+    try:
+        return bool(registration.handler_cls().is_handleable(checkpointable))
+    except Exception:  # Only a hint: a third-party handler's failure must not hide the error.
+        return False
 
 
 def resolve_for_save(
@@ -228,7 +244,8 @@ def resolve_for_save(
                 f"which cannot save an object of type "
                 f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
                 f"{f' ({why})' if why else ''}. Pass an object it accepts: a pytree of arrays "
-                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE}).{_unforce_advice(name)}"
+                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE})."
+                f"{_unforce_advice(registrations, forced, checkpointable, name)}"
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
         if match is not None:
