@@ -78,10 +78,12 @@ IN_FLIGHT_BYTES = 128 << 20
 # through a sink, are read as byte ranges straight into their regions, as under a budget:
 # read whole, a sharded or many-chunk array is held on the host twice (the stored bytes, then
 # the regions cut from them), and is slower for the page faults of the second copy. Pieces of
-# UNBOUNDED_PIECE, at most UNBOUNDED_LIMIT bytes of them in flight (as a budget of 256 MiB).
+# UNBOUNDED_PIECE, at most UNBOUNDED_LIMIT bytes of them in flight (as a budget of 32 MiB):
+# only pieces that are not one block of a region (resharding) are held besides the state,
+# and larger ones (32 MiB, 128 MiB in flight) were no faster (docs/memory.md, Measured).
 UNBOUNDED_STREAM_BYTES = 4 << 20
-UNBOUNDED_PIECE = 32 << 20
-UNBOUNDED_LIMIT = IN_FLIGHT_BYTES
+UNBOUNDED_PIECE = 4 << 20
+UNBOUNDED_LIMIT = 16 << 20
 # Bytes of arrays per group of whole reads (a larger array is a group of its own): a
 # group is read, checked and converted by one worker thread, and several per thread
 # even out their ends.
