@@ -192,7 +192,8 @@ class Reader:
 
     async def _run_unbounded(self, context: ts.Context) -> None:
         """Reads without a budget: every array at once, the large ones this library wrote
-        as byte ranges straight into their regions (``_ranged_reads``), the rest whole."""
+        (or this process's part of them) as byte ranges straight into their regions
+        (``_ranged_reads``), the rest whole or through the driver."""
         large = [r for r in self._reads if _streams_unbounded(r)] if self._index else []
         if not large:
             await self._read_all(self._reads, context, IN_FLIGHT_BYTES)
@@ -532,15 +533,16 @@ def _budget(total: int, most: int, threads: int) -> int:
 
 def _streams_unbounded(read: ArrayRead) -> bool:
     """Whether a load without a budget streams ``read`` as byte ranges (where the b-tree
-    locates its chunks): read whole (stored directly, not a small part of it wanted), at
-    least ``UNBOUNDED_STREAM_BYTES``, with a sink. A part (another process's rows elsewhere)
-    stays with the driver, which reads only the chunks it touches, as before."""
+    locates its chunks): stored directly (uncompressed, one inner chunk per shard), at least
+    ``UNBOUNDED_STREAM_BYTES``, with a sink. A part of it too (a process's rows of an array
+    split across processes): the ranges read only the chunks its regions touch, as the
+    driver would, but in bounded pieces, without the driver's whole-chunk copies."""
     stored = read.stored
     return (
         read.sink is not None
         and stored is not None
+        and stored.direct
         and stored.nbytes >= UNBOUNDED_STREAM_BYTES
-        and read.whole
     )
 
 
