@@ -51,3 +51,26 @@ def test_a_damaged_chunk_fails_a_load_without_a_budget(tmp_path) -> None:
     flip(data, data.stat().st_size // 3)  # A byte of some array's data.
     with pytest.raises(cp.errors.IntegrityError):
         cp.load_pytree(path, abstract)
+
+
+@pytest.mark.fast_path
+def test_a_resharded_load_without_a_budget_holds_few_pieces(tmp_path) -> None:
+    """Resharded, a piece is no block of one region: it is read into a buffer, then copied
+    into the regions. Without a budget at most ``io.UNBOUNDED_LIMIT`` of them are in flight,
+    in pieces of a few MiB (before: 32 MiB pieces, 128 MiB in flight)."""
+    mesh = jax.make_mesh((8,), ("x",))
+    saved = NamedSharding(jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]), P("x"))
+    wanted = NamedSharding(mesh, P(None, "x"))
+    host = np.arange(STATE // 4, dtype=np.float32).reshape(256, -1)  # Two chunks of 16 MiB.
+    path = str(tmp_path / "ckpt")
+    cp.save_pytree(path, {"w": jax.device_put(host, saved)})
+    abstract = {"w": jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=wanted)}
+    cp.load_pytree(path, abstract)  # Warm-up: imports, thread pools.
+    with TracedPeak() as traced:
+        loaded = cp.load_pytree(path, abstract)
+        jax.block_until_ready(loaded)
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), host)
+    assert loaded["w"].sharding == wanted
+    # The state in its regions' buffers, and the pieces in flight (two chunks at once): 32
+    # MiB of them before, the two chunks whole.
+    assert traced.peak < STATE + (16 << 20), traced.peak >> 20

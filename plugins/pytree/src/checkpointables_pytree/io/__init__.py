@@ -10,9 +10,10 @@
   through TensorStore's zarr3 driver. Under a host-memory budget, large
   arrays are streamed: those this library wrote as byte ranges of their
   chunks (``chunk_pieces``), the others piece by piece through the driver.
-  Without a budget, large uncompressed arrays this library wrote take the
-  same byte ranges, into each region's own buffer (``UNBOUNDED_STREAM_BYTES``
-  a piece, ``UNBOUNDED_LIMIT`` in flight): no whole-array host copy.
+  Without a budget, uncompressed arrays this library wrote of at least
+  ``UNBOUNDED_STREAM_BYTES`` (or a process's part of one) take the same byte
+  ranges, into each region's own buffer (at most ``UNBOUNDED_LIMIT`` of
+  pieces in flight): no whole-array host copy.
 * Under a host-memory budget, the chunk shape a save gives an array
   (``budget_chunk_shape``) and its chunks' offsets (``chunk_offsets``): the
   leaf handlers write them, incremental saves predict them.

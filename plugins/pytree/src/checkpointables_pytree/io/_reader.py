@@ -78,10 +78,12 @@ IN_FLIGHT_BYTES = 128 << 20
 # through a sink, are read as byte ranges straight into their regions, as under a budget:
 # read whole, a sharded or many-chunk array is held on the host twice (the stored bytes, then
 # the regions cut from them), and is slower for the page faults of the second copy. Pieces of
-# UNBOUNDED_PIECE, at most UNBOUNDED_LIMIT bytes of them in flight (as a budget of 256 MiB).
+# UNBOUNDED_PIECE, at most UNBOUNDED_LIMIT bytes of them in flight (as a budget of 32 MiB):
+# only pieces that are not one block of a region (resharding) are held besides the state,
+# and larger ones (32 MiB, 128 MiB in flight) were no faster (docs/memory.md, Measured).
 UNBOUNDED_STREAM_BYTES = 4 << 20
-UNBOUNDED_PIECE = 32 << 20
-UNBOUNDED_LIMIT = IN_FLIGHT_BYTES
+UNBOUNDED_PIECE = 4 << 20
+UNBOUNDED_LIMIT = 16 << 20
 # Bytes of arrays per group of whole reads (a larger array is a group of its own): a
 # group is read, checked and converted by one worker thread, and several per thread
 # even out their ends.
@@ -190,7 +192,8 @@ class Reader:
 
     async def _run_unbounded(self, context: ts.Context) -> None:
         """Reads without a budget: every array at once, the large ones this library wrote
-        as byte ranges straight into their regions (``_ranged_reads``), the rest whole."""
+        (or this process's part of them) as byte ranges straight into their regions
+        (``_ranged_reads``), the rest whole or through the driver."""
         large = [r for r in self._reads if _streams_unbounded(r)] if self._index else []
         if not large:
             await self._read_all(self._reads, context, IN_FLIGHT_BYTES)
@@ -530,15 +533,16 @@ def _budget(total: int, most: int, threads: int) -> int:
 
 def _streams_unbounded(read: ArrayRead) -> bool:
     """Whether a load without a budget streams ``read`` as byte ranges (where the b-tree
-    locates its chunks): read whole (stored directly, not a small part of it wanted), at
-    least ``UNBOUNDED_STREAM_BYTES``, with a sink. A part (another process's rows elsewhere)
-    stays with the driver, which reads only the chunks it touches, as before."""
+    locates its chunks): stored directly (uncompressed, one inner chunk per shard), at least
+    ``UNBOUNDED_STREAM_BYTES``, with a sink. A part of it too (a process's rows of an array
+    split across processes): the ranges read only the chunks its regions touch, as the
+    driver would, but in bounded pieces, without the driver's whole-chunk copies."""
     stored = read.stored
     return (
         read.sink is not None
         and stored is not None
+        and stored.direct
         and stored.nbytes >= UNBOUNDED_STREAM_BYTES
-        and read.whole
     )
 
 
