@@ -5,7 +5,8 @@ A child process with 8 CPU devices saves, through a ``Checkpointer`` on
 NumPy ones, which go into the database's data files, each PUT as a copy), then
 loads it onto another mesh; it reports each operation's peak RSS growth minus
 the state, and the save's reported peak staging memory. Without a budget the
-resharded load holds the state again on the host: the measurement catches it.
+resharded load holds the reader's pieces in flight (``io.REMOTE_UNBOUNDED_LIMIT``)
+besides the state.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from checkpointables_pytree import io
 from checkpointables_pytree.leaves import FAST_PATH_ENVIRONMENT_VARIABLE
 
 from tests.peak_rss import RESHARDED_STATE, run_child
@@ -65,7 +67,10 @@ def test_a_save_and_load_on_s3_stay_within_the_budget(bucket) -> None:
 
 
 @pytest.mark.parametrize("budget", [0])
-def test_without_a_budget_the_resharded_load_stages_more(bucket, budget) -> None:
+def test_without_a_budget_the_resharded_load_stages_the_pieces_in_flight(bucket, budget) -> None:
     report = _run(bucket, budget)
     assert report["exact"], report
-    assert report["load_resharded"] > BUDGET + SLACK, report
+    if os.environ.get(FAST_PATH_ENVIRONMENT_VARIABLE) == "0":  # The driver reads it whole.
+        assert report["load_resharded"] > BUDGET + SLACK, report
+    else:
+        assert report["load_resharded"] <= io.REMOTE_UNBOUNDED_LIMIT + SLACK, report

@@ -49,6 +49,7 @@ from checkpointables_pytree.io._multiprocess import (
 from checkpointables_pytree.io._ranged_reads import chunk_pieces
 from checkpointables_pytree.io._reader import (
     INLINE_READ_KEYS,
+    REMOTE_UNBOUNDED_LIMIT,
     UNBOUNDED_LIMIT,
     UNBOUNDED_STREAM_BYTES,
     Reader,
@@ -85,6 +86,7 @@ __all__ = [
     "shards_to_write",
     "chunk_shape_of",
     "INLINE_READ_KEYS",
+    "REMOTE_UNBOUNDED_LIMIT",
     "UNBOUNDED_LIMIT",
     "UNBOUNDED_STREAM_BYTES",
     "Reader",

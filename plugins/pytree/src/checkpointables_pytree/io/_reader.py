@@ -84,6 +84,10 @@ IN_FLIGHT_BYTES = 128 << 20
 UNBOUNDED_STREAM_BYTES = 4 << 20
 UNBOUNDED_PIECE = 4 << 20
 UNBOUNDED_LIMIT = 16 << 20
+# On an object store each piece is a request, whose latency small pieces would pay many
+# times over: pieces of a ranged GET's size (``_remote_reads.RANGE_BYTES``), 8 in flight.
+REMOTE_UNBOUNDED_PIECE = _remote_reads.RANGE_BYTES
+REMOTE_UNBOUNDED_LIMIT = 8 * _remote_reads.RANGE_BYTES
 # Bytes of arrays per group of whole reads (a larger array is a group of its own): a
 # group is read, checked and converted by one worker thread, and several per thread
 # even out their ends.
@@ -202,11 +206,14 @@ class Reader:
         ranged = {id(r) for r in large if self._plan(r, found) is not None}
         rest = [r for r in self._reads if id(r) not in ranged]
         streamed = [r for r in large if id(r) in ranged]
+        limit, piece = (
+            (UNBOUNDED_LIMIT, UNBOUNDED_PIECE)
+            if self._local
+            else (REMOTE_UNBOUNDED_LIMIT, REMOTE_UNBOUNDED_PIECE)
+        )
         tasks = [
             asyncio.ensure_future(self._read_all(rest, context, IN_FLIGHT_BYTES)),
-            asyncio.ensure_future(
-                self._stream_all(streamed, context, found, UNBOUNDED_LIMIT, UNBOUNDED_PIECE)
-            ),
+            asyncio.ensure_future(self._stream_all(streamed, context, found, limit, piece)),
         ]
         await gather_settled(tasks)
 
