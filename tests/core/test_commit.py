@@ -135,4 +135,4 @@ def test_a_local_identity_is_the_directory_not_the_marker(tmp_path) -> None:
     path.mkdir()
     (path / cp.layout.COMMIT_SUCCESS_FILE).write_bytes(b"x" * (_commit.MAX_MARKER_BYTES + 1))
     info = os.stat(path)
-    assert _commit.identity(path) == (info.st_dev, info.st_ino)
+    assert _commit.identity(path) == (info.st_dev, info.st_ino, info.st_ctime_ns)
