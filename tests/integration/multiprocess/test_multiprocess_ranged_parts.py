@@ -65,7 +65,17 @@ for label, sharding in (("same", saved), ("resharded", square)):
     array = loaded["w"]
     report[label]["exact"] = array.sharding == sharding and not array.is_fully_addressable and all(
         np.array_equal(np.asarray(s.data), host[s.index]) for s in array.addressable_shards)
-print(json.dumps(report))
+# Onto the other process's devices alone: this process holds no shard of the result.
+other = NamedSharding(Mesh(np.array([d for d in devices if d.process_index == 1]), ("x",)), P("x"))
+elsewhere = {}
+for label, context in (("ranged", cp.Context()), ("driver", cp.Context(
+        array_options=cp.options.ArrayOptions(ocdbt_fast_path=False)))):
+    with context:
+        array = load("warm", other, (256, cols))["w"]
+    elsewhere[label] = array.sharding == other and array.dtype == host.dtype and (
+        len(array.addressable_shards) == (0 if jax.process_index() == 0 else 2)) and all(
+        np.array_equal(np.asarray(s.data), host[:256][s.index]) for s in array.addressable_shards)
+print(json.dumps({"loads": report, "elsewhere": elsewhere}))
 """
 
 
@@ -73,8 +83,10 @@ print(json.dumps(report))
 def test_each_process_reads_its_part_as_ranges(tmp_path) -> None:
     results = run_job(PROLOGUE + BODY, devices_per_process=2, args=[str(tmp_path)])
     for result in results:
-        report = json.loads(result.check().stdout.strip().splitlines()[-1])
-        for label, one in report.items():
+        outcome = json.loads(result.check().stdout.strip().splitlines()[-1])
+        # A process that holds no shard of an array still loads it (JAX needs its dtype).
+        assert all(outcome["elsewhere"].values()), (result.process_id, outcome["elsewhere"])
+        for label, one in outcome["loads"].items():
             assert one["exact"], (result.process_id, label, one)
             # Its own two chunks (and their trailers, the b-tree): not the other process's.
             assert SHARE <= one["read"] < SHARE * 1.2, (result.process_id, label, one)

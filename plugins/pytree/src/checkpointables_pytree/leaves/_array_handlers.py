@@ -176,7 +176,11 @@ def _sharded_read(
             region = _normalize(tuple(index), shape)
             return pieces[position[tuple((s.start, s.stop) for s in region)]]
 
-        return jax.make_array_from_callback(shape, sharding, callback)
+        # A process holding no shard of the array has no piece to tell JAX its dtype (given
+        # otherwise, JAX would warn of a 64-bit dtype it truncates, which the pieces have not).
+        return jax.make_array_from_callback(
+            shape, sharding, callback, dtype=None if pieces else dtype
+        )
 
     return ReadTarget(convert, shape, regions, _pieces.DeviceSink.maker(shape, dtype, sharding))
 

@@ -159,7 +159,10 @@ class DeviceSink:
             for n, devices in enumerate(self._devices)
             for device in devices
         ]
-        return jax.make_array_from_single_device_arrays(self._shape, self._sharding, arrays)
+        # A process holding no shard of the array has no buffer to take its dtype from.
+        return jax.make_array_from_single_device_arrays(
+            self._shape, self._sharding, arrays, dtype=None if arrays else self._dtype
+        )
 
 
 class HostSink:
