@@ -206,7 +206,7 @@ class PyTreeHandler:
         if all(lookup(t) for t in set(map(type, flat.values))):
             return []
         return [
-            f"{tree_room.keystr(leaf.names, leaf.key_types)} ({storage.describe_type(leaf.value)})"
+            f"{tree_room.keypath_str(leaf.keypath)} ({storage.describe_type(leaf.value)})"
             for leaf in flat.leaves
             if lookup(type(leaf.value)) is None
         ]

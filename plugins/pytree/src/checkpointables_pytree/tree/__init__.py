@@ -24,6 +24,7 @@ from checkpointables_pytree.tree._keypaths import (
     jax_keypath,
     key_names,
     key_type,
+    keypath_str,
     keystr,
 )
 from checkpointables_pytree.tree._metadata_file import (
@@ -65,6 +66,7 @@ __all__ = [
     "key_names",
     "key_type",
     "keystr",
+    "keypath_str",
     "Entry",
     "INT_KEYS",
     "METADATA_FILE",

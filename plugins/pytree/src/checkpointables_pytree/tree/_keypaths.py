@@ -36,6 +36,7 @@ __all__ = [
     "is_int_key",
     "key_names",
     "keystr",
+    "keypath_str",
     "jax_keypath",
 ]
 
@@ -108,13 +109,36 @@ def key_names(keypath: Sequence[Any]) -> tuple[str, ...]:
     return tuple(key_name(k) for k in keypath)
 
 
-def keystr(names: Sequence[str], key_types: Sequence[int] | None = None) -> str:
-    """A key path as users write it: ``['params']['w']``, ``[0]``; ``<root>`` for ``()``."""
+def keystr(
+    names: Sequence[str],
+    key_types: Sequence[int] | None = None,
+    int_keys: frozenset[tuple[str, ...]] = frozenset(),
+) -> str:
+    """A key path as users write it: ``['params']['w']``, ``[0]``; ``<root>`` for ``()``.
+
+    As ``cp.pytree_metadata`` and ``checkpointables inspect`` show a stored tree: a
+    sequence index and an int dict key (the paths in ``int_keys``, a tree's recorded
+    ones) as ``[0]``, any other key (a dict key, an attribute) as ``['name']``.
+    """
     if not names:
         return "<root>"
     types = key_types or [DICT] * len(names)
+    bare = [
+        t == SEQUENCE or (int_keys and tuple(names[: i + 1]) in int_keys)
+        for i, t in enumerate(types)
+    ]
+    return "".join(f"[{n}]" if b else f"[{n!r}]" for n, b in zip(names, bare, strict=True))
+
+
+def keypath_str(keypath: Sequence[Any]) -> str:
+    """A ``jax.tree_util`` key path shown as ``keystr`` shows the stored one (its key names
+    and types are what a save records): an attribute ``['value']`` (not jax's
+    ``.value``), an int dict key ``[0]``."""
+    if not keypath:
+        return "<root>"
     return "".join(
-        f"[{n}]" if t == SEQUENCE else f"[{n!r}]" for n, t in zip(names, types, strict=True)
+        f"[{key_name(k)}]" if key_type(k) == SEQUENCE or is_int_key(k) else f"[{key_name(k)!r}]"
+        for k in keypath
     )
 
 
