@@ -124,9 +124,11 @@ class SaveReuse:
             self.bytes_reused += int(nbytes)
 
 
-def _steps_hint(directory: epath.Path) -> str:
+def _steps_hint(directory: epath.Path, subject: str = "It") -> str:
     """Where ``directory`` holds committed checkpoints (a Checkpointer's root), names the
     newest: the step to pass."""
+    if not storage.is_dir(directory):
+        return ""
     names = [e.name for e in storage.list_dir(directory) if e.is_dir]
     steps = sorted(
         (n for n in names if layout.is_checkpoint(directory / n)),
@@ -134,7 +136,8 @@ def _steps_hint(directory: epath.Path) -> str:
     )
     if not steps:
         return ""
-    return f" It holds checkpoints (steps): pass one, e.g. reuse_from={directory / steps[-1]}."
+    newest = directory / steps[-1]
+    return f" {subject} holds checkpoints (steps): pass one, e.g. reuse_from={newest}."
 
 
 def current() -> SaveReuse | None:
@@ -156,7 +159,7 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
     """``reuse_from`` as a path, checked to be a committed checkpoint other than ``target``.
 
     Raises:
-      FileNotFoundError: nothing is at ``reuse_from``.
+      cp.errors.CheckpointNotFoundError: nothing is at ``reuse_from`` (a FileNotFoundError).
       cp.errors.NotACheckpointError: it is not a committed checkpoint.
       cp.errors.InvalidArgumentError: it is the checkpoint being saved.
       cp.errors.OutsideCheckpointError: a symbolic link in it leads outside it.
@@ -170,9 +173,10 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
             f"reuse_from={source} is the checkpoint being saved; pass an earlier checkpoint."
         )
     if not storage.exists(source):
-        raise FileNotFoundError(
+        hint = _steps_hint(source.parent, subject=str(source.parent))
+        raise errors.CheckpointNotFoundError(
             f"reuse_from={source} does not exist; pass a committed checkpoint, or None to "
-            f"write everything."
+            f"write everything.{hint}"
         )
     if not layout.is_checkpoint(source):
         raise errors.NotACheckpointError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -206,7 +207,7 @@ class PyTreeHandler:
         if all(lookup(t) for t in set(map(type, flat.values))):
             return []
         return [
-            f"{tree_room.keystr(leaf.names, leaf.key_types)} ({storage.describe_type(leaf.value)})"
+            f"{tree_room.keypath_str(leaf.keypath)} ({storage.describe_type(leaf.value)})"
             for leaf in flat.leaves
             if lookup(type(leaf.value)) is None
         ]
@@ -292,7 +293,8 @@ class PyTreeHandler:
                 _discard(awaitables)
                 raise
         # The _METADATA is made in the background, after what the leaf handlers deferred.
-        metadata = functools.partial(saved_tree_metadata, groups, flat, session, registry)
+        made = functools.partial(saved_tree_metadata, groups, flat, session, registry)
+        metadata = _recording_origin(made, context)
         staging = cp.staging.current()  # Where the background reports what it staged.
         background = _write(directory, session, metadata, awaitables, reused, staging)
         return _owning(background, awaitables)
@@ -371,10 +373,15 @@ class PyTreeHandler:
         async def background() -> Any:
             try:
                 await session.reader.run()
-            except BaseException:
+            except BaseException as e:
                 _discard([a for _, a in pending])
+                _explain_process_local(tree, directory, e)
                 raise
-            results = await asyncio.gather(*[a for _, a in pending])
+            try:
+                results = await asyncio.gather(*[a for _, a in pending])
+            except cp.errors.IntegrityError as e:
+                _explain_process_local(tree, directory, e)
+                raise
             with execution.paused_gc():
                 put = plan.values.__setitem__
                 for (slots, _), values in zip(pending, results, strict=True):
@@ -433,6 +440,42 @@ class PyTreeHandler:
         from checkpointables_pytree import _combine
 
         _combine.combine_shards(sources, target)
+
+
+def _recording_origin(
+    metadata: Callable[[], tree_room.TreeMetadata], context: cp.Context
+) -> Callable[[], tree_room.TreeMetadata]:
+    """``metadata``, recording in ``_METADATA`` that a process-local save of a job of several
+    processes (``primary_host=None``) holds only this process's shards of global arrays:
+    a load or ``verify`` elsewhere must not call the others' absent chunks damage."""
+    if cp.multihost.process_count() == 1 or cp.multihost.is_coordinated(context):
+        return metadata
+    origin = {
+        "process_index": cp.multihost.process_index(),
+        "process_count": cp.multihost.process_count(),
+    }
+
+    def recorded() -> tree_room.TreeMetadata:
+        tree = metadata()
+        return dataclasses.replace(tree, extra={**tree.extra, tree_room.PROCESS_LOCAL: origin})
+
+    return recorded
+
+
+def _explain_process_local(
+    tree: tree_room.TreeMetadata, directory: epath.Path, error: BaseException
+) -> None:
+    """Raises, for a chunk missing from a process-local tree (as such trees are: it holds
+    one process's shards), the error that says so, from ``error``; returns otherwise."""
+    if tree.process_local is None or not isinstance(error, cp.errors.IntegrityError):
+        return
+    if " is missing" not in str(error):  # The reader's words for an absent chunk.
+        return  # A checksum that does not match is damage, process-local or not.
+    leaf, _, detail = str(error).partition(" failed its integrity check: ")
+    raise cp.errors.InvalidArgumentError(
+        f"{leaf} is not whole in {directory} ({detail.split('. ', 1)[0]}): "
+        f"{tree.process_local_hint()}."
+    ) from error
 
 
 def _open_database(

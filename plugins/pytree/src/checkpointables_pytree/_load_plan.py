@@ -224,7 +224,7 @@ class LoadPlan:
             # A leaf's own value type unknown here falls back to its Orbax value type.
             handler = (own and handlers.get(own)) or handlers.get(value_type)
             if handler is None:
-                unknown.setdefault(own or value_type, []).append(entry.keystr)
+                unknown.setdefault(own or value_type, []).append(_stored_keystr(tree, entry))
                 continue
             keypath = jax_keypath(names, entry.key_types)
             param = NamedDeserializationParam(keypath=keypath, value=None, names=names)
@@ -303,8 +303,14 @@ class LoadPlan:
 
 
 def _shown(keypath: tuple[Any, ...]) -> str:
-    """A key path as errors show it (made only for the leaves an error names)."""
-    return jax.tree_util.keystr(keypath) or "<root>"
+    """An abstract leaf's key path as errors show it (made only for the leaves an error
+    names): as the stored side's, and as cp.pytree_metadata and inspect show them."""
+    return tree_room.keypath_str(keypath)
+
+
+def _stored_keystr(tree: tree_room.TreeMetadata, entry: tree_room.Entry) -> str:
+    """A stored leaf's key path as errors show it: its int dict keys as ints (``[0]``)."""
+    return tree_room.keystr(entry.names, entry.key_types, tree.int_keys)
 
 
 def _stored_and_inner(
@@ -385,5 +391,5 @@ def _left_out(
         # leaf there is a structure mismatch, reported where the leaf is matched.
         if entry.is_empty_node:
             continue
-        missing.append(entry.keystr)
+        missing.append(_stored_keystr(tree, entry))
     return missing

@@ -107,9 +107,57 @@ def _parsed(text: bytes) -> Any:
         return None
 
 
-async def _check_batch(session: LoadSession, entries: Sequence[tree_room.Entry]) -> list[str]:
+async def _check_batch(
+    session: LoadSession, entries: Sequence[tree_room.Entry], held: Held = None
+) -> list[str]:
     problems = await _check_zarr_metadata(session, entries)
-    return problems + await _check_chunks(session, entries)
+    return problems + await _check_chunks(session, entries, held)
+
+
+# A process-local tree's chunks: the keys its database holds, and the notes on the arrays
+# it holds only some of (``None``: any other tree, which must hold every chunk).
+Held = tuple[frozenset[str], list[str]] | None
+
+
+async def _held_chunks(session: LoadSession) -> Held:
+    """The chunk keys a process-local tree's database holds (it holds one process's shards
+    of the global arrays: the others' are absent by design, not lost)."""
+    if session.tree.process_local is None or not session.tree.use_ocdbt:
+        return None
+    kvstore = await ocdbt.open_kvstore(session.directory, ocdbt.make_context())
+    keys = await kvstore.list()
+    return frozenset(k.decode("utf-8", "replace") for k in keys), []
+
+
+def _held_regions(session: LoadSession, entry: tree_room.Entry, held: Held) -> list[Any] | None:
+    """The regions of ``entry``'s chunks that ``held`` says are stored (``None``: all of
+    them are, or the tree must hold all), noting an array held only in part."""
+    stored = session.stored_array(entry)
+    if held is None or stored is None:
+        return None
+    name = session.tree.storage_name(entry.names)
+    indices = stored.chunk_indices
+    present = [i for i in indices if zarr3.chunk_key(name, i) in held[0]]
+    if len(present) == len(indices):
+        return None
+    held[1].append(f"{entry.keystr} ({len(present)} of {len(indices)} chunks)")
+    return [
+        tuple(
+            slice(i * c, min((i + 1) * c, s))
+            for i, c, s in zip(index, stored.chunk_shape, stored.shape, strict=True)
+        )
+        for index in present
+    ]
+
+
+def process_local_note(tree: tree_room.TreeMetadata, partial: Sequence[str]) -> str:
+    """The report's note on a process-local tree's arrays that hold only some chunks."""
+    index, count = tree.process_local or (0, 0)
+    return (
+        f"saved process-locally by process {index} of {count} (primary_host=None): "
+        f"{len(partial)} global array(s) hold only that process's shards, and only the "
+        f"chunks held were checked: {', '.join(partial[:10])}{' ...' if len(partial) > 10 else ''}"
+    )
 
 
 def _check_loadable(
@@ -165,19 +213,24 @@ async def _check_array_set(session: LoadSession) -> list[str]:
     ]
 
 
-async def _check_chunks(session: LoadSession, entries: Sequence[tree_room.Entry]) -> list[str]:
+async def _check_chunks(
+    session: LoadSession, entries: Sequence[tree_room.Entry], held: Held = None
+) -> list[str]:
     reader = io.Reader(session.directory, fast_path=session.context.array_options.ocdbt_fast_path)
-    reader.add_all(
-        [
-            ArrayRead(
-                label=entry,
-                name=session.tree.storage_name(entry.names),
-                stored=session.stored_array(entry),
-                convert=lambda pieces: None,
-            )
-            for entry in entries
-        ]
-    )
+    reads = []
+    for entry in entries:
+        regions = _held_regions(session, entry, held)
+        if regions == []:
+            continue  # A process-local tree holding no shard of this array.
+        read = ArrayRead(
+            label=entry,
+            name=session.tree.storage_name(entry.names),
+            stored=session.stored_array(entry),
+            convert=lambda pieces: None,
+            regions=regions,
+        )
+        reads.append(read)
+    reader.add_all(reads)
     try:
         await reader.run()
     except cp.errors.CheckpointError as e:
@@ -186,7 +239,7 @@ async def _check_chunks(session: LoadSession, entries: Sequence[tree_room.Entry]
         # Check each array alone, to name every damaged one.
         problems = []
         for entry in entries:
-            problems += await _check_chunks(session, [entry])
+            problems += await _check_chunks(session, [entry], _quiet(held))
         return problems
     return []
 
@@ -213,6 +266,11 @@ async def _check_with_driver(
     except Exception as e:
         return [_problem(entry, _read_error(f"array {name!r}", e))]
     return []
+
+
+def _quiet(held: Held) -> Held:
+    """``held``, noting nothing more (the arrays checked again were noted once)."""
+    return None if held is None else (held[0], [])
 
 
 def _read_error(what: str, error: BaseException) -> Exception:
@@ -393,10 +451,13 @@ async def verify_pytree(
         problems.append(str(e))
     problems += await _check_typed_leaves(directory, tree, registry)
     unchecked: list[str] = []
-    problems += await _check_arrays(session, unchecked)
+    held = await _held_chunks(session)
+    problems += await _check_arrays(session, unchecked, held)
     problems += _check_strings(session)
     if unchecked and notes is not None:
         notes.append(unchecked_note(unchecked))
+    if held is not None and held[1] and notes is not None:
+        notes.append(process_local_note(tree, held[1]))
     return problems
 
 
@@ -410,7 +471,7 @@ def unchecked_note(names: Sequence[str]) -> str:
     )
 
 
-async def _check_arrays(session: LoadSession, unchecked: list[str]) -> list[str]:
+async def _check_arrays(session: LoadSession, unchecked: list[str], held: Held = None) -> list[str]:
     """Reads every chunk of every array: plain shards in batches, others by the driver."""
     tree = session.tree
     problems: list[str] = []
@@ -424,14 +485,14 @@ async def _check_arrays(session: LoadSession, unchecked: list[str]) -> list[str]
             batch.append(entry)
             batch_bytes += stored.nbytes
             if batch_bytes >= BATCH_BYTES:
-                problems += await _check_batch(session, batch)
+                problems += await _check_batch(session, batch, held)
                 cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
             problems += await _check_with_driver(session, entry, unchecked)
             cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
-        problems += await _check_batch(session, batch)
+        problems += await _check_batch(session, batch, held)
         cp.progress.advance(batch_bytes)
     return problems
 

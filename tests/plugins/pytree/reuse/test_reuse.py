@@ -232,12 +232,22 @@ def test_async_forms_and_save_checkpointables(tmp_path) -> None:
 
 def test_reuse_from_must_be_a_committed_checkpoint(tmp_path) -> None:
     tree = {"a": np.zeros(3)}
-    with pytest.raises(FileNotFoundError, match="reuse_from"):
+    with pytest.raises(cp.errors.CheckpointNotFoundError, match="reuse_from=.*missing"):
         cp.save_pytree(tmp_path / "1", tree, reuse_from=tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(cp.errors.NotACheckpointError, match="reuse_from"):
         cp.save_pytree(tmp_path / "1", tree, reuse_from=tmp_path / "empty")
     assert not (tmp_path / "1").exists()
+
+
+def test_a_missing_step_of_a_run_names_the_steps_there(tmp_path) -> None:
+    cp.save_pytree(tmp_path / "ckpt" / "98", {"a": np.zeros(3)})
+    with pytest.raises(cp.errors.CheckpointNotFoundError) as raised:
+        cp.save_pytree(tmp_path / "p", {"a": np.zeros(3)}, reuse_from=tmp_path / "ckpt" / "99")
+    assert isinstance(raised.value, FileNotFoundError)  # Its builtin meaning, kept.
+    assert f"reuse_from={tmp_path / 'ckpt' / '99'} does not exist" in str(raised.value)
+    assert f"e.g. reuse_from={tmp_path / 'ckpt' / '98'}" in str(raised.value)
+    assert not (tmp_path / "p").exists()
 
 
 def test_a_short_source_file_is_written_afresh(tmp_path) -> None:

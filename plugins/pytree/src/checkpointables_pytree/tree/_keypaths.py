@@ -36,6 +36,7 @@ __all__ = [
     "is_int_key",
     "key_names",
     "keystr",
+    "keypath_str",
     "jax_keypath",
 ]
 
@@ -108,13 +109,36 @@ def key_names(keypath: Sequence[Any]) -> tuple[str, ...]:
     return tuple(key_name(k) for k in keypath)
 
 
-def keystr(names: Sequence[str], key_types: Sequence[int] | None = None) -> str:
-    """A key path as users write it: ``['params']['w']``, ``[0]``; ``<root>`` for ``()``."""
+def keystr(
+    names: Sequence[str],
+    key_types: Sequence[int] | None = None,
+    int_keys: frozenset[tuple[str, ...]] = frozenset(),
+) -> str:
+    """A key path as users write it: ``['params']['w']``, ``[0]``; ``<root>`` for ``()``.
+
+    As ``cp.pytree_metadata`` and ``checkpointables inspect`` show a stored tree: a
+    sequence index and an int dict key (the paths in ``int_keys``, a tree's recorded
+    ones) as ``[0]``, any other key (a dict key, an attribute) as ``['name']``.
+    """
     if not names:
         return "<root>"
     types = key_types or [DICT] * len(names)
+    bare = [
+        t == SEQUENCE or (int_keys and tuple(names[: i + 1]) in int_keys)
+        for i, t in enumerate(types)
+    ]
+    return "".join(f"[{n}]" if b else f"[{n!r}]" for n, b in zip(names, bare, strict=True))
+
+
+def keypath_str(keypath: Sequence[Any]) -> str:
+    """A ``jax.tree_util`` key path shown as ``keystr`` shows the stored one (its key names
+    and types are what a save records): an attribute ``['value']`` (not jax's
+    ``.value``), an int dict key ``[0]``."""
+    if not keypath:
+        return "<root>"
     return "".join(
-        f"[{n}]" if t == SEQUENCE else f"[{n!r}]" for n, t in zip(names, types, strict=True)
+        f"[{key_name(k)}]" if key_type(k) == SEQUENCE or is_int_key(k) else f"[{key_name(k)!r}]"
+        for k in keypath
     )
 
 
@@ -233,6 +257,11 @@ def flatten(tree: Any) -> Flat:
         # Dict keys jax cannot sort (it raises; the walk keeps their order), or a
         # node whose auxiliary data cannot be hashed: no cache for such trees.
         return _walk(tree)
+    except (RecursionError, SystemError) as e:
+        # jax's flatten recurses: a tree ~1,000 levels deep exhausts the stack (a
+        # SystemError from its binding, caused by a RecursionError).
+        _refuse_if_too_deep(tree, e)
+        raise
     if structure is not None and len(structure.names) == len(values):
         return Flat(structure, values)
     flat = _walk(tree)
@@ -251,12 +280,73 @@ def flatten(tree: Any) -> Flat:
 MAX_DEPTH = 256
 
 
-def _too_deep(names: tuple[str, ...], types: tuple[int, ...]) -> cp.errors.InvalidArgumentError:
+_SAVED_TOO_DEEP = (
+    "a checkpoint of it could not be loaded. Save a flatter tree (e.g. a dict keyed by key paths)."
+)
+_ABSTRACT_TOO_DEEP = (
+    "no checkpoint holds a tree that deep. Pass an abstract tree of the checkpoint's "
+    "structure (cp.pytree_metadata shows it)."
+)
+
+
+def _too_deep(
+    names: tuple[str, ...], types: tuple[int, ...], what: str = _SAVED_TOO_DEEP
+) -> cp.errors.InvalidArgumentError:
     return cp.errors.InvalidArgumentError(
-        f"{keystr(names[:4], types[:4])}... is nested more than {MAX_DEPTH} levels deep: a "
-        f"checkpoint of it could not be loaded. Save a flatter tree (e.g. a dict keyed by key "
-        f"paths)."
+        f"{keystr(names[:4], types[:4])}... is nested more than {MAX_DEPTH} levels deep: {what}"
     )
+
+
+def _children(node: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """The children of one node with their keys (none for a leaf), as ``_walk`` finds them."""
+    t = type(node)
+    if t is dict:
+        return [((_DictKey(k),), node[k]) for k in _sorted_keys(node)]
+    if t is list or t is tuple:
+        return [((_SequenceKey(i),), child) for i, child in enumerate(node)]
+    if node is None or isinstance(node, _LEAF_TYPES):
+        return []
+    if _is_namedtuple(node):
+        return [((_GetAttrKey(f),), getattr(node, f)) for f in t._fields]
+    return _one_level(node) or []
+
+
+def _too_deep_path(tree: Any) -> tuple[Any, ...] | None:
+    """The first keys of a path deeper than ``MAX_DEPTH``, if any: found without recursion
+    (a tree too deep for jax's flatten is too deep for Python's stack), and in bounded time
+    (a node is looked at again only when reached deeper: shared or cyclic nodes)."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(tree, 0, ())]
+    reached: dict[int, int] = {}
+    while stack:
+        node, depth, head = stack.pop()
+        if depth > MAX_DEPTH:
+            return head
+        if reached.get(id(node), -1) >= depth:
+            continue
+        reached[id(node)] = depth
+        for keys, child in _children(node):
+            stack.append((child, depth + len(keys), (*head, *keys)[:4]))
+    return None
+
+
+def _refuse_if_too_deep(tree: Any, error: BaseException, what: str = _SAVED_TOO_DEEP) -> None:
+    """Raises the clear error, from ``error`` (a flatten that ran out of stack), if ``tree``
+    is nested too deep; returns if it is not (the caller re-raises ``error``)."""
+    head = _too_deep_path(tree)
+    if head is not None:
+        raise _too_deep(key_names(head), tuple(map(key_type, head)), what) from error
+
+
+# Frames left free below jax's plain flatten when it checks that a tree is shallow enough
+# for its flatten with an `is_leaf` callback (which calls back into Python at each leaf).
+_HEADROOM_FRAMES = 8
+
+
+def _flatten_with_headroom(tree: Any, frames: int = _HEADROOM_FRAMES) -> None:
+    if frames:
+        return _flatten_with_headroom(tree, frames - 1)
+    jax.tree_util.tree_flatten(tree)
+    return None
 
 
 def _walk(tree: Any) -> Flat:
@@ -269,6 +359,8 @@ def _walk(tree: Any) -> Flat:
     def walk(
         node: Any, path: tuple[Any, ...], names: tuple[str, ...], types: tuple[int, ...]
     ) -> None:
+        if len(path) > MAX_DEPTH:  # Refused before the recursion runs out of stack.
+            raise _too_deep(names, types)  # Named as users write key paths (['a'][0]).
         t = type(node)
         if t is dict:
             if not node:
@@ -292,8 +384,7 @@ def _walk(tree: Any) -> Flat:
             leaves.append(Leaf(path, node, names, types))
         elif _is_namedtuple(node):
             if not node:
-                empty.append((path, EMPTY_NAMEDTUPLE))
-                return
+                return empty.append((path, EMPTY_NAMEDTUPLE))
             dict_types = (*types, DICT)
             for field in t._fields:
                 walk(getattr(node, field), (*path, _GetAttrKey(field)), (*names, field), dict_types)
@@ -323,12 +414,8 @@ def _walk(tree: Any) -> Flat:
 def _flat_of(
     leaves: list[Leaf], empty: list[tuple[tuple[Any, ...], str]], tuples: list[tuple[Any, ...]]
 ) -> Flat:
-    """The ``Flat`` of what a walk found (raising if it is nested too deep to load)."""
+    """The ``Flat`` of what a walk found."""
     keypaths, _, names, key_types = zip(*leaves, strict=True) if leaves else ((), (), (), ())
-    deepest = max([*keypaths, *(path for path, _ in empty)], key=len, default=())
-    if len(deepest) > MAX_DEPTH:
-        # Named as users write key paths (['a'][0]), whether a leaf or an empty node is deepest.
-        raise _too_deep(key_names(deepest), tuple(map(key_type, deepest)))
     int_keys = _int_keys(keypaths, names, empty)
     structure = Structure(keypaths, names, key_types, tuple(empty), tuple(tuples), int_keys)
     return Flat(structure, [leaf.value for leaf in leaves])
@@ -356,5 +443,24 @@ def _abstract_is_leaf(x: Any) -> bool:
 
 
 def flatten_abstract(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
-    """Flattens an abstract tree (``jax.tree_util``); ``None`` and empty containers are leaves."""
-    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_abstract_is_leaf)
+    """Flattens an abstract tree (``jax.tree_util``); ``None`` and empty containers are leaves.
+
+    Raises:
+      cp.errors.InvalidArgumentError: the tree is nested more than ``MAX_DEPTH`` levels
+        deep (no checkpoint is: a save refuses such trees).
+    """
+    try:
+        # jax's flatten with an `is_leaf` callback that runs out of stack leaves the thread's
+        # recursion depth raised for good (jax 0.10): its plain flatten, which fails cleanly,
+        # finds out first, with frames to spare for the callbacks.
+        _flatten_with_headroom(tree)
+    except (TypeError, ValueError):
+        pass  # Unsortable keys, unhashable auxiliary data: the flatten below says so.
+    except (RecursionError, SystemError) as e:
+        _refuse_if_too_deep(tree, e, _ABSTRACT_TOO_DEEP)
+        raise
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_abstract_is_leaf)
+    deepest = max((path for path, _ in flat[0]), key=len, default=())
+    if len(deepest) > MAX_DEPTH:
+        raise _too_deep(key_names(deepest), tuple(map(key_type, deepest)), _ABSTRACT_TOO_DEEP)
+    return flat

@@ -40,6 +40,9 @@ EXTRA = "checkpointables"
 # general leaf handler also writes: a PRNG key is Orbax's "jax.Array", bytes its "np.ndarray".
 OWN_VALUE_TYPE = "value_type"
 INT_KEYS = "int_keys"
+# A process-local save's (``MultiprocessingOptions(primary_host=None)`` in a job of several
+# processes): ``{"process_index": i, "process_count": n}``. It holds process i's shards only.
+PROCESS_LOCAL = "process_local"
 _KEY_TYPES = frozenset({_keypaths.SEQUENCE, _keypaths.DICT})
 FORMAT_VERSION = 1
 
@@ -109,6 +112,29 @@ class TreeMetadata:
     # The entries as the file's text (then ``entries`` is empty): what a save writes, built
     # from its structure's templates (``_save_plan.saved_tree_metadata``).
     entries_text: str | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def process_local(self) -> tuple[int, int] | None:
+        """``(process index, process count)`` of the process that saved this tree on its own
+        (process-local storage), holding its own shards of global arrays only; else ``None``."""
+        record = self.extra.get(PROCESS_LOCAL)
+        if not isinstance(record, dict):
+            return None
+        index, count = record.get("process_index"), record.get("process_count")
+        if type(index) is not int or type(count) is not int:
+            return None
+        return index, count
+
+    def process_local_hint(self) -> str:
+        """What a missing chunk of a process-local tree means, and what to do."""
+        index, count = self.process_local or (0, 0)
+        return (
+            f"it was saved process-locally (MultiprocessingOptions(primary_host=None)) by "
+            f"process {index} of {count}, and holds only the shards of global arrays that "
+            f"process's devices held: not damage. Restore it in a job of {count} processes, "
+            f"on process {index}, with the same sharding (an abstract tree with the saved "
+            f"arrays' shardings), or load only its other leaves (cp.PLACEHOLDER, partial_load)"
+        )
 
     def to_json_text(self) -> str:
         """The text of the ``_METADATA`` file."""
