@@ -71,15 +71,6 @@ def _problems(checkpoint) -> list[str]:
     return [f.problem for f in _verification.verify_checkpoint(checkpoint) if f.problem]
 
 
-# The loads' and pytree_metadata's checks live in io/ and leaves/_common.py; until the
-# patch that makes them MetadataErrors naming both files is applied there (an
-# IntegrityError without the files, or no check, before), these tests fail: strict, so
-# that the marker goes once it is.
-NEEDS_READ_PATHS = pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, pytest.fail.Exception, cp.errors.IntegrityError),
-    reason="needs the io/ and leaves/_common.py patch (report of the metadata-contradiction fix)",
-)
 CHANGES = pytest.mark.parametrize(
     "changes",
     [{"data_type": "int32", "fill_value": 0}, {"shape": [2, 4]}],
@@ -97,7 +88,6 @@ def test_verify_names_both_files_where_ours_contradict(saved, tmp_path, changes)
     assert cp.pytree_metadata(checkpoint).metadata["a"].shape == (3, 4)
 
 
-@NEEDS_READ_PATHS
 @pytest.mark.orbax
 @CHANGES
 def test_loads_raise_a_metadata_error_naming_both_files_where_ours_contradict(
@@ -123,7 +113,6 @@ def test_verify_names_both_files_for_ours_unchecksummed(saved, tmp_path) -> None
     _assert_names_both_files(problem, pytree)
 
 
-@NEEDS_READ_PATHS
 def test_the_fast_path_raises_a_metadata_error_for_ours_unchecksummed(saved, tmp_path) -> None:
     checkpoint, pytree = _unchecksummed_plain(saved, tmp_path)
     with pytest.raises(cp.errors.MetadataError) as raised:
@@ -140,7 +129,6 @@ def test_verify_refuses_orbax_shape_that_no_longer_holds_its_write_shape(saved, 
     _assert_names_both_files(problem, pytree)
 
 
-@NEEDS_READ_PATHS
 @pytest.mark.orbax
 def test_loads_and_metadata_refuse_orbax_shape_that_no_longer_holds_its_write_shape(
     saved, tmp_path

@@ -326,15 +326,29 @@ def assemble(read: ArrayRead, chunks: list[memoryview]) -> np.ndarray:
     return full
 
 
-def check_against_metadata(read: ArrayRead, shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it."""
+def check_against_metadata(
+    read: ArrayRead,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    chunk_shape: tuple[int, ...] | None = None,
+    directory: Any = "",
+) -> None:
+    """The array's own ``zarr.json`` must agree with what ``_METADATA`` recorded of it: our
+    layout, or Orbax's ``write_shape`` (``zarr3.record_contradiction``).
+
+    Raises:
+      cp.errors.MetadataError: naming the leaf, its ``zarr.json`` and ``_METADATA``.
+    """
     stored = read.stored
-    if stored is not None and (shape != stored.shape or dtype != stored.dtype):
-        raise storage.integrity_error(
-            f"{read.what} (array {read.name!r})",
-            f"its zarr.json records shape {shape} and dtype {dtype}, but _METADATA records "
-            f"shape {stored.shape} and dtype {stored.dtype}",
-        )
+    recorded = (stored.shape, stored.dtype) if stored is not None else None
+    write_shape = getattr(read.label, "write_shape", None)
+    if recorded is None and write_shape is None:
+        return
+    problem = zarr3.record_contradiction(
+        shape, dtype, chunk_shape, recorded=recorded, write_shape=write_shape
+    )
+    if problem is not None:
+        raise zarr3.contradiction_error(read.what, directory, read.name, problem)
 
 
 @functools.cache
@@ -382,12 +396,15 @@ class OpenedArray:
     regions: list[Region]  # The regions the load asks for (the whole target if none).
 
 
-async def open_stored(read: ArrayRead, spec: dict[str, Any], context: ts.Context) -> OpenedArray:
-    """Opens ``read``'s array with the driver (a missing chunk is damage, not zeros).
+async def open_stored(
+    read: ArrayRead, spec: dict[str, Any], context: ts.Context, directory: Any = ""
+) -> OpenedArray:
+    """Opens ``read``'s array with the driver (a missing chunk is damage, not zeros);
+    ``directory``: the pytree's, which errors name.
 
     Raises:
-      cp.errors.IntegrityError: its ``zarr.json`` disagrees with ``_METADATA``.
-      cp.errors.MetadataError: ... or names a codec this library never writes.
+      cp.errors.MetadataError: its ``zarr.json`` contradicts ``_METADATA``, or names a
+        codec this library never writes.
       cp.errors.TreeMismatchError: the target's shape differs from the stored one.
       cp.errors.CheckpointError: it cannot be opened (``IntegrityError`` where it is damaged).
     """
@@ -398,7 +415,9 @@ async def open_stored(read: ArrayRead, spec: dict[str, Any], context: ts.Context
         raise storage.storage_error(f"{read.what} (array {read.name!r})", e) from e
     shape = tuple(int(s) for s in store.shape)
     dtype = store.dtype.numpy_dtype
-    check_against_metadata(read, shape, dtype)
+    chunk = store.chunk_layout.write_chunk.shape or store.chunk_layout.read_chunk.shape
+    chunk_shape = None if chunk is None else tuple(int(c or 1) for c in chunk)
+    check_against_metadata(read, shape, dtype, chunk_shape, directory)
     if read.stored is not None:  # Ours: its codecs must be ones this library writes.
         zarr3.check_own_codecs(store.codec, f"{read.what} (array {read.name!r})")
     return OpenedArray(store, shape, dtype, regions_of(read, check_shape(read, shape)))

@@ -37,6 +37,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import checkpointables as cp
 import crc32c
 import numpy as np
 import tensorstore as ts
@@ -52,6 +53,7 @@ from checkpointables_pytree.io._array_reads import (
     Region,
     StoredArray,
     assemble,
+    check_against_metadata,
     check_fits_in_memory,
     check_shape,
     convert_all,
@@ -277,7 +279,7 @@ class Reader:
                 )
                 return
             spec = self.array_spec(read.name)
-            await _streamed_reads.stream(read, spec, context, limiter, most)
+            await _streamed_reads.stream(read, spec, context, limiter, most, self._directory)
 
         tasks = [asyncio.ensure_future(one(read)) for read in streamed]
         try:
@@ -478,6 +480,7 @@ class Reader:
             stored = read.stored
             assert stored is not None
             if value != zarr3_room.zarr_json(stored.shape, stored.dtype, stored.chunk_shape):
+                _check_parsed_zarr_json(read, value, self._directory)
                 raise storage.integrity_error(
                     f"{read.what} (array {read.name!r})",
                     "its zarr.json does not describe the shape and dtype _METADATA records",
@@ -486,7 +489,7 @@ class Reader:
     async def _read_with_driver(
         self, read: ArrayRead, context: ts.Context, limiter: ByteLimiter
     ) -> None:
-        opened = await open_stored(read, self.array_spec(read.name), context)
+        opened = await open_stored(read, self.array_spec(read.name), context, self._directory)
         store, stored_shape, regions = opened.store, opened.shape, opened.regions
         nbytes = sum(math.prod(region_shape(r)) for r in regions) * opened.dtype.itemsize
         check_fits_in_memory(read, nbytes)
@@ -555,3 +558,14 @@ def _streams_unbounded(read: ArrayRead) -> bool:
 
 def _nbytes(reads: Iterable[ArrayRead]) -> int:
     return sum(cast(StoredArray, r.stored).nbytes for r in reads)  # Every one recorded.
+
+
+def _check_parsed_zarr_json(read: ArrayRead, value: bytes, directory: Any) -> None:
+    """Raises ``cp.errors.MetadataError`` if ``value``, the array's ``zarr.json``, records
+    another shape or dtype than ``_METADATA`` (a load would refuse it there too)."""
+    try:
+        document = cp.safe_json.loads_object(value, source="zarr.json")
+        shape, dtype, chunks = zarr3_room.zarr_shape_dtype(document)
+    except cp.errors.MetadataError:
+        return  # Not an array's metadata at all: the caller's IntegrityError says so.
+    check_against_metadata(read, shape, dtype, chunks, directory)

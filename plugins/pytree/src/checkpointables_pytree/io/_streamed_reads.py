@@ -187,10 +187,11 @@ async def stream(
     context: ts.Context,
     limiter: ByteLimiter,
     most: int,
+    directory: Any = "",
 ) -> None:
     """Reads ``read`` piece by piece through the zarr3 driver into its sink, at most
-    ``limiter``'s bytes in flight."""
-    opened = await open_stored(read, spec, context)
+    ``limiter``'s bytes in flight (``directory``: the pytree's, which errors name)."""
+    opened = await open_stored(read, spec, context, directory)
     store, stored_shape, dtype, regions = opened.store, opened.shape, opened.dtype, opened.regions
     read_chunk = store.chunk_layout.read_chunk.shape or stored_shape
     chunk_shape = tuple(int(c or 1) for c in read_chunk)

@@ -277,8 +277,22 @@ async def stored_layouts(
             if found[i] is None:
                 name = session.storage_name(param.keypath)
                 where = f"{session.directory}: {_what(param.keypath)}: the zarr.json of {name!r}"
-                found[i] = StoredLayout(*zarr_shape_dtype(documents[name], where=where))
+                layout = StoredLayout(*zarr_shape_dtype(documents[name], where=where))
+                _check_write_shape(session, param, name, layout)
+                found[i] = layout
     return found  # type: ignore[return-value]
+
+
+def _check_write_shape(
+    session: LoadSession, param: DeserializationParam[Any], name: str, layout: StoredLayout
+) -> None:
+    """Refuses a ``zarr.json`` that contradicts the ``write_shape`` Orbax recorded."""
+    entry = session.entry(param.keypath)
+    problem = zarr3.record_contradiction(
+        layout.shape, layout.dtype, layout.chunk_shape, write_shape=entry.write_shape
+    )
+    if problem is not None:
+        raise zarr3.contradiction_error(entry.keystr, session.directory, name, problem)
 
 
 class StandardLeafHandler:
