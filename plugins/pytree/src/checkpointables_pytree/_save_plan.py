@@ -8,7 +8,6 @@ from typing import Any, cast
 
 import attrs
 import checkpointables as cp
-import jax
 from checkpointables.serialization import (
     LeafEntry,
     LeafHandlerRegistry,
@@ -57,14 +56,14 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     if same is not None:
         raise cp.errors.InvalidArgumentError(
             f"Two keys of one container have the same string form: "
-            f"{jax.tree_util.keystr(same[0])} and {jax.tree_util.keystr(same[1])}. "
+            f"{tree.keypath_str(same[0])} and {tree.keypath_str(same[1])}. "
             f"Rename one of them; checkpoints record keys as strings."
         )
     types = list(map(type, flat.values))
     entries = {t: lookup(t) for t in dict.fromkeys(types)}  # In the order of the leaves.
     if None in entries.values():
         unsupported = [
-            f"{jax.tree_util.keystr(leaf.keypath) or '<root>'} ({describe_type(leaf.value)})"
+            f"{tree.keypath_str(leaf.keypath)} ({describe_type(leaf.value)})"
             for leaf in flat.leaves
             if entries[type(leaf.value)] is None
         ]
