@@ -467,10 +467,9 @@ def _explain_process_local(
 ) -> None:
     """Raises, for a chunk missing from a process-local tree (as such trees are: it holds
     one process's shards), the error that says so, from ``error``; returns otherwise."""
-    if tree.process_local is None or not isinstance(error, cp.errors.IntegrityError):
+    # A checksum that does not match is damage, process-local or not: only a missing chunk.
+    if tree.process_local is None or not isinstance(error, storage.MissingChunkError):
         return
-    if " is missing" not in str(error):  # The reader's words for an absent chunk.
-        return  # A checksum that does not match is damage, process-local or not.
     leaf, _, detail = str(error).partition(" failed its integrity check: ")
     raise cp.errors.InvalidArgumentError(
         f"{leaf} is not whole in {directory} ({detail.split('. ', 1)[0]}): "

@@ -462,7 +462,7 @@ class Reader:
         ):
             key = zarr3_room.chunk_key(read.name, read.stored.chunk_indices[n])  # type: ignore[union-attr]
             if not len(view):
-                raise _small_reads.layout_error(read, key, "is missing")
+                raise storage.missing_chunk_error(read.what, key)
             raise _small_reads.layout_error(read, key)
         data = view[:nbytes]
         if self._verify and crc32c.crc32c(data) != _recorded_crc(view, nbytes)[0]:

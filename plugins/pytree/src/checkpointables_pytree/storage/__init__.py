@@ -27,10 +27,12 @@ from checkpointables_pytree.storage._buffers import (
     give_back_free_memory,
 )
 from checkpointables_pytree.storage._errors import (
+    MissingChunkError,
     array_directory,
     describe_type,
     integrity_error,
     listing,
+    missing_chunk_error,
     object_store_failures,
     storage_error,
     write_error,
@@ -70,6 +72,8 @@ __all__ = [
     "describe_type",
     "array_directory",
     "integrity_error",
+    "MissingChunkError",
+    "missing_chunk_error",
     "listing",
     "object_store_failures",
     "storage_error",

@@ -16,6 +16,8 @@ from checkpointables_pytree.storage._object_store import bucket_and_key, s3_sett
 __all__ = [
     "is_data_loss",
     "integrity_error",
+    "MissingChunkError",
+    "missing_chunk_error",
     "storage_error",
     "write_error",
     "object_store_failures",
@@ -43,6 +45,16 @@ def integrity_error(what: str, detail: object) -> cp.errors.IntegrityError:
         "a copy or load an older checkpoint (`checkpointables "
         "verify PATH` lists every damaged leaf)."
     )
+
+
+class MissingChunkError(cp.errors.IntegrityError):
+    """A chunk the database has no value for: damage, unless the tree holds one process's
+    shards only (a process-local save), which a load tells apart by this type."""
+
+
+def missing_chunk_error(what: str, key: str) -> MissingChunkError:
+    """The ``MissingChunkError`` naming ``what`` (a leaf) and the chunk's ``key``."""
+    return MissingChunkError(str(integrity_error(what, f"chunk {key} is missing")))
 
 
 # The file a TensorStore error is about: a leaf's read may fail on the database's
