@@ -109,6 +109,10 @@ def test_import_checkpointables_imports_a_name_where_it_is_used(tmp_path) -> Non
             assert "has no attribute 'sav_pytree'" in str(e)
         else:
             raise AssertionError("cp.sav_pytree resolved")
+        # Any submodule, as when the packages imported them all (the docs name a few).
+        import checkpointables_pytree as pytree
+        assert cp.checkpoint_metadata.CHECKPOINT_METADATA_FILE == "_CHECKPOINT_METADATA"
+        assert pytree.ocdbt.MAX_MANIFEST_BYTES and pytree.tree.MAX_DEPTH
     """
     done = run_python(code)
     assert done.returncode == 0, done.stderr

@@ -11,6 +11,7 @@ import checkpointables as cp
 import numpy as np
 import pytest
 from checkpointables import layout
+from etils import epath
 
 _TREE = {"a": np.arange(3.0)}
 
@@ -79,6 +80,8 @@ def test_a_leading_tilde_is_the_home_directory(
     with pytest.raises(cp.errors.InvalidArgumentError, match="no user"):
         cp.save_pytree("~no-such-user-zz/ck", _TREE)
     assert not (tmp_path / "~no-such-user-zz").exists()
+    cp.save_pytree(epath.Path("~/ep"), _TREE)  # An etils path (cp.path.Path) too.
+    assert cp.is_checkpoint(home / "ep") and not (tmp_path / "~").exists()
     cp.save_pytree("./~/ck", _TREE)  # Written so, a directory really named ~.
     assert cp.is_checkpoint(tmp_path / "~" / "ck")
 
@@ -92,6 +95,9 @@ def test_bytes_paths_are_taken_as_open_takes_them(tmp_path: Path) -> None:
         cp.load_pytree(os.fsencode(tmp_path / "missing"))
     with pytest.raises(cp.errors.InvalidArgumentTypeError, match="path argument"):
         cp.load_pytree(7)  # type: ignore[arg-type]
+    with pytest.raises(cp.errors.InvalidArgumentError, match="not UTF-8"):
+        cp.save_pytree(os.fsencode(tmp_path) + b"/c\xff", _TREE)  # No character's bytes.
+    assert os.listdir(tmp_path) == ["ck"]
 
 
 def test_a_directory_of_checkpoints_is_called_a_root_only_for_step_names(

@@ -232,7 +232,9 @@ def _may_be_writing(name: str) -> bool:
     if parsed is None:
         return False
     _, created_ns, pid = parsed
-    return time.time_ns() - created_ns < _LONGEST_SAVE_NS and _leftovers.process_exists(pid)
+    # A time to come (another host's clock, or a forged name) or no pid proves nothing.
+    age_ns = time.time_ns() - created_ns
+    return 0 <= age_ns < _LONGEST_SAVE_NS and pid > 0 and _leftovers.process_exists(pid)
 
 
 def _shown(names: Iterable[str]) -> str:

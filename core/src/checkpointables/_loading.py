@@ -129,6 +129,8 @@ def open_for_load(path: epath.PathLike, context: Context) -> Opened:
         identity = _commit.identity(path)
         if identity is None or _commit.uses_rename(path) or layout.is_temporary_path(path):
             identity = _validated(path, identity, context.async_options.timeout_secs)
+        else:  # Committed on an object store: a partial save's piece has its own marker.
+            layout.refuse_partial_piece(path)
         _confinement.check_contained(path)
         try:
             return Opened(path, read_checkpoint_metadata(path), identity)

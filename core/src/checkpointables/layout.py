@@ -179,9 +179,10 @@ def partial_piece_of(path: epath.PathLike) -> tuple[str, str] | None:
     ``finalize`` published), else ``None``.
 
     Such a save is a checkpoint on disk but holds only that call's keys: reading it
-    alone would look like the whole checkpoint. Cheap: names only, and a stat of the
-    grandparent (none on object stores, where the session is the path itself) when
-    the names fit.
+    alone would look like the whole checkpoint. Cheap: names only, and when they fit a
+    look at the grandparent (a stat; on an object store, where the session is the path
+    itself, one HEAD: only a finished checkpoint there tells a piece from a checkpoint
+    a user saved under such a name, so an unfinished session's piece is not told).
     """
     text = os.fspath(path).rstrip("/")
     parent, _, name = text.rpartition("/")
@@ -192,12 +193,14 @@ def partial_piece_of(path: epath.PathLike) -> tuple[str, str] | None:
         return None
     if holder.endswith(PARTIAL_SESSION_SUFFIX):
         return holder, holder.removesuffix(PARTIAL_SESSION_SUFFIX)
-    if not storage.is_local(text) or storage.is_file(_commit_file(holder)):
+    if storage.is_file(_commit_file(holder)):
         return holder, holder
     return None
 
 
-def _refuse_partial_piece(path: epath.PathLike) -> None:
+def refuse_partial_piece(path: epath.PathLike) -> None:
+    """Raises ``NotACheckpointError`` if ``path`` is one partial save of ``cp.partial``
+    (``partial_piece_of``), saying what to load instead; names only unless they fit."""
     piece = partial_piece_of(path)
     if piece is None:
         return
@@ -236,7 +239,7 @@ def validate_checkpoint_directory(path: epath.Path, command: str | None = None) 
             f"not a checkpoint. Publish them with cp.partial.finalize({final!r}), then load "
             f"{final}."
         )
-    _refuse_partial_piece(text)
+    refuse_partial_piece(text)
     if is_temporary_path(text):
         raise errors.NotACheckpointError(
             f"{path} is the temporary directory of a save that did not finish; it is not a "

@@ -22,6 +22,7 @@ public name's module instead, and keep the real imports for type checkers::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,11 +36,13 @@ def first_use_attributes(
     Args:
       package: the package's ``__name__``.
       names: each name -> the module defining it, or (module, its name there) for an alias.
-      public: the package's ``__all__``; a name in it but not in ``names`` is a submodule.
+      public: the package's ``__all__``.
 
     Returns:
-      The two functions, to assign to the package's ``__getattr__`` and ``__dir__``. A name
-      asked for once is stored in the package, so later lookups do not come back here.
+      The two functions, to assign to the package's ``__getattr__`` and ``__dir__``. Any
+      other name the package has a submodule of is that submodule, as if the package had
+      imported it (``pkg.tree.MAX_DEPTH`` after ``import pkg``). A name asked for once is
+      stored in the package, so later lookups do not come back here.
     """
 
     def __getattr__(name: str) -> Any:
@@ -47,7 +50,7 @@ def first_use_attributes(
             where = names[name]
             module, attribute = (where, name) if isinstance(where, str) else where
             value = getattr(importlib.import_module(module), attribute)
-        elif name in public:
+        elif not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}"):
             value = importlib.import_module(f"{package}.{name}")
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

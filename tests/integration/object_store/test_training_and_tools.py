@@ -80,6 +80,15 @@ def test_partial_saves_then_finalize(s3, bucket) -> None:
     assert not any(k.startswith("pytree/partial-000099") for k in keys(s3, path))
     with pytest.raises(FileExistsError, match="finished checkpoint"):
         cp.partial.save(path, {"more": 1})
+    piece = f"{path}/pytree/partial-000001"  # Told by the finished checkpoint above it.
+    assert not cp.is_checkpoint(piece)
+    with pytest.raises(cp.errors.NotACheckpointError, match="piece of a partial save"):
+        cp.load_pytree(piece)
+    # A checkpoint a user saved under such a name, with no checkpoint above it, is one.
+    own = f"{bucket}/sweeps/pytree/partial-3"
+    cp.save_pytree(own, {"a": np.arange(4)})
+    assert cp.is_checkpoint(own)
+    assert_equal(cp.load_pytree(own), {"a": np.arange(4)})
 
 
 def test_finalize_never_drops_a_partial_save_still_running(s3, bucket) -> None:

@@ -82,6 +82,9 @@ def test_plain_states_are_written_as_grain_writes_them() -> None:
     assert loads(json.dumps(state)) == state
 
 
+_UNION = np.dtype((np.int32, {"lo": (np.uint16, 0), "hi": (np.uint16, 2)}))
+
+
 @pytest.mark.parametrize(
     ("state", "where"),
     [
@@ -93,6 +96,11 @@ def test_plain_states_are_written_as_grain_writes_them() -> None:
             r"state\['r'\] is a NumPy array of Python objects",
         ),
         ({"n": [10**5000]}, r"state\['n'\]\[0\] is an integer of 16,610 bits, more than"),
+        # Named fields over an int (it came back a record of other values), as a field too.
+        ({"u": np.zeros(2, _UNION)}, r"state\['u'\] has dtype .* over a 'i'-kind base"),
+        ({"u": np.zeros(1, [("f", _UNION)])}, r"state\['u'\] has dtype .* over a 'i'-kind"),
+        # Records of no bytes (they could not be read back).
+        ({"z": np.zeros(2, [])}, r"state\['z'\] has dtype .* of records holding no bytes"),
         ({-(10**4300): 1}, r"state key <an integer of 14,285 bits> is an integer of 14,285 bits"),
     ],
 )

@@ -64,12 +64,13 @@ def as_path(path: epath.PathLike) -> epath.Path:
             f"The checkpoint path argument must be a str, bytes or a path-like object (such as "
             f"pathlib.Path), got a {type(path).__name__}."
         ) from None
+    _check_encodable(text)
     if "://" not in text and text.startswith("~"):
         text = expand_user(text)
     if "://" not in text and ".." in text.split(os.sep):
         return epath.Path(os.path.realpath(text))
     check_bucket(text)
-    if isinstance(path, epath.Path):
+    if isinstance(path, epath.Path) and text == os.fspath(path):  # Not expanded: as given.
         return path
     try:
         return epath.Path(text)
@@ -80,6 +81,18 @@ def as_path(path: epath.PathLike) -> epath.Path:
             f"Cannot use {text!r} as a checkpoint path: no storage for {scheme} is available. "
             "Use a local path (for file:// URLs, the path without the scheme), or a gs:// or "
             "s3:// URL."
+        ) from None
+
+
+def _check_encodable(text: str) -> None:
+    """Refuses a path that is no UTF-8 text (bytes a file system would take, decoded into
+    lone surrogates): a checkpoint's paths go into JSON specs and metadata as text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.InvalidArgumentError(
+            f"The checkpoint path {text!r} is not UTF-8 text (it holds bytes no character "
+            f"encodes); checkpoint paths are written into JSON: rename it, or save elsewhere."
         ) from None
 
 

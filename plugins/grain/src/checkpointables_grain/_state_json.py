@@ -139,6 +139,7 @@ def _encode_array(value: np.ndarray, where: str, *, scalar: bool = False) -> Any
             f"{where} is a NumPy array of Python objects, which cannot be stored as JSON; "
             f"use a numeric, bool or fixed-width string dtype."
         )
+    _refuse_unstorable_dtype(value.dtype, where)
     fields: dict[str, Any] = {
         "dtype": _dtype_json(value.dtype),
         "shape": list(value.shape),
@@ -147,6 +148,37 @@ def _encode_array(value: np.ndarray, where: str, *, scalar: bool = False) -> Any
     if scalar:
         fields["scalar"] = True
     return _tagged("ndarray", **fields)
+
+
+def _refuse_unstorable_dtype(dtype: np.dtype, where: str) -> None:
+    """Refuses the dtypes ``_dtype_json`` cannot describe so that they come back as they
+    were: named fields over a numeric base (a "union": ``np.dtype((np.int32, {...}))``,
+    which would come back as a record), and records of no bytes (NumPy cannot rebuild an
+    array of them from its bytes), at any depth of the record."""
+    for inner in _nested_dtypes(dtype):
+        if inner.names is not None and inner.kind != "V":
+            raise StateEncodingError(
+                f"{where} has dtype {dtype}, with named fields over a {inner.base.kind!r}-kind "
+                f"base, which a state cannot store as it is; store the base array, or a plain "
+                f"record."
+            )
+    if dtype.itemsize == 0 and (dtype.names is not None or dtype.subdtype is not None):
+        raise StateEncodingError(
+            f"{where} has dtype {dtype!r}, of records holding no bytes, which a state cannot "
+            f"store; drop it, or give its fields a size."
+        )
+
+
+def _nested_dtypes(dtype: np.dtype) -> list[np.dtype]:
+    """``dtype`` and every dtype inside it (fields, sub-array bases), outermost first."""
+    found, pending = [], [dtype]
+    while pending:  # No recursion: NumPy nests records as deep as memory allows.
+        inner = pending.pop()
+        found.append(inner)
+        if inner.subdtype is not None:
+            pending.append(inner.subdtype[0])
+        pending.extend(inner.fields[n][0] for n in inner.names or ())  # type: ignore[index]
+    return found
 
 
 def _dtype_json(dtype: np.dtype) -> Any:
