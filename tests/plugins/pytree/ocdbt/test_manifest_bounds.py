@@ -10,7 +10,6 @@ file. Sparse files keep these tests fast.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 
 import checkpointables as cp
@@ -119,10 +118,10 @@ def test_a_root_node_claiming_gibibytes_is_refused_before_it_is_read(tmp_path) -
         with pytest.raises(cp.errors.IntegrityError, match="more than any b-tree node") as e:
             _load(checkpoint, context)
         assert str(huge) in str(e.value)
+    # Refused by the bound, before any read (the process's peak memory, which other tests
+    # in it set, proves nothing here).
     problems = _problems(checkpoint)
     assert problems and str(huge) in problems[0], problems
-    # Under the RSS a 2 GiB read would take (the whole test process stays far below).
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < (HUGE >> 10)
 
 
 @pytest.mark.orbax

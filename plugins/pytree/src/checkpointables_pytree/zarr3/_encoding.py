@@ -383,7 +383,8 @@ def record_contradiction(
         return None
     write = tuple(int(w) for w in write_shape)
     said = f"_METADATA records the write_shape {list(write)} (the shape of each shard saved)"
-    if len(write) != len(shape) or any(w > s for w, s in zip(write, shape, strict=False)):
+    # A dimension of size 0 is written in shards (and chunks) of 1: zarr has no empty chunk.
+    if len(write) != len(shape) or any(w > max(1, s) for w, s in zip(write, shape, strict=False)):
         return f"its zarr.json records shape {list(shape)}, but {said}, which does not fit in it"
     chunks = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else None
     if chunks is not None and (
