@@ -12,8 +12,10 @@
 * waiting for many TensorStore futures from an event loop (``wait_all``,
   ``settle``, ``gather_settled``, ``ByteLimiter``);
 * TensorStore's failures turned into the library's documented errors
-  (``storage_error``, ``integrity_error``, ``object_store_failures``), and array
-  names that would lead out of a checkpoint refused (``array_directory``).
+  (``storage_error``, ``integrity_error``, ``object_store_failures``; a chunk the
+  database lacks is a ``MissingChunkError``, which a process-local load tells from
+  damage), and array names that would lead out of a checkpoint refused
+  (``array_directory``).
 
 It imports nothing of the plugin's; the OCDBT room and the writer and reader
 build on it.
