@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import json
@@ -183,17 +184,42 @@ class _Table:
 
 _tables: dict[str, tuple[tuple[int, ...], _Table]] = {}
 _tables_lock = threading.Lock()
-# The tables (and absences of tables) one operation has seen, by directory: see ``scope``.
-_scoped: contextvars.ContextVar[dict[str, _Table | None] | None] = contextvars.ContextVar(
+# The tables one operation has looked for, by directory: see ``scope``.
+_scoped: contextvars.ContextVar[_ScopeTables | None] = contextvars.ContextVar(
     "checkpointables_metadata_checksums_scope", default=None
 )
+
+
+class _ScopeTables:
+    """The tables (and absences of tables) looked for in one ``scope``, by directory. The
+    scope's threads share it: a lookup another thread has started is waited for, not made
+    again (else a load's metadata read and its index would both fetch one remote file)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lookups: dict[str, concurrent.futures.Future[_Table | None]] = {}
+
+    def table_in(self, directory: str) -> _Table | None:
+        with self._lock:
+            lookup = self._lookups.get(directory)
+            started_here = lookup is None
+            if lookup is None:
+                lookup = self._lookups[directory] = concurrent.futures.Future()
+        if started_here:
+            try:
+                lookup.set_result(_look_for_table(directory))
+            except BaseException as e:
+                with self._lock:  # A failure is not remembered: the next lookup tries again.
+                    del self._lookups[directory]
+                lookup.set_exception(e)
+        return lookup.result()
 
 
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
     """Within it (one load or metadata read of one checkpoint, including the background
     work it starts), each ``_CHECKSUMS`` is looked for and read once: a remote checkpoint's
-    is fetched once, not once per metadata file.
+    is fetched once, not once per metadata file, nor once per thread reading it at once.
 
     Example::
 
@@ -201,7 +227,7 @@ def scope() -> Iterator[None]:
             meta = read_file(path / "_CHECKPOINT_METADATA")
             tree = read_file(path / "pytree" / "_METADATA")  # No second lookup.
     """
-    token = _scoped.set({})
+    token = _scoped.set(_ScopeTables())
     try:
         yield
     finally:
@@ -214,11 +240,7 @@ def _table_in(directory: str) -> _Table | None:
     seen = _scoped.get()
     if seen is None:
         return _look_for_table(directory)
-    try:
-        return seen[directory]
-    except KeyError:
-        table = seen[directory] = _look_for_table(directory)
-        return table
+    return seen.table_in(directory)
 
 
 def _look_for_table(directory: str) -> _Table | None:

@@ -7,6 +7,10 @@ Counted by a proxy of our own between the library and the server.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
+import threading
+
 import checkpointables as cp
 import numpy as np
 import pytest
@@ -44,3 +48,30 @@ def test_thousands_of_small_arrays_cost_a_few_requests(s3, proxy) -> None:
     assert load <= 30, load
     # Thirty times the leaves, about the same requests.
     assert save <= few_save + 10 and load <= few_load + 10, (few_save, save, few_load, load)
+
+
+def test_threads_of_one_operation_fetch_the_checksums_once(s3, proxy) -> None:
+    path = f"s3://{s3.new_bucket()}/ckpt"
+    cp.save_checkpointables(path, {"extra": {"k": 1}})
+    threads = 8
+    start = threading.Barrier(threads)
+
+    def read_metadata() -> bytes:
+        start.wait()  # All at once: each would otherwise look for the table itself.
+        return cp.metadata_checksums.read_file(f"{path}/_CHECKPOINT_METADATA")
+
+    with cp.Context(storage_options=cp.options.StorageOptions(endpoint=proxy.endpoint)):
+        cp.storage.exists(path)  # The store opened before counting.
+        with (
+            proxy.counting() as counts,
+            cp.metadata_checksums.scope(),
+            concurrent.futures.ThreadPoolExecutor(threads) as pool,
+        ):
+            # The scope's table reaches each thread as a load's background work gets it.
+            read = [
+                pool.submit(contextvars.copy_context().run, read_metadata) for _ in range(threads)
+            ]
+            assert len({future.result() for future in read}) == 1
+    # The table by a bounded read (a ranged GET of one byte, then the object), once; then
+    # each thread's file by one GET of the size the table records.
+    assert counts.requests["GET"] == 2 + threads, counts
