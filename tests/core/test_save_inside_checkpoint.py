@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import checkpointables as cp
 import numpy as np
@@ -122,3 +123,84 @@ def test_a_save_broadcasts_its_checks_once(tmp_path, monkeypatch) -> None:
     cp.save_pytree(tmp_path / "ck", TREE)
     # The look for an enclosing checkpoint shares the existence check's broadcast.
     assert [name.rsplit("/", 1)[1] for name in told] == ["check", "tmp"]
+
+
+def _commit_elsewhere(tmp_path, at) -> None:
+    """A checkpoint committed at ``at`` as another process would: its files copied in."""
+    cp.save_pytree(tmp_path / "other", TREE, overwrite=True)
+    shutil.copytree(tmp_path / "other", at, dirs_exist_ok=True)
+
+
+def _same_refusal_as_a_free_function(refused: BaseException, path) -> None:
+    with pytest.raises(cp.errors.InvalidArgumentError) as free:
+        cp.save_pytree(path, TREE)
+    assert str(refused) == str(free.value)
+
+
+def test_a_parent_that_becomes_a_checkpoint_stops_a_checkpointers_next_save(tmp_path) -> None:
+    with cp.training.Checkpointer(tmp_path / "a" / "run") as checkpointer:
+        assert checkpointer.save_pytree(0, TREE, force=True)
+        _commit_elsewhere(tmp_path, tmp_path / "a")  # After the root was opened.
+        with pytest.raises(cp.errors.InvalidArgumentError) as refused:
+            checkpointer.save_pytree(1, TREE, force=True)
+        _same_refusal_as_a_free_function(refused.value, tmp_path / "a" / "run" / "1")
+        assert sorted(os.listdir(tmp_path / "a" / "run")) == ["0"]
+
+
+def test_a_parent_that_becomes_a_checkpoint_while_a_step_writes_stops_its_commit(
+    tmp_path, misbehaving_handlers
+) -> None:
+    from .helpers import Gate
+
+    checkpointer = cp.training.Checkpointer(tmp_path / "a" / "run")
+    gate = Gate()
+    saving = checkpointer.save_checkpointables_async(0, {"gate": gate}, force=True)
+    assert gate.started.wait(30)
+    _commit_elsewhere(tmp_path, tmp_path / "a")
+    gate.release.set()
+    with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
+        saving.result(30)
+    assert f"finished checkpoint {tmp_path / 'a'} (" in str(refused.value)
+    assert os.listdir(tmp_path / "a" / "run") == []  # Its temporary directory was removed.
+    checkpointer.close()
+
+
+def test_a_parent_that_becomes_a_checkpoint_while_a_partial_save_writes_stops_it(
+    tmp_path,
+) -> None:
+    from checkpointables import partial
+    from checkpointables._asyncio import start_background
+
+    path = tmp_path / "a" / "p"
+    release = threading.Event()  # Holds the commit: saves of a session commit in call order.
+    partial._state(partial.session_path(path)).last_save = start_background(
+        lambda: release.wait(30), "an earlier save"
+    )
+    saving = cp.partial.save_async(path, {"x": TREE})  # Its start's look finds a/ clear.
+    _commit_elsewhere(tmp_path, tmp_path / "a")
+    release.set()
+    with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
+        saving.result(30)
+    assert f"{path} is inside the finished checkpoint {tmp_path / 'a'} (" in str(refused.value)
+    session = partial.session_path(path)
+    assert not session.exists() or not list((session / "pytree").iterdir())  # Not promoted.
+
+
+def test_a_parent_that_becomes_a_checkpoint_while_finalize_merges_stops_it(
+    tmp_path, monkeypatch
+) -> None:
+    from checkpointables import partial
+
+    path = tmp_path / "a" / "p"
+    cp.partial.save(path, {"x": TREE})
+    real = partial._refuse_running
+
+    def meanwhile(*args):  # Another process commits a/ while finalize merges.
+        _commit_elsewhere(tmp_path, tmp_path / "a")
+        return real(*args)
+
+    monkeypatch.setattr(partial, "_refuse_running", meanwhile)
+    with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
+        cp.partial.finalize(path)
+    assert "the partial saves were not published" in str(refused.value)
+    assert not path.exists() and cp.storage.exists(partial.session_path(path))

@@ -8,9 +8,12 @@ functions, their async forms) asks twice: when it starts (``problem``, by the
 primary host, told to the others in the broadcast that reports the save's other
 checks, ``_commit.check_can_save``: no broadcast of its own), and again just
 before its commit (``Recheck``), which catches a checkpoint another process
-committed at a parent while the save wrote. ``cp.partial`` asks
-``refuse_inside`` about the user's path, the training Checkpointer about its
-root as it opens (their staged saves and steps are then not looked at again).
+committed at a parent while the save wrote. The training Checkpointer asks
+``refuse_inside`` about its root as it opens, and its steps are saves like any
+other (both looks). ``cp.partial`` asks ``refuse_inside`` about the user's path
+as each partial save and ``finalize`` start, and ``Recheck`` of it just before
+each commit: a staged save's rename into the session (local disks; the object
+stores' partial saves are saves like any other), and ``finalize``'s own.
 
 What it costs, looking at the parents of the save's path for a finished checkpoint:
 
@@ -150,8 +153,11 @@ class Recheck:
     path while it wrote: every parent is asked (nothing remembered is trusted), by requests
     the commit issues together with its own (``requests``, then ``conclude``)."""
 
-    def __init__(self, path: epath.PathLike) -> None:
+    def __init__(self, path: epath.PathLike, outcome: str = "") -> None:
+        """``outcome``: what the refusal says became of the save (default: a save's, whose
+        files its caller removes)."""
         self.path = path
+        self.outcome = outcome or "so this save was not committed and what it wrote was removed"
         self._parents = _parents(path)
 
     def requests(self) -> list[Callable[[], bool]]:
@@ -164,6 +170,10 @@ class Recheck:
         except errors.StorageError as e:
             raise errors.StorageError(f"Committing {self.path}: {e}") from e
 
+    def now(self) -> None:
+        """Asks ``requests`` one after another (locally a ``stat`` each) and ``conclude``s."""
+        self.conclude([ask() for ask in self.requests()])
+
     def conclude(self, found: list[bool]) -> None:
         """Raises ``cp.errors.InvalidArgumentError`` if the answers to ``requests`` found a
         parent to be a finished checkpoint; remembers them (the next save's start uses them)."""
@@ -173,7 +183,6 @@ class Recheck:
         if enclosing:
             after = (
                 " (found as this save was about to commit: committed after this save started, "
-                "or after this process last looked; so this save was not committed and what "
-                "it wrote was removed)"
+                f"or after this process last looked; {self.outcome})"
             )
             raise errors.InvalidArgumentError(_refusal(self.path, enclosing, after))

@@ -82,6 +82,11 @@ _SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
 # ``finalize`` of another process sees the save running before its files appear.
 _STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)(?:\.pending)?$")
 _PENDING = ".pending"
+# What a finalize refused at its commit (``_enclosing.Recheck``) did.
+_NOT_FINALIZED = (
+    "so the partial saves were not published; they were left in {session}: delete it, and "
+    "save them again to a path outside that checkpoint"
+)
 # How many times finalize merges again for saves that committed while it merged.
 _MERGES = 4
 
@@ -194,6 +199,11 @@ def _promote(path: epath.Path, staged: epath.Path, target: epath.Path) -> None:
             f"{path} was finalized while this partial save ran, without it: its data is in no "
             f"checkpoint. Finalize once every save has returned; save it to another path."
         )
+    try:  # A checkpoint committed at a parent of ``path`` since this save's start looked.
+        _enclosing.Recheck(path).now()
+    except errors.InvalidArgumentError:
+        storage.remove_tree(staged)
+        raise
     os.makedirs(os.fspath(target.parent), exist_ok=True)
     layout.rename_durably(staged, target)
 
@@ -216,6 +226,20 @@ def _mark_pending(staged: epath.Path) -> epath.Path:
     pending = staged.parent / f"{staged.name}{_PENDING}"
     os.makedirs(os.fspath(pending), exist_ok=True)
     return pending
+
+
+def _start_staged(
+    staged: epath.Path, item: Any, custom_metadata: Mapping[str, Any] | None, *, in_place: bool
+) -> AsyncResponse[None]:
+    """Starts the ordinary save of a partial save at ``staged``. Its start's look for an
+    enclosing checkpoint is ``_check_not_finished``'s; its commit's is ``_promote``'s on a
+    local disk (renaming it into the session commits it), the save's own on an object store
+    (``in_place``: its marker commits it)."""
+    forced = {DEFAULT_NAME: pytree_registration().handler_cls}
+    request = _saving.SaveRequest(
+        staged, item, custom_metadata, forced_handlers=forced, inside_checked=not in_place
+    )
+    return _saving.start(request)
 
 
 def save_async(
@@ -251,12 +275,7 @@ def save_async(
             _remove_dead_writers(session)
             pending = _mark_pending(staged)
         try:
-            forced = {DEFAULT_NAME: pytree_registration().handler_cls}
-            inner = _saving.start(
-                _saving.SaveRequest(
-                    staged, item, custom_metadata, forced_handlers=forced, inside_checked=True
-                )
-            )
+            inner = _start_staged(staged, item, custom_metadata, in_place=in_place)
         except BaseException:
             _end_pending(pending, session, failed=True)
             raise
@@ -366,7 +385,11 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
         commit_timestamp_nsecs=time.time_ns(),
         distributions={DEFAULT_NAME: (dist, registration.version)} if dist else None,
     )
-    target.publish({layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path))
+    # A checkpoint committed at a parent of ``path`` since ``finalize`` looked stops the commit.
+    check = _enclosing.Recheck(path, outcome=_NOT_FINALIZED.format(session=session))
+    target.publish(
+        {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path), check
+    )
 
 
 def _refuse_running(path: epath.Path, session: epath.Path) -> list[str]:

@@ -175,10 +175,9 @@ class Saves:
                     replace_unfinished=True,
                     reuse=reuse,
                     staging=staging,
-                    # The root was checked as the Checkpointer opened it (``open_root``): its
-                    # steps lie in no finished checkpoint, without a look (and, on object
-                    # stores, a request and a broadcast) per save.
-                    inside_checked=True,
+                    # Not ``inside_checked``: a checkpoint committed at a parent of the root
+                    # since it was opened (``open_root``) stops the save as a free function's
+                    # (looked for at its start and again at its commit; see ``_enclosing``).
                 )
             )
         except BaseException:
