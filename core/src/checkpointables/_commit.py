@@ -17,7 +17,11 @@ place, under the checkpoint's own prefix, in this order:
    checkpoint;
 3. every handler's objects, ``_CHECKPOINT_METADATA`` and ``orbax.checkpoint``;
 4. the record is read back: if another save took the prefix over meanwhile,
-   this one stops without committing;
+   this one stops without committing; an overwrite also lists the prefix again
+   (in the same round trip: one LIST more), and if names it did not write
+   appeared at its top meanwhile (a user's objects), it removes its own objects
+   and stops without committing, leaving those as they are (the local rule of
+   ``RenameTarget._refuse_what_appeared``);
 5. ``commit_success.txt``, the commit (Orbax marks finished checkpoints on
    object stores the same way): from this moment readers see the new
    checkpoint;
@@ -611,7 +615,11 @@ class MarkerTarget(SaveTarget):
             storage.write_bytes(_join(self.final, name), data)
         metadata_checksums.record(self.final, known=written)
         asks = check.requests() if check is not None else []
-        record, *found = concurrently(_call, [lambda: read_record(self.final), *asks])
+        # An overwrite lists the prefix again (one LIST, in the same round trip).
+        listed = [functools.partial(storage.list_dir, self.final)] if self.overwrite else []
+        calls: list[Callable[[], Any]] = [lambda: read_record(self.final), *listed, *asks]
+        record, *found = concurrently(_call, calls)
+        listing: list[storage.Entry] | None = found.pop(0) if listed else None
         if check is not None:
             check.conclude(found)
         if record != self._record:
@@ -620,6 +628,8 @@ class MarkerTarget(SaveTarget):
                 f"was not committed (two saves must not write one path at once). The other "
                 f"save's result, if it finishes, is what the path will hold."
             )
+        if listing is not None:
+            self._refuse_objects_that_appeared(listing, files)
         storage.write_bytes(_join(self.final, layout.COMMIT_SUCCESS_FILE), marker.encode())
         storage.remove_file(_join(self.final, SAVE_RECORD_FILE))
 
@@ -627,6 +637,40 @@ class MarkerTarget(SaveTarget):
         """Deletes what this save wrote, unless another save has taken the prefix over."""
         if read_record(self.final) == self._record:
             _leftovers.remove_unfinished(self.final)
+
+    def _refuse_objects_that_appeared(
+        self, listing: Iterable[storage.Entry], files: Mapping[str, str]
+    ) -> None:
+        """Raises ``CheckpointExistsError`` if names this save did not write appeared at the
+        top of the prefix while it wrote (a user's objects, or another writer's), after
+        removing this save's own objects (never theirs): committed, the new checkpoint would
+        hold them, and deleting it would delete them. The local rule
+        (``RenameTarget._refuse_what_appeared``) on an object store, where the save writes
+        in place. Objects put inside the save's own directories are not told from its own;
+        what comes between the listing and the marker (one round trip) is not seen."""
+        own = _own_top_level(files)
+        appeared = sorted({entry.name for entry in listing} - own)
+        if not appeared:
+            return
+        files_here = storage.list_files(self.final)
+        mine = [f for f in files_here if f.split("/")[0] in own and f != SAVE_RECORD_FILE]
+        concurrently(storage.remove_file, [_join(self.final, f) for f in mine])
+        storage.remove_file(_join(self.final, SAVE_RECORD_FILE))  # Last: ``discard`` stops.
+        raise errors.CheckpointExistsError(
+            f"{self.final} changed while this save was writing ({_shown(appeared)} appeared "
+            f"there): a save never replaces objects that no save wrote, even with "
+            f"overwrite=True. This save was not committed and its objects were removed; what "
+            f"appeared was left as it is (the checkpoint this save replaced was deleted as it "
+            f"started: on an object store an overwrite writes in place)."
+        )
+
+
+def _own_top_level(files: Mapping[str, str]) -> frozenset[str]:
+    """The top-level names a save writes: its checkpointables (named in the
+    ``_CHECKPOINT_METADATA`` among ``files``), ``files``, and a checkpoint's own files."""
+    item_handlers = json.loads(files.get(CHECKPOINT_METADATA_FILE, "{}")).get("item_handlers")
+    names = set(item_handlers) if isinstance(item_handlers, Mapping) else set()
+    return frozenset(names | {n.split("/")[0] for n in files} | _CHECKPOINT_FILES)
 
 
 def _call(ask: Callable[[], Any]) -> Any:

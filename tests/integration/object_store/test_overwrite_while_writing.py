@@ -1,0 +1,102 @@
+"""On an object store an overwrite writes in place: objects put under its prefix while it
+writes (a user's, another writer's) stop its commit, as on a local disk, and are never
+deleted; the save's own objects are removed. An overwrite that met nothing new commits,
+at one request (a LIST, in the round trip of the commit's read-back) more than before."""
+
+from __future__ import annotations
+
+import threading
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+from ...object_store_server import S3Proxy
+
+OLD = {"w": np.arange(4.0)}
+NEW = {"v": np.ones(3), "step": 7}
+
+
+class GatingProxy(S3Proxy):
+    """Holds the first PUT of a key ending in ``gate_at`` until ``release`` is set (and sets
+    ``arrived`` when it comes): the save is then past its start, writing its metadata."""
+
+    def __init__(self, target: str, gate_at: str) -> None:
+        self.gate_at = gate_at
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+        super().__init__(target)
+
+    def stop(self) -> None:
+        self.release.set()
+        super().stop()
+
+    def _handler(self) -> type:
+        proxy = self
+        base = super()._handler()
+
+        class Gating(base):  # type: ignore[misc, valid-type]
+            def _forward(self) -> None:
+                key = self.path.split("?")[0]
+                first = not proxy.arrived.is_set()
+                if first and self.command == "PUT" and key.endswith(proxy.gate_at):
+                    proxy.arrived.set()
+                    assert proxy.release.wait(30)
+                super()._forward()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        return Gating
+
+
+def _objects(prefix: str) -> dict[str, bytes]:
+    return {f: cp.storage.read_bytes(f"{prefix}/{f}") for f in cp.storage.list_files(prefix)}
+
+
+def _overwrite_while(s3, path: str, put: dict[str, bytes]) -> cp.AsyncResponse:
+    """An async overwrite of ``path``; ``put`` written under it (straight to the server)
+    while the save writes its metadata (its start, which deletes the old objects, is over)."""
+    proxy = GatingProxy(s3.endpoint, f"/{path.split('/', 3)[3]}/_CHECKPOINT_METADATA")
+    try:
+        through = cp.options.StorageOptions(endpoint=proxy.endpoint)
+        with cp.Context(storage_options=through):
+            saving = cp.save_pytree_async(path, NEW, overwrite=True)
+        assert proxy.arrived.wait(30)
+        for key, data in put.items():
+            cp.storage.write_bytes(f"{path}/{key}", data)
+        proxy.release.set()
+        saving.exception(30)
+    finally:
+        proxy.stop()
+    return saving
+
+
+@pytest.mark.parametrize(
+    ("put", "shown"),
+    [
+        ({"mine.txt": b"mine"}, "mine.txt"),
+        ({"results/a.csv": b"1,2\n", "results/b.csv": b"3\n"}, "results"),
+    ],
+    ids=["an object", "a folder"],
+)
+def test_objects_put_under_the_prefix_while_an_overwrite_writes_stop_it(
+    s3, bucket, put, shown
+) -> None:
+    path = f"{bucket}/ck"
+    cp.save_pytree(path, OLD)
+    saving = _overwrite_while(s3, path, put)
+    with pytest.raises(cp.errors.CheckpointExistsError) as refused:
+        saving.result(0)
+    message = str(refused.value)
+    assert f"{path} changed while this save was writing ({shown} appeared there)" in message
+    assert "was not committed" in message and "left as it is" in message, message
+    assert _objects(path) == put  # Never deleted; the save's own objects (and record) gone.
+    assert not cp.is_checkpoint(path)
+
+
+def test_an_overwrite_that_met_nothing_new_commits(s3, bucket) -> None:
+    path = f"{bucket}/ck"
+    cp.save_pytree(path, OLD)
+    _overwrite_while(s3, path, {}).result(0)
+    loaded = cp.load_pytree(path)
+    assert set(loaded) == {"v", "step"} and loaded["step"] == 7
