@@ -60,7 +60,7 @@ def test_a_link_into_a_checkpoint_counts(finished, tmp_path) -> None:
 
 def test_a_checkpointer_whose_root_is_in_a_checkpoint_saves_no_step(finished) -> None:
     ck, before = finished
-    # Refused as it opens the root (its step saves then skip the look).
+    # Refused as it opens the root (its step saves look again, as any save does).
     with pytest.raises(cp.errors.InvalidArgumentError, match="inside the finished"):
         cp.training.Checkpointer(ck / "run")
     assert sorted(os.walk(ck)) == before
