@@ -91,6 +91,7 @@ from checkpointables_pytree.ocdbt._index import (
 )
 from checkpointables_pytree.ocdbt._node_checksums import (
     NODE_CHECKSUMS_FILE,
+    bound_nodes,
     check_manifest,
     check_recorded_nodes,
     node_checksum_problems,
@@ -144,6 +145,7 @@ __all__ = [
     "parse_location",
     "stored_key_count",
     "NODE_CHECKSUMS_FILE",
+    "bound_nodes",
     "check_manifest",
     "check_recorded_nodes",
     "node_checksums",

@@ -20,12 +20,12 @@ import collections
 import functools
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import tensorstore as ts
 
-__all__ = ["dump", "dump_async", "dump_leaks", "CACHED_DUMPS"]
+__all__ = ["dump", "dump_async", "dump_each", "dump_leaks", "CACHED_DUMPS"]
 
 # Dumped manifests and nodes kept: a load of a tree of 10,000 arrays reads a few nodes.
 CACHED_DUMPS = 256
@@ -52,6 +52,23 @@ async def dump_async(base: ts.KvStore, location: str | None = None, *, key: Hash
     if found is not None:
         return found
     return _put(key, await ts.ocdbt.dump(base, location))
+
+
+def dump_each(base: ts.KvStore, locations: Sequence[str], keys: Sequence[Hashable]) -> list[Any]:
+    """``dump`` of every location, read all at once (one round trip, not one per node, on
+    an object store); a node that cannot be dumped gives its ``ValueError`` in its place."""
+    started = [
+        _get(key) or ts.ocdbt.dump(base, where) for where, key in zip(locations, keys, strict=True)
+    ]
+    results: list[Any] = []
+    for key, result in zip(keys, started, strict=True):
+        if isinstance(result, ts.Future):
+            try:
+                result = _put(key, result.result())
+            except ValueError as e:
+                result = e
+        results.append(result)
+    return results
 
 
 def _get(key: Hashable) -> Any:

@@ -76,6 +76,9 @@ class DatabaseIndex:
         # The nodes checked against the save's _btree_checksums, read once for the check
         # and decoded from these bytes (None: the save recorded none). See ``checked``.
         self._checked: dict[str, bytes] | None = None
+        # Without that record: the uncompressed nodes read to bound every node's location
+        # (``bound_nodes``), decoded from these bytes too.
+        self._bounded: dict[str, bytes] = {}
         self._checking: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def prefetch(self) -> None:
@@ -113,7 +116,9 @@ class DatabaseIndex:
         check to a thread costs more than the check (a fifth of a tiny load)."""
         if self._start is None and not self._checking.done():
             try:
-                self._checked = _node_checksums.check_recorded_nodes(self.root)
+                self._checked = _node_checksums.check_recorded_nodes(
+                    self.root, bounded=self._bounded
+                )
             except BaseException as e:
                 self._checking.set_exception(e)
             else:
@@ -127,7 +132,9 @@ class DatabaseIndex:
             return _context.open_location(self.root).result()
         try:
             base = _context.open_location(self.root).result()
-            self._checked = _node_checksums.check_recorded_nodes(self.root, base)
+            self._checked = _node_checksums.check_recorded_nodes(
+                self.root, base, bounded=self._bounded
+            )
         except BaseException as e:
             self._checking.set_exception(e)
             raise
@@ -178,10 +185,14 @@ class DatabaseIndex:
 
     def _node_bytes(self, base: Any, location: str) -> bytes:
         """The bytes of a node (``b""``: missing); a local database's are read directly,
-        and those checked against the save's record are not read again."""
+        and those read by the check (against the save's record, or bounding locations)
+        are not read again."""
         if self._checked is not None:
             self._refuse_unlisted(location)
             return self._checked[location]
+        data = self._bounded.get(location)
+        if data is not None:
+            return data
         where = parse_location(location, self.root, "btreenode") if self._local else None
         data = None if where is None else storage.read_range(*where)
         if data is None:
@@ -391,7 +402,8 @@ async def locate(
 class OpenedDatabase:
     """A load's TensorStore context and OCDBT kvstore, opened before ``_METADATA`` is parsed.
 
-    For a database of a few values, ``start`` issues one read, which brings the
+    For a database of a few values, ``start`` checks the b-tree (``DatabaseIndex.check_now``)
+    and issues one read, which brings the
     manifest and the b-tree's root into the context's cache while this thread
     plans the reads (that waiting was a fifth of the load). For one of many
     values (``many_values``) it starts reading where the values are (``index``)
@@ -415,24 +427,31 @@ class OpenedDatabase:
 
         Raises:
           cp.errors.MetadataError: the manifest holds more than ``MAX_MANIFEST_BYTES``.
-          cp.errors.IntegrityError: its root's location claims more than a node holds.
+          cp.errors.IntegrityError: (a few values) the b-tree is not what the save
+            recorded, or a node's location claims more than a node holds
+            (``check_recorded_nodes``); with ``many_values``, the index's check raises it.
         """
         root = os.fspath(directory)
         if not _context.is_local(root) or not os.path.exists(
             os.path.join(root, _context.MANIFEST_FILE)
         ):
             return None
-        # Before TensorStore reads the manifest and the root whole (outside the try: a
-        # MetadataError is a ValueError, which would leave them to TensorStore's reads).
-        _node_checksums.check_manifest(root)
         context = _context.make_context()
         try:
             kvstore = _context.open_kvstore(directory, context).result()
+        except cp.errors.CheckpointError:  # A MetadataError is a ValueError: not left.
+            raise
         except ValueError:  # TensorStore's errors: the reads report them, naming the leaf.
             return None
         opened = cls(directory, context, kvstore)
-        if many_values:
+        if many_values:  # Its thread checks the b-tree before it or TensorStore reads it.
             opened.index.prefetch()
-        else:
+            return opened
+        # The check before the warming read: TensorStore's walk to "" reads nodes below the
+        # root, which it reads whole (a forged one can claim gibibytes).
+        error = opened.index.check_now().exception()
+        if isinstance(error, cp.errors.CheckpointError):
+            raise error
+        if error is None:  # Else TensorStore cannot open the database: the reads report it.
             opened.warming = kvstore.read("")
         return opened

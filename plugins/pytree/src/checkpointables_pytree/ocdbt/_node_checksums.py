@@ -11,7 +11,8 @@ SHA-256 of every node, by its location as ``ts.ocdbt.dump`` names it, into
 which the commit's ``_CHECKSUMS`` covers. ``checkpointables verify`` walks
 the b-tree and compares every node (``node_checksum_problems``); a load
 compares every listed node before it reads values (``check_recorded_nodes``).
-A database without the file (Orbax's, an older checkpoint's) is read as before.
+A database without the file (Orbax's, an older checkpoint's) is read as before,
+once every node's location is bounded (``bound_nodes``).
 
 Example::
 
@@ -36,7 +37,7 @@ from etils import epath
 from checkpointables_pytree import storage
 from checkpointables_pytree.ocdbt import _btree_nodes, _context
 from checkpointables_pytree.ocdbt._btree_nodes import parse_location
-from checkpointables_pytree.ocdbt._dumps import dump
+from checkpointables_pytree.ocdbt._dumps import dump, dump_each
 
 __all__ = [
     "NODE_CHECKSUMS_FILE",
@@ -46,6 +47,7 @@ __all__ = [
     "check_node",
     "unlisted_node",
     "check_manifest",
+    "bound_nodes",
     "check_recorded_nodes",
     "node_checksum_problems",
     "node_file",
@@ -222,41 +224,123 @@ def manifest_key(root: str) -> tuple[Any, ...] | None:
     return (root, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-def check_manifest(directory: epath.PathLike, base: ts.KvStore | None = None) -> None:
-    """Refuses a manifest TensorStore must not read (``check_manifest_size``), or whose root
-    node's location claims more than any node holds (``check_length``), before TensorStore
-    reads either: it reads both whole. A manifest that cannot be read is left to the reads.
+def check_manifest(directory: epath.PathLike, base: ts.KvStore | None = None) -> dict[str, bytes]:
+    """Refuses a manifest TensorStore must not read (``check_manifest_size``), or a b-tree
+    node whose location claims more than any node holds (``check_length``), before
+    TensorStore reads either: it reads both whole. Every node TensorStore may reach from
+    the latest root is bounded (``bound_nodes``). A manifest that cannot be read is left to
+    the reads.
 
     Costs a ``stat`` and the manifest's decoding (once per local manifest: ``dump`` keeps
-    it); on an object store the size check's GET and one GET of the manifest.
+    it), on an object store the size check's GET and one GET of the manifest; and a read of
+    each interior node (none in a tree of one node: a checkpoint of a few arrays).
+
+    Returns the bytes of the uncompressed interior nodes it read, by location.
 
     Raises:
       cp.errors.MetadataError: the manifest is too large.
-      cp.errors.IntegrityError: its root's location claims too many bytes.
+      cp.errors.IntegrityError: a node's location claims too many bytes.
+    """
+    _context.check_manifest_size(directory)
+    return bound_nodes(directory, base)
+
+
+def bound_nodes(directory: epath.PathLike, base: ts.KvStore | None = None) -> dict[str, bytes]:
+    """Checks the location of every node of the latest b-tree (``check_length``): the
+    root's in the manifest, each child's in its parent, so that no read of the b-tree, by
+    TensorStore or the index, asks for more bytes than a node holds. For a database without
+    ``_btree_checksums`` (with it, only checked nodes are read, which name only checked
+    children).
+
+    Interior nodes are read a level at a time (all of a level at once); leaves are not
+    read. Compressed nodes are decoded by ``dump``, whose results the index shares; the
+    bytes of uncompressed ones are returned (by location) for the index to decode rather
+    than read again. A node that cannot be read or decoded is left to the reads: TensorStore
+    cannot read it either, so it reads none of its children.
+
+    Raises:
+      cp.errors.IntegrityError: a node's location claims too many bytes.
     """
     root = os.fspath(directory)
-    _context.check_manifest_size(root)
     try:
         base = base if base is not None else _context.open_location(root).result()
         manifest = dump(base, key=manifest_key(root))
     except ValueError:
-        return
+        return {}
     versions = manifest.get("versions") or []
-    if versions:
-        latest = max(versions, key=lambda v: v.get("generation_number", 0))
-        location = (latest.get("root") or {}).get("location")
-        if isinstance(location, str):
-            _btree_nodes.check_length(root, location)
+    if not versions:
+        return {}
+    latest = max(versions, key=lambda v: v.get("generation_number", 0))
+    location = (latest.get("root") or {}).get("location")
+    if not isinstance(location, str):
+        return {}
+    _btree_nodes.check_length(root, location)
+    plain = (manifest.get("config") or {}).get("compression", 0) is None
+    read: dict[str, bytes] = {}
+    level, seen, height = [location], {location}, latest.get("root_height", 0)
+    while isinstance(height, int) and height > 0 and level:
+        below = []
+        for child in _child_locations(base, root, level, plain, read):
+            _btree_nodes.check_length(root, child)
+            if child not in seen:
+                seen.add(child)
+                below.append(child)
+        level, height = below, height - 1
+    return read
+
+
+def _child_locations(
+    base: ts.KvStore, root: str, level: list[str], plain: bool, read: dict[str, bytes]
+) -> list[str]:
+    """The children's locations of the interior nodes at ``level``; the bytes of those
+    decoded here (uncompressed) go into ``read``."""
+    found: list[str] = []
+    compressed = level
+    if plain:
+        compressed = []
+        futures = [_read_node(base, root, where) for where in level]
+        for where, future in zip(level, futures, strict=True):
+            data = future.result()
+            data = data if isinstance(data, bytes) else _btree_nodes.value_of(data)
+            try:
+                node = _btree_nodes.decoded(data, where)
+            except ValueError:
+                node = None  # TensorStore's decoding is the judge: dump it.
+            if node is None:
+                compressed.append(where)
+                continue
+            read[where] = data
+            found += _entry_locations(node)
+    keys = [(root, where) for where in compressed]
+    for node in dump_each(base, compressed, keys):
+        if not isinstance(node, ValueError):
+            found += _entry_locations(node)
+    return found
+
+
+def _entry_locations(node: Any) -> list[str]:
+    """The child locations a decoded node names (none for a leaf)."""
+    entries = node.get("entries") if node.get("height") else None
+    if not isinstance(entries, list):
+        return []
+    return [e["location"] for e in entries if isinstance(e.get("location"), str)]
 
 
 def check_recorded_nodes(
-    directory: epath.PathLike, base: ts.KvStore | None = None
+    directory: epath.PathLike,
+    base: ts.KvStore | None = None,
+    *,
+    bounded: dict[str, bytes] | None = None,
 ) -> dict[str, bytes] | None:
     """Checks, before a load reads values, that the b-tree is the one the save recorded:
     the manifest against ``_CHECKSUMS`` and every listed node against ``_btree_checksums``.
     Then whatever reads the b-tree (TensorStore or ``DatabaseIndex``) reads only nodes the
     save wrote. Returns the bytes of every node checked, by location, for the index to
     decode rather than read again (``None``: nothing was recorded, nothing checked).
+
+    Without ``_btree_checksums`` (Orbax's, older checkpoints), every node's location is
+    bounded instead (``bound_nodes``): the bytes of the uncompressed nodes that reads go
+    into ``bounded``, if given, for the index.
 
     ``base``: the database's kvstore, if the caller has it open (an object store's
     nodes are read through it; a local database's from its files).
@@ -265,14 +349,16 @@ def check_recorded_nodes(
       cp.errors.IntegrityError: the manifest or a node differs (naming its file).
       cp.errors.MetadataError: ``_btree_checksums`` is malformed, or the manifest holds
         more than ``MAX_MANIFEST_BYTES`` (``check_manifest_size``).
-      cp.errors.IntegrityError: (nothing recorded) the root's location claims too many
-        bytes (``check_manifest``).
+      cp.errors.IntegrityError: (nothing recorded) a node's location claims too many
+        bytes (``bound_nodes``).
     """
     # Before TensorStore (or this check) reads the manifest, whole.
     _context.check_manifest_size(directory)
     listed = read_listed(directory)
-    if listed is None:  # Nothing recorded: the root's location is checked (the only one
-        check_manifest(directory, base)  # known before TensorStore reads the b-tree).
+    if listed is None:  # Nothing recorded: what TensorStore may read is bounded.
+        found = bound_nodes(directory, base)
+        if bounded is not None:
+            bounded.update(found)
         return None
     root = os.fspath(directory)
     # The manifest names the root node: with it unchanged, unchanged nodes are the tree.

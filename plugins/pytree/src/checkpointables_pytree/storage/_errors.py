@@ -71,10 +71,15 @@ def storage_error(what: str, error: BaseException) -> Exception:
     shape or codecs claim chunks of another size than the stored ones, is a
     ``cp.errors.MetadataError``; a chunk that does not decode as it says (a zstd or gzip
     stream that is none, bytes that are no bools) an ``IntegrityError``: either may be
-    the damaged one."""
+    the damaged one. A chunk the database has no value for is a ``MissingChunkError``
+    (naming its key), as the fast path's reads raise: damage, unless the tree is
+    process-local."""
     # TensorStore appends the spec it opened, whose member names ("fill_missing_data_reads")
     # must not read as its verdict.
     text = _SPEC.sub("", str(error))
+    missing = _MISSING_CHUNK.search(text)
+    if missing is not None:  # The zarr3 driver's (it is told not to read one as zeros).
+        return missing_chunk_error(what, missing[1])
     if is_data_loss(text) or any(marker in text for marker in _MISSING_MARKERS):
         file = _FILE.search(text)
         return integrity_error(what if file is None else f"{file[1]} (read for {what})", error)
@@ -85,6 +90,12 @@ def storage_error(what: str, error: BaseException) -> Exception:
 
 
 _SPEC = re.compile(r" \[tensorstore_spec='.*$", re.DOTALL)
+# The zarr3 driver's words for a chunk the database has no value for, with the key of
+# the chunk (or of the shard that would hold it).
+_MISSING_CHUNK = re.compile(
+    r'NOT_FOUND: chunk \{[^}]*\} stored at (?:shard entry [^"]*? in )?"([^"]+)" in OCDBT '
+    r"database at [^\n]* is missing"
+)
 # TensorStore's words for an array's zarr metadata it cannot accept.
 _UNPARSED = re.compile(
     r'Error opening "zarr3?" driver: Error reading "([^"]*(?:zarr\.json|\.zarray))"'
