@@ -245,10 +245,11 @@ async def _check_chunks(
 
 
 async def _check_with_driver(
-    session: LoadSession, entry: tree_room.Entry, unchecked: list[str]
+    session: LoadSession, entry: tree_room.Entry, unchecked: list[str], held: Held = None
 ) -> list[str]:
-    """Reads every chunk of ``entry``'s array through the driver; adds its name to
-    ``unchecked`` if its chunks carry no checksum of their data."""
+    """Reads every chunk of ``entry``'s array through the driver (of a process-local tree:
+    every chunk it holds); adds its name to ``unchecked`` if its chunks carry no checksum
+    of their data."""
     name = session.tree.storage_name(entry.names)
     spec = io.Reader(
         session.directory, ocdbt=session.tree.use_ocdbt, zarr3=session.tree.use_zarr3
@@ -256,16 +257,41 @@ async def _check_with_driver(
     spec["fill_missing_data_reads"] = False
     try:
         store = await ts.open(spec, context=ocdbt.make_context(), open=True)
-        problem = await _driver_layout_problem(session, entry, name, store)
+        problem = await _driver_layout_problem(session, entry, name, store, held is not None)
         if problem is not None:
             return [problem]
         if not _chunks_checksummed(store):
             unchecked.append(name)
-        for region in _chunk_regions(store):
+        regions = _chunk_regions(store) if held is None else _held_driver_regions(store, name, held)
+        for region in regions:
             await (store[region].read() if region else store.read())
     except Exception as e:
         return [_problem(entry, _read_error(f"array {name!r}", e))]
     return []
+
+
+def _held_driver_regions(
+    store: Any, name: str, held: tuple[frozenset[str], list[str]]
+) -> list[tuple[slice, ...]]:
+    """The regions of the array's stored chunks (shards) that a process-local tree's
+    database holds (``held``), noting an array held only in part."""
+    shape, chunk = tuple(int(s) for s in store.shape), _write_chunk(store)
+    grid = tuple(-(-s // c) for s, c in zip(shape, chunk, strict=True))
+    prefix = zarr3.chunk_key(name, ()) + "/"
+    indices = []
+    for key in held[0]:
+        parts = key[len(prefix) :].split("/") if key.startswith(prefix) else []
+        index = tuple(int(p) for p in parts if p.isdigit())
+        if len(index) == len(grid) == len(parts) and all(map(int.__lt__, index, grid)):
+            indices.append(index)
+    if len(indices) < math.prod(grid):
+        held[1].append(f"{name!r} ({len(indices)} of {math.prod(grid)} chunks)")
+    return [
+        tuple(
+            slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunk, shape, strict=True)
+        )
+        for index in sorted(indices)
+    ]
 
 
 def _quiet(held: Held) -> Held:
@@ -299,11 +325,12 @@ def _chunk_regions(store: Any) -> Iterator[tuple[slice, ...]]:
 
 
 async def _driver_layout_problem(
-    session: LoadSession, entry: tree_room.Entry, name: str, store: Any
+    session: LoadSession, entry: tree_room.Entry, name: str, store: Any, process_local: bool
 ) -> str | None:
     """Why the array's ``zarr.json`` cannot be read as it says: it disagrees with
     ``_METADATA``, claims chunks larger than memory, or more chunks than are stored (a
-    damaged or hostile shape, which no read should walk)."""
+    damaged or hostile shape, which no read should walk; a process-local tree holds only
+    some, and only those are read)."""
     shape = tuple(int(s) for s in store.shape)
     dtype = store.dtype.numpy_dtype
     stored = session.stored_array(entry)
@@ -322,7 +349,7 @@ async def _driver_layout_problem(
             "than this machine's memory"
         )
     count = math.prod(-(-s // c) for s, c in zip(shape, chunk, strict=True))
-    if count <= 1:
+    if count <= 1 or process_local:
         return None
     keys = await store.kvstore.list()
     held = sum(1 for k in keys if not _is_metadata_key(k))
@@ -489,7 +516,7 @@ async def _check_arrays(session: LoadSession, unchecked: list[str], held: Held =
                 cp.progress.advance(batch_bytes)
                 batch, batch_bytes = [], 0
         else:
-            problems += await _check_with_driver(session, entry, unchecked)
+            problems += await _check_with_driver(session, entry, unchecked, held)
             cp.progress.advance(stored.nbytes if stored is not None else 0)
     if batch:
         problems += await _check_batch(session, batch, held)

@@ -59,11 +59,6 @@ def test_its_other_leaves_load(local, path) -> None:
     assert loaded["n"].tolist() == [0, 1, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify's driver reads ignore a process-local tree's held chunks (_verify.py, "
-    "outside this change); remove the mark once they read only the chunks it holds",
-)
 def test_verify_checks_the_chunks_it_holds(local) -> None:
     findings = verify_checkpoint(local)
     assert not [f for f in findings if f.problem], findings
