@@ -228,3 +228,16 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def test_a_step_renamed_aside_for_deletion_is_fresh_by_its_name(tmp_path) -> None:
+    # Its directory keeps the time of its save; the deletion that renamed it is still running.
+    from checkpointables import _commit
+
+    cp.save_checkpointables(tmp_path / "1", {"extra": {"v": 1}})
+    old = time.time_ns() - 10**12
+    os.utime(tmp_path / "1", ns=(old, old))
+    retired = _commit.retire(tmp_path / "1")
+    assert retired is not None and os.path.exists(retired.path)
+    assert not _leftovers.abandoned_entries([tmp_path], timeout_secs=60)
+    retired.remove()

@@ -239,12 +239,14 @@ def name_host(name: str) -> str:
 
 def heartbeat_ns(directory: epath.PathLike, name: str) -> int | None:
     """The last beat of the save writing the local temporary entry ``directory/name``: its
-    modification time (one ``lstat``). ``None``: the name is an older version's (no
+    modification time (one ``lstat``), or the time in its name if later (a step renamed
+    aside for deletion keeps its old time). ``None``: the name is an older version's (no
     heartbeat), or the entry is gone."""
-    if layout.temporary_name_host_tag(name) is None:
+    parsed = layout.parse_temporary_name(name)
+    if parsed is None or layout.temporary_name_host_tag(name) is None:
         return None
     try:
-        return os.lstat(_join(directory, name)).st_mtime_ns
+        return max(os.lstat(_join(directory, name)).st_mtime_ns, parsed[1])
     except OSError:
         return None
 
