@@ -213,14 +213,14 @@ _WRITTEN_BY_A_SAVE = frozenset(
 _SHOWN = 8  # The most names an error lists.
 
 
-def _is_leftover(name: str) -> bool:
-    """Whether ``name`` is an unfinished save's temporary directory (ours or Orbax's); not a
-    ``cp.partial`` session, which holds saves waiting for ``finalize``, nor the directory of
-    a save that may still be writing (``_may_be_writing``)."""
+def _is_leftover(name: str, directory: epath.PathLike | None = None) -> bool:
+    """Whether ``name`` (in ``directory``, if known) is an unfinished save's temporary
+    directory (ours or Orbax's); not a ``cp.partial`` session, which holds saves waiting for
+    ``finalize``, nor the directory of a save that may still be writing (``_may_be_writing``)."""
     return (
         layout.is_temporary_path(name)
         and layout.PARTIAL_SESSION_SUFFIX not in name
-        and not _may_be_writing(name)
+        and not _may_be_writing(name, directory)
     )
 
 
@@ -228,14 +228,24 @@ def _is_leftover(name: str) -> bool:
 _LONGEST_SAVE_NS = int(options.AsyncOptions().timeout_secs * 1e9)
 
 
-def _may_be_writing(name: str) -> bool:
-    """Whether our temporary directory ``name`` may belong to a save still writing: its
-    process (named in it) runs on this host, and it is younger than any save lasts. An
-    overwrite of the directory holding it would delete that save's work."""
+def _may_be_writing(name: str, directory: epath.PathLike | None = None) -> bool:
+    """Whether our temporary directory ``name`` may belong to a save still writing. An
+    overwrite of the directory holding it would delete that save's work.
+
+    In ``directory`` (where the heartbeat is read), a save that keeps a heartbeat
+    (``_leftovers``): its heartbeat is fresh, whatever its age and its host, and its process
+    is not gone from this host. Else (an older version's name, or no ``directory``): its
+    process (named in it) runs on this host, and it is younger than any save lasts.
+    """
     parsed = layout.parse_temporary_name(name)
     if parsed is None:
         return False
     _, created_ns, pid = parsed
+    alive_ns = None if directory is None else _leftovers.heartbeat_ns(directory, name)
+    if alive_ns is not None:
+        here = bool(_leftovers.name_host(name))
+        gone = here and pid != os.getpid() and not _leftovers.process_exists(pid)
+        return time.time_ns() - alive_ns < _LONGEST_SAVE_NS and not gone
     # A time to come (another host's clock, or a forged name) or no pid proves nothing.
     age_ns = time.time_ns() - created_ns
     return 0 <= age_ns < _LONGEST_SAVE_NS and pid > 0 and _leftovers.process_exists(pid)
@@ -502,8 +512,9 @@ class SaveTarget(abc.ABC):
         """Makes ``root`` and a subdirectory per checkpointable ready for writing."""
 
     @abc.abstractmethod
-    def claim(self) -> None:
-        """Marks ``root`` as being written by this save (``create`` does it too)."""
+    def claim(self, *, again: bool = False) -> None:
+        """Marks ``root`` as being written by this save (``create`` does it too); ``again``:
+        refreshes the mark, the save's heartbeat (``_leftovers``), if it is still this save's."""
 
     @abc.abstractmethod
     def publish(
@@ -528,8 +539,12 @@ class RenameTarget(SaveTarget):
         for name in names:
             (self.root / name).mkdir(mode=mode)
 
-    def claim(self) -> None:
-        """Nothing to do: the temporary directory's name says whose it is."""
+    def claim(self, *, again: bool = False) -> None:
+        """The temporary directory's name says whose it is; ``again`` sets its modification
+        time, the save's heartbeat (one ``utime``)."""
+        if again:
+            with contextlib.suppress(FileNotFoundError):  # Committed or discarded: no save.
+                os.utime(self.root)
 
     def publish(
         self, files: Mapping[str, str], marker: str, check: _enclosing.Recheck | None = None
@@ -601,9 +616,16 @@ class MarkerTarget(SaveTarget):
             old.remove(layout.COMMIT_SUCCESS_FILE)
         concurrently(storage.remove_file, [_join(self.final, f) for f in old])
 
-    def claim(self) -> None:
-        """Writes this save's record into the prefix."""
-        storage.write_bytes(_join(self.final, SAVE_RECORD_FILE), self._record.to_json().encode())
+    def claim(self, *, again: bool = False) -> None:
+        """Writes this save's record into the prefix; ``again``: with its heartbeat set to
+        now (one GET, one PUT), unless the record is no longer this save's (another save took
+        the prefix over, or this one committed: never taken back)."""
+        record = self._record
+        if again:
+            if read_record(self.final) != record:
+                return
+            record = record.beating()
+        storage.write_bytes(_join(self.final, SAVE_RECORD_FILE), record.to_json().encode())
 
     def publish(
         self, files: Mapping[str, str], marker: str, check: _enclosing.Recheck | None = None

@@ -1,18 +1,30 @@
 """Finding, and removing, what saves and deletions that never finished left behind.
 
 On local disks a save writes under a temporary name that records the
-creating process id and the creation time
-(``<name>.checkpointables-tmp-<ns>-<pid>-<hex>``, and ``-old-`` for steps
-being deleted). On object stores a save writes in place and records the same
-facts (and the host) in a ``SaveRecord`` object inside the checkpoint's
-prefix. Either is provably abandoned when
+creating process id, the creation time and a tag of the host
+(``<name>.checkpointables-tmp-<ns>-<pid>-<host tag><hex>``, and ``-old-`` for
+steps being deleted). On object stores a save writes in place and records the
+same facts (and the host) in a ``SaveRecord`` object inside the checkpoint's
+prefix.
+
+A running save proves it is alive by a heartbeat: every ``beat_interval``
+(a quarter of its ``AsyncOptions.timeout_secs``, at most 5 minutes) the
+background machinery (``_inflight.Heartbeat``) sets its temporary directory's
+modification time (one ``utime``), or rewrites its record with ``alive_ns``
+(one GET and one small PUT). A save that commits or fails within the first
+interval pays nothing. The heartbeat stops before the commit and at a discard;
+a killed process's heartbeat simply stops. Either kind is provably abandoned when
 
 - its process is gone: another pid that does not exist on this host, in a
-  single-process job (on a local root; on an object store, when the record
-  names this host); in a multi-host job the pid may belong to another host,
-  so it proves nothing; or
-- it is older than the save timeout (``AsyncOptions.timeout_secs``): every
-  wait on a save has given up on it by then.
+  single-process job (the temporary name's host tag, or the record, names
+  this host; a name of an older version is taken for this host's); in a
+  multi-host job the pid may belong to another host, so it proves nothing; or
+- its heartbeat is older than the save timeout (``AsyncOptions.timeout_secs``),
+  whatever the save's age: a save still writing, however long, on this host
+  or another one sharing the storage, is never taken for a leftover. A save
+  without a heartbeat (an older version's: a record without ``alive_ns``, a
+  name without a host tag) is abandoned once it is older than the timeout:
+  every wait on a save has given up on it by then.
 
 A live process's in-flight save is neither, so it is never touched. Orbax's
 own temporary directories (``.orbax-checkpoint-tmp``) carry no owner, so they
@@ -45,6 +57,8 @@ __all__ = [
     "abandoned_entries",
     "abandoned_prefixes",
     "is_over",
+    "beat_interval",
+    "heartbeat_ns",
     "remove",
     "remove_unfinished",
 ]
@@ -72,9 +86,29 @@ def this_host() -> str:
     return socket.gethostname()
 
 
-def is_over(started_ns: int, pid: int, host: str, timeout_secs: float, now_ns: int) -> bool:
-    """The rule of the module's docstring: too old, or its single-process job's process is gone."""
-    if now_ns - started_ns > timeout_secs * 1e9:
+# The longest wait between two beats of a save's heartbeat, whatever its timeout: a cleaner
+# whose timeout is shorter than the save's (another job's default) still sees it alive.
+_LONGEST_BEAT_SECS = 300.0
+
+
+def beat_interval(timeout_secs: float) -> float:
+    """How often a running save refreshes its heartbeat: a quarter of its timeout (a beat
+    lost, or late, still leaves it fresh), at most ``_LONGEST_BEAT_SECS``."""
+    return min(timeout_secs / 4, _LONGEST_BEAT_SECS)
+
+
+def is_over(
+    started_ns: int,
+    pid: int,
+    host: str,
+    timeout_secs: float,
+    now_ns: int,
+    alive_ns: int | None = None,
+) -> bool:
+    """The rule of the module's docstring: its heartbeat (``alive_ns``; ``None``: it has
+    none, its start counts) is too old, or its single-process job's process is gone."""
+    last_ns = started_ns if alive_ns is None else alive_ns
+    if now_ns - last_ns > timeout_secs * 1e9:
         return True
     # The job's size last: in a jax.distributed job that has not started JAX's backend yet,
     # asking starts it, which waits for every process (a sibling's save may be over by then).
@@ -103,11 +137,20 @@ class SaveRecord:
     # A save that replaces a committed checkpoint (``overwrite=True``): a load that meets it
     # says the checkpoint is being replaced (retry), not that there is none.
     replacing: bool = False
+    # The save's heartbeat (module docstring): when it last said it is alive. ``None``: the
+    # record of an older version, which has none. Not part of the record's identity: a save
+    # that finds its own record with a later heartbeat finds its own record.
+    alive_ns: int | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def new(cls, *, deleting: bool = False, replacing: bool = False) -> SaveRecord:
         """A record for a save (or deletion) starting now in this process."""
-        return cls(uuid.uuid4().hex, time.time_ns(), os.getpid(), this_host(), deleting, replacing)
+        now = time.time_ns()
+        return cls(uuid.uuid4().hex, now, os.getpid(), this_host(), deleting, replacing, now)
+
+    def beating(self) -> SaveRecord:
+        """This record with its heartbeat set to now."""
+        return attrs.evolve(self, alive_ns=time.time_ns())
 
     def to_json(self) -> str:
         """The record's text."""
@@ -125,6 +168,7 @@ class SaveRecord:
                 str(value["host"]),
                 bool(value.get("deleting", False)),
                 bool(value.get("replacing", False)),
+                None if value.get("alive_ns") is None else int(value["alive_ns"]),
             )
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
             return None
@@ -133,13 +177,18 @@ class SaveRecord:
         """Who and when, for error messages."""
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_ns / 1e9))
         what = "a deletion" if self.deleting else "a save"
-        return f"{what} started at {started} by process {self.pid} on host {self.host}"
+        alive = ""
+        if self.alive_ns is not None and self.alive_ns != self.started_ns:
+            alive = f", alive at {time.strftime('%H:%M:%S', time.localtime(self.alive_ns / 1e9))}"
+        return f"{what} started at {started} by process {self.pid} on host {self.host}{alive}"
 
     def is_abandoned(self, *, timeout_secs: float, now_ns: int | None = None) -> bool:
         """Whether the save or deletion it describes is provably over (a deletion is always
         resumable: deleting twice is harmless)."""
         now_ns = time.time_ns() if now_ns is None else now_ns
-        return self.deleting or is_over(self.started_ns, self.pid, self.host, timeout_secs, now_ns)
+        return self.deleting or is_over(
+            self.started_ns, self.pid, self.host, timeout_secs, now_ns, self.alive_ns
+        )
 
 
 def _join(path: epath.PathLike, name: str) -> str:
@@ -159,14 +208,47 @@ def record_is_abandoned(record: SaveRecord | None, *, timeout_secs: float) -> bo
     return record is not None and record.is_abandoned(timeout_secs=timeout_secs)
 
 
-def is_abandoned(name: str, *, timeout_secs: float, now_ns: int | None = None) -> bool:
-    """Whether the local temporary entry ``name`` can be deleted without harming anyone."""
+def is_abandoned(
+    name: str,
+    *,
+    timeout_secs: float,
+    now_ns: int | None = None,
+    directory: epath.PathLike | None = None,
+) -> bool:
+    """Whether the local temporary entry ``name`` (in ``directory``, where its heartbeat is
+    read; ``None``: the rule without a heartbeat) can be deleted without harming anyone."""
     parsed = layout.parse_temporary_name(name)
     if parsed is None:
         return False
     _, created_ns, pid = parsed
     now_ns = time.time_ns() if now_ns is None else now_ns
-    return is_over(created_ns, pid, this_host(), timeout_secs, now_ns)
+    if directory is None or layout.temporary_name_host_tag(name) is None:
+        return is_over(created_ns, pid, this_host(), timeout_secs, now_ns)
+    alive_ns = heartbeat_ns(directory, name)
+    if alive_ns is None:  # Gone meanwhile (committed, discarded): nothing to remove.
+        return False
+    return is_over(created_ns, pid, name_host(name), timeout_secs, now_ns, alive_ns)
+
+
+def name_host(name: str) -> str:
+    """The host that made temporary entry ``name``: this one's name if its host tag says so
+    (or it has none: an older version's), else ``""`` (another host: its pid proves nothing)."""
+    tag = layout.temporary_name_host_tag(name)
+    return this_host() if tag is None or tag == layout.host_tag() else ""
+
+
+def heartbeat_ns(directory: epath.PathLike, name: str) -> int | None:
+    """The last beat of the save writing the local temporary entry ``directory/name``: its
+    modification time (one ``lstat``), or the time in its name if later (a step renamed
+    aside for deletion keeps its old time). ``None``: the name is an older version's (no
+    heartbeat), or the entry is gone."""
+    parsed = layout.parse_temporary_name(name)
+    if parsed is None or layout.temporary_name_host_tag(name) is None:
+        return None
+    try:
+        return max(os.lstat(_join(directory, name)).st_mtime_ns, parsed[1])
+    except OSError:
+        return None
 
 
 def remove_unfinished(path: epath.PathLike) -> None:
@@ -185,7 +267,7 @@ def abandoned_entries(
         for directory in directories
         if storage.is_local(directory)
         for name in _names(directory)
-        if is_abandoned(name, timeout_secs=timeout_secs)
+        if is_abandoned(name, timeout_secs=timeout_secs, directory=directory)
     ]
 
 

@@ -239,6 +239,7 @@ def _directory(save: _Checked, target: _commit.SaveTarget) -> PathAwaitingCreati
                     _leftovers.abandoned_entries([save.path.parent], timeout_secs=timeout)
                 )
                 target.create(save.checkpointables, save.context.file_options.path_permission_mode)
+                _start_heartbeat(save, target)
             except OSError as e:
                 error = e
         multihost.sync_global_processes(
@@ -246,6 +247,29 @@ def _directory(save: _Checked, target: _commit.SaveTarget) -> PathAwaitingCreati
         )
 
     return PathAwaitingCreation(target.root, create)
+
+
+# The heartbeats of the saves of this process still writing, by their target (``_leftovers``).
+_heartbeats: dict[_commit.SaveTarget, _inflight.Heartbeat] = {}
+
+
+def _start_heartbeat(save: _Checked, target: _commit.SaveTarget) -> None:
+    """Starts the heartbeat that tells other processes this save (created just now) is alive:
+    ``target.claim(again=True)`` every ``_leftovers.beat_interval``, from the background."""
+
+    def beat() -> None:
+        with save.context:  # An object store's storage is configured by the context.
+            target.claim(again=True)
+
+    interval = _leftovers.beat_interval(save.context.async_options.timeout_secs)
+    _heartbeats[target] = _inflight.Heartbeat(beat, interval)
+
+
+def _stop_heartbeat(target: _commit.SaveTarget) -> None:
+    """Stops the save's heartbeat (if it has one): no beat runs once this returns."""
+    heartbeat = _heartbeats.pop(target, None)
+    if heartbeat is not None:
+        heartbeat.stop()
 
 
 def _blocking_phase(save: _Checked, directory: PathAwaitingCreation) -> list[Any]:
@@ -298,6 +322,12 @@ def _commit_save(save: _Checked, target: _commit.SaveTarget) -> None:
     files.update(_step_metrics.files_for(save.metrics))  # Where Orbax reads metrics.
     # A parent may have become a checkpoint while the save wrote (another process's).
     check = None if save.inside_checked else _enclosing.Recheck(save.path)
+    if isinstance(target, _commit.MarkerTarget):
+        # Before the commit: a beat must not bring back the record the commit deletes. A
+        # local save beats on through the flush of its files (a long one, for a large save);
+        # a beat after the rename finds nothing at the temporary name (or, after a swap, the
+        # replaced checkpoint, being deleted).
+        _stop_heartbeat(target)
     target.publish(files, _commit.marker(save.path), check)
     # A check of this process that ran while the save wrote may have found its path clear.
     _enclosing.forget(save.path)
@@ -330,6 +360,8 @@ def _write_and_commit(
         except BaseException as e:
             _discard(save, target, e)
             raise
+        finally:
+            _stop_heartbeat(target)
 
 
 def _error_of(work: Callable[[], object]) -> BaseException | None:
@@ -348,6 +380,7 @@ def _discard(save: _Checked, target: _commit.SaveTarget, error: BaseException) -
     unanswered = isinstance(error, errors.StorageError) and isinstance(
         error.__cause__, TimeoutError
     )
+    _stop_heartbeat(target)  # What is left is a leftover (or deleted) now.
     if save.primary and not unanswered:
         with save.context, contextlib.suppress(Exception):
             target.discard()

@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
+import hashlib
 import os
 import re
+import socket
 import sys
 import time
 import uuid
@@ -117,12 +120,33 @@ def is_temporary_path(path: epath.PathLike) -> bool:
 def temporary_path_for(final: epath.Path, infix: str = TMP_INFIX) -> epath.Path:
     """A fresh sibling of ``final`` named so nobody mistakes it for a checkpoint.
 
-    The name records the creation time and process id, so a later cleanup can
-    tell abandoned directories from ones still being written.
+    The name records the creation time, the process id and the host (its tag), so a later
+    cleanup can tell abandoned directories from ones still being written (``_leftovers``).
     """
-    return (
-        final.parent / f"{final.name}{infix}{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    )
+    unique = f"{host_tag()}{uuid.uuid4().hex[:4]}"
+    return final.parent / f"{final.name}{infix}{time.time_ns()}-{os.getpid()}-{unique}"
+
+
+# A temporary name's last field: ``<host tag><4 random>`` hex digits (the name stays within
+# ``_user_paths.TEMPORARY_SUFFIX_BYTES``; the time and pid already tell names apart). Older
+# versions wrote 8 random ones: such a name tells neither its host nor that its save
+# refreshes a heartbeat (``_leftovers``).
+HOST_TAG_HEX = 10
+
+
+@functools.cache
+def host_tag(host: str | None = None) -> str:
+    """The tag of ``host`` (default: this machine) in temporary names: a hash of its name."""
+    name = socket.gethostname() if host is None else host
+    return hashlib.sha256(name.encode()).hexdigest()[:HOST_TAG_HEX]
+
+
+def temporary_name_host_tag(name: str) -> str | None:
+    """The host tag of temporary name ``name``; ``None`` for older names (and others')."""
+    match = _TMP_PATTERN.search(name)
+    if match is None or len(match.group(4)) != HOST_TAG_HEX + 4:
+        return None
+    return match.group(4)[:HOST_TAG_HEX]
 
 
 def parse_temporary_name(name: str) -> tuple[str, int, int] | None:
