@@ -317,7 +317,7 @@ class Occupant:
         """The names here that no save wrote: every name but leftovers unless a file says a
         save wrote the directory; else what is not a checkpoint's file nor named by its own
         records (never steps, nested checkpoints or a user's files)."""
-        rest = {n for n in self.names or () if not _is_leftover(n)}
+        rest = {n for n in self.names or () if not _is_leftover(n, self.path)}
         if not rest or not self.files & _WRITTEN_BY_A_SAVE:
             return sorted(rest)
         foreign: set[str] = set(self.files - _CHECKPOINT_FILES) | (rest - self.files)
@@ -383,7 +383,7 @@ class Occupant:
                 f"{self.path}/{instead}."
             )
         unexplained = self.unexplained()
-        writing = [n for n in unexplained if _may_be_writing(n)]
+        writing = [n for n in unexplained if _may_be_writing(n, self.path)]
         if writing:
             return (
                 f"{self.path} holds {_shown(writing)}, the work of a save still writing there: "
@@ -417,7 +417,7 @@ class Occupant:
         return (
             f"{self.path} holds {what}. Pass overwrite=True to replace it, choose another path, "
             f"or wait: an unfinished save is cleaned by the next save once its process is gone "
-            f"or after AsyncOptions.timeout_secs ({timeout_secs:g} s)."
+            f"or its heartbeat is older than AsyncOptions.timeout_secs ({timeout_secs:g} s)."
         )
 
 
@@ -450,7 +450,7 @@ def _checkpoints_among(path: epath.Path, names: Iterable[str]) -> list[str]:
     Asks about the first few only (one request each on an object store, issued together):
     enough to name them in an error."""
     commit = CHECKPOINT_METADATA_FILE if uses_rename(path) else layout.COMMIT_SUCCESS_FILE
-    candidates = sorted(n for n in names if not _is_leftover(n))[: 4 * _SHOWN]
+    candidates = sorted(n for n in names if not _is_leftover(n, path))[: 4 * _SHOWN]
     found = concurrently(storage.is_file, [_join(_join(path, n), commit) for n in candidates])
     return [n for n, is_step in zip(candidates, found, strict=True) if is_step]
 

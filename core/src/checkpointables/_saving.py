@@ -81,9 +81,10 @@ class SaveRequest:
         ``cp.reuse.SaveReuse`` to hand the handlers (the Checkpointer's); ``None``: none.
       staging: where the handlers report the host memory they staged (the Checkpointer's,
         for ``last_save_stats``); ``None``: a new one.
-      inside_checked: the caller has checked that ``path`` is in no finished checkpoint
-        (``cp.partial``, for the user's path its staged saves lie under; the Checkpointer,
-        for its root): neither the save's start nor its commit looks at its parents.
+      inside_checked: the caller looks for a finished checkpoint enclosing ``path``
+        itself, at the start and before the commit (``cp.partial`` on a local disk, for
+        the user's path its staged saves lie under): neither the save's start nor its
+        commit looks at its parents.
     """
 
     path: epath.PathLike

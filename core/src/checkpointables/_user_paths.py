@@ -16,7 +16,8 @@ from checkpointables import errors, storage
 __all__ = ["check_name_lengths"]
 
 # What a save's temporary directory adds to the checkpoint's name
-# (".checkpointables-tmp-<ns>-<pid>-<8 hex>"), with room to spare.
+# (".checkpointables-tmp-<ns>-<pid>-<10 hex host tag><4 hex>", 63 bytes with a 7-digit
+# pid), with a byte to spare.
 TEMPORARY_SUFFIX_BYTES = 64
 _DEFAULT_NAME_MAX = 255
 

@@ -152,17 +152,22 @@ def _writer(name: str) -> tuple[int, int] | None:
     return None if parsed is None else (parsed[1], parsed[2])
 
 
-def _writer_gone(name: str, *, own_done: bool) -> bool | None:
+def _writer_gone(name: str, session: epath.Path, *, own_done: bool) -> bool | None:
     """Whether the writer of session entry ``name`` is provably gone (``_leftovers``' rule:
-    its process is gone, or it is older than the save timeout); ``own_done`` answers for
+    its process is gone, or it is older than the save timeout; a save's temporary directory
+    that keeps a heartbeat: the heartbeat is, whatever the host); ``own_done`` answers for
     this process's own entries. ``None``: the name records no writer."""
     writer = _writer(name)
     if writer is None:
         return None
     started_ns, pid = writer
+    timeout = get_context().async_options.timeout_secs
+    if layout.temporary_name_host_tag(name) is not None:
+        if pid == os.getpid() and _leftovers.name_host(name):  # This process's own.
+            return own_done
+        return _leftovers.is_abandoned(name, timeout_secs=timeout, directory=session)
     if pid == os.getpid():
         return own_done
-    timeout = get_context().async_options.timeout_secs
     return _leftovers.is_over(started_ns, pid, _leftovers.this_host(), timeout, time.time_ns())
 
 
@@ -170,7 +175,7 @@ def _remove_dead_writers(session: epath.Path) -> None:
     """Removes what the saves of processes now gone left in a local session: staged saves
     never promoted, temporary directories. Their committed saves stay (they resume)."""
     for name in _names(session):
-        if _writer_gone(name, own_done=False):
+        if _writer_gone(name, session, own_done=False):
             storage.remove_tree(session / name)
 
 
@@ -396,7 +401,7 @@ def _refuse_running(path: epath.Path, session: epath.Path) -> list[str]:
     """The session's entries besides its pytree directory, once none is a save of another
     live process (else raises ``_still_running``)."""
     names = [n for n in _names(session) if n != DEFAULT_NAME]
-    running = [n for n in names if _writer_gone(n, own_done=True) is False]
+    running = [n for n in names if _writer_gone(n, session, own_done=True) is False]
     if running:
         raise _still_running(path, session / running[0])
     return names

@@ -82,7 +82,9 @@ def test_a_root_inside_a_finished_checkpoint_is_refused_at_creation(tmp_path) ->
     assert sorted(os.walk(ck)) == before  # Not even the root's metadata.
 
 
-def test_step_saves_do_not_look_for_an_enclosing_checkpoint_again(tmp_path, monkeypatch) -> None:
+def test_step_saves_look_for_an_enclosing_checkpoint_as_free_saves_do(
+    tmp_path, monkeypatch
+) -> None:
     looks: list[str] = []
     real = _enclosing._parents  # Every look at a save's parents lists them first.
 
@@ -92,8 +94,10 @@ def test_step_saves_do_not_look_for_an_enclosing_checkpoint_again(tmp_path, monk
 
     monkeypatch.setattr(_enclosing, "_parents", counted)
     with cp.training.Checkpointer(tmp_path / "run") as checkpointer:
+        opened = len(looks)
         for step in range(3):
             checkpointer.save_pytree(step, {"a": np.arange(3)}, force=True)
-    assert looks == [os.fspath(tmp_path / "run")]  # Once, as the Checkpointer opened the root.
+    steps = looks[opened:]
+    assert len(steps) == 2 * 3, steps  # Each step as it starts, and at its commit.
     cp.save_pytree(tmp_path / "free", {"a": np.arange(3)})
-    assert looks[1:] == [os.fspath(tmp_path / "free")] * 2  # As it starts, and at its commit.
+    assert looks[opened + len(steps) :] == [os.fspath(tmp_path / "free")] * 2
