@@ -52,6 +52,7 @@ __all__ = [
     "Linked",
     "MAX_INLINE_VALUE_BYTES",
     "link_files",
+    "make_directories",
 ]
 
 MAX_INLINE_VALUE_BYTES = _format.MAX_INLINE_VALUE_BYTES
@@ -131,7 +132,7 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
         return
     root = os.fspath(database).rstrip("/")
     for directory in {os.path.dirname(value.name) for value in unique}:  # Once each ("d").
-        os.makedirs(os.path.join(root, directory), exist_ok=True)
+        make_directories(root, directory)
     for value in unique:  # Names are relative ("d/r<hex>"): no os.path.join per file.
         target = f"{root}/{value.name}"
         try:
@@ -421,16 +422,61 @@ async def _put(store: ts.KvStore, file: DataFile) -> None:
 
 
 def write_local_file(directory: str, file: DataFile, flush: bool) -> None:
-    """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``)."""
+    """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``).
+
+    Raises:
+      cp.errors.StorageError: ``directory`` vanished during the save (``make_directories``).
+    """
     path = os.path.join(directory, file.name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:  # The first file of its directory (once per save).
+        make_directories(directory, os.path.dirname(file.name))
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError as e:
+            raise vanished(os.path.dirname(path)) from e
     try:
         _write_all(fd, file.parts)
         if flush:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_directories(database: str, relative: str = "") -> None:
+    """Makes the local ``database`` directory and ``relative`` below it (``"d"``) where
+    missing, one level at a time: never the directories above ``database``.
+
+    A save writes into directories that exist (its temporary directory, made by the
+    commit's protocol) or that it makes below them. Making their parents again
+    (``os.makedirs``) would quietly recreate a directory someone deleted during the
+    save, and the commit would then rename a few recreated files into a step that
+    looks finished and cannot be loaded.
+
+    Raises:
+      cp.errors.StorageError: the directory above ``database`` vanished, naming it.
+    """
+    path = database.rstrip("/")
+    for name in [None, *filter(None, relative.split("/"))]:
+        path = path if name is None else f"{path}/{name}"
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        except FileNotFoundError as e:
+            raise vanished(os.path.dirname(path)) from e
+
+
+def vanished(directory: str) -> cp.errors.StorageError:
+    """The error of a save whose ``directory`` was deleted while it wrote."""
+    return cp.errors.StorageError(
+        f"{directory}, a directory this save writes into, vanished during the save (someone "
+        f"deleted it, or the save's temporary directory above it): this save is not "
+        f"committed. Save again, and let no one else delete the checkpoint's directory "
+        f"while it is written."
+    )
 
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:
