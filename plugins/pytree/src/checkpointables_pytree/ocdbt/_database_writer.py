@@ -42,7 +42,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import storage
-from checkpointables_pytree.ocdbt import _context, _format
+from checkpointables_pytree.ocdbt import _context, _format, _multipart
 
 __all__ = [
     "DataFile",
@@ -383,7 +383,8 @@ def _filled(recipe: Recipe, values: Sequence[Sequence[Buffer]]) -> list[Buffer]:
 
 class DatabaseFiles:
     """Writes the files of a new database: with ``os.writev`` from the arrays' own memory on
-    a local disk, through TensorStore's kvstore on an object store (one PUT per file)."""
+    a local disk, through TensorStore's kvstore on an object store (one PUT per file; a
+    large one, which only an incremental save makes, in parts: ``_multipart``)."""
 
     def __init__(self, database: epath.Path, store: ts.KvStore | None) -> None:
         self._database = database
@@ -405,12 +406,36 @@ class DatabaseFiles:
     def start(self, file: DataFile, *, flush: bool) -> asyncio.Future[None]:
         """Starts writing ``file`` (a new one) now, on a thread; on a local disk, fsyncs it
         if ``flush``. The caller may go on encoding: the write does not wait for the event
-        loop to run."""
+        loop to run. A large remote file is uploaded in parts (``_multipart``)."""
         loop = asyncio.get_running_loop()
         if self._store is None:
             directory = os.fspath(self._database)
             return loop.run_in_executor(None, write_local_file, directory, file, flush)
+        url = self._url(file)
+        if _multipart.in_parts(url, _known_bytes(file)):
+            parts = file.parts
+            return loop.run_in_executor(
+                None, lambda: _multipart.upload_in_parts(url, _resolved(parts))
+            )
         return asyncio.ensure_future(_put(self._store, file))
+
+    def held_bytes(self, file: DataFile) -> int:
+        """The most host memory writing ``file`` holds besides the arrays' own: nothing on a
+        local disk, two copies of a remote file PUT whole, a few parts of a large one."""
+        if self._store is None:
+            return 0
+        nbytes = _known_bytes(file)
+        if _multipart.in_parts(self._url(file), nbytes):
+            return min(nbytes, _multipart.HELD_BYTES)
+        return 2 * nbytes
+
+    def _url(self, file: DataFile) -> str:
+        return f"{os.fspath(self._database).rstrip('/')}/{file.name}"
+
+
+def _known_bytes(file: DataFile) -> int:
+    """The bytes of ``file`` but its ``Deferred`` parts (a few bytes each)."""
+    return sum(memoryview(p).nbytes for p in file.parts if type(p) is not Deferred)
 
 
 async def _put(store: ts.KvStore, file: DataFile) -> None:
