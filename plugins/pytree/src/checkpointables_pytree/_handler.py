@@ -158,6 +158,23 @@ async def _write_all(
     if cp.multihost.process_count() > 1 and not session.writer.empty:
         # Durable before this process reports that it finished writing.
         await asyncio.to_thread(io.flush_database, ocdbt.database_directory(path))
+    if session.primary:
+        _check_metadata_written(path)
+
+
+def _check_metadata_written(path: epath.Path) -> None:
+    """Raises unless the tree's ``_METADATA`` is still where this save wrote it (one stat,
+    on a local disk only): no set of files without it reaches the commit, which would
+    make a step that looks finished and cannot be loaded."""
+    if not ocdbt.is_local(path):  # No directory to vanish; a request would cost time.
+        return
+    metadata = os.path.join(path, tree_room.METADATA_FILE)
+    if not os.path.lexists(metadata):
+        raise cp.errors.StorageError(
+            f"{metadata}, written by this save, is gone: {path} was deleted or changed while "
+            f"the save wrote it. This save is not committed; save again, and let no one "
+            f"delete the checkpoint's directory while it is written."
+        )
 
 
 def _read_tree_metadata(directory: epath.Path) -> tree_room.TreeMetadata:

@@ -13,7 +13,9 @@ pytree's OCDBT database:
   written from the arrays' own memory, each as soon as its arrays are
   encoded. Its layout is made once per tree structure. Only arrays up to
   ``DIRECT_BYTES`` are (on an object store ``REMOTE_DIRECT_BYTES``: each
-  data file is one PUT of a copy);
+  data file is one PUT of a copy; but an incremental save's, whose arrays of any
+  size come here to get files of their own: a file over 16 MiB (``ocdbt._multipart``)
+  is uploaded in bounded parts);
 * the others (larger, compressed, finely chunked, int4...) go through the zarr3
   driver (``_driver_writes``).
 
@@ -216,11 +218,12 @@ class Writer:
             raise
 
     def _start(self, files: ocdbt.DatabaseFiles, file: ocdbt.DataFile) -> asyncio.Future[Any]:
-        """Starts writing a data file (flushed). A remote one is a joined copy, and
-        TensorStore's own while it is PUT: both count as staged until it is written."""
+        """Starts writing a data file (flushed). What a remote one holds (a joined copy and
+        TensorStore's own while it is PUT, or a few parts of a large one) counts as staged
+        until it is written."""
         if files.local:
             return files.start(file, flush=True)
-        nbytes = 2 * sum(memoryview(p).nbytes for p in file.parts if type(p) is not ocdbt.Deferred)
+        nbytes = files.held_bytes(file)
         self.staging.hold(nbytes)
         written = files.start(file, flush=True)
         written.add_done_callback(lambda _: self.staging.release(nbytes))

@@ -69,6 +69,7 @@ from checkpointables_pytree.ocdbt._database_writer import (
     Deferred,
     Linked,
     link_files,
+    make_directories,
     write_local_file,
     write_rest,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "Deferred",
     "Linked",
     "link_files",
+    "make_directories",
     "MAX_INLINE_VALUE_BYTES",
     "write_local_file",
     "write_rest",

@@ -42,7 +42,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import storage
-from checkpointables_pytree.ocdbt import _context, _format
+from checkpointables_pytree.ocdbt import _context, _format, _multipart
 
 __all__ = [
     "DataFile",
@@ -52,6 +52,7 @@ __all__ = [
     "Linked",
     "MAX_INLINE_VALUE_BYTES",
     "link_files",
+    "make_directories",
 ]
 
 MAX_INLINE_VALUE_BYTES = _format.MAX_INLINE_VALUE_BYTES
@@ -131,7 +132,7 @@ def link_files(database: epath.Path, linked: Sequence[Linked]) -> None:
         return
     root = os.fspath(database).rstrip("/")
     for directory in {os.path.dirname(value.name) for value in unique}:  # Once each ("d").
-        os.makedirs(os.path.join(root, directory), exist_ok=True)
+        make_directories(root, directory)
     for value in unique:  # Names are relative ("d/r<hex>"): no os.path.join per file.
         target = f"{root}/{value.name}"
         try:
@@ -382,7 +383,8 @@ def _filled(recipe: Recipe, values: Sequence[Sequence[Buffer]]) -> list[Buffer]:
 
 class DatabaseFiles:
     """Writes the files of a new database: with ``os.writev`` from the arrays' own memory on
-    a local disk, through TensorStore's kvstore on an object store (one PUT per file)."""
+    a local disk, through TensorStore's kvstore on an object store (one PUT per file; a
+    large one, which only an incremental save makes, in parts: ``_multipart``)."""
 
     def __init__(self, database: epath.Path, store: ts.KvStore | None) -> None:
         self._database = database
@@ -404,12 +406,36 @@ class DatabaseFiles:
     def start(self, file: DataFile, *, flush: bool) -> asyncio.Future[None]:
         """Starts writing ``file`` (a new one) now, on a thread; on a local disk, fsyncs it
         if ``flush``. The caller may go on encoding: the write does not wait for the event
-        loop to run."""
+        loop to run. A large remote file is uploaded in parts (``_multipart``)."""
         loop = asyncio.get_running_loop()
         if self._store is None:
             directory = os.fspath(self._database)
             return loop.run_in_executor(None, write_local_file, directory, file, flush)
+        url = self._url(file)
+        if _multipart.in_parts(url, _known_bytes(file)):
+            parts = file.parts
+            return loop.run_in_executor(
+                None, lambda: _multipart.upload_in_parts(url, _resolved(parts))
+            )
         return asyncio.ensure_future(_put(self._store, file))
+
+    def held_bytes(self, file: DataFile) -> int:
+        """The most host memory writing ``file`` holds besides the arrays' own: nothing on a
+        local disk, two copies of a remote file PUT whole, a few parts of a large one."""
+        if self._store is None:
+            return 0
+        nbytes = _known_bytes(file)
+        if _multipart.in_parts(self._url(file), nbytes):
+            return min(nbytes, _multipart.HELD_BYTES)
+        return 2 * nbytes
+
+    def _url(self, file: DataFile) -> str:
+        return f"{os.fspath(self._database).rstrip('/')}/{file.name}"
+
+
+def _known_bytes(file: DataFile) -> int:
+    """The bytes of ``file`` but its ``Deferred`` parts (a few bytes each)."""
+    return sum(memoryview(p).nbytes for p in file.parts if type(p) is not Deferred)
 
 
 async def _put(store: ts.KvStore, file: DataFile) -> None:
@@ -421,16 +447,61 @@ async def _put(store: ts.KvStore, file: DataFile) -> None:
 
 
 def write_local_file(directory: str, file: DataFile, flush: bool) -> None:
-    """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``)."""
+    """Writes ``file`` under the local database ``directory`` (then fsyncs it if ``flush``).
+
+    Raises:
+      cp.errors.StorageError: ``directory`` vanished during the save (``make_directories``).
+    """
     path = os.path.join(directory, file.name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:  # The first file of its directory (once per save).
+        make_directories(directory, os.path.dirname(file.name))
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError as e:
+            raise vanished(os.path.dirname(path)) from e
     try:
         _write_all(fd, file.parts)
         if flush:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_directories(database: str, relative: str = "") -> None:
+    """Makes the local ``database`` directory and ``relative`` below it (``"d"``) where
+    missing, one level at a time: never the directories above ``database``.
+
+    A save writes into directories that exist (its temporary directory, made by the
+    commit's protocol) or that it makes below them. Making their parents again
+    (``os.makedirs``) would quietly recreate a directory someone deleted during the
+    save, and the commit would then rename a few recreated files into a step that
+    looks finished and cannot be loaded.
+
+    Raises:
+      cp.errors.StorageError: the directory above ``database`` vanished, naming it.
+    """
+    path = database.rstrip("/")
+    for name in [None, *filter(None, relative.split("/"))]:
+        path = path if name is None else f"{path}/{name}"
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        except FileNotFoundError as e:
+            raise vanished(os.path.dirname(path)) from e
+
+
+def vanished(directory: str) -> cp.errors.StorageError:
+    """The error of a save whose ``directory`` was deleted while it wrote."""
+    return cp.errors.StorageError(
+        f"{directory}, a directory this save writes into, vanished during the save (someone "
+        f"deleted it, or the save's temporary directory above it): this save is not "
+        f"committed. Save again, and let no one else delete the checkpoint's directory "
+        f"while it is written."
+    )
 
 
 def _write_all(fd: int, parts: Sequence[Buffer]) -> None:

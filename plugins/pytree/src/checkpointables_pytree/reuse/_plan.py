@@ -72,7 +72,9 @@ class ReusePlan:
         """Writes the record beside this process's database, once its data files are
         written (on S3 it lists them)."""
         directory = ocdbt.database_directory(pytree_directory)
-        cp.storage.make_dirs(directory)  # Nothing to make on an object store.
+        if ocdbt.is_local(directory):  # Nothing to make on an object store; never the
+            # pytree's directory again, if someone deleted it during the save.
+            ocdbt.make_directories(os.fspath(directory))
         content: dict[str, Any] = {"format": _FORMAT, "arrays": self.record}
         # The data files as they are now: a later save links only files that still match.
         content["files"] = _data_files(directory)

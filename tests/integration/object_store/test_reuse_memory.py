@@ -1,0 +1,40 @@
+"""An incremental save on the S3 test server holds a few bounded pieces of a large array.
+
+Reuse puts each array in data files of its own (the next save copies them on the
+server), and a chunk never spans two files: an array of one large chunk is one
+large file. Such a file is uploaded in parts of bounded size, copied from the
+array as they are sent, not joined into one copy that TensorStore copies again
+(which held twice the largest array on every save). The save's reported peak
+staging memory is what its writes held at once.
+"""
+
+from __future__ import annotations
+
+import checkpointables as cp
+import numpy as np
+import pytest
+
+from .helpers import assert_equal
+
+pytestmark = pytest.mark.fast_path  # Reuse is the fast path's.
+
+MiB = 1 << 20
+# Three parts of 8 MiB: two being sent, the next copied (ocdbt._multipart.HELD_BYTES).
+BOUND = 24 * MiB
+
+
+def test_a_reusing_save_uploads_a_large_array_in_bounded_parts(bucket) -> None:
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(28 * MiB // 4, np.float32).reshape(1024, -1)  # One 28 MiB chunk.
+    tree = {"big": big, "small": np.arange(1000.0)}
+    with cp.training.Checkpointer(f"{bucket}/run") as checkpointer:  # Reuse: on by default.
+        checkpointer.save_pytree(0, tree)
+        first = checkpointer.last_save_stats
+        tree["small"] = tree["small"] + 1
+        checkpointer.save_pytree(1, tree)  # The large array, unchanged, is copied on the server.
+        second = checkpointer.last_save_stats
+    assert 0 < first.peak_staging_bytes <= BOUND < big.nbytes
+    assert second.bytes_reused == big.nbytes
+    assert second.peak_staging_bytes <= BOUND
+    # Step 1's copy of the file uploaded in parts holds the array's bytes.
+    assert_equal(cp.load_pytree(f"{bucket}/run/1"), {"big": big, "small": np.arange(1000.0) + 1})
