@@ -19,7 +19,7 @@ from .helpers import assert_equal
 pytestmark = pytest.mark.fast_path  # Reuse is the fast path's.
 
 MiB = 1 << 20
-# Three parts of 8 MiB: two being sent, the next copied (ocdbt._multipart.HELD_BYTES).
+# Three parts of 8 MiB: two being sent, the next copied (storage.UPLOAD_HELD_BYTES).
 BOUND = 24 * MiB
 
 

@@ -14,8 +14,8 @@ pytree's OCDBT database:
   encoded. Its layout is made once per tree structure. Only arrays up to
   ``DIRECT_BYTES`` are (on an object store ``REMOTE_DIRECT_BYTES``: each
   data file is one PUT of a copy; but an incremental save's, whose arrays of any
-  size come here to get files of their own: a file over 16 MiB (``ocdbt._multipart``)
-  is uploaded in bounded parts);
+  size come here to get files of their own: a file over 16 MiB is uploaded in
+  bounded parts, ``storage.upload_in_parts``);
 * the others (larger, compressed, finely chunked, int4...) go through the zarr3
   driver (``_driver_writes``).
 

@@ -42,7 +42,7 @@ import tensorstore as ts
 from etils import epath
 
 from checkpointables_pytree import storage
-from checkpointables_pytree.ocdbt import _context, _format, _multipart
+from checkpointables_pytree.ocdbt import _context, _format
 
 __all__ = [
     "DataFile",
@@ -384,7 +384,7 @@ def _filled(recipe: Recipe, values: Sequence[Sequence[Buffer]]) -> list[Buffer]:
 class DatabaseFiles:
     """Writes the files of a new database: with ``os.writev`` from the arrays' own memory on
     a local disk, through TensorStore's kvstore on an object store (one PUT per file; a
-    large one, which only an incremental save makes, in parts: ``_multipart``)."""
+    large one, which only an incremental save makes, in parts: ``storage.upload_in_parts``)."""
 
     def __init__(self, database: epath.Path, store: ts.KvStore | None) -> None:
         self._database = database
@@ -406,16 +406,16 @@ class DatabaseFiles:
     def start(self, file: DataFile, *, flush: bool) -> asyncio.Future[None]:
         """Starts writing ``file`` (a new one) now, on a thread; on a local disk, fsyncs it
         if ``flush``. The caller may go on encoding: the write does not wait for the event
-        loop to run. A large remote file is uploaded in parts (``_multipart``)."""
+        loop to run. A large remote file is uploaded in parts (``storage.upload_in_parts``)."""
         loop = asyncio.get_running_loop()
         if self._store is None:
             directory = os.fspath(self._database)
             return loop.run_in_executor(None, write_local_file, directory, file, flush)
         url = self._url(file)
-        if _multipart.in_parts(url, _known_bytes(file)):
+        if storage.uploaded_in_parts(url, _known_bytes(file)):
             parts = file.parts
             return loop.run_in_executor(
-                None, lambda: _multipart.upload_in_parts(url, _resolved(parts))
+                None, lambda: storage.upload_in_parts(url, _resolved(parts))
             )
         return asyncio.ensure_future(_put(self._store, file))
 
@@ -425,8 +425,8 @@ class DatabaseFiles:
         if self._store is None:
             return 0
         nbytes = _known_bytes(file)
-        if _multipart.in_parts(self._url(file), nbytes):
-            return min(nbytes, _multipart.HELD_BYTES)
+        if storage.uploaded_in_parts(self._url(file), nbytes):
+            return min(nbytes, storage.UPLOAD_HELD_BYTES)
         return 2 * nbytes
 
     def _url(self, file: DataFile) -> str:

@@ -5,7 +5,8 @@
   ``context_resources``), and the ``cp.storage`` backend for those schemes
   (``storage_for``), registered by ``plugin.py``;
 * server-side copies of S3 objects (``copy_objects``, ``list_objects``), for
-  incremental saves: botocore's client, configured as TensorStore's spec;
+  incremental saves, and large objects uploaded in bounded parts
+  (``upload_in_parts``): botocore's client, configured as TensorStore's spec;
 * local files read without TensorStore (``OpenFiles``, ``read_values``,
   ``read_into``: ``preadv`` into the arrays' own memory) and the aligned
   buffers they fill (``Slab``, ``aligned_empty``);
@@ -62,8 +63,18 @@ from checkpointables_pytree.storage._server_copy import (
     list_objects,
 )
 from checkpointables_pytree.storage._ts_futures import ByteLimiter, gather_settled, settle, wait_all
+from checkpointables_pytree.storage._uploads import (
+    UPLOAD_HELD_BYTES,
+    UPLOAD_IN_PARTS_BYTES,
+    upload_in_parts,
+    uploaded_in_parts,
+)
 
 __all__ = [
+    "UPLOAD_HELD_BYTES",
+    "UPLOAD_IN_PARTS_BYTES",
+    "upload_in_parts",
+    "uploaded_in_parts",
     "gather_settled",
     "StorageOptions",
     "storage_for",

@@ -1,17 +1,17 @@
-"""A large data file on S3, uploaded in parts of bounded size (a multipart upload).
+"""A large object on S3, uploaded in parts of bounded size (a multipart upload).
 
 TensorStore's kvstore writes a value given as one ``bytes``, and keeps its own
 copy while it is PUT: a data file of 256 MiB held 512 MiB on the host, 770 MiB
 at the first save. Data files are small (``io.REMOTE_DATA_FILE_BYTES``) but for
 an incremental save (``reuse``), which puts each array in data files of its own,
 and a value (a chunk) never spans two files: a large array's file is as large
-as its largest chunk. Such a file is sent here in parts of ``PART_BYTES``, each
+as its largest chunk. Such a file is sent here in parts of ``UPLOAD_PART_BYTES``, each
 copied from the arrays' memory as it is sent, ``PARTS_IN_FLIGHT`` at a time:
-the host holds ``HELD_BYTES`` at most, whatever the file's size.
+the host holds ``UPLOAD_HELD_BYTES`` at most, whatever the file's size.
 
-The upload uses botocore's S3 client, as the server-side copies of reused files
-do (``storage.copy_objects``), configured from the same settings; where they
-cannot be made (``storage.can_copy_on_server``: no botocore, not ``s3://``) an
+The upload uses botocore's S3 client, the one the server-side copies of reused
+files use (``copy_objects``), configured from the same settings; where they
+cannot be made (``can_copy_on_server``: no botocore, not ``s3://``) an
 incremental save links nothing, so its files are the small ones of any save.
 """
 
@@ -25,24 +25,32 @@ from typing import Any
 
 import checkpointables as cp
 
-from checkpointables_pytree import storage
+from checkpointables_pytree.storage._object_store import bucket_and_key, s3_settings
+from checkpointables_pytree.storage._server_copy import _client, can_copy_on_server
 
-__all__ = ["HELD_BYTES", "MULTIPART_BYTES", "PART_BYTES", "in_parts", "pieces", "upload_in_parts"]
+__all__ = [
+    "UPLOAD_HELD_BYTES",
+    "UPLOAD_IN_PARTS_BYTES",
+    "UPLOAD_PART_BYTES",
+    "uploaded_in_parts",
+    "pieces",
+    "upload_in_parts",
+]
 
 # S3 takes parts of 5 MiB to 5 GiB (but the last), 10,000 at most.
-PART_BYTES = 8 << 20
+UPLOAD_PART_BYTES = 8 << 20
 _MAX_PARTS = 10_000
 # Parts sent at once (each a copy), besides the one being copied: a throughput of a few
 # connections, as a save's data files are PUT one at a time.
 PARTS_IN_FLIGHT = 2
-HELD_BYTES = (PARTS_IN_FLIGHT + 1) * PART_BYTES
+UPLOAD_HELD_BYTES = (PARTS_IN_FLIGHT + 1) * UPLOAD_PART_BYTES
 # Files up to this size are one PUT (held twice: ours and TensorStore's copy).
-MULTIPART_BYTES = 2 * PART_BYTES
+UPLOAD_IN_PARTS_BYTES = 2 * UPLOAD_PART_BYTES
 
 
-def in_parts(url: str, nbytes: int) -> bool:
+def uploaded_in_parts(url: str, nbytes: int) -> bool:
     """Whether a file of ``nbytes`` at ``url`` is uploaded in parts (``upload_in_parts``)."""
-    return nbytes > MULTIPART_BYTES and storage.can_copy_on_server(url)
+    return nbytes > UPLOAD_IN_PARTS_BYTES and can_copy_on_server(url)
 
 
 def pieces(parts: Sequence[Any], size: int) -> Iterator[bytes]:
@@ -64,7 +72,7 @@ def pieces(parts: Sequence[Any], size: int) -> Iterator[bytes]:
         yield b"".join(views)
 
 
-def upload_in_parts(url: str, parts: Sequence[Any], part_bytes: int = PART_BYTES) -> None:
+def upload_in_parts(url: str, parts: Sequence[Any], part_bytes: int = UPLOAD_PART_BYTES) -> None:
     """Writes the object ``url`` (``s3://``) with the bytes of ``parts``, in parts of
     ``part_bytes`` (more if 10,000 parts would not hold them); aborted if one fails (an
     interrupted process leaves an incomplete upload, which is never an object).
@@ -93,13 +101,10 @@ def upload_in_parts(url: str, parts: Sequence[Any], part_bytes: int = PART_BYTES
 
 
 def _client_for(url: str) -> tuple[Any, str, str]:
-    """The botocore client of the server-side copies (one per settings) and ``url``'s bucket
-    and key. Reached inside ``storage`` until it offers the upload itself (the room owning
-    the S3 client: ``storage.upload_in_parts``, beside ``copy_objects``), rather than a
-    second client built from the same settings that could drift from it."""
-    copies = storage._server_copy
-    _, bucket, key = copies.bucket_and_key(url)
-    return copies._client(storage.s3_settings()), bucket, key
+    """The botocore client of the server-side copies (one per settings), and ``url``'s
+    bucket and key."""
+    _, bucket, key = bucket_and_key(url)
+    return _client(s3_settings()), bucket, key
 
 
 def _send(client: Any, target: dict[str, Any], bodies: Iterator[bytes]) -> list[str]:
@@ -109,7 +114,7 @@ def _send(client: Any, target: dict[str, Any], bodies: Iterator[bytes]) -> list[
     with concurrent.futures.ThreadPoolExecutor(PARTS_IN_FLIGHT) as pool:
         sent: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         for number, body in enumerate(bodies, start=1):
-            if len(sent) == PARTS_IN_FLIGHT:  # With this copy made: HELD_BYTES at most.
+            if len(sent) == PARTS_IN_FLIGHT:  # With this copy made: UPLOAD_HELD_BYTES at most.
                 etags.append(sent.popleft().result()["ETag"])
             sent.append(pool.submit(client.upload_part, **target, PartNumber=number, Body=body))
             del body
