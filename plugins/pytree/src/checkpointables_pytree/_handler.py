@@ -365,8 +365,9 @@ class PyTreeHandler:
             try:
                 # A copy: the params are the plan template's.
                 awaitable = await handler.deserialize(list(params), deserialization_context)
-            except BaseException:
+            except BaseException as e:
                 _discard([a for _, a in pending])
+                _name_directory(directory, e)
                 raise
             pending.append((slots, awaitable))
 
@@ -375,12 +376,12 @@ class PyTreeHandler:
                 await session.reader.run()
             except BaseException as e:
                 _discard([a for _, a in pending])
-                _explain_process_local(tree, directory, e)
+                _explain_failed_read(tree, directory, e)
                 raise
             try:
                 results = await asyncio.gather(*[a for _, a in pending])
             except cp.errors.IntegrityError as e:
-                _explain_process_local(tree, directory, e)
+                _explain_failed_read(tree, directory, e)
                 raise
             with execution.paused_gc():
                 put = plan.values.__setitem__
@@ -475,6 +476,23 @@ def _explain_process_local(
         f"{leaf} is not whole in {directory} ({detail.split('. ', 1)[0]}): "
         f"{tree.process_local_hint()}."
     ) from error
+
+
+def _explain_failed_read(
+    tree: tree_room.TreeMetadata, directory: epath.Path, error: BaseException
+) -> None:
+    """Raises the error that explains a chunk missing from a process-local tree; else names
+    ``directory`` in ``error`` where it is an ``IntegrityError`` (the caller re-raises it)."""
+    _explain_process_local(tree, directory, error)
+    _name_directory(directory, error)
+
+
+def _name_directory(directory: epath.Path, error: BaseException) -> None:
+    """Names ``directory`` in a load's ``IntegrityError`` that does not name it already (a
+    damaged chunk's names only the leaf), in place: with many steps open, the message must
+    say which checkpoint is damaged."""
+    if isinstance(error, cp.errors.IntegrityError) and str(directory) not in str(error):
+        error.args = (f"{directory}: {error}",)
 
 
 def _open_database(
