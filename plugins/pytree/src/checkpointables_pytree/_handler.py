@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 
 import checkpointables as cp
 import crc32c
+import jax
 from checkpointables import execution
 from checkpointables.serialization import LeafHandlerRegistry, StandardLeafHandlerRegistry
 from etils import epath
@@ -40,6 +42,8 @@ from checkpointables_pytree.leaves import (
 )
 
 __all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTR", "READABLE_TYPESTRS"]
+
+logger = logging.getLogger("checkpointables.pytree")
 
 # Checkpoints record Orbax's typestr for this handler, so Orbax loads them with its own.
 ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
@@ -370,6 +374,7 @@ class PyTreeHandler:
                 _name_directory(directory, e)
                 raise
             pending.append((slots, awaitable))
+        _warn_unplaced(session)
 
         async def background() -> Any:
             try:
@@ -493,6 +498,32 @@ def _name_directory(directory: epath.Path, error: BaseException) -> None:
     say which checkpoint is damaged."""
     if isinstance(error, cp.errors.IntegrityError) and str(directory) not in str(error):
         error.args = (f"{directory}: {error}",)
+
+
+_UNPLACED_SHOWN = 5
+
+
+def _warn_unplaced(session: LoadSession) -> None:
+    """Warns once per load about arrays saved over more devices than this process has that
+    the abstract tree gives no sharding (each loads whole onto the default device)."""
+    unplaced = session.unplaced
+    if not unplaced:
+        return
+    shown = ", ".join(unplaced[:_UNPLACED_SHOWN])
+    hidden = len(unplaced) - _UNPLACED_SHOWN
+    more = f", ... ({hidden} more)" if hidden > 0 else ""
+    logger.warning(
+        "%d array(s) of %s were saved sharded over more devices than this process has (%d), "
+        "and the abstract tree gives them no sharding (%s%s): each is loaded whole onto the "
+        "default device. Give those abstract leaves the shardings you want now, e.g. "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec)) (see "
+        "docs/multi-host.md, 'Restoring, on any topology').",
+        len(unplaced),
+        session.directory,
+        jax.device_count(),
+        shown,
+        more,
+    )
 
 
 def _open_database(
