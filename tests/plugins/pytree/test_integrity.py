@@ -82,6 +82,22 @@ def test_damaged_array_data_names_the_leaf(saved, tmp_path, leaf, needle) -> Non
     assert cp.load_pytree(copy, {"n": 0, "name": ""}, partial_load=True) == {"n": 7, "name": "run"}
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_damaged_array_data_names_the_checkpoint_once(saved, tmp_path, fast_path) -> None:
+    # With many steps open, the error must say which one is damaged.
+    step_7, step_8 = _copy(saved, tmp_path, "step_7"), _copy(saved, tmp_path, "step_8")
+    _flip_inside(step_8, MID.tobytes()[800:1600])
+    cp.load_pytree(step_7)
+    with (
+        cp.Context(array_options=cp.options.ArrayOptions(ocdbt_fast_path=fast_path)),
+        pytest.raises(cp.errors.IntegrityError) as raised,
+    ):
+        cp.load_pytree(step_8)
+    message = str(raised.value)
+    assert message.startswith(f"{step_8 / 'pytree'}: ['mid'] failed its integrity check: ")
+    assert message.count(str(step_8)) == 1
+
+
 def test_checks_can_be_turned_off_for_speed(saved, tmp_path) -> None:
     copy = _copy(saved, tmp_path, "c")
     _flip_inside(copy, SMALL.tobytes()[800:1600])

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 
 import checkpointables as cp
 import crc32c
+import jax
 from checkpointables import execution
 from checkpointables.serialization import LeafHandlerRegistry, StandardLeafHandlerRegistry
 from etils import epath
@@ -40,6 +42,8 @@ from checkpointables_pytree.leaves import (
 )
 
 __all__ = ["PyTreeHandler", "leaf_registry", "ORBAX_TYPESTR", "READABLE_TYPESTRS"]
+
+logger = logging.getLogger("checkpointables.pytree")
 
 # Checkpoints record Orbax's typestr for this handler, so Orbax loads them with its own.
 ORBAX_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
@@ -382,22 +386,24 @@ class PyTreeHandler:
             try:
                 # A copy: the params are the plan template's.
                 awaitable = await handler.deserialize(list(params), deserialization_context)
-            except BaseException:
+            except BaseException as e:
                 _discard([a for _, a in pending])
+                _name_directory(directory, e)
                 raise
             pending.append((slots, awaitable))
+        _warn_unplaced(session)
 
         async def background() -> Any:
             try:
                 await session.reader.run()
             except BaseException as e:
                 _discard([a for _, a in pending])
-                _explain_process_local(tree, directory, e)
+                _explain_failed_read(tree, directory, e)
                 raise
             try:
                 results = await asyncio.gather(*[a for _, a in pending])
             except cp.errors.IntegrityError as e:
-                _explain_process_local(tree, directory, e)
+                _explain_failed_read(tree, directory, e)
                 raise
             with execution.paused_gc():
                 put = plan.values.__setitem__
@@ -492,6 +498,49 @@ def _explain_process_local(
         f"{leaf} is not whole in {directory} ({detail.split('. ', 1)[0]}): "
         f"{tree.process_local_hint()}."
     ) from error
+
+
+def _explain_failed_read(
+    tree: tree_room.TreeMetadata, directory: epath.Path, error: BaseException
+) -> None:
+    """Raises the error that explains a chunk missing from a process-local tree; else names
+    ``directory`` in ``error`` where it is an ``IntegrityError`` (the caller re-raises it)."""
+    _explain_process_local(tree, directory, error)
+    _name_directory(directory, error)
+
+
+def _name_directory(directory: epath.Path, error: BaseException) -> None:
+    """Names ``directory`` in a load's ``IntegrityError`` that does not name it already (a
+    damaged chunk's names only the leaf), in place: with many steps open, the message must
+    say which checkpoint is damaged."""
+    if isinstance(error, cp.errors.IntegrityError) and str(directory) not in str(error):
+        error.args = (f"{directory}: {error}",)
+
+
+_UNPLACED_SHOWN = 5
+
+
+def _warn_unplaced(session: LoadSession) -> None:
+    """Warns once per load about arrays saved over more devices than this process has that
+    the abstract tree gives no sharding (each loads whole onto the default device)."""
+    unplaced = session.unplaced
+    if not unplaced:
+        return
+    shown = ", ".join(unplaced[:_UNPLACED_SHOWN])
+    hidden = len(unplaced) - _UNPLACED_SHOWN
+    more = f", ... ({hidden} more)" if hidden > 0 else ""
+    logger.warning(
+        "%d array(s) of %s were saved sharded over more devices than this process has (%d), "
+        "and the abstract tree gives them no sharding (%s%s): each is loaded whole onto the "
+        "default device. Give those abstract leaves the shardings you want now, e.g. "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec)) (see "
+        "docs/multi-host.md, 'Restoring, on any topology').",
+        len(unplaced),
+        session.directory,
+        jax.device_count(),
+        shown,
+        more,
+    )
 
 
 def _open_database(

@@ -12,7 +12,7 @@ import attrs
 import checkpointables as cp
 import jax
 import numpy as np
-from checkpointables.serialization import SerializationParam
+from checkpointables.serialization import DeserializationParam, SerializationParam
 
 from checkpointables_pytree import io, tree, zarr3
 from checkpointables_pytree.leaves import _array_layouts, _pieces, _streamed_saves
@@ -517,6 +517,24 @@ class ArrayLeafHandler(ZarrLeafHandler):
             }
         )
         return item
+
+    def _schedule_reads(
+        self, session: LoadSession, params: Sequence[DeserializationParam[Any]]
+    ) -> list[io.ArrayRead]:
+        reads = super()._schedule_reads(session, params)
+        # An abstract leaf without a sharding loads onto the default device: what the user
+        # asked for, unless the array was saved sharded over more devices than exist here
+        # (e.g. pytree_metadata's leaves, whose saved sharding could not be rebuilt).
+        unplaced = [
+            read
+            for read, param in zip(reads, params, strict=True)
+            if param.value is not None
+            and not isinstance(param.value, type)
+            and _target_of(param.value)[2] is None
+        ]
+        if unplaced:
+            session.note_unplaced([r.name for r in unplaced], [r.label for r in unplaced])
+        return reads
 
     def _read_target(self, entry: tree.Entry, abstract: Any, stored: Any) -> ReadTarget:
         shape, dtype, sharding = _target_of(abstract)

@@ -201,10 +201,6 @@ class PRNGKeyMetadata(ArrayMetadata):
             self._sharding = _logical_sharding(physical, len(self.shape))
         return self._sharding  # type: ignore[no-any-return]
 
-    def __repr__(self) -> str:
-        kind = (self.sharding_metadata or {}).get("sharding_type")
-        return f"PRNGKeyMetadata(shape={self.shape}, dtype={self.dtype}, sharding={kind})"
-
 
 @attrs.frozen
 class _KeyRead:

@@ -105,9 +105,24 @@ class ArrayMetadata(_ArrayLike):
     def __hash__(self) -> int:
         return hash((self.shape, self.dtype))
 
+    def _sharding_repr(self) -> str:
+        """What ``sharding`` holds, and the saved sharding where it could not be rebuilt here
+        (a load given this leaf then places the array on the default device)."""
+        sharding = self.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return f"NamedSharding(mesh={dict(sharding.mesh.shape)}, spec={sharding.spec})"
+        if sharding is not None:
+            return type(sharding).__name__
+        if not self.sharding_metadata:
+            return "None"
+        saved = tree.summary(self.sharding_metadata)
+        return f"None (saved: {saved}, not on this machine's devices)"
+
     def __repr__(self) -> str:
-        kind = (self.sharding_metadata or {}).get("sharding_type")
-        return f"ArrayMetadata(shape={self.shape}, dtype={self.dtype}, sharding={kind})"
+        return (
+            f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, "
+            f"sharding={self._sharding_repr()})"
+        )
 
 
 class NumpyMetadata(_ArrayLike):

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import checkpointables as cp
 import crc32c
+import jax
 import numpy as np
 from etils import epath
 
@@ -242,6 +243,9 @@ class LoadSession:
         self._strings: dict[str, Any] | None = None
         self._shardings: dict[str, dict[str, Any]] | None = None
         self._zarr_metadata: dict[str, dict[str, Any]] = {}
+        # Key paths of arrays saved over more devices than this process has that the abstract
+        # tree gives no sharding: they load whole onto the default device (the load warns).
+        self.unplaced: list[str] = []
 
     def info(
         self, keypath: Sequence[Any], names: tuple[str, ...] | None = None
@@ -353,6 +357,18 @@ class LoadSession:
         if self._shardings is None:
             self._shardings = tree_room.read_sharding_file(self.directory)
         return self._shardings.get(tree_room.file_key(storage_name))
+
+    def note_unplaced(self, names: Sequence[str], labels: Sequence[Any]) -> None:
+        """Notes, of arrays (storage ``names``, errors' ``labels``) whose abstract leaves have
+        no sharding, those saved sharded over more devices than this process has."""
+        try:
+            records = [self.sharding_record(name) for name in names]
+        except cp.errors.CheckpointError:
+            return  # A damaged _sharding file: the load does not need it, nor does this note.
+        devices = jax.device_count()
+        for label, record in zip(labels, records, strict=True):
+            if tree_room.device_count(record) > devices:
+                self.unplaced.append(str(getattr(label, "keystr", label)))
 
     async def zarr_metadata(self, names: Sequence[str]) -> dict[str, dict[str, Any]]:
         """``zarr.json`` (v3) or ``.zarray`` (v2) of arrays with no recorded layout, in a batch."""

@@ -47,9 +47,11 @@ from checkpointables_pytree.tree._rebuild import MAX_DEPTH, MAX_PADDING, Recipe,
 from checkpointables_pytree.tree._sharding import (
     SHARDING_FILE,
     describe,
+    device_count,
     file_key,
     read_sharding_file,
     rebuild,
+    summary,
     write_sharding_file,
 )
 
@@ -88,8 +90,10 @@ __all__ = [
     "MAX_PADDING",
     "SHARDING_FILE",
     "describe",
+    "device_count",
     "file_key",
     "read_sharding_file",
     "rebuild",
+    "summary",
     "write_sharding_file",
 ]

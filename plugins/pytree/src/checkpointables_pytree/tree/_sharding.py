@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,8 @@ __all__ = [
     "SHARDING_FILE",
     "file_key",
     "describe",
+    "device_count",
+    "summary",
     "rebuild",
     "read_sharding_file",
     "write_sharding_file",
@@ -115,6 +118,30 @@ def rebuild(record: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
     except (KeyError, TypeError, ValueError, IndexError, RecursionError):
         return None  # A record this process cannot rebuild: arrays load onto the default device.
     return None
+
+
+def device_count(record: Mapping[str, Any] | None) -> int:
+    """How many devices a record's sharding spans (0 for no record or one not understood)."""
+    if not record:
+        return 0
+    kind = record.get("sharding_type")
+    if kind == "SingleDeviceSharding":
+        return 1
+    try:
+        return math.prod(int(s) for s in record["shape"]) if kind == "NamedSharding" else 0
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def summary(record: Mapping[str, Any] | None) -> str:
+    """A record in a few words, as reprs and warnings show it: "NamedSharding over 8 devices"."""
+    if not record:
+        return "none recorded"
+    kind = str(record.get("sharding_type"))
+    if kind == "SingleDeviceSharding":
+        return f"{kind} on {record.get('device_str')}"
+    count = device_count(record)
+    return f"{kind} over {count} devices" if count else kind
 
 
 def write_sharding_file(directory: epath.Path, records: Mapping[str, dict[str, Any]]) -> None:
