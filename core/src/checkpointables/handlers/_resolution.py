@@ -125,8 +125,17 @@ def refuse_contested(
     )
 
 
-def _describe(registrations: Sequence[HandlerRegistration]) -> str:
-    return ", ".join(f"{r.name} ({r.typestr})" for r in registrations) or "none registered"
+def _describe(registrations: Sequence[HandlerRegistration], *, typestrs: bool = False) -> str:
+    """The handlers by name and the class that runs (not the typestr it records, which may
+    be Orbax's class name); with ``typestrs``, the typestr each reads too, for load errors
+    that compare it with the one a checkpoint recorded."""
+
+    def one(r: HandlerRegistration) -> str:
+        cls = f"{r.handler_cls.__module__}.{r.handler_cls.__qualname__}"
+        reads = f", reads {r.typestr}" if typestrs and r.typestr != cls else ""
+        return f"{r.name} ({cls}{reads})"
+
+    return ", ".join(one(r) for r in registrations) or "none registered"
 
 
 def _reason(instance: Any, checkpointable: Any) -> str:
@@ -354,7 +363,7 @@ def _missing(
         )
     return (
         f"Checkpointable {name!r} was saved by handler {recorded!r}, which is not "
-        f"registered here (registered: {_describe(registrations)})."
+        f"registered here (registered: {_describe(registrations, typestrs=True)})."
         f"{install_hint(recorded, distribution)}"
     )
 
