@@ -97,7 +97,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(then a call may reuse what the previous library freed; see bench/timing.py)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
-    p.add_argument("--tmp-dir", default=None, help="where checkpoints are written; default /tmp")
+    p.add_argument(
+        "--tmp-dir",
+        default=None,
+        help="an existing directory where checkpoints are written; default /tmp",
+    )
     p.add_argument("--output", default=None, help="JSON path; default bench/results/<time>.json")
     args = p.parse_args(argv)
     if args.repeats is None:
@@ -106,6 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.scale = QUICK_SCALE if args.quick else 1.0
     if args.repeats < 1 or args.warmup < 0 or args.scale <= 0:
         p.error("--repeats must be >= 1, --warmup >= 0 and --scale > 0")
+    # Not created: the scratch directory's file system is part of what is measured, so a
+    # mistyped path must not quietly put the checkpoints somewhere else.
+    if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
+        what = "is not a directory" if os.path.exists(args.tmp_dir) else "does not exist"
+        p.error(
+            f"--tmp-dir {args.tmp_dir} {what}: create it (mkdir -p {args.tmp_dir}) "
+            f"or pass an existing directory"
+        )
     return args
 
 

@@ -1,11 +1,14 @@
 """Shared test setup: eight CPU devices for real meshes, before JAX is imported; the
-``fast_path`` marker."""
+tests' example plugin switched on; the ``fast_path`` marker."""
 
 import os
 
 # Real multi-device meshes on CPU; must be set before jax initializes.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The example plugin (tests/example_plugin) registers nothing without it, so that a
+# development checkout's command line shows no test plugin; subprocesses inherit it.
+os.environ["CHECKPOINTABLES_EXAMPLE_PLUGIN"] = "1"
 
 import contextlib
 from collections.abc import Iterator

@@ -30,35 +30,67 @@ def _plugins(args: argparse.Namespace) -> int:
     if not infos:
         print("No plugins installed. pip install checkpointables for the pytree and JSON plugins.")
     for info in infos:
-        where = f"{info.distribution or '?'} {info.version or ''}".strip()
-        print(f"{info.name}  ({where})  [{info.status}]  {info.value}")
-        if info.error:
-            print(f"    error: {info.error}")
-        for h in info.handlers:
-            scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
-            cls = handlers.typestr(h.handler_cls)
-            recorded = f" (records {h.typestr})" if h.typestr != cls else ""
-            print(f"    handler {h.name}: priority {h.priority}{scope}  {cls}{recorded}")
-        for leaf in info.leaf_handlers:
-            print(
-                f"    leaf handler {leaf.handler_cls.__name__}: "
-                f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
-            )
-        for reader in info.readers:
-            print(f"    pytree reader {reader.name}: priority {reader.priority}")
-        for command in info.commands:
-            why = skipped.get(id(command))
-            status = f"  [skipped: {_escaped(why)}]" if why is not None else ""
-            print(f"    command {command.name}: {command.help}{status}")
-        for storage in info.storages:
-            print(f"    storage {storage.scheme}://")
-        for option in info.options:
-            print(f"    options {option.keyword}: {handlers.typestr(option.options_cls)}")
+        _print_plugin(info, skipped)
     print("\nSave resolution order (priority, name):")
     for i, h in enumerate(handlers.registered_handlers(), 1):
         print(f"  {i}. {h.name} ({h.priority}) from {h.plugin}")
     _print_typestr_clashes()
     return 0
+
+
+def _print_plugin(info: Any, skipped: dict[int, str | None]) -> None:
+    """One plugin's lines of ``checkpointables plugins``: what it registered, or, for one
+    that loaded but registered nothing, that it is inactive and what its distribution is."""
+    from checkpointables import handlers
+
+    where = f"{info.distribution or '?'} {info.version or ''}".strip()
+    registered = (
+        info.handlers + info.leaf_handlers + info.readers + info.commands + info.storages
+    ) + info.options
+    status = "installed, inactive" if info.status == "loaded" and not registered else info.status
+    print(f"{info.name}  ({where})  [{status}]  {info.value}")
+    if info.error:
+        print(f"    error: {info.error}")
+    if status == "installed, inactive":
+        summary = _distribution_summary(info.distribution)
+        print(f"    registers nothing{f': {summary}' if summary else ''}")
+    for h in info.handlers:
+        scope = f", only for {h.checkpointable_name!r}" if h.checkpointable_name else ""
+        # The class that runs, then, apart, the typestr it records and reads where that
+        # differs: another library's class name (Orbax's), so each reads the other's data.
+        cls = handlers.typestr(h.handler_cls)
+        recorded = f" (records {h.typestr})" if h.typestr != cls else ""
+        print(f"    handler {h.name}: priority {h.priority}{scope}  {cls}{recorded}")
+        if h.secondary_typestrs:
+            print(f"      also reads checkpoints recording: {', '.join(h.secondary_typestrs)}")
+    for leaf in info.leaf_handlers:
+        print(
+            f"    leaf handler {leaf.handler_cls.__name__}: "
+            f"{getattr(leaf.leaf_type, '__qualname__', leaf.leaf_type)}"
+        )
+    for reader in info.readers:
+        print(f"    pytree reader {reader.name}: priority {reader.priority}")
+    for command in info.commands:
+        why = skipped.get(id(command))
+        status = f"  [skipped: {_escaped(why)}]" if why is not None else ""
+        print(f"    command {command.name}: {command.help}{status}")
+    for storage in info.storages:
+        print(f"    storage {storage.scheme}://")
+    for option in info.options:
+        print(f"    options {option.keyword}: {handlers.typestr(option.options_cls)}")
+
+
+def _distribution_summary(distribution: str | None) -> str:
+    """The installed distribution's one-line summary (its ``description``), or ``""``."""
+    if distribution is None:
+        return ""
+    from importlib import metadata
+
+    try:
+        found = metadata.metadata(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
+    return _escaped(found["Summary"] or "") if "Summary" in found else ""
 
 
 def _print_typestr_clashes() -> None:

@@ -111,7 +111,15 @@ def test_preserve_all_and_latest_n() -> None:
     assert kept(P.LatestN(2), steps) == [30, 40]
     assert kept(P.LatestN(10), steps) == [0, 10, 20, 30, 40]
     assert kept(P.LatestN(None), steps) == [0, 10, 20, 30, 40]
-    assert kept(P.LatestN(0), steps) == []
+    assert kept(P.LatestN(1), steps) == [40]
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_latest_n_below_one_is_refused_naming_the_field(n: int) -> None:
+    # The latest step is always kept, so LatestN(0) would mean LatestN(1): refused, as
+    # EveryNStepsPolicy(0) is.
+    with pytest.raises(cp.errors.InvalidArgumentError, match=rf"^LatestN\.n={n} \(int\) is"):
+        P.LatestN(n)
 
 
 def test_every_n_steps_preservation() -> None:

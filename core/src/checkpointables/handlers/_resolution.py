@@ -125,8 +125,17 @@ def refuse_contested(
     )
 
 
-def _describe(registrations: Sequence[HandlerRegistration]) -> str:
-    return ", ".join(f"{r.name} ({r.typestr})" for r in registrations) or "none registered"
+def _describe(registrations: Sequence[HandlerRegistration], *, typestrs: bool = False) -> str:
+    """The handlers by name and the class that runs (not the typestr it records, which may
+    be Orbax's class name); with ``typestrs``, the typestr each reads too, for load errors
+    that compare it with the one a checkpoint recorded."""
+
+    def one(r: HandlerRegistration) -> str:
+        cls = f"{r.handler_cls.__module__}.{r.handler_cls.__qualname__}"
+        reads = f", reads {r.typestr}" if typestrs and r.typestr != cls else ""
+        return f"{r.name} ({cls}{reads})"
+
+    return ", ".join(one(r) for r in registrations) or "none registered"
 
 
 def _reason(instance: Any, checkpointable: Any) -> str:
@@ -212,6 +221,57 @@ def _saves(registration: HandlerRegistration, forced: type, checkpointable: Any)
         return False
 
 
+def _orbax_args_name(checkpointable: Any) -> str | None:
+    """``ocp.args.<Name>`` if ``checkpointable`` is an Orbax Checkpoint ``args`` wrapper
+    (``StandardSave``, ``PyTreeSave``, ``JsonSave``, ``Composite``...), else ``None``.
+
+    Told by its classes' module and name alone: orbax is never imported here, and no
+    attribute of the object is read (``Composite`` turns attribute reads into key lookups).
+    """
+    classes = type(checkpointable).__mro__
+    if not any(
+        c.__module__.startswith("orbax.checkpoint") and c.__name__ == "CheckpointArgs"
+        for c in classes
+    ):
+        return None
+    name = type(checkpointable).__name__
+    return f"ocp.args.{name.removesuffix('Args') or name}"
+
+
+def _refuse_orbax_args(checkpointable: Any, name: str, *, loading: bool = False) -> None:
+    """Raises if ``checkpointable`` (an abstract one when ``loading``) is an Orbax ``args``
+    wrapper, saying what to pass instead: we choose the handler from the object itself,
+    so it goes in unwrapped. Saving raises ``NoHandlerForObjectError``, loading
+    ``InvalidArgumentTypeError``."""
+    wrapper = _orbax_args_name(checkpointable)
+    if wrapper is None:
+        return
+    call = "cp.load_checkpointables(path, " if loading else "cp.save_checkpointables(path, "
+    if isinstance(checkpointable, Mapping):  # ocp.args.Composite: one wrapper per item.
+        items = ", ".join(f"{key!r}: <{key}>" for key in checkpointable) or "'name': <object>"
+        instead = (
+            f"a dict of its items, each the object itself rather than its args wrapper: "
+            f"{call}{{{items}}})"
+        )
+    elif loading:
+        instead = (
+            f"the abstract object you wrapped in {wrapper}(...) itself (or None), e.g. "
+            f"{call}{{{name!r}: abstract_pytree}}) or cp.load_pytree(path, abstract_pytree)"
+        )
+    else:
+        instead = (
+            f"the object you wrapped in {wrapper}(...) itself, e.g. "
+            f"{call}{{{name!r}: pytree}}) or cp.save_pytree(path, pytree)"
+        )
+    error = errors.InvalidArgumentTypeError if loading else errors.NoHandlerForObjectError
+    raise error(
+        f"{'The abstract object for c' if loading else 'C'}heckpointable {name!r} is an Orbax "
+        f"Checkpoint argument wrapper, {wrapper} ({type(checkpointable).__module__}."
+        f"{type(checkpointable).__qualname__}). checkpointables takes no args wrappers: it "
+        f"chooses the handler from the object. Pass {instead}."
+    )
+
+
 def resolve_for_save(
     registrations: Sequence[HandlerRegistration],
     checkpointable: Any,
@@ -234,6 +294,7 @@ def resolve_for_save(
         raise errors.InvalidArgumentError(
             f"Checkpointable {name!r} is None; there is nothing to save."
         )
+    _refuse_orbax_args(checkpointable, name)
     if forced is not None:
         instance = forced()
         if not instance.is_handleable(checkpointable):
@@ -302,7 +363,7 @@ def _missing(
         )
     return (
         f"Checkpointable {name!r} was saved by handler {recorded!r}, which is not "
-        f"registered here (registered: {_describe(registrations)})."
+        f"registered here (registered: {_describe(registrations, typestrs=True)})."
         f"{install_hint(recorded, distribution)}"
     )
 
@@ -333,6 +394,7 @@ def resolve_for_load(
     checkpoint recorded for the handler's plugin, only words the error when none is
     registered.
     """
+    _refuse_orbax_args(abstract, name, loading=True)
     if forced is not None:
         match = next((r for r in registrations if r.handler_cls is forced), None)
         return match, forced()

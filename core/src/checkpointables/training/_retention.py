@@ -51,6 +51,9 @@ class Retention:
         self._primary = primary
         self._deferred = False  # A step was kept for a load: try again when loads end.
         self._stopped = False
+        # The steps of the last decision (at first, those found): a step the policy drops
+        # that is not among them was committed since, below the latest, and is said so.
+        self._known = {info.step for info in steps.sorted()}
 
     def apply_at_start(self) -> None:
         """Applies the policy to the steps the root held when the Checkpointer opened it.
@@ -79,6 +82,7 @@ class Retention:
 
     def _collect(self, remove_in_background: bool = False) -> None:
         infos = self._steps.sorted()
+        known, self._known = self._known, {info.step for info in infos}
         if len(infos) < 2:
             return
         keep = preservation_lib.checked_decision(
@@ -86,8 +90,26 @@ class Retention:
         )
         keep[-1] = True  # The latest step is what a restarted run resumes from.
         dropped = [info for info, kept in zip(infos, keep, strict=True) if not kept]
+        if self._primary:  # Every process decides alike: one warning is enough.
+            for info in dropped:
+                if info.step not in known:
+                    self._warn_dropped_at_once(info, infos[-1])
         done = [self._delete(info, remove_in_background) for info in dropped]
         self._deferred = not all(done)
+
+    def _warn_dropped_at_once(self, info: StepInfo, latest: StepInfo) -> None:
+        """A save committed ``info`` (its ``save*`` returned True) below the latest step,
+        and the policy drops it at once: said, since the step seemed saved."""
+        logger.warning(
+            "Step %d of %s was saved below the latest step %d and is deleted at once: the "
+            "preservation policy %r does not keep it. To keep it, save it under a step above "
+            "%d, in another root directory, or with a preservation policy that keeps it.",
+            info.step,
+            self._root,
+            latest.step,
+            self._policy,
+            latest.step,
+        )
 
     def _delete(self, info: StepInfo, remove_in_background: bool) -> bool:
         """Deletes a step unless it is being read; returns False if deferred."""

@@ -97,10 +97,18 @@ class LatestN:
     """Keeps the ``n`` highest steps.
 
     Attributes:
-      n: how many to keep; ``None`` keeps all.
+      n: how many to keep, >= 1; ``None`` keeps all. ``0`` is refused: the latest
+        step is always kept (a restarted run resumes from it), so it would mean 1.
     """
 
-    n: int | None = attrs.field(default=None, validator=_count_or_none)
+    n: int | None = attrs.field(
+        default=None,
+        validator=options.int_at_least(
+            1,
+            optional=True,
+            allowed="an int >= 1 (e.g. 3; the latest step is always kept) or None (keep all)",
+        ),
+    )
 
     def should_preserve(
         self, steps: Sequence[StepInfo], *, context: PreservationContext

@@ -1,8 +1,12 @@
 """An example third-party checkpointables plugin: the tests' (see docs/writing-a-plugin.md).
 
-The default dev dependency group installs it, so ``checkpointables --help`` and
-``checkpointables plugins`` of a development checkout list it, its command marked
-as the tests' example plugin. It is no part of what users install.
+The default dev dependency group installs it, so that the tests exercise real
+entry-point discovery; it is no part of what users install. So that a newcomer's
+``checkpointables --help`` in a fresh development checkout shows no test command
+and their saves try no test handler, it registers nothing unless the environment
+variable ``CHECKPOINTABLES_EXAMPLE_PLUGIN`` is ``1``, as the test suite's
+``tests/conftest.py`` sets it; without it ``checkpointables plugins`` lists it as
+installed but inactive.
 
 It ships a ``Point`` type and two ways to checkpoint it: ``PointHandler``
 (a whole checkpointable) and ``PointLeafHandler`` (a leaf inside pytrees);
@@ -30,7 +34,23 @@ from typing import Any
 import checkpointables as cp
 from etils import epath
 
-__all__ = ["Point", "AbstractPoint", "PointHandler", "PointLeafHandler", "PointFileReader"]
+__all__ = [
+    "ACTIVATION_ENVIRONMENT_VARIABLE",
+    "Point",
+    "AbstractPoint",
+    "PointHandler",
+    "PointLeafHandler",
+    "PointFileReader",
+]
+
+# Set to "1" (tests/conftest.py does) for the hooks below to register anything.
+ACTIVATION_ENVIRONMENT_VARIABLE = "CHECKPOINTABLES_EXAMPLE_PLUGIN"
+
+
+def _active() -> bool:
+    """Whether the test suite asked for this plugin; read at each hook call, so that a
+    process discovering plugins sees the environment it was started with."""
+    return os.environ.get(ACTIVATION_ENVIRONMENT_VARIABLE) == "1"
 
 
 @dataclasses.dataclass
@@ -217,6 +237,8 @@ def _points_command(args: argparse.Namespace) -> int:
 @cp.hookimpl
 def register_commands(register: Any) -> None:
     """Adds ``checkpointables points CKPT``."""
+    if not _active():
+        return
     register(
         "points",
         _points_command,
@@ -231,16 +253,22 @@ def register_commands(register: Any) -> None:
 @cp.hookimpl
 def register_pytree_readers(register: Any) -> None:
     """Registers ``PointFileReader`` for ``*.point.json`` files."""
+    if not _active():
+        return
     register(PointFileReader)
 
 
 @cp.hookimpl
 def register_checkpointable_handlers(register: Any) -> None:
     """Registers ``PointHandler`` for ``Point`` checkpointables."""
+    if not _active():
+        return
     register(PointHandler, priority=50, name="example-point")
 
 
 @cp.hookimpl
 def register_leaf_handlers(register: Any) -> None:
     """Registers ``PointLeafHandler`` for ``Point`` leaves in pytrees."""
+    if not _active():
+        return
     register(Point, AbstractPoint, PointLeafHandler)
