@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 import attrs
@@ -119,6 +119,9 @@ class S3Proxy:
 
     def __init__(self, target: str, faults: Faults | None = None) -> None:
         self.faults = faults or Faults()
+        # Requests answered 503 whatever the faults: ``refuse(method, path)`` is true (it sees
+        # every request, in order, and may keep state).
+        self.refuse: Callable[[str, str], bool] = lambda method, path: False
         self.counts = Counts()
         self._lock = threading.Lock()
         self._random = random.Random(self.faults.seed)
@@ -194,7 +197,8 @@ class S3Proxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                action = proxy._decide()
+                refused = proxy.refuse(self.command, self.path)
+                action = "fail_before" if refused else proxy._decide()
                 kind = "LIST" if "list-type=" in self.path else self.command
                 signer = _signer(self.headers.get("Authorization", ""))
                 if action == "drop_before":

@@ -160,6 +160,8 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
     Raises:
       FileNotFoundError: the file does not exist.
       errors.MetadataError: the file is unreadable, not a JSON object, or malformed.
+      errors.StorageError: the storage failed to answer (an object store refused or kept
+        failing the request): nothing is known of the file.
       errors.IntegrityError: the file does not match its recorded checksum, or the
         checkpoint lost its ``_CHECKSUMS``.
       errors.OutsideCheckpointError: a recorded name points outside the checkpoint.
@@ -171,7 +173,7 @@ def read_checkpoint_metadata(directory: epath.PathLike) -> dict[str, Any]:
             metadata_checksums.check_recorded(directory)
         raw = checked.data
     except OSError as e:
-        if isinstance(e, FileNotFoundError):
+        if isinstance(e, FileNotFoundError | errors.StorageError):  # Storage, not the file.
             raise
         raise errors.MetadataError(f"Cannot read {path}: {e}.") from e
     result = _validated(path, safe_json.loads_object(raw, source=path))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
 
 import boto3
 import checkpointables as cp
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 from checkpointables import cli
 
+from ...object_store_server import S3Proxy
 from ...python_subprocess import run_python
 from .helpers import assert_equal, dead_pid, keys, plant_unfinished, tree
 
@@ -158,3 +161,39 @@ def test_grain_iterators_and_protocol_buffers_on_s3(bucket) -> None:
     assert loaded["config"] == config
     assert_equal(loaded["pytree"], state(5))
     assert [next(fresh) for _ in range(8)] == expected  # Resumed where it was saved.
+
+
+def test_a_committed_step_whose_metadata_read_back_fails_is_listed_and_kept_by_policy(
+    s3, bucket, caplog
+) -> None:
+    proxy = S3Proxy(s3.endpoint)
+    committed = threading.Event()
+
+    def refuse(method: str, path: str) -> bool:  # Step 1's metadata, once it is committed.
+        if method == "PUT" and path.startswith(f"/{bucket[5:]}/run/1/commit_success.txt"):
+            committed.set()
+        return committed.is_set() and method == "GET" and "/run/1/_CHECKPOINT_METADATA" in path
+
+    proxy.refuse = refuse
+    options = cp.options.StorageOptions(endpoint=proxy.endpoint, request_retries=1)
+    keep = cp.training.preservation_policies.LatestN(1)
+    try:
+        with (
+            cp.Context(storage_options=options),
+            caplog.at_level(logging.WARNING),
+            cp.training.Checkpointer(f"{bucket}/run", preservation_policy=keep) as c,
+        ):
+            c.save_pytree(0, state(0), force=True)
+            assert c.save_pytree(1, state(1), force=True, metrics={"loss": 1.0})
+            c.wait()  # The read-back failed: not the save's error.
+            assert [s.step for s in c.steps()] == [1]  # Listed; step 0 to the policy.
+            assert c.latest_step().metrics == {"loss": 1.0}
+            proxy.refuse = lambda method, path: False
+            c.save_pytree(2, state(2), force=True)
+            c.wait()
+            assert [s.step for s in c.steps()] == [2]  # Step 1 to the policy in turn.
+    finally:
+        proxy.stop()
+    assert committed.is_set()
+    assert "Step 1 was committed" in caplog.text
+    assert sorted({k.split("/")[0] for k in keys(s3, f"{bucket}/run")}) == ["2"]

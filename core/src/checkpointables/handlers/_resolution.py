@@ -230,7 +230,8 @@ def _orbax_args_name(checkpointable: Any) -> str | None:
     """
     classes = type(checkpointable).__mro__
     if not any(
-        c.__module__.startswith("orbax.checkpoint") and c.__name__ == "CheckpointArgs"
+        # Some extension types (protobuf messages) have no module: ``None``.
+        (c.__module__ or "").startswith("orbax.checkpoint") and c.__name__ == "CheckpointArgs"
         for c in classes
     ):
         return None

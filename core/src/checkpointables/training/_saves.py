@@ -50,6 +50,8 @@ from checkpointables.training._worker import BackgroundErrors
 from checkpointables.training.errors import StepAlreadyExistsError
 from checkpointables.training.step_info import StepInfo
 
+logger = logging.getLogger(__name__)
+
 
 class SaveResponse(AsyncResponse[bool]):
     """A save's response; an error seen through it is not raised again by the Checkpointer."""
@@ -318,11 +320,27 @@ class Saves:
         return response
 
     def _record(self, step: int, path: epath.Path, metrics: dict[str, Any]) -> None:
+        """Lists the step just committed, as its metadata says. The save is over once the
+        commit is: a read-back that fails lists the step as the save knows it (so its
+        retention runs), and is logged, never the save's error."""
         try:
             info = _listing.read_step(step, path)
         except (FileNotFoundError, errors.NotACheckpointError):
             # Not visible from here (process-local storage of another host).
             info = StepInfo(step=step, path=path, metrics=metrics)
+        except (errors.CheckpointError, OSError) as e:
+            logger.warning(
+                "Step %d was committed at %s, but reading its metadata back failed: %s. It "
+                "is listed as this save wrote it; if the read failed for damage, "
+                "`checkpointables verify %s` says so.",
+                step,
+                path,
+                e,
+                path,
+            )
+            info = StepInfo(
+                step=step, path=path, metrics=metrics, commit_timestamp_nsecs=time.time_ns()
+            )
         self._steps.add(info)
 
 
