@@ -119,7 +119,11 @@ def _run_beats() -> None:
             beats = list(_beats)
         next_due = min((b._run_if_due(time.monotonic()) for b in beats), default=float("inf"))
         with _beats_changed:
-            if set(_beats) == set(beats):  # Nothing added meanwhile: sleep until one is due.
+            unchanged = set(_beats) == set(beats)
+            # Not held while this waits: a stopped save's heartbeat (what its beat refers to)
+            # is freed when the save ends, not at the next beat, up to an hour later.
+            del beats
+            if unchanged:  # Nothing added meanwhile: sleep until one is due.
                 _beats_changed.wait(min(next_due - time.monotonic(), 3600.0))
 
 

@@ -258,8 +258,10 @@ def _start_heartbeat(save: _Checked, target: _commit.SaveTarget) -> None:
     """Starts the heartbeat that tells other processes this save (created just now) is alive:
     ``target.claim(again=True)`` every ``_leftovers.beat_interval``, from the background."""
 
+    context = save.context  # Not the save: its beat must not keep the tree's arrays alive.
+
     def beat() -> None:
-        with save.context:  # An object store's storage is configured by the context.
+        with context:  # An object store's storage is configured by the context.
             target.claim(again=True)
 
     interval = _leftovers.beat_interval(save.context.async_options.timeout_secs)
