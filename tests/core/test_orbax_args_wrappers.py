@@ -70,3 +70,12 @@ def test_a_plain_pytree_still_saves(tmp_path: Path):
     cp.save_checkpointables(tmp_path / "ckpt", {"state": TREE, "meta": {"lr": 0.1}})
     loaded = cp.load_checkpointables(tmp_path / "ckpt")
     np.testing.assert_array_equal(loaded["state"]["w"], TREE["w"])
+
+
+@pytest.mark.parametrize("module", [None, 5])
+def test_a_class_whose_module_is_not_text_gets_the_usual_error(tmp_path: Path, module):
+    # Protobuf messages have no module (None); a user may assign anything.
+    unknown = type("Unknown", (), {})
+    unknown.__module__ = module
+    with pytest.raises(cp.errors.NoHandlerForObjectError, match="'thing'"):
+        cp.save_checkpointables(tmp_path / "ckpt", {"thing": unknown()})

@@ -230,8 +230,10 @@ def _orbax_args_name(checkpointable: Any) -> str | None:
     """
     classes = type(checkpointable).__mro__
     if not any(
-        # Some extension types (protobuf messages) have no module: ``None``.
-        (c.__module__ or "").startswith("orbax.checkpoint") and c.__name__ == "CheckpointArgs"
+        # A class's module may be None (protobuf messages) or anything a user assigned.
+        isinstance(c.__module__, str)
+        and c.__module__.startswith("orbax.checkpoint")
+        and c.__name__ == "CheckpointArgs"
         for c in classes
     ):
         return None

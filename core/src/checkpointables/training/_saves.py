@@ -187,7 +187,7 @@ class Saves:
             raise
         if lease is not None:  # The source step stays until the save ends (committed or not).
             inner.add_done_callback(lambda _: self._end_lease(lease))
-        return self._track(request, path, metrics, inner, started, reuse, staging)
+        return self._track(request, path, metrics, inner, started, context, reuse, staging)
 
     def _end_lease(self, lease: str | None) -> None:
         """Releases the lease on a save's source step; a deletion it deferred may now run."""
@@ -274,10 +274,12 @@ class Saves:
         metrics: dict[str, Any],
         inner: AsyncResponse[None],
         started: float,
+        context: Context,
         reuse: reuse_lib.SaveReuse | None = None,
         staging: staging_lib.SaveStaging | None = None,
     ) -> AsyncResponse[bool]:
-        """The response of the save, finished once the step is recorded (or the save failed)."""
+        """The response of the save, finished once the step is recorded (or the save failed).
+        The step is read back under the save's ``context`` (its storage options)."""
         blocked = time.perf_counter() - started
         leaves = _save_stats.leaves(request.checkpointables)  # Counted in the background.
         step = request.step
@@ -289,7 +291,8 @@ class Saves:
             error = done.exception(0)
             if error is None:
                 try:
-                    self._record(step, path, metrics)
+                    with context:
+                        self._record(step, path, metrics)
                     commit = time.perf_counter() - started
                     reused = reuse.bytes_reused if reuse is not None else 0
                     nbytes = _save_stats.array_bytes(leaves) - reused
@@ -304,7 +307,7 @@ class Saves:
                     source = reuse.source if reuse is not None else None
                     _save_stats.log(self.last_stats, source.name if source else None)
                     if reuse is not None:  # What the next save takes from this step, read now.
-                        reuse.committed(lambda: _commit.identity(path))
+                        reuse.committed(lambda: _identity_in(context, path))
                 except BaseException as e:
                     error = e
             if error is not None:

@@ -28,6 +28,7 @@ of one save shares one ``ts.Context``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import operator
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -194,7 +195,8 @@ class Writer:
             # submitted to the executor before them.
             links = [value for item in self.linked.values() for _, value in item]
             loop = asyncio.get_running_loop()
-            writes.append(loop.run_in_executor(None, ocdbt.link_files, database, links))
+            caller = contextvars.copy_context()  # The storage options reach the copies.
+            writes.append(loop.run_in_executor(None, caller.run, ocdbt.link_files, database, links))
         try:
             for n in range(layout.data_files):
                 with execution.paused_gc():

@@ -26,6 +26,7 @@ commits on top of it (merges of other writers' databases).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import hashlib
 import itertools
@@ -414,8 +415,10 @@ class DatabaseFiles:
         url = self._url(file)
         if storage.uploaded_in_parts(url, _known_bytes(file)):
             parts = file.parts
+            # Under the save's context: its storage options (endpoint, credentials, retries).
+            context = contextvars.copy_context()
             return loop.run_in_executor(
-                None, lambda: storage.upload_in_parts(url, _resolved(parts))
+                None, context.run, lambda: storage.upload_in_parts(url, _resolved(parts))
             )
         return asyncio.ensure_future(_put(self._store, file))
 

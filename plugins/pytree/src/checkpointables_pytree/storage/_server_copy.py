@@ -30,6 +30,7 @@ import attrs
 import checkpointables as cp
 
 from checkpointables_pytree.storage._object_store import S3Settings, bucket_and_key, s3_settings
+from checkpointables_pytree.storage._options import StorageOptions
 
 __all__ = ["ObjectInfo", "ServerCopy", "can_copy_on_server", "list_objects", "copy_objects"]
 
@@ -81,16 +82,19 @@ _clients_lock = threading.Lock()
 
 
 def _client(settings: S3Settings) -> Any:
-    """A botocore S3 client for ``settings`` (one per endpoint, region and credentials)."""
-    key = (settings.endpoint, settings.region, settings.credentials_key)
+    """A botocore S3 client for ``settings`` (one per endpoint, region and credentials) and
+    the context's ``StorageOptions.request_retries`` (botocore's standard retries: a
+    request is tried ``request_retries + 1`` times; its own default where unset)."""
+    retries = cp.context.get_context().options(StorageOptions).request_retries
+    key = (settings.endpoint, settings.region, settings.credentials_key, retries)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            client = _clients[key] = _new_client(settings)
+            client = _clients[key] = _new_client(settings, retries)
         return client
 
 
-def _new_client(settings: S3Settings) -> Any:
+def _new_client(settings: S3Settings, retries: int | None = None) -> Any:
     """The client TensorStore's spec describes: the same endpoint (path-style, as
     TensorStore addresses an endpoint), region and credentials provider."""
     import botocore
@@ -102,7 +106,9 @@ def _new_client(settings: S3Settings) -> Any:
     options: dict[str, Any] = {
         "max_pool_connections": _CONCURRENCY,
         "read_timeout": _READ_TIMEOUT_SECS,
-        "retries": {"mode": "standard"},
+        "retries": {"mode": "standard"}
+        if retries is None
+        else {"mode": "standard", "total_max_attempts": retries + 1},
     }
     if kind == "anonymous":
         options["signature_version"] = botocore.UNSIGNED
