@@ -17,8 +17,8 @@ place, under the checkpoint's own prefix, in this order:
    checkpoint;
 3. every handler's objects, ``_CHECKPOINT_METADATA`` and ``orbax.checkpoint``;
 4. the record is read back: if another save took the prefix over meanwhile,
-   this one stops without committing; an overwrite also lists the prefix again
-   (in the same round trip: one LIST more), and if names it did not write
+   this one stops without committing; it also lists the prefix again (in the
+   same round trip: one LIST more), and if names it did not write
    appeared at its top meanwhile (a user's objects), it removes its own objects
    and stops without committing, leaving those as they are (the local rule of
    ``RenameTarget._refuse_what_appeared``);
@@ -637,11 +637,11 @@ class MarkerTarget(SaveTarget):
             storage.write_bytes(_join(self.final, name), data)
         metadata_checksums.record(self.final, known=written)
         asks = check.requests() if check is not None else []
-        # An overwrite lists the prefix again (one LIST, in the same round trip).
-        listed = [functools.partial(storage.list_dir, self.final)] if self.overwrite else []
-        calls: list[Callable[[], Any]] = [lambda: read_record(self.final), *listed, *asks]
-        record, *found = concurrently(_call, calls)
-        listing: list[storage.Entry] | None = found.pop(0) if listed else None
+        # The prefix listed again (one LIST, in the same round trip): what a user put there
+        # meanwhile must not end up in the checkpoint (its deletion would delete it).
+        listed = functools.partial(storage.list_dir, self.final)
+        calls: list[Callable[[], Any]] = [lambda: read_record(self.final), listed, *asks]
+        record, listing, *found = concurrently(_call, calls)
         if check is not None:
             check.conclude(found)
         if record != self._record:
@@ -650,8 +650,7 @@ class MarkerTarget(SaveTarget):
                 f"was not committed (two saves must not write one path at once). The other "
                 f"save's result, if it finishes, is what the path will hold."
             )
-        if listing is not None:
-            self._refuse_objects_that_appeared(listing, files)
+        self._refuse_objects_that_appeared(listing, files)
         storage.write_bytes(_join(self.final, layout.COMMIT_SUCCESS_FILE), marker.encode())
         storage.remove_file(_join(self.final, SAVE_RECORD_FILE))
 
@@ -678,12 +677,17 @@ class MarkerTarget(SaveTarget):
         mine = [f for f in files_here if f.split("/")[0] in own and f != SAVE_RECORD_FILE]
         concurrently(storage.remove_file, [_join(self.final, f) for f in mine])
         storage.remove_file(_join(self.final, SAVE_RECORD_FILE))  # Last: ``discard`` stops.
+        replaced = (
+            " (the checkpoint this save replaced was deleted as it started: on an object "
+            "store an overwrite writes in place)"
+            if self.overwrite
+            else ""
+        )
         raise errors.CheckpointExistsError(
             f"{self.final} changed while this save was writing ({_shown(appeared)} appeared "
-            f"there): a save never replaces objects that no save wrote, even with "
+            f"there): a save never takes in objects that no save wrote, even with "
             f"overwrite=True. This save was not committed and its objects were removed; what "
-            f"appeared was left as it is (the checkpoint this save replaced was deleted as it "
-            f"started: on an object store an overwrite writes in place)."
+            f"appeared was left as it is{replaced}. Move those objects, then save again."
         )
 
 

@@ -1,7 +1,7 @@
-"""On an object store an overwrite writes in place: objects put under its prefix while it
-writes (a user's, another writer's) stop its commit, as on a local disk, and are never
-deleted; the save's own objects are removed. An overwrite that met nothing new commits,
-at one request (a LIST, in the round trip of the commit's read-back) more than before."""
+"""On an object store a save writes in place: objects put under its prefix while it writes
+(a user's, another writer's) stop its commit, as on a local disk, and are never deleted;
+the save's own objects are removed. A save that met nothing new commits, at one request
+(a LIST, in the round trip of the commit's read-back) more than before."""
 
 from __future__ import annotations
 
@@ -53,14 +53,17 @@ def _objects(prefix: str) -> dict[str, bytes]:
     return {f: cp.storage.read_bytes(f"{prefix}/{f}") for f in cp.storage.list_files(prefix)}
 
 
-def _overwrite_while(s3, path: str, put: dict[str, bytes]) -> cp.AsyncResponse:
-    """An async overwrite of ``path``; ``put`` written under it (straight to the server)
-    while the save writes its metadata (its start, which deletes the old objects, is over)."""
+def _overwrite_while(
+    s3, path: str, put: dict[str, bytes], *, overwrite: bool = True
+) -> cp.AsyncResponse:
+    """An async overwrite of ``path`` (or a save); ``put`` written under it (straight to the
+    server) while the save writes its metadata (its start, which deletes the old objects,
+    is over)."""
     proxy = GatingProxy(s3.endpoint, f"/{path.split('/', 3)[3]}/_CHECKPOINT_METADATA")
     try:
         through = cp.options.StorageOptions(endpoint=proxy.endpoint)
         with cp.Context(storage_options=through):
-            saving = cp.save_pytree_async(path, NEW, overwrite=True)
+            saving = cp.save_pytree_async(path, NEW, overwrite=overwrite)
         assert proxy.arrived.wait(30)
         for key, data in put.items():
             cp.storage.write_bytes(f"{path}/{key}", data)
@@ -100,3 +103,14 @@ def test_an_overwrite_that_met_nothing_new_commits(s3, bucket) -> None:
     _overwrite_while(s3, path, {}).result(0)
     loaded = cp.load_pytree(path)
     assert set(loaded) == {"v", "step"} and loaded["step"] == 7
+
+
+def test_objects_put_under_the_prefix_while_a_new_save_writes_stop_it(s3, bucket) -> None:
+    # Committed, the checkpoint would hold them, and its deletion (by a Checkpointer's
+    # preservation policy) would delete them.
+    path = f"{bucket}/fresh"
+    saving = _overwrite_while(s3, path, {"notes.txt": b"mine"}, overwrite=False)
+    with pytest.raises(cp.errors.CheckpointExistsError, match=r"notes.txt appeared there"):
+        saving.result(0)
+    assert _objects(path) == {"notes.txt": b"mine"}
+    assert not cp.is_checkpoint(path)
