@@ -77,13 +77,18 @@ def test_encoded_shards_read_back_through_the_zarr3_driver() -> None:
         ((6, 10), 8, 100, (), (3, 2)),
         ((7,), 4, 8, (), (1,)),  # a prime only splits down to 1
         ((16, 16), 4, 1 << 30, (), (16, 16)),
+        # A prime length is not split into chunks of a few bytes: one chunk, over the target.
+        ((1000003,), 4, 3 << 20, (), (1000003,)),
+        ((3, 7 * (1 << 20) + 1), 1, 3 << 20, (), (1, 7 * (1 << 20) + 1)),
+        ((2, 1000003), 4, 3 << 20, (), (1, 1000003)),
     ],
 )
 def test_choose_inner_chunk_shape(shape, itemsize, target, axes, expected) -> None:
     chunk = choose_inner_chunk_shape(shape, itemsize, target, axes)
     assert chunk == expected
     assert all(s % c == 0 for s, c in zip(shape, chunk, strict=True))
-    assert np.prod(chunk) * itemsize <= target or chunk == (1,) * len(shape)
+    size = np.prod(chunk) * itemsize
+    assert size <= target or chunk == (1,) * len(shape) or size * 16 >= target
 
 
 def test_inner_chunk_shape_is_the_zarr3_rooms_one_definition() -> None:

@@ -72,7 +72,9 @@ class ArrayStorageOptions:
         ``jnp.bfloat16``, ``"int8"``); ``None`` keeps it.
       chunk_byte_size: split each written shard into chunks of at most this many
         bytes (an int >= 1), so that partial reads touch less data; ``None``
-        writes one chunk per shard.
+        writes one chunk per shard. Chunks divide the shard evenly: where only a
+        split into chunks under a sixteenth of this size would (a prime length),
+        the chunks stay larger than it rather than of a few bytes each.
       shard_axes: axes (ints; negative ones count from the end) to split first
         when ``chunk_byte_size`` chooses chunks. A save raises
         ``cp.errors.InvalidArgumentError`` naming the leaf when an array it

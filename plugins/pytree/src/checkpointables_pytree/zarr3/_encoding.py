@@ -211,13 +211,21 @@ def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, .
     return tuple(-(-int(s) // int(c)) for s, c in zip(shape, chunk_shape, strict=True))
 
 
+# The smallest chunk a split leaves, as a fraction of the target (``choose_inner_chunk_shape``).
+MIN_CHUNK_FRACTION = 16
+
+
 def choose_inner_chunk_shape(
     write_shape: Sequence[int], itemsize: int, target_bytes: int, shard_axes: Sequence[int] = ()
 ) -> tuple[int, ...]:
     """Splits ``write_shape`` into chunks of at most ``target_bytes`` that divide it evenly.
 
     Axes in ``shard_axes`` are split first, then the largest remaining ones;
-    each split takes the next smaller divisor of that dimension.
+    each split takes the next smaller divisor of that dimension. A split that would leave
+    chunks of less than ``target_bytes / MIN_CHUNK_FRACTION`` (a prime or near-prime
+    dimension, whose next divisor is 1) is not made: the chunks then stay larger than
+    ``target_bytes``, rather than millions of chunks of a few bytes (each costing far
+    more in index and memory than its data).
     """
     shape = [int(s) for s in write_shape]
     chunk = list(shape)
@@ -225,10 +233,8 @@ def choose_inner_chunk_shape(
     preferred = [a % ndim for a in shard_axes] if ndim else []
 
     def smaller_divisor(axis: int) -> int | None:
-        for d in range(chunk[axis] - 1, 0, -1):
-            if shape[axis] % d == 0:
-                return d
-        return None
+        below = [d for d in _divisors(shape[axis]) if d < chunk[axis]]
+        return max(below) if below else None
 
     while math.prod(chunk) * itemsize > target_bytes:
         axes = [a for a in preferred if chunk[a] > 1] or sorted(
@@ -236,12 +242,22 @@ def choose_inner_chunk_shape(
         )
         for axis in axes:
             divisor = smaller_divisor(axis)
-            if divisor is not None:
+            if divisor is None:
+                continue
+            split_bytes = math.prod(chunk) // chunk[axis] * divisor * itemsize
+            if split_bytes * MIN_CHUNK_FRACTION >= target_bytes:
                 chunk[axis] = divisor
                 break
         else:
             break
     return tuple(chunk)
+
+
+def _divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` (found up to its square root: a dimension of millions is
+    factored in a thousand steps, not walked)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
 
 
 def inner_chunk_shape(
