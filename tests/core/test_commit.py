@@ -9,6 +9,7 @@ records what it reads, to show what the identity costs.
 from __future__ import annotations
 
 import os
+import shutil
 import textwrap
 
 import checkpointables as cp
@@ -136,3 +137,46 @@ def test_a_local_identity_is_the_directory_not_the_marker(tmp_path) -> None:
     (path / cp.layout.COMMIT_SUCCESS_FILE).write_bytes(b"x" * (_commit.MAX_MARKER_BYTES + 1))
     info = os.stat(path)
     assert _commit.identity(path) == (info.st_dev, info.st_ino, info.st_ctime_ns)
+
+
+class _CleanedAway:
+    """A checkpointable whose save, once written, finds the save's temporary directory
+    deleted (as another process's cleanup of temporary directories would)."""
+
+
+class _CleaningHandler:
+    """Deletes the save's temporary directory in its background phase."""
+
+    async def save(self, directory, checkpointable):
+        async def write() -> None:
+            path = await directory.await_creation()
+            shutil.rmtree(path.parent)
+
+        return write()
+
+    async def load(self, directory, abstract_checkpointable=None) -> None:
+        return None
+
+    async def metadata(self, directory) -> None:
+        return None
+
+    def is_handleable(self, checkpointable) -> bool:
+        return isinstance(checkpointable, _CleanedAway)
+
+    def is_abstract_handleable(self, abstract_checkpointable) -> None:
+        return None
+
+
+@pytest.mark.parametrize("metrics", [None, {"loss": 1.0}])
+def test_a_temporary_directory_deleted_before_the_commit_commits_nothing(tmp_path, metrics) -> None:
+    cp.handlers.register_handler(_CleaningHandler, priority=5)
+    try:
+        with cp.training.Checkpointer(tmp_path / "run") as checkpointer:
+            with pytest.raises(cp.errors.StorageError, match="was deleted while it was writing"):
+                checkpointer.save_checkpointables(
+                    0, {"gone": _CleanedAway()}, metrics=metrics, force=True
+                )
+            assert checkpointer.steps() == []
+    finally:
+        cp.handlers.unregister_handler(_CleaningHandler)
+    assert not [n for n in os.listdir(tmp_path / "run") if n[0].isdigit()]  # No step.

@@ -552,10 +552,21 @@ class RenameTarget(SaveTarget):
         """Writes the files and the checksums, flushes everything, looks at the path again,
         renames (or swaps) into place."""
         written = {n: t.encode() for n, t in {**files, layout.COMMIT_SUCCESS_FILE: marker}.items()}
-        for name, data in written.items():
-            if "/" in name:  # In a directory of its own (the metrics item).
-                storage.make_dirs((self.root / name).parent)
-            storage.write_bytes(self.root / name, data)
+        try:
+            if not storage.is_dir(self.root):  # Else the metrics' make_dirs would recreate it.
+                raise FileNotFoundError(self.root)
+            for name, data in written.items():
+                if "/" in name:  # In a directory of its own (the metrics item).
+                    storage.make_dirs((self.root / name).parent)
+                storage.write_bytes(self.root / name, data)
+        except FileNotFoundError as e:
+            if storage.is_dir(self.root):
+                raise
+            raise errors.StorageError(
+                f"{self.root}, where this save wrote {self.final}, was deleted while it was "
+                f"writing (by another process, or a cleanup of temporary directories): nothing "
+                f"was committed. Save again."
+            ) from e
         metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)
         if check is not None:
