@@ -26,7 +26,14 @@ layout). What this room does itself, and what it leaves to TensorStore:
   ``start_node_check``): the SHA-256 of every b-tree node of a saved database,
   in ``_btree_checksums`` (covered by the commit's ``_CHECKSUMS``, as the
   manifest is), which verify checks, and loads check before anything (the
-  index or TensorStore) reads the database.
+  index or TensorStore) reads the database. A database without that list
+  (Orbax's) has every node's location bounded first (``bound_nodes``), so no
+  forged location makes TensorStore read a node as large as its file.
+* **Made here, once** (``make_directories``): the database's directory and
+  ``d/``; a write that finds them gone fails, naming them, rather than make
+  them again inside a temporary directory another process deleted. A large
+  remote data file of an incremental save is uploaded in parts
+  (``storage.upload_in_parts``).
 
 The fast path can be turned off per save and per load (``docs/pytree.md``);
 then TensorStore writes and reads every key. It is held to TensorStore by
