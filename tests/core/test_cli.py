@@ -256,6 +256,14 @@ def test_a_dashed_word_after_a_flag_is_not_made_its_value(capsys) -> None:
     assert "unrecognized arguments: -5x" in capsys.readouterr().err
 
 
+def test_a_dashed_value_after_an_abbreviated_option_reaches_the_option(capsys) -> None:
+    # argparse accepts --step for --steps: -3x is its value there too, not an option.
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--step", "-3x"])
+    assert exited.value.code == 2
+    assert "argument --steps: invalid int value: '-3x'" in capsys.readouterr().err
+
+
 def test_demo_errors_go_to_stderr(tmp_path, capsys) -> None:
     # A negative number stays a value for argparse (not joined to its option).
     assert cli.main(["demo", "--steps", "-3", str(tmp_path / "d")]) == 2

@@ -492,9 +492,9 @@ def _command(sub: Any, common: argparse.ArgumentParser, name: str, text: str) ->
     return sub.add_parser(name, help=text, description=text, parents=[common])
 
 
-def _with_dashed_values_joined(argv: Sequence[str], value_options: set[str]) -> list[str]:
-    """``argv`` with ``--option -5GB`` written ``--option=-5GB``, for the options in
-    ``value_options`` (those that take a value).
+def _with_dashed_values_joined(argv: Sequence[str], options: dict[str, bool]) -> list[str]:
+    """``argv`` with ``--option -5GB`` written ``--option=-5GB``, for the long options
+    that take a value (``options``: ``_long_options``), named in full or abbreviated.
 
     argparse takes a word starting with ``-`` for an option unless it is a plain
     number (``-5``, ``-0.5``), so ``--max-shard-size -5GB`` would fail with
@@ -508,22 +508,41 @@ def _with_dashed_values_joined(argv: Sequence[str], value_options: set[str]) -> 
         word = words.pop(0)
         if word == "--":
             return [*joined, word, *words]
-        if word in value_options and words and _is_dashed_value(words[0]):
+        if _takes_value(word, options) and words and _is_dashed_value(words[0]):
             word = f"{word}={words.pop(0)}"
         joined.append(word)
     return joined
 
 
-def _value_options(parser: argparse.ArgumentParser) -> set[str]:
-    """The long options of ``parser`` and of its commands that take a value."""
-    found: set[str] = set()
+def _long_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """The long options of ``parser`` and of its commands, each with whether it takes a
+    value (``False`` where any command has it take none)."""
+    found: dict[str, bool] = {}
+
+    def add(option: str, takes_value: bool) -> None:
+        found[option] = found.get(option, True) and takes_value
+
     for action in parser._actions:  # argparse lists no actions publicly.
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
-                found |= _value_options(command)
-        elif action.nargs != 0:
-            found |= {o for o in action.option_strings if o.startswith("--")}
+                for option, takes_value in _long_options(command).items():
+                    add(option, takes_value)
+        else:
+            for option in action.option_strings:
+                if option.startswith("--"):
+                    add(option, action.nargs != 0)
     return found
+
+
+def _takes_value(word: str, options: dict[str, bool]) -> bool:
+    """Whether ``word`` names a long option that takes a value: in full, or by a prefix
+    of it alone, as argparse accepts (``--max-shard`` for ``--max-shard-size``)."""
+    if word in options:
+        return options[word]
+    if not word.startswith("--") or len(word) < 3:
+        return False
+    matching = [option for option in options if option.startswith(word)]
+    return len(matching) == 1 and options[matching[0]]
 
 
 def _is_dashed_value(word: str) -> bool:
@@ -532,7 +551,7 @@ def _is_dashed_value(word: str) -> bool:
 
 
 def _parsed(parser: argparse.ArgumentParser, words: Sequence[str]) -> argparse.Namespace:
-    return parser.parse_args(_with_dashed_values_joined(words, _value_options(parser)))
+    return parser.parse_args(_with_dashed_values_joined(words, _long_options(parser)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
