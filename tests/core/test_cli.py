@@ -242,6 +242,23 @@ def test_inspect_sorts_names_naturally_and_says_when_a_source_is_gone(tmp_path, 
     assert cli.main(["verify", str(tmp_path / "9")]) == 0
 
 
+def test_inspect_says_a_step_saved_over_reused_from_the_save_it_replaced(tmp_path, capsys):
+    # Re-saving the newest step (overwrite=True) reuses from the step it replaces, whose
+    # directory is then removed: "reused from 1" in step 1 names a save that is gone.
+    state = {"base": jnp.ones((128, 128), jnp.float32), "adapter": jnp.zeros((128, 128))}
+    with cp.training.Checkpointer(tmp_path / "run", reuse_unchanged=True) as ckptr:
+        ckptr.save_pytree(0, state)
+        ckptr.save_pytree(1, state)
+        state["adapter"] = state["adapter"] + 1
+        ckptr.save_pytree(1, state, force=True, overwrite=True)
+    assert cli.main(["inspect", str(tmp_path / "run" / "1")]) == 0
+    reuse = dict(re.findall(r"    (\w+): (.*)", capsys.readouterr().out))
+    assert reuse == {
+        "adapter": "written",
+        "base": "reused from 1 (the save this one replaced; this checkpoint holds its own copy)",
+    }
+
+
 def test_inspect_keeps_number_keys_in_their_order(tmp_path, capsys) -> None:
     cp.save_pytree(tmp_path / "c", {k: np.zeros(2, np.float32) for k in (-1, -10, 2, 0)})
     assert cli.main(["inspect", str(tmp_path / "c")]) == 0

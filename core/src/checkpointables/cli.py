@@ -280,13 +280,23 @@ def _print_reuse(
         return
     if report:
         print("  incremental save (arrays of at least 64 KiB):")
-    gone = {s for s in set(report.values()) if s is not None and _source_deleted(checkpoint, s)}
+    # Reused files are hard links or copies: the step stays whole when its source goes.
+    notes = {s: _source_note(checkpoint, s) for s in set(report.values()) if s is not None}
     for array in sorted(report, key=layout.natural_key):
         source = report[array]
-        how = "written" if source is None else f"reused from {_printable(source)}"
-        if source in gone:  # Reused files are hard links or copies: the step stays whole.
-            how += " (since deleted; this checkpoint holds its own copy)"
+        how = "written" if source is None else f"reused from {_printable(source)}{notes[source]}"
         print(f"    {_printable(array)}: {how}")
+
+
+def _source_note(checkpoint: Any, source: str) -> str:
+    """What to add to ``reused from SOURCE`` where that checkpoint is gone: deleted, or
+    this checkpoint's own name (a re-save over it, ``overwrite=True``, reused from the
+    save it replaced, whose directory was then removed); ``""`` where it is there."""
+    if source == checkpoint.name:
+        return " (the save this one replaced; this checkpoint holds its own copy)"
+    if _source_deleted(checkpoint, source):
+        return " (since deleted; this checkpoint holds its own copy)"
+    return ""
 
 
 def _source_deleted(checkpoint: Any, source: str) -> bool:
