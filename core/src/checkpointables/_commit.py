@@ -528,6 +528,11 @@ class SaveTarget(abc.ABC):
     def discard(self) -> None:
         """Removes what this save wrote, after a failure (nothing is committed)."""
 
+    def explained(self, error: BaseException) -> BaseException:
+        """The error to raise for ``error``, a failure of the save's writes: itself, unless
+        the target can say better what happened (``RenameTarget``'s deleted directory)."""
+        return error
+
 
 class RenameTarget(SaveTarget):
     """Local disks: a temporary directory, flushed and renamed into place."""
@@ -560,13 +565,9 @@ class RenameTarget(SaveTarget):
                     storage.make_dirs((self.root / name).parent)
                 storage.write_bytes(self.root / name, data)
         except FileNotFoundError as e:
-            if storage.is_dir(self.root):
+            if (explained := self.explained(e)) is e:
                 raise
-            raise errors.StorageError(
-                f"{self.root}, where this save wrote {self.final}, was deleted while it was "
-                f"writing (by another process, or a cleanup of temporary directories): nothing "
-                f"was committed. Save again."
-            ) from e
+            raise explained from e
         metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)
         if check is not None:
@@ -600,6 +601,20 @@ class RenameTarget(SaveTarget):
             f"committed and its files were discarded; what is at {self.final} was left as it "
             f"is."
         )
+
+    def explained(self, error: BaseException) -> BaseException:
+        """``error``, or, for a ``FileNotFoundError`` met while the temporary directory is
+        gone (a handler, another process or a cleanup of temporary directories deleted it),
+        the ``StorageError`` that says so: the file it names is only a symptom."""
+        if not isinstance(error, FileNotFoundError) or storage.is_dir(self.root):
+            return error
+        vanished = errors.StorageError(
+            f"{self.root}, where this save wrote {self.final}, was deleted while it was "
+            f"writing (by one of its handlers, another process, or a cleanup of temporary "
+            f"directories): nothing was committed. Save again."
+        )
+        vanished.__cause__ = error
+        return vanished
 
     def discard(self) -> None:
         """Deletes the temporary directory."""
