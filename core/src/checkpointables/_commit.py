@@ -11,17 +11,22 @@ new one, never a mix.
 **Marker** (object stores: no renames, no directories). A save writes in
 place, under the checkpoint's own prefix, in this order:
 
-1. ``.checkpointables-save``: a ``SaveRecord`` naming the save (who, when);
-2. with ``overwrite``, the old ``commit_success.txt`` is deleted (from this
-   moment readers see no checkpoint at the path), then the rest of the old
-   checkpoint;
+1. the prefix is listed: an object the start's check (``Occupant``, every key)
+   did not list stops the save before it writes or removes anything (a user's,
+   put there since: ``MarkerTarget._refuse_objects_put_since_the_check``);
+2. ``.checkpointables-save``: a ``SaveRecord`` naming the save (who, when);
+   then, with ``overwrite``, the old ``commit_success.txt`` is deleted (from
+   this moment readers see no checkpoint at the path), then the rest of what
+   the check listed, nothing else;
 3. every handler's objects, ``_CHECKPOINT_METADATA`` and ``orbax.checkpoint``;
 4. the record is read back: if another save took the prefix over meanwhile,
    this one stops without committing; it also lists the prefix again (in the
    same round trip: one LIST more), and if names it did not write
    appeared at its top meanwhile (a user's objects), it removes its own objects
    and stops without committing, leaving those as they are (the local rule of
-   ``RenameTarget._refuse_what_appeared``);
+   ``RenameTarget._refuse_what_appeared``); objects put inside its own folders
+   are not told from its own (only the handlers know their keys:
+   docs/object-stores.md);
 5. ``commit_success.txt``, the commit (Orbax marks finished checkpoints on
    object stores the same way): from this moment readers see the new
    checkpoint;
@@ -266,20 +271,28 @@ class Occupant:
       exists: something is there (locally: even an empty directory).
       names: the names directly inside it (``None``: a local file, not a directory).
       files: those of ``names`` that are files.
+      keys: on an object store, every object under it (relative keys): all that a save to
+        it may delete as it starts (``MarkerTarget.create``); ``None`` on a local disk.
     """
 
     path: epath.Path
     exists: bool
     names: frozenset[str] | None
     files: frozenset[str] = frozenset()
+    keys: frozenset[str] | None = None
 
     @classmethod
     def at(cls, path: epath.Path) -> Occupant:
-        """Lists ``path`` (one request on an object store)."""
+        """Lists ``path`` (on an object store one listing, of every key, paged by 1,000,
+        whether the top-level names or the keys are asked for)."""
         text = os.fspath(path)
         local = uses_rename(text)
         if local and os.path.lexists(text) and not os.path.isdir(text):
             return cls(path, True, None)
+        if not local:
+            keys = frozenset(storage.list_files(path))
+            names = frozenset(k.split("/")[0] for k in keys)
+            return cls(path, bool(keys), names, frozenset(k for k in keys if "/" not in k), keys)
         entries = storage.list_dir(path)
         return cls(
             path,
@@ -528,6 +541,11 @@ class SaveTarget(abc.ABC):
     def discard(self) -> None:
         """Removes what this save wrote, after a failure (nothing is committed)."""
 
+    def explained(self, error: BaseException) -> BaseException:
+        """The error to raise for ``error``, a failure of the save's writes: itself, unless
+        the target can say better what happened (``RenameTarget``'s deleted directory)."""
+        return error
+
 
 class RenameTarget(SaveTarget):
     """Local disks: a temporary directory, flushed and renamed into place."""
@@ -560,13 +578,9 @@ class RenameTarget(SaveTarget):
                     storage.make_dirs((self.root / name).parent)
                 storage.write_bytes(self.root / name, data)
         except FileNotFoundError as e:
-            if storage.is_dir(self.root):
+            if (explained := self.explained(e)) is e:
                 raise
-            raise errors.StorageError(
-                f"{self.root}, where this save wrote {self.final}, was deleted while it was "
-                f"writing (by another process, or a cleanup of temporary directories): nothing "
-                f"was committed. Save again."
-            ) from e
+            raise explained from e
         metadata_checksums.record(self.root, known=written)
         layout.fsync_tree(self.root)
         if check is not None:
@@ -601,6 +615,20 @@ class RenameTarget(SaveTarget):
             f"is."
         )
 
+    def explained(self, error: BaseException) -> BaseException:
+        """``error``, or, for a ``FileNotFoundError`` met while the temporary directory is
+        gone (a handler, another process or a cleanup of temporary directories deleted it),
+        the ``StorageError`` that says so: the file it names is only a symptom."""
+        if not isinstance(error, FileNotFoundError) or storage.is_dir(self.root):
+            return error
+        vanished = errors.StorageError(
+            f"{self.root}, where this save wrote {self.final}, was deleted while it was "
+            f"writing (by one of its handlers, another process, or a cleanup of temporary "
+            f"directories): nothing was committed. Save again."
+        )
+        vanished.__cause__ = error
+        return vanished
+
     def discard(self) -> None:
         """Deletes the temporary directory."""
         storage.remove_tree(self.root)
@@ -616,16 +644,39 @@ class MarkerTarget(SaveTarget):
         return _leftovers.SaveRecord.new(replacing=replacing)
 
     def create(self, names: Iterable[str], mode: int | None) -> None:
-        """Claims the prefix with this save's record, then clears what was there.
+        """Lists the prefix, claims it with this save's record, then clears what was there:
+        what the start's check listed (``found``), never what appeared since (refused
+        before anything is written: ``_refuse_objects_put_since_the_check``). One LIST,
+        one PUT, a DELETE per old object, as when the claim came first.
 
         The old checkpoint's marker goes first: from then on nobody reads it.
         """
-        self.claim()
         old = [f for f in storage.list_files(self.final) if f != SAVE_RECORD_FILE]
+        self._refuse_objects_put_since_the_check(old)
+        # Objects put after this listing are not deleted; at the top, they stop the commit.
+        self.claim()
         if layout.COMMIT_SUCCESS_FILE in old:
             storage.remove_file(_join(self.final, layout.COMMIT_SUCCESS_FILE))
             old.remove(layout.COMMIT_SUCCESS_FILE)
         concurrently(storage.remove_file, [_join(self.final, f) for f in old])
+
+    def _refuse_objects_put_since_the_check(self, listed: Iterable[str]) -> None:
+        """Raises ``CheckpointExistsError`` if ``listed`` (the prefix's objects, as ``create``
+        is about to delete them) holds objects the start's check did not list (``found``):
+        a user's, put there since, at the top or inside a folder. The check found the prefix
+        replaceable, not them; no request is made."""
+        seen = None if self.found is None else self.found.keys
+        if seen is None:  # No start check (a target made without one): the listing is it.
+            return
+        appeared = sorted(set(listed) - seen)
+        if not appeared:
+            return
+        raise errors.CheckpointExistsError(
+            f"{self.final} changed after this save checked it ({_shown(appeared)} appeared "
+            f"there as the save started): a save never deletes objects that no save wrote, "
+            f"even with overwrite=True. Nothing was written or removed (a checkpoint there is "
+            f"as it was). Move those objects, or choose another path, then save again."
+        )
 
     def claim(self, *, again: bool = False) -> None:
         """Writes this save's record into the prefix; ``again``: with its heartbeat set to

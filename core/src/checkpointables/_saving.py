@@ -353,6 +353,8 @@ def _write_and_commit(
     with _os_errors.translated(f"saving {save.path}"):
         try:
             error = _error_of(lambda: _write(directory, background))
+            # A handler's write into a deleted temporary directory: say that, not its file.
+            error = None if error is None else target.explained(error)
             reused = save.reuse.bytes_reused if save.reuse is not None else 0
             reports = sync("written", error, str(reused))
             if save.reuse is not None:  # The checkpoint's, as bytes_written: every process's.
@@ -409,7 +411,9 @@ def start(request: SaveRequest) -> AsyncResponse[None]:
             background = _blocking_phase(save, directory)
         except BaseException as e:
             _discard(save, target, e)
-            raise
+            if (explained := target.explained(e)) is e:
+                raise
+            raise explained from e
 
         def write_and_commit() -> None:
             pause.close()
