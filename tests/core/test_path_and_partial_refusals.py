@@ -129,3 +129,30 @@ def test_custom_metadata_not_an_object_is_a_metadata_error(tmp_path: Path, custo
     with pytest.raises(cp.errors.MetadataError, match="'custom_metadata' must be an object") as e:
         cp.checkpointables_metadata(tmp_path / "ck")
     assert str(file) in str(e.value)
+
+
+def test_a_parent_that_becomes_a_checkpoint_while_finalize_merges_stops_its_commit(
+    tmp_path: Path,
+) -> None:
+    # A pytree handler registered through the public API (cp.handlers.register_handler,
+    # ahead of the plugin's under its name; a cp.protocols.Mergeable) does finalize's
+    # merge: it lets another writer commit a/ after finalize's first look, then merges.
+    from .test_save_inside_checkpoint import _commit_elsewhere
+
+    path = tmp_path / "a" / "p"
+    cp.partial.save(path, _TREE)
+    shipped = cp.handlers.get("pytree")
+
+    class CommitsParentMeanwhile(shipped):  # type: ignore[misc, valid-type]
+        async def merge_partial(self, sources, target) -> None:
+            _commit_elsewhere(tmp_path, tmp_path / "a")
+            await super().merge_partial(sources, target)
+
+    cp.handlers.register_handler(CommitsParentMeanwhile, name="pytree", priority=0)
+    try:
+        with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
+            cp.partial.finalize(path)
+    finally:
+        cp.handlers.unregister_handler(CommitsParentMeanwhile)
+    assert "the partial saves were not published" in str(refused.value)
+    assert not path.exists() and cp.storage.exists(cp.partial.session_path(path))

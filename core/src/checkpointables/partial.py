@@ -20,24 +20,32 @@ written by the normal save path, at ``<session>/pytree/partial-<seq>/``:
   of the calls;
 - on an object store it is written in place, and its own marker commits it.
 
-A staged save's name records its writer (``staged-<seq>-<start ns>-<pid>``; its
+A staged save's name records its writer (``staged-<seq>-<start ns>-<pid>-<host tag>``; its
 ``.pending`` twin exists from the call to the commit, so a ``finalize`` elsewhere
 sees the save before its files appear, and a save whose path was published
 meanwhile fails rather than commit into no checkpoint):
-each ``save`` removes those whose process is gone (``_leftovers``' rule), and
-``finalize`` drops what interrupted saves left but refuses while another live
-process's save is among it. ``finalize`` then merges the committed saves'
-custom metadata, asks the pytree handler (``cp.protocols.Mergeable``) to build
-``<session>/pytree/`` from their pytree directories (its database only
-references theirs: no array data is copied, and they stay where they are),
-and commits the session as ``path`` like any save (a rename of the session
-directory, or the marker written last). Every step can be repeated, so a
-``finalize`` interrupted at any point is resumed by calling it again.
+each ``save`` removes those whose process is gone or whose heartbeat is older
+than the save timeout (``_leftovers``' rule), and ``finalize`` drops what
+interrupted saves left but refuses while another live process's save is among
+it. A session keeps a heartbeat (``_Claims``: the one heartbeat machinery of
+saves, ``_inflight.Heartbeat``) for what this process has in flight in it: its
+staged saves' entries and its ``finalize``, which on a local disk holds a
+``finalize.checkpointables-tmp-...`` entry in the session (another process's
+``finalize`` refuses while it is fresh) and on an object store the save record
+of ``path`` (a cleanup, an overwrite or a ``Checkpointer`` elsewhere leaves it).
+``finalize`` then merges the committed saves' custom metadata, asks the pytree
+handler (``cp.protocols.Mergeable``) to build ``<session>/pytree/`` from their
+pytree directories (its database only references theirs: no array data is
+copied, and they stay where they are), and commits the session as ``path``
+like any save (a rename of the session directory, or the marker written last).
+Every step can be repeated, so a ``finalize`` interrupted at any point is
+resumed by calling it again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -51,6 +59,7 @@ from etils import epath
 from checkpointables import (
     _commit,
     _enclosing,
+    _inflight,
     _leftovers,
     _saving,
     errors,
@@ -60,13 +69,14 @@ from checkpointables import (
     storage,
 )
 from checkpointables._asyncio import AsyncResponse, run_sync, start_background, synchronous
+from checkpointables._leftovers import SAVE_RECORD_FILE
 from checkpointables._pytree_api import DEFAULT_NAME, pytree_item, pytree_registration
 from checkpointables.checkpoint_metadata import (
     CHECKPOINT_METADATA_FILE,
     checkpoint_metadata_json,
     read_checkpoint_metadata,
 )
-from checkpointables.context import get_context
+from checkpointables.context import Context, get_context
 from checkpointables.path._parse import as_path
 from checkpointables.protocols import Mergeable
 
@@ -77,10 +87,14 @@ SESSION_SUFFIX = ".partial_save"
 SOURCE_PREFIX = "partial-"
 _STAGED = "staged-"
 _SEQUENCE = re.compile(r"^(?:staged-|partial-)(\d+)")
-# A staged save records who writes it: ``staged-<seq>-<start ns>-<pid>`` (the primary host's).
+# A staged save records who writes it: ``staged-<seq>-<start ns>-<pid>-<host tag>`` (the
+# primary host's; an older version's name has no host tag). Its modification time is its
+# heartbeat while it is in flight (``_Claims``).
 # Its ``.pending`` twin exists from the call until the save is committed (or failed): a
 # ``finalize`` of another process sees the save running before its files appear.
-_STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)(?:\.pending)?$")
+_STAGED_WRITER = re.compile(r"^staged-\d+-(\d+)-(\d+)(?:-([0-9a-f]+))?(?:\.pending)?$")
+# A local finalize's entry in the session (a temporary name: its writer and heartbeat).
+_FINALIZING = "finalize"
 _PENDING = ".pending"
 # What a finalize refused at its commit (``_enclosing.Recheck``) did.
 _NOT_FINALIZED = (
@@ -102,13 +116,73 @@ def session_path(path: epath.PathLike) -> epath.Path:
     return path.parent / f"{path.name}{SESSION_SUFFIX}"
 
 
+class _Claims:
+    """What this process has in flight in one session, kept alive by one heartbeat.
+
+    Each claim is a ``SaveTarget`` whose ``claim(again=True)`` is its beat (a local entry's
+    ``utime``; an object-store record's GET and PUT), made from the background by an
+    ``_inflight.Heartbeat`` every ``_leftovers.beat_interval`` while any claim is held: the
+    session beats from its first staged save until its ``finalize`` ends, and an idle
+    session (no save in flight: nothing of it can be taken for a leftover) costs nothing.
+    The beat refers to the claims alone (paths and options), never to a save's arrays.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # Held while it beats: a released claim is not beaten.
+        self._held: dict[int, list[tuple[_commit.SaveTarget, Context]]] = {}
+        self._next = 0
+        self._heartbeat: _inflight.Heartbeat | None = None
+
+    def hold(self, *targets: _commit.SaveTarget) -> int:
+        """Beats ``targets`` from now until ``release`` of the returned key."""
+        context = get_context()
+        with self._lock:
+            self._next += 1
+            self._held[self._next] = [(target, context) for target in targets]
+            if self._heartbeat is None:
+                interval = _leftovers.beat_interval(context.async_options.timeout_secs)
+                beat = functools.partial(_beat_claims, self._held, self._lock)
+                self._heartbeat = _inflight.Heartbeat(beat, interval)
+            return self._next
+
+    def release(self, key: int) -> None:
+        """Stops beating what ``hold`` returned ``key`` for: no beat of it runs once this
+        returns (the last claim stops the heartbeat)."""
+        with self._lock:
+            self._held.pop(key, None)
+            heartbeat = None if self._held else self._heartbeat
+            if heartbeat is not None:
+                self._heartbeat = None
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _beat_claims(
+    held: dict[int, list[tuple[_commit.SaveTarget, Context]]], lock: threading.Lock
+) -> None:
+    """One beat of a session's claims; the first failure is raised (and logged) once all
+    were tried."""
+    error = None
+    with lock:
+        for target, context in [claim for claims in held.values() for claim in claims]:
+            try:
+                with context:  # An object store's storage is configured by the context.
+                    target.claim(again=True)
+            except Exception as e:
+                error = error or e
+    if error is not None:
+        raise error
+
+
 class _SessionState:
-    """What this process knows about one session: the last sequence number and save."""
+    """What this process knows about one session: the last sequence number and save, and
+    what it has in flight there (``_Claims``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.last_sequence = 0
         self.last_save: AsyncResponse[None] | None = None
+        self.claims = _Claims()
 
 
 _states_lock = threading.Lock()
@@ -131,44 +205,49 @@ def _sequence(name: str) -> int | None:
 
 def _next_sequence(session: epath.Path, state: _SessionState, operation: str) -> tuple[int, str]:
     """A number no save of the session used, not even one that failed, and who writes the
-    save (``<start ns>-<pid>`` of the primary host): the same on every process."""
+    save (``<start ns>-<pid>-<host tag>`` of the primary host): the same on every process."""
     used = [state.last_sequence]
     if multihost.is_primary_host():
         names = _names(session) + _names(session / DEFAULT_NAME)
         used += [s for s in map(_sequence, names) if s is not None]
-    chosen = f"{max(used) + 1} {time.time_ns()}-{os.getpid()}"
+    chosen = f"{max(used) + 1} {time.time_ns()}-{os.getpid()}-{layout.host_tag()}"
     sequence, writer = multihost.broadcast_from_primary(f"{operation}/seq", chosen).split()
     state.last_sequence = int(sequence)
     return state.last_sequence, writer
 
 
-def _writer(name: str) -> tuple[int, int] | None:
-    """``(start ns, pid)`` of the process that writes session entry ``name`` (a staged save,
-    or a save's temporary directory), or ``None`` if its name records none."""
+def _writer(name: str) -> tuple[int, int, str] | None:
+    """``(start ns, pid, host)`` of the process that writes session entry ``name`` (a staged
+    save, a save's temporary directory or a finalize's entry; ``_leftovers.name_host``), or
+    ``None`` if its name records none."""
     match = _STAGED_WRITER.match(name)
     if match:
-        return int(match.group(1)), int(match.group(2))
+        tag = match.group(3)
+        here = tag is None or tag == layout.host_tag()
+        return int(match.group(1)), int(match.group(2)), _leftovers.this_host() if here else ""
     parsed = layout.parse_temporary_name(name)
-    return None if parsed is None else (parsed[1], parsed[2])
+    return None if parsed is None else (parsed[1], parsed[2], _leftovers.name_host(name))
 
 
 def _writer_gone(name: str, session: epath.Path, *, own_done: bool) -> bool | None:
     """Whether the writer of session entry ``name`` is provably gone (``_leftovers``' rule:
-    its process is gone, or it is older than the save timeout; a save's temporary directory
-    that keeps a heartbeat: the heartbeat is, whatever the host); ``own_done`` answers for
-    this process's own entries. ``None``: the name records no writer."""
+    its single-process job's process is gone from this host, or its heartbeat, the entry's
+    modification time, is older than the save timeout, whatever the host); ``own_done``
+    answers for this process's own entries. ``None``: the name records no writer."""
     writer = _writer(name)
     if writer is None:
         return None
-    started_ns, pid = writer
-    timeout = get_context().async_options.timeout_secs
-    if layout.temporary_name_host_tag(name) is not None:
-        if pid == os.getpid() and _leftovers.name_host(name):  # This process's own.
-            return own_done
-        return _leftovers.is_abandoned(name, timeout_secs=timeout, directory=session)
-    if pid == os.getpid():
+    started_ns, pid, host = writer
+    if pid == os.getpid() and host:  # This process's own.
         return own_done
-    return _leftovers.is_over(started_ns, pid, _leftovers.this_host(), timeout, time.time_ns())
+    timeout = get_context().async_options.timeout_secs
+    if _STAGED_WRITER.match(name) is None:
+        return _leftovers.is_abandoned(name, timeout_secs=timeout, directory=session)
+    try:  # One lstat. Gone meanwhile: its start counts (removing nothing is harmless).
+        alive_ns: int | None = max(os.lstat(os.fspath(session / name)).st_mtime_ns, started_ns)
+    except OSError:
+        alive_ns = None
+    return _leftovers.is_over(started_ns, pid, host, timeout, time.time_ns(), alive_ns)
 
 
 def _remove_dead_writers(session: epath.Path) -> None:
@@ -233,6 +312,17 @@ def _mark_pending(staged: epath.Path) -> epath.Path:
     return pending
 
 
+def _entry(final: epath.Path, entry: epath.Path) -> _commit.SaveTarget:
+    """A local session entry as a claim: its beat sets its modification time (one ``utime``;
+    nothing once it is gone)."""
+    return _commit.RenameTarget(final, entry, overwrite=False)
+
+
+def _end_claim(claims: _Claims, key: int | None) -> None:
+    if key is not None:
+        claims.release(key)
+
+
 def _start_staged(
     staged: epath.Path, item: Any, custom_metadata: Mapping[str, Any] | None, *, in_place: bool
 ) -> AsyncResponse[None]:
@@ -275,16 +365,20 @@ def save_async(
         target = session / DEFAULT_NAME / f"{SOURCE_PREFIX}{sequence:06d}"
         in_place = not _commit.uses_rename(path)  # Committed where finalize needs it.
         staged = target if in_place else session / f"{_STAGED}{sequence:06d}-{writer}"
-        pending = None
+        pending, claim = None, None
         if multihost.is_primary_host() and not in_place:
             _remove_dead_writers(session)
             pending = _mark_pending(staged)
+            # Beaten until it ends: a save waiting for earlier ones is not taken for dead.
+            claim = state.claims.hold(_entry(staged, pending), _entry(target, staged))
         try:
             inner = _start_staged(staged, item, custom_metadata, in_place=in_place)
         except BaseException:
+            _end_claim(state.claims, claim)
             _end_pending(pending, session, failed=True)
             raise
         previous = state.last_save
+        claims = state.claims  # Not the state: the background refers to no more than needed.
 
         def commit_in_order() -> None:
             if previous is not None:
@@ -296,6 +390,7 @@ def save_async(
                     _promote(path, staged, target)
             except BaseException as e:
                 error = e
+            _end_claim(claims, claim)
             _end_pending(pending, session, failed=error is not None)
             multihost.sync_global_processes(f"{operation}/committed", error=error)
 
@@ -346,7 +441,7 @@ def finalize(path: epath.PathLike) -> None:
         multihost.sync_global_processes(f"{operation}/checked", error=error)
         if multihost.is_primary_host():
             try:
-                _finalize(path, session)
+                _finalize(path, session, state.claims)
             except BaseException as e:
                 error = e
         multihost.sync_global_processes(f"{operation}/finalized", error=error)
@@ -361,12 +456,54 @@ class _Source:
     meta: dict[str, Any]
 
 
-def _finalize(path: epath.Path, session: epath.Path) -> None:
-    """The primary host's ``finalize``: clean, merge, commit (each step repeatable)."""
+def _finalize(path: epath.Path, session: epath.Path, claims: _Claims) -> None:
+    """The primary host's ``finalize``: claim, clean, merge, commit (each step repeatable),
+    beating its claim until the commit (``_Claims``)."""
     target = _commit.target_for(path, session, overwrite=False)
     _check_session_exists(path, session)
-    sources = _committed_sources(path, session)
-    target.claim()
+    local = _commit.uses_rename(path)
+    # Locally its entry is made before the session is looked at: of two finalizes, at least
+    # one sees the other's entry (and refuses) before it cleans what the other builds.
+    entry = layout.temporary_path_for(session / _FINALIZING) if local else None
+    if entry is not None:
+        os.mkdir(os.fspath(entry))  # Not makedirs: a session published meanwhile stays gone.
+    key = claims.hold(_entry(session, entry)) if entry is not None else None
+    failed = True
+    try:
+        sources = _committed_sources(path, session, keep=entry)
+        if entry is None:
+            target.claim()
+            key = claims.hold(target)
+        text = _merge_sources(path, session, sources)
+        failed = False
+    finally:  # No beat may follow: the commit deletes the record, publishes the session.
+        _end_claim(claims, key)
+        if entry is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.fspath(entry))
+        elif failed:
+            _drop_own_record(session)
+    # A checkpoint committed at a parent of ``path`` since ``finalize`` looked stops the commit.
+    check = _enclosing.Recheck(path, outcome=_NOT_FINALIZED.format(session=session))
+    target.publish(
+        {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path), check
+    )
+
+
+def _drop_own_record(session: epath.Path) -> None:
+    """Removes this process's record from an object-store session whose ``finalize`` failed
+    before its commit: another ``finalize`` would take it for one still running until its
+    heartbeat (stopped) grew older than the timeout. One GET (and a DELETE)."""
+    with contextlib.suppress(Exception):  # The finalize's own error is the one to raise.
+        record = _leftovers.read_record(session)
+        own = (os.getpid(), _leftovers.this_host())
+        if record is not None and (record.pid, record.host) == own:
+            storage.remove_file(session / SAVE_RECORD_FILE)
+
+
+def _merge_sources(path: epath.Path, session: epath.Path, sources: dict[int, _Source]) -> str:
+    """Merges the committed partial saves (and those that commit meanwhile) into the session's
+    pytree directory; returns the text of its ``_CHECKPOINT_METADATA``."""
     for _ in range(_MERGES):
         ordered = [sources[s] for s in sorted(sources)]
         meta = _merged_metadata(ordered)
@@ -383,17 +520,12 @@ def _finalize(path: epath.Path, session: epath.Path) -> None:
         raise _still_running(path, session / DEFAULT_NAME)
     registration = pytree_registration()
     dist = registration.distribution
-    text = checkpoint_metadata_json(
+    return checkpoint_metadata_json(
         item_handlers={DEFAULT_NAME: registration.typestr},
         custom_metadata=meta["custom_metadata"],
         init_timestamp_nsecs=meta["init_timestamp_nsecs"] or time.time_ns(),
         commit_timestamp_nsecs=time.time_ns(),
         distributions={DEFAULT_NAME: (dist, registration.version)} if dist else None,
-    )
-    # A checkpoint committed at a parent of ``path`` since ``finalize`` looked stops the commit.
-    check = _enclosing.Recheck(path, outcome=_NOT_FINALIZED.format(session=session))
-    target.publish(
-        {layout.MARKER_FILE: "", CHECKPOINT_METADATA_FILE: text}, _commit.marker(path), check
     )
 
 
@@ -462,13 +594,19 @@ def _read_source(session: epath.Path, source: epath.Path) -> _Source:
     return _Source(source / DEFAULT_NAME, read_checkpoint_metadata(source))
 
 
-def _committed_sources(path: epath.Path, session: epath.Path) -> dict[int, _Source]:
+def _committed_sources(
+    path: epath.Path, session: epath.Path, keep: epath.Path | None = None
+) -> dict[int, _Source]:
     """The committed partial saves, by sequence number; removes everything else in the session
-    (interrupted saves never happened; what an interrupted finalize built is built again),
-    unless a save of another process, still running, is among it."""
+    but ``keep`` (interrupted saves never happened; what an interrupted finalize built is
+    built again), unless a save or finalize of another process, still running, is among it
+    (on an object store, a finalize's is the record of ``path``: one GET where there is one)."""
     names = _refuse_running(path, session)
+    if SAVE_RECORD_FILE in names and _record_running(_leftovers.read_record(session)):
+        raise _still_running(path, session / SAVE_RECORD_FILE)
     for name in names:
-        storage.remove_tree(session / name)
+        if keep is None or name != keep.name:
+            storage.remove_tree(session / name)
     pytree_dir = session / DEFAULT_NAME
     sources: dict[int, _Source] = {}
     for name in _names(pytree_dir):
@@ -498,11 +636,18 @@ def _record_running(record: _leftovers.SaveRecord | None) -> bool:
 
 
 def _still_running(path: epath.Path, entry: epath.Path) -> errors.CheckpointExistsError:
+    if entry.name == SAVE_RECORD_FILE or entry.name.startswith(f"{_FINALIZING}."):
+        return errors.CheckpointExistsError(
+            f"Cannot finalize {path}: another process is finalizing it, or saving to it "
+            f"({entry} is its mark; its process is alive and its heartbeat is younger than "
+            f"AsyncOptions.timeout_secs). Wait for that process to finish: a finalize publishes "
+            f"{path}; if it fails instead, call finalize again."
+        )
     return errors.CheckpointExistsError(
         f"Cannot finalize {path}: {entry} is a partial save that another process is still "
-        f"writing (its process is alive and it started less than AsyncOptions.timeout_secs "
-        f"ago). Wait for that process's partial saves to finish (their responses' result()), "
-        f"then call finalize again."
+        f"writing (its process is alive and its heartbeat is younger than "
+        f"AsyncOptions.timeout_secs). Wait for that process's partial saves to finish (their "
+        f"responses' result()), then call finalize again."
     )
 
 
