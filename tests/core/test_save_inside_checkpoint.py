@@ -184,23 +184,3 @@ def test_a_parent_that_becomes_a_checkpoint_while_a_partial_save_writes_stops_it
     assert f"{path} is inside the finished checkpoint {tmp_path / 'a'} (" in str(refused.value)
     session = partial.session_path(path)
     assert not session.exists() or not list((session / "pytree").iterdir())  # Not promoted.
-
-
-def test_a_parent_that_becomes_a_checkpoint_while_finalize_merges_stops_it(
-    tmp_path, monkeypatch
-) -> None:
-    from checkpointables import partial
-
-    path = tmp_path / "a" / "p"
-    cp.partial.save(path, {"x": TREE})
-    real = partial._refuse_running
-
-    def meanwhile(*args):  # Another process commits a/ while finalize merges.
-        _commit_elsewhere(tmp_path, tmp_path / "a")
-        return real(*args)
-
-    monkeypatch.setattr(partial, "_refuse_running", meanwhile)
-    with pytest.raises(cp.errors.InvalidArgumentError, match="about to commit") as refused:
-        cp.partial.finalize(path)
-    assert "the partial saves were not published" in str(refused.value)
-    assert not path.exists() and cp.storage.exists(partial.session_path(path))
