@@ -480,6 +480,7 @@ def target_for(
     overwrite: bool,
     found: Occupant | None = None,
     in_own_root: bool = False,
+    assembled: bool = False,
 ) -> SaveTarget:
     """The protocol that publishes a save written at ``root`` as ``final``.
 
@@ -487,9 +488,13 @@ def target_for(
       found: what ``clear_to_save`` found at ``final`` (the primary host's).
       in_own_root: the save is the Checkpointer's, its root's sole writer
         (``Occupant.replaceable``).
+      assembled: ``root`` holds a partial session's committed saves (``cp.partial.finalize``):
+        a refused commit keeps them, so that ``finalize`` can run again.
     """
     cls = RenameTarget if uses_rename(final) else MarkerTarget
-    return cls(final, root, overwrite=overwrite, found=found, in_own_root=in_own_root)
+    return cls(
+        final, root, overwrite=overwrite, found=found, in_own_root=in_own_root, assembled=assembled
+    )
 
 
 # -- Saving -----------------------------------------------------------------------------------
@@ -503,6 +508,8 @@ class SaveTarget(abc.ABC):
       root: where the handlers write (a temporary directory, or ``final``).
       found: what was at ``final`` as the save started (``clear_to_save``), if known.
       in_own_root: the save is the Checkpointer's, its root's sole writer.
+      assembled: ``root`` holds a partial session's committed saves, kept if the commit
+        is refused.
     """
 
     def __init__(
@@ -513,12 +520,14 @@ class SaveTarget(abc.ABC):
         overwrite: bool,
         found: Occupant | None = None,
         in_own_root: bool = False,
+        assembled: bool = False,
     ) -> None:
         self.final = final
         self.root = root
         self.overwrite = overwrite
         self.found = found
         self.in_own_root = in_own_root
+        self.assembled = assembled
 
     @abc.abstractmethod
     def create(self, names: Iterable[str], mode: int | None) -> None:
@@ -735,8 +744,13 @@ class MarkerTarget(SaveTarget):
         appeared = sorted({entry.name for entry in listing} - own)
         if not appeared:
             return
-        files_here = storage.list_files(self.final)
-        mine = [f for f in files_here if f.split("/")[0] in own and f != SAVE_RECORD_FILE]
+        if self.assembled:  # Only what the commit wrote: the partial saves stay.
+            mine = [*files, metadata_checksums.CHECKSUMS_FILE]
+            removed = "the partial saves were kept (call finalize again)"
+        else:
+            files_here = storage.list_files(self.final)
+            mine = [f for f in files_here if f.split("/")[0] in own and f != SAVE_RECORD_FILE]
+            removed = "its objects were removed"
         concurrently(storage.remove_file, [_join(self.final, f) for f in mine])
         storage.remove_file(_join(self.final, SAVE_RECORD_FILE))  # Last: ``discard`` stops.
         replaced = (
@@ -748,8 +762,8 @@ class MarkerTarget(SaveTarget):
         raise errors.CheckpointExistsError(
             f"{self.final} changed while this save was writing ({_shown(appeared)} appeared "
             f"there): a save never takes in objects that no save wrote, even with "
-            f"overwrite=True. This save was not committed and its objects were removed; what "
-            f"appeared was left as it is{replaced}. Move those objects, then save again."
+            f"overwrite=True. This save was not committed and {removed}; what appeared was "
+            f"left as it is{replaced}. Move those objects, then save again."
         )
 
 

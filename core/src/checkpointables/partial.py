@@ -459,7 +459,7 @@ class _Source:
 def _finalize(path: epath.Path, session: epath.Path, claims: _Claims) -> None:
     """The primary host's ``finalize``: claim, clean, merge, commit (each step repeatable),
     beating its claim until the commit (``_Claims``)."""
-    target = _commit.target_for(path, session, overwrite=False)
+    target = _commit.target_for(path, session, overwrite=False, assembled=True)
     _check_session_exists(path, session)
     local = _commit.uses_rename(path)
     # Locally its entry is made before the session is looked at: of two finalizes, at least

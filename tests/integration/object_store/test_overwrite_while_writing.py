@@ -114,3 +114,38 @@ def test_objects_put_under_the_prefix_while_a_new_save_writes_stop_it(s3, bucket
         saving.result(0)
     assert _objects(path) == {"notes.txt": b"mine"}
     assert not cp.is_checkpoint(path)
+
+
+def test_an_object_put_while_finalize_publishes_keeps_the_partial_saves(s3, bucket) -> None:
+    # On an object store the session is the path itself: its committed partial saves are
+    # the only copy of what the user saved, so a refused finalize must not remove them.
+    path = f"{bucket}/assembled"
+    cp.partial.save(path, {"a": np.arange(3)})
+    cp.partial.save(path, {"b": np.arange(4.0)})
+    proxy = GatingProxy(s3.endpoint, f"/{path.split('/', 3)[3]}/_CHECKPOINT_METADATA")
+    try:
+        errors: list[BaseException] = []
+        finalizing = threading.Thread(target=_finalize_into, args=(path, proxy, errors))
+        finalizing.start()
+        assert proxy.arrived.wait(30)
+        cp.storage.write_bytes(f"{path}/notes.txt", b"mine")
+        proxy.release.set()
+        finalizing.join(30)
+    finally:
+        proxy.stop()
+    assert len(errors) == 1 and isinstance(errors[0], cp.errors.CheckpointExistsError), errors
+    assert "partial saves were kept" in str(errors[0]), errors[0]
+    assert not cp.is_checkpoint(path)
+    cp.storage.remove_file(f"{path}/notes.txt")
+    cp.partial.finalize(path)  # Once the object is moved, finalize again publishes both.
+    loaded = cp.load_pytree(path)
+    np.testing.assert_array_equal(loaded["a"], np.arange(3))
+    np.testing.assert_array_equal(loaded["b"], np.arange(4.0))
+
+
+def _finalize_into(path: str, proxy: S3Proxy, errors: list[BaseException]) -> None:
+    try:
+        with cp.Context(storage_options=cp.options.StorageOptions(endpoint=proxy.endpoint)):
+            cp.partial.finalize(path)
+    except BaseException as e:
+        errors.append(e)
