@@ -258,7 +258,7 @@ class LocalStorage:
         """The children of a directory (``[]`` if it does not exist)."""
         try:
             with os.scandir(path) as entries:
-                return [Entry(e.name, e.is_dir()) for e in entries]
+                return [Entry(e.name, _is_dir(e)) for e in entries]
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -322,6 +322,43 @@ _KINDS = (
 )
 
 
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # A symbolic link loop: no directory, as a dangling link is none either.
+        return False
+
+
+def _looping_link(path: str) -> str:
+    """The first link on ``path`` that loops (``path`` itself where none is found)."""
+    prefix = ""
+    for part in path.split(os.sep):
+        prefix = os.path.join(prefix, part) if prefix else (part or os.sep)
+        try:
+            os.stat(prefix)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return prefix
+    return path
+
+
+def link_loop(path: os.PathLike[str] | str) -> errors.IntegrityError:
+    """The error for a local ``path`` the system cannot resolve: a symbolic link on it
+    leads back to itself (``ELOOP``). The message names that link."""
+    link = _looping_link(os.fspath(path))
+    try:
+        target = f" (to {os.readlink(link)!r})"
+    except OSError:  # Replaced since: the message stands without it.
+        target = ""
+    return errors.IntegrityError(
+        f"{link} is a symbolic link{target} that leads back to itself (a loop), so nothing "
+        f"can be read through it. A link in a checkpoint must lead to a file or "
+        f"directory in it: it was damaged or tampered with. Replace the link "
+        f"with what it stands for (restore the checkpoint from a copy), or load an older "
+        f"checkpoint."
+    )
+
+
 def not_a_regular_file(path: os.PathLike[str] | str, mode: int) -> errors.IntegrityError:
     """The error for ``path``, found to be no regular file (``mode``: its ``st_mode``)."""
     kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
@@ -352,7 +389,8 @@ def open_regular_file(path: os.PathLike[str] | str) -> int:
 
     Raises:
       FileNotFoundError: nothing is at ``path`` (other ``OSError``s as ``os.open``).
-      cp.errors.IntegrityError: what is at ``path`` is not a regular file.
+      cp.errors.IntegrityError: what is at ``path`` is not a regular file, or a symbolic
+        link on it loops.
     """
     fd, _ = _open_regular(path)
     os.set_blocking(fd, True)  # Reads then block as usual, on every system.
@@ -370,6 +408,8 @@ def _open_regular(path: os.PathLike[str] | str) -> tuple[int, int]:
         # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer.
         fd = os.open(text, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_loop(text) from None
         if e.errno != errno.ENXIO:  # ENXIO: a socket, or a device with nothing behind it.
             raise
         raise not_a_regular_file(text, os.stat(text).st_mode) from None

@@ -169,6 +169,18 @@ def test_partial_load_and_mismatches_name_the_key_paths(tmp_path) -> None:
         )
 
 
+def test_two_leaves_naming_one_tensor_are_a_mismatch_naming_both(tmp_path) -> None:
+    # Export refuses this tree (one name, two leaves); a load must not fill both from "a.b".
+    save_file({"a.b": np.arange(3, dtype=np.float32)}, tmp_path / "m.safetensors")
+    abstract = {"a.b": np.empty(3, np.float32), "a": {"b": np.empty(3, np.float32)}}
+    with pytest.raises(cp.errors.TreeMismatchError) as raised:
+        cp.load_pytree(tmp_path / "m.safetensors", abstract)
+    assert "['a.b']" in str(raised.value) and "['a']['b']" in str(raised.value)
+    # Skipping one of them loads the other.
+    loaded = cp.load_pytree(tmp_path / "m.safetensors", {**abstract, "a": {"b": None}})
+    assert np.array_equal(loaded["a.b"], np.arange(3)) and loaded["a"]["b"] is None
+
+
 def test_async_load(tmp_path) -> None:
     save_file({"a": np.arange(5.0)}, tmp_path / "m.safetensors")
     response = cp.load_pytree_async(tmp_path / "m.safetensors")

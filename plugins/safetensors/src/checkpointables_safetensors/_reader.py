@@ -66,12 +66,23 @@ def _read_for(keypath: str, tensor: _files.StoredTensor, abstract: Any) -> Array
     return ArrayRead(tensor, np.dtype(dtype), sharding=getattr(abstract, "sharding", None))
 
 
+def _two_leaves(
+    tensor_set: _files.TensorSet, name: str, first: str, second: str
+) -> cp.errors.TreeMismatchError:
+    return cp.errors.TreeMismatchError(
+        f"The abstract tree's leaves {first} and {second} both name the tensor {name!r} of "
+        f"{tensor_set.source} once their keys are joined with '.' (a key holds a dot); a tensor "
+        f"loads into one leaf. Rename the key, or skip one of them with None."
+    )
+
+
 def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool) -> LoadPlan:
     """Matches ``abstract`` (or, for ``None``, every tensor) with the tensors of ``tensor_set``.
 
     Raises:
-      cp.errors.TreeMismatchError: a leaf has no tensor, or a shape differs, or
-        (without ``partial_load``) tensors are left out; the message names them.
+      cp.errors.TreeMismatchError: a leaf has no tensor, or a shape differs, or two
+        leaves name one tensor, or (without ``partial_load``) tensors are left out; the
+        message names them.
     """
     tensors = tensor_set.tensors
     if abstract is None:
@@ -84,15 +95,20 @@ def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: x is None)
     leaves: list[Any] = [leaf for _, leaf in flat]
     reads, positions, mentioned, missing = [], [], set(), []
+    readers: dict[str, str] = {}  # Tensor name -> the key path of the leaf that reads it.
     for position, (keypath, leaf) in enumerate(flat):
         name = _names.name_of(keypath)
         mentioned.add(name)
         if leaf is None or leaf is cp.PLACEHOLDER:
             continue
+        shown = jax.tree_util.keystr(keypath)
+        if name in readers:  # {"a.b": x, "a": {"b": y}}: which leaf the tensor is for?
+            raise _two_leaves(tensor_set, name, readers[name], shown)
+        readers[name] = shown
         if name not in tensors:
             missing.append(name)
             continue
-        reads.append(_read_for(jax.tree_util.keystr(keypath), tensors[name], leaf))
+        reads.append(_read_for(shown, tensors[name], leaf))
         positions.append(position)
     if missing:
         raise cp.errors.TreeMismatchError(
