@@ -16,6 +16,7 @@ check each file again as they open it (``cp.storage.open_regular_file``).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -67,7 +68,9 @@ def _check_link(path: str, root: str, real_root: str) -> None:
         )
     try:
         mode = os.stat(path).st_mode
-    except OSError:
-        return  # Dangling, or a loop: reading it says the file is missing or unreadable.
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # Nothing could be read through it: say which link.
+            raise storage.link_loop(path) from None
+        return  # Dangling: reading it says the file is missing.
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise storage.not_a_regular_file(path, mode)

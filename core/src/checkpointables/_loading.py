@@ -14,8 +14,6 @@ same phases through ``start_load``:
 from __future__ import annotations
 
 import difflib
-import errno
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -32,7 +30,6 @@ from checkpointables import (
     handlers,
     layout,
     metadata_checksums,
-    storage,
 )
 from checkpointables._asyncio import (
     AsyncResponse,
@@ -211,33 +208,19 @@ def available_checkpointables(path: epath.Path, meta: Mapping[str, Any]) -> list
 
     Raises:
       cp.errors.IntegrityError: a checkpointable recorded in ``_CHECKPOINT_METADATA``
-        has no directory (Orbax, too, records only what it saved), or a symbolic link
-        that loops in its place.
+        has no directory (Orbax, too, records only what it saved). (A symbolic link that
+        loops in its place is named earlier, by ``_confinement``.)
     """
     typestrs = recorded_typestrs(meta)
     available = layout.checkpointable_directories(path, typestrs)
     missing = sorted(set(typestrs) - set(available))
     if missing:
-        _refuse_link_loops(path, missing)
         raise errors.IntegrityError(
             f"Checkpoint {path} recorded the checkpointables {missing}, but their directories "
             f"are missing: the checkpoint is damaged. Restore it from a copy, or load an older "
             f"checkpoint."
         )
     return available
-
-
-def _refuse_link_loops(path: epath.Path, names: Sequence[str]) -> None:
-    """Names the link where a checkpointable's directory is a symbolic link that loops (a
-    listing counts it as no directory); on the error path only: a stat per name."""
-    if not storage.is_local(path):
-        return
-    for name in names:
-        try:
-            os.stat(path / name)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise storage.link_loop(path / name) from None
 
 
 def _requested(opened: Opened, abstract_checkpointables: Mapping[str, Any] | None) -> Items:
