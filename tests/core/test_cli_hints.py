@@ -67,3 +67,10 @@ def test_a_directory_of_other_things_gets_no_hint(tmp_path, capsys) -> None:
     (tmp_path / "plain" / "sub").mkdir(parents=True)
     text = _inspect_error(tmp_path / "plain", capsys)
     assert "is not a finished checkpoint" in text and "checkpointables inspect" not in text
+
+
+def test_verify_of_a_missing_path_fails_its_check_with_exit_1(tmp_path, capsys) -> None:
+    # `--help` and the quickstart promise exit status 1 when a load would fail (2 is a usage
+    # error, which a mistyped path is not: the command was right).
+    line = _verify_problem(tmp_path / "typo" / "ckpt", capsys)
+    assert "No checkpoint at" in line and "does not exist" in line, line

@@ -378,7 +378,10 @@ def _verify(args: argparse.Namespace) -> int:
     if other is not None:
         findings = [_verification.Finding("checkpoint", other)]
     else:
-        findings = _verification.verify_checkpoint(args.path)
+        try:
+            findings = _verification.verify_checkpoint(args.path)
+        except FileNotFoundError as e:  # A load would fail: exit 1, as for any failed check.
+            findings = [_verification.Finding("checkpoint", str(e))]
         if len(findings) == 1 and findings[0].subject == "checkpoint" and findings[0].problem:
             problem = _with_hint(findings[0].problem, args.path, "verify")
             findings = [_verification.Finding("checkpoint", problem)]
