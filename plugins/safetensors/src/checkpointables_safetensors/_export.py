@@ -103,34 +103,57 @@ _TREE_ADVICE = (
 )
 
 
+def _under(leaf: _names.NamedLeaf, prefix: str | None) -> int | None:
+    """How many keys of ``leaf``'s path make ``prefix`` (0 for none); ``None``: not under it."""
+    if not prefix:
+        return 0
+    for depth in range(1, len(leaf.keypath) + 1):
+        if _names.name_of(leaf.keypath[:depth]) == prefix:
+            return depth
+    return None
+
+
+def _relative_name(leaf: _names.NamedLeaf, depth: int) -> str:
+    """``leaf``'s tensor name below its first ``depth`` keys; a subtree that is a single leaf
+    (or a single NNX Variable) is named by its own key."""
+    keys = leaf.keys
+    kept_above = sum(1 for i in range(depth) if i != leaf.drop)
+    if rest := keys[kept_above:]:
+        return _names.SEPARATOR.join(rest)
+    return keys[kept_above - 1] if kept_above else _names.name_of(leaf.keypath[depth - 1 : depth])
+
+
+def _selected(tree: Any, prefix: str | None) -> list[tuple[int, str, _names.NamedLeaf]]:
+    """The leaves under ``prefix`` with their positions and tensor names (NNX Variables'
+    ``value`` keys left out: see ``_names``)."""
+    every = _names.named_leaves(tree)
+    chosen = [(p, leaf, _under(leaf, prefix)) for p, leaf in enumerate(every)]
+    chosen = [(p, leaf, depth) for p, leaf, depth in chosen if depth is not None]
+    renamed = _names.dict_form([leaf for _, leaf, _ in chosen], every)
+    return [
+        (position, _relative_name(leaf, depth or 0), leaf)
+        for (position, _, depth), leaf in zip(chosen, renamed, strict=True)
+    ]
+
+
 def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], list[str], Any, int]:
     """The exportable leaves under ``prefix``, the skipped key paths, the treedef and leaf count.
 
     Raises:
       cp.errors.InvalidArgumentError: arrays safetensors cannot store (saying ``advice``),
-        or two leaves of one name.
-      KeyError: ``prefix`` selects no leaf.
+        two leaves of one name, or ``prefix`` selects no leaf (``_names.SubtreeNotFoundError``,
+        also a ``KeyError``).
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-    head = f"{prefix}{_names.SEPARATOR}" if prefix else ""
     leaves, skipped, unsupported, seen = [], [], [], set()
-    for position, (keypath, leaf) in enumerate(flat):
-        full = _names.name_of(keypath)
-        if prefix and full != prefix and not full.startswith(head):
-            continue
-        if not prefix:
-            name = full
-        elif full == prefix:  # The subtree is a single leaf: named by its own key.
-            name = _names.name_of(keypath[-1:])
-        else:
-            name = full[len(head) :]
+    for position, name, leaf in _selected(tree, prefix):
         try:
-            found = _as_entry(name, leaf)
+            found = _as_entry(name, leaf.leaf)
         except ValueError as e:
-            unsupported.append(f"{jax.tree_util.keystr(keypath)} ({e})")
+            unsupported.append(f"{jax.tree_util.keystr(leaf.keypath)} ({e})")
             continue
         if found is None:
-            skipped.append(jax.tree_util.keystr(keypath))
+            skipped.append(jax.tree_util.keystr(leaf.keypath))
             continue
         if name in seen:
             raise cp.errors.InvalidArgumentError(
@@ -145,10 +168,10 @@ def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], li
             f"{'; '.join(unsupported[:8])}. {advice}."
         )
     if prefix and not leaves and not skipped:
-        _names.subtree(tree, prefix)  # Raises KeyError naming the keys there.
+        _names.subtree(tree, prefix)  # Raises SubtreeNotFoundError naming the keys there.
         # Found, yet nothing below it: an empty container, or an empty key ("a.", ".a").
         top = sorted(_names.child_keys(tree))
-        raise KeyError(
+        raise _names.SubtreeNotFoundError(
             f"The subtree {prefix!r} holds no leaf to export (an empty container, or a key "
             f"path with an empty key: join keys with single dots); the top-level keys are "
             f"{top[:8]}{' ...' if len(top) > 8 else ''}."
@@ -248,7 +271,10 @@ def export_checkpoint(
       cp.errors.InvalidArgumentError: ``out`` is named like a file of another kind
         (``out.txt``), or the tree holds arrays of dtypes safetensors cannot store
         (``complex128``; typed PRNG keys are skipped), naming them.
-      KeyError: ``subtree`` selects no leaf.
+      _names.SubtreeNotFoundError: ``subtree`` selects no leaf (a
+        ``cp.errors.InvalidArgumentError``, and a ``KeyError`` as before).
+      cp.errors.CheckpointExistsError: an earlier export is at ``out`` and ``overwrite``
+        is false.
     """
     output = Output.at(out)  # A URL is refused before any work.
     meta = cp.pytree_metadata(checkpoint)
@@ -289,6 +315,8 @@ def save_pytree(
 
     Raises:
       cp.errors.InvalidArgumentError: as ``export_checkpoint``.
+      cp.errors.CheckpointExistsError: an earlier export is at ``out`` and ``overwrite``
+        is false.
     """
     output = Output.at(out)  # A URL is refused before any work.
     leaves, skipped, _, _ = _leaves(pytree, None, _TREE_ADVICE)

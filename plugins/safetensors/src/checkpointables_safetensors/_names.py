@@ -4,19 +4,54 @@ Hugging Face names join module attribute names and list indices with dots.
 Loading without an abstract tree nests them as dicts (``{"model": {"layers":
 {"0": ...}}}``); an abstract tree's key paths are joined the same way to find
 each leaf's tensor, so lists and custom nodes (``nnx.State``) load too.
+
+A Flax NNX ``Variable`` (``nnx.Param``...) flattens to one child under the
+attribute key ``value``, so ``nnx.state(model)``'s key paths end in ``.value``
+(``['l']['kernel'].value``); that key is no part of a tensor name: the name is
+the one ``nnx.to_pure_dict`` gives (``l.kernel``). Variables are recognised by
+class (one named ``Variable`` from a ``flax.nnx`` module, subclasses too) while
+flattening: flax is never imported here, and another class with a ``value``
+attribute keeps its key. A checkpoint's metadata tree records Variables as
+dicts (``{"kernel": {"value": ...}}``); such a tree (or subtree) whose every
+leaf is the lone ``"value"`` entry of its dict is named the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import collections
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import checkpointables as cp
 import jax
 
-__all__ = ["SEPARATOR", "name_of", "nest", "child_keys", "subtree"]
+__all__ = [
+    "SEPARATOR",
+    "name_of",
+    "nest",
+    "child_keys",
+    "subtree",
+    "SubtreeNotFoundError",
+    "NamedLeaf",
+    "named_leaves",
+    "dict_form",
+    "tensor_names",
+]
 
 SEPARATOR = "."
+# The attribute key under which a Flax NNX Variable's flattening puts its value.
+VARIABLE_KEY = "value"
+# Its classes' names: state leaves were ``VariableState``s before Flax 0.12 (now an alias).
+_VARIABLE_CLASSES = frozenset({"Variable", "VariableState"})
+
+
+class SubtreeNotFoundError(cp.errors.InvalidArgumentError, KeyError):
+    """A subtree key path selects nothing: an ``InvalidArgumentError``, and a ``KeyError``
+    as it always was (``except KeyError`` keeps working)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError's own would show the message quoted.
 
 
 def _key_text(entry: Any) -> str:
@@ -72,7 +107,8 @@ def subtree(tree: Any, path: str | Iterable[str] | None) -> Any:
     """The subtree of ``tree`` at the dotted key path ``path`` (all of it for ``None``/``""``).
 
     Raises:
-      KeyError: no such key; the message lists the keys there.
+      SubtreeNotFoundError: no such key (a ``cp.errors.InvalidArgumentError`` and a
+        ``KeyError``); the message lists the keys there.
     """
     keys = path.split(SEPARATOR) if isinstance(path, str) else list(path or [])
     node = tree
@@ -80,6 +116,110 @@ def subtree(tree: Any, path: str | Iterable[str] | None) -> Any:
         children = child_keys(node)
         if key not in children:
             where = SEPARATOR.join(keys[:depth]) or "the root"
-            raise KeyError(f"No key {key!r} under {where}; the keys there are {sorted(children)}.")
+            raise SubtreeNotFoundError(
+                f"No key {key!r} under {where}; the keys there are {sorted(children)}."
+            )
         node = children[key]
     return node
+
+
+def is_nnx_variable(node: Any) -> bool:
+    """True for a Flax NNX ``Variable`` (any subclass: ``nnx.Param``, ``nnx.BatchStat``...),
+    told by its classes' names and modules: flax is not imported (it is optional)."""
+    return any(
+        c.__name__ in _VARIABLE_CLASSES and str(getattr(c, "__module__", "")).startswith("flax.nnx")
+        for c in type(node).__mro__
+    )
+
+
+def _is_attribute_value(key: Any) -> bool:
+    return isinstance(key, jax.tree_util.GetAttrKey) and key.name == VARIABLE_KEY
+
+
+def _is_dict_value(key: Any) -> bool:
+    return isinstance(key, jax.tree_util.DictKey) and key.key == VARIABLE_KEY
+
+
+@attrs.frozen
+class NamedLeaf:
+    """A leaf of a flattened tree, and the key of its path that is no part of its name."""
+
+    keypath: tuple[Any, ...]
+    leaf: Any
+    drop: int | None = None  # The index in ``keypath`` of an NNX Variable's ``value`` key.
+
+    @property
+    def keys(self) -> list[str]:
+        """The texts of the keys that name the tensor, the Variable's ``value`` left out."""
+        return [_key_text(k) for i, k in enumerate(self.keypath) if i != self.drop]
+
+    @property
+    def name(self) -> str:
+        """The tensor name: the key path joined with dots, less a Variable's ``value``."""
+        return SEPARATOR.join(self.keys)
+
+    @property
+    def full(self) -> str:
+        """Every key joined with dots (the name before NNX Variables were recognised)."""
+        return name_of(self.keypath)
+
+
+def named_leaves(tree: Any) -> list[NamedLeaf]:
+    """The leaves of ``tree`` in ``jax.tree_util`` order (``None`` leaves included, as
+    ``tree_flatten_with_path(tree, is_leaf=lambda x: x is None)`` gives them), each
+    with the ``value`` key of its NNX Variable marked to leave out of its name."""
+    outer = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None or is_nnx_variable(x)
+    )[0]
+    leaves = []
+    for keypath, node in outer:
+        if node is None or not is_nnx_variable(node):
+            leaves.append(NamedLeaf(keypath, node))
+            continue
+        # A Variable's one child, its value (an array, or a pytree), is flattened in place:
+        # the same leaves, in the same order, as a flattening that does not stop here.
+        for inner, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is None)[
+            0
+        ]:
+            drop = len(keypath) if inner and _is_attribute_value(inner[0]) else None
+            leaves.append(NamedLeaf((*keypath, *inner), leaf, drop))
+    return leaves
+
+
+def dict_form(leaves: Sequence[NamedLeaf], among: Sequence[NamedLeaf]) -> list[NamedLeaf]:
+    """``leaves`` (some of ``among``, a whole tree's) named as NNX Variables saved as dicts.
+
+    A checkpoint records no node types: ``nnx.state(model)`` is saved, and its metadata
+    and a load without an abstract tree give, ``{"kernel": {"value": array}}``. When no
+    Variable was recognised by class and every leaf here that is not ``None`` is the lone
+    ``"value"`` entry of a dict (no other leaf of ``among`` under that dict), the tree is
+    taken for that form and the ``"value"`` keys are left out of the names. Any other
+    leaf (a ``"bias"`` beside a ``"value"``, a plain array) keeps every name whole.
+    """
+    if any(leaf.drop is not None for leaf in among):
+        return list(leaves)
+    under: collections.Counter[tuple[Any, ...]] = collections.Counter(
+        leaf.keypath[:depth] for leaf in among for depth in range(len(leaf.keypath))
+    )
+    present = [leaf for leaf in leaves if leaf.leaf is not None]
+    lone = all(
+        leaf.keypath and _is_dict_value(leaf.keypath[-1]) and under[leaf.keypath[:-1]] == 1
+        for leaf in present
+    )
+    if not present or not lone:
+        return list(leaves)
+    return [
+        attrs.evolve(leaf, drop=len(leaf.keypath) - 1) if leaf.leaf is not None else leaf
+        for leaf in leaves
+    ]
+
+
+def tensor_names(tree: Any, available: Container[str]) -> list[str]:
+    """The tensor each leaf of ``tree`` loads from, in ``named_leaves`` order: its name
+    (NNX Variables' ``value`` left out), or its full key path where only that is in
+    ``available`` (a file exported before Variables were recognised)."""
+    leaves = named_leaves(tree)
+    return [
+        leaf.full if leaf.name not in available and leaf.full in available else leaf.name
+        for leaf in dict_form(leaves, leaves)
+    ]

@@ -173,7 +173,8 @@ def parse_size(text: str | int) -> int:
     """Bytes of a size such as ``"5GB"`` (10**9 each), ``"500MiB"`` (2**20 each) or ``"1024"``.
 
     Raises:
-      ValueError: the text is not a size, or the size is not positive.
+      cp.errors.InvalidArgumentError: the text is not a size, or the size is not positive
+        (a ``ValueError``).
     """
     if isinstance(text, int):
         value = text
@@ -182,10 +183,12 @@ def parse_size(text: str | int) -> int:
         match = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 1000000.")
+            raise cp.errors.InvalidArgumentError(
+                f"{text!r} is not a size; write e.g. 5GB, 500MB, 2GiB or 1000000."
+            )
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}.")
+        raise cp.errors.InvalidArgumentError(f"a size must be positive, got {text!r}.")
     return value
 
 
@@ -228,7 +231,8 @@ def _header(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -> byte
 
 def _check(shape: tuple[int, ...], dtype: np.dtype, entry: TensorEntry) -> None:
     if shape != entry.shape or dtype != entry.dtype:
-        raise ValueError(
+        # The tree (or the checkpoint's data) changed since its metadata was read.
+        raise cp.errors.TreeMismatchError(
             f"Tensor {entry.name!r}: expected shape {entry.shape} and dtype {entry.dtype}, got "
             f"{shape} and {dtype}."
         )
@@ -312,7 +316,7 @@ def _stale_files(output: Output, finals: Sequence[str], overwrite: bool) -> list
     written (its index first). Without ``overwrite``, any earlier file is refused."""
     existing = output.existing_files()
     if existing and not overwrite:
-        raise FileExistsError(
+        raise cp.errors.CheckpointExistsError(
             f"{existing[0]} exists; pass overwrite=True (--overwrite) to replace it."
         )
     return [f for f in existing if f not in finals]
@@ -334,9 +338,10 @@ def write_safetensors(
     pieces within the context's budget (``cp.options.MemoryOptions``).
 
     Raises:
-      FileExistsError: an earlier export's file is there (``model.safetensors``, or its
-        shards and index) and ``overwrite`` is false; with it, they are all replaced.
-      ValueError: an array does not match its entry, or a dtype safetensors cannot hold.
+      cp.errors.CheckpointExistsError: an earlier export's file is there (``model.safetensors``,
+        or its shards and index) and ``overwrite`` is false; with it, they are all replaced.
+      cp.errors.TreeMismatchError: an array does not match its entry.
+      ValueError: a dtype safetensors cannot hold (callers refuse those first: ``_as_entry``).
       cp.errors.InvalidArgumentError: the output is in a checkpoint (``refuse_inside_checkpoint``).
     """
     refuse_inside_checkpoint(output.directory, "safetensors files")
