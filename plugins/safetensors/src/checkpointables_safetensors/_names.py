@@ -203,7 +203,9 @@ def dict_form(leaves: Sequence[NamedLeaf], among: Sequence[NamedLeaf]) -> list[N
     )
     present = [leaf for leaf in leaves if leaf.leaf is not None]
     lone = all(
-        leaf.keypath and _is_dict_value(leaf.keypath[-1]) and under[leaf.keypath[:-1]] == 1
+        len(leaf.keypath) > 1  # A top-level "value" names the tensor: no name is empty.
+        and _is_dict_value(leaf.keypath[-1])
+        and under[leaf.keypath[:-1]] == 1
         for leaf in present
     )
     if not present or not lone:

@@ -93,11 +93,13 @@ def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool
             reads, lambda values: _names.nest(dict(zip(names, values, strict=True)), source=source)
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: x is None)
+    # Flax NNX Variables' `.value` is no part of a name; files exported with it still load.
+    names = _names.tensor_names(abstract, tensors)
     leaves: list[Any] = [leaf for _, leaf in flat]
     reads, positions, mentioned, missing = [], [], set(), []
     readers: dict[str, str] = {}  # Tensor name -> the key path of the leaf that reads it.
     for position, (keypath, leaf) in enumerate(flat):
-        name = _names.name_of(keypath)
+        name = names[position]
         mentioned.add(name)
         if leaf is None or leaf is cp.PLACEHOLDER:
             continue
@@ -113,7 +115,8 @@ def plan_load(tensor_set: _files.TensorSet, abstract: Any, *, partial_load: bool
     if missing:
         raise cp.errors.TreeMismatchError(
             f"{tensor_set.source} has no tensor for {len(missing)} leaves of the abstract tree: "
-            f"{_listing(missing)} (names are key paths joined with '.'). It holds "
+            f"{_listing(missing)} (names are key paths joined with '.', less a Flax NNX "
+            f"Variable's '.value'). It holds "
             f"{_listing(list(tensors))}."
         )
     left_out = [n for n in tensors if n not in mentioned]
