@@ -50,7 +50,9 @@ class LocalTier:
 
     Attributes:
       directory: this host's own directory for local steps (each host passes its
-        own disk; processes on one machine need distinct directories).
+        own disk; processes on one machine need distinct directories). The tier's
+        alone: empty, missing, or used by a local tier before; one holding
+        anything else (checkpoints, a user's files) is refused, never taken over.
       save_decision_policy: the local cadence. Default: whenever the previous
         local save has committed (``ContinuousCheckpointingPolicy``).
       replicas: how many other hosts keep a copy of each host's files (capped

@@ -33,10 +33,16 @@ field must have the one form a save writes (``writer`` is
 ``p<process_index>-of-<process_count>``, file names are relative paths inside
 the copy, ...). One that is not raises ``InvalidManifest``; its copy is passed
 over. A manifest without its checksum (none was released) is such a one.
+So is one that is no regular file (a named pipe, whose ``open()`` would wait
+forever for a writer; a device such as ``/dev/zero``) or that holds more than
+``MAX_BYTES``: it is refused before a byte is read (``read``). A copy's files are
+read the same way (``checksum_file``): a pipe standing in for an empty file
+damages its copy, it never hangs the restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +52,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+
+from checkpointables import errors, storage
 
 __all__ = [
     "Manifest",
@@ -62,6 +70,11 @@ __all__ = [
 ]
 
 SUFFIX = ".manifest.json"
+# The largest manifest read (and written): 256 MiB. Its size grows with the copy's files
+# and with ``shards``, every distinct shard of every array (~25 bytes each): 2,000 arrays
+# of 4,096 distinct shards each take ~200 MiB. A larger one is damaged or hostile (a sparse
+# file of GiBs), and reading it would cost that much memory.
+MAX_BYTES = 256 << 20
 _CHUNK = 1 << 20
 Index = tuple[tuple[int, int], ...]
 # One copy of a step, as a manifest names it: (step, writer, commit_timestamp_nsecs). The
@@ -107,10 +120,16 @@ def updater(algorithm: str) -> Callable[[bytes, int], int]:
 
 
 def checksum_file(path: str, algorithm: str) -> int:
-    """The checksum of the file at ``path`` (read in 1 MiB pieces)."""
+    """The checksum of the file at ``path`` (read in 1 MiB pieces).
+
+    Raises:
+      cp.errors.IntegrityError: ``path`` is not a regular file (see
+        ``cp.storage.open_regular_file``).
+    """
     update = updater(algorithm)
     value = 0
-    with open(path, "rb") as f:
+    # Not open(): a named pipe in the copy's place would wait forever (IntegrityError here).
+    with os.fdopen(storage.open_regular_file(path), "rb") as f:
         while piece := f.read(_CHUNK):
             value = update(piece, value)
     return value
@@ -388,10 +407,24 @@ def build(copy_dir: str, step: int, writer: str, **fields: Any) -> Manifest:
 
 
 def write(manifest: Manifest, path: str) -> None:
-    """Writes ``manifest`` to ``path`` atomically and durably (the copy's commit)."""
+    """Writes ``manifest`` to ``path`` atomically and durably (the copy's commit).
+
+    Raises:
+      InvalidManifest: it is larger than ``MAX_BYTES`` (``read`` would refuse it).
+    """
+    text = manifest.to_json()
+    if len(text) > MAX_BYTES:
+        raise InvalidManifest(
+            f"the manifest of {path} would hold {len(text):,} bytes, more than the "
+            f"{MAX_BYTES:,} a manifest is read up to: the copy has too many files or shards "
+            f"for the local tier"
+        )
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # What a killed write left (it may be anything): never written into.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -401,16 +434,20 @@ def read(path: str) -> Manifest | None:
     """The manifest at ``path``, or ``None`` if it is missing.
 
     Raises:
-      InvalidManifest: it is unreadable, damaged or malformed (the message names it).
+      InvalidManifest: it is unreadable, damaged or malformed, no regular file, or
+        larger than ``MAX_BYTES`` (the message names it); nothing is read from one
+        that is no regular file or too large.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            return Manifest.from_json(f.read())
+        text = storage.read_bytes(path, max_bytes=MAX_BYTES).decode("utf-8")
+        return Manifest.from_json(text)
     except FileNotFoundError:
         return None
     except InvalidManifest as e:
         raise InvalidManifest(f"{path}: {e}") from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError.
+    # UnicodeDecodeError is a ValueError; IntegrityError: a pipe, a device, a directory;
+    # MetadataError: larger than MAX_BYTES.
+    except (OSError, ValueError, errors.IntegrityError, errors.MetadataError) as e:
         raise InvalidManifest(f"{path} is unreadable: {e}") from None
 
 
@@ -424,6 +461,6 @@ def problems(copy_dir: str, manifest: Manifest) -> list[str]:
                 found.append(f"{relative}: size differs from {size}")
             elif checksum_file(path, manifest.algorithm) != crc:
                 found.append(f"{relative}: {manifest.algorithm} mismatch")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, errors.IntegrityError) as e:
             found.append(f"{relative}: {e}")
     return found

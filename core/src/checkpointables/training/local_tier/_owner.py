@@ -11,6 +11,13 @@ manifests name are recorded too (``adopted_runs``). Each copy's manifest
 names its run (``Manifest.run``), and a copy of any other run (another run's
 step directory copied in) is passed over (``Store.copies``).
 
+A directory without the record is claimed only if it holds nothing but what
+the tier writes (``_unclaimable``): its record and lock, steps it wrote
+(``_store.foreign``), and ``lost+found`` (a file system's own). One holding
+anything else (a checkpoint root, Orbax's or ours, free-function checkpoints
+saved as ``<dir>/<n>``, a user's files) is refused: the tier's retention
+removes the numbered steps it does not keep, and its directory is its own.
+
 Two processes of a job given one directory would write each other's steps
 (their copies have different names, their retention does not know it): the
 first process to open a directory holds a lock on ``LOCK_FILE`` (``flock``,
@@ -20,20 +27,23 @@ of one process share the lock (the root record keeps them to one run).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import stat
 import threading
 
 from etils import epath
 
-from checkpointables import errors, storage
-from checkpointables.training.local_tier import _manifest
+from checkpointables import errors, layout, storage
+from checkpointables.training.local_tier import _manifest, _store
 
 __all__ = ["OWNER_FILE", "LOCK_FILE", "claim", "release"]
 
 OWNER_FILE = ".checkpointables-local-tier.json"
 LOCK_FILE = ".checkpointables-local-tier.lock"
+_MAX_RECORD_BYTES = 1 << 20  # A record names a few roots: a larger one is not a record.
 
 # The directories this process holds the lock of: real path -> [its descriptor, users].
 _held: dict[str, list[int]] = {}
@@ -47,7 +57,7 @@ def _lock(directory: str) -> None:
         if real in _held:
             _held[real][1] += 1
             return
-        fd = os.open(os.path.join(real, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(os.path.join(real, LOCK_FILE))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -59,6 +69,33 @@ def _lock(directory: str) -> None:
                 f"network file system: give the tier a directory on the host's own disk."
             ) from None
         _held[real] = [fd, 1]
+
+
+def _open_lock(path: str) -> int:
+    """A descriptor of the lock file at ``path`` (created if missing).
+
+    Raises:
+      cp.errors.InvalidArgumentError: what is there is no regular file (a directory, a
+        named pipe, a symbolic link, which is not followed), or cannot be opened.
+    """
+    # O_NOFOLLOW: a link would make (and lock) a file elsewhere; O_NONBLOCK: a pipe.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        why = e.strerror
+    else:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        why = "not a regular file"
+    if os.path.islink(path):
+        why = "a symbolic link"
+    raise errors.InvalidArgumentError(
+        f"The local tier's lock file {path} cannot be used: {why}. It must be a regular "
+        f"file the tier creates: remove what is there (no process using the directory "
+        f"holds it then), or give the tier another directory."
+    )
 
 
 def release(directory: str) -> None:
@@ -95,12 +132,14 @@ def _refuse_overlap(directory: str, root: str) -> None:
 def _recorded(path: str) -> tuple[str | None, frozenset[str]]:
     """The root the record names (``None``: no record), and the runs it adopted."""
     try:
-        with open(path) as f:
-            record = json.load(f)
+        # Bounded, and refused without a read if no regular file (a pipe would block).
+        record = json.loads(storage.read_bytes(path, max_bytes=_MAX_RECORD_BYTES))
         owner, adopted = record.get("persistent_root"), record.get("adopted_runs", [])
     except FileNotFoundError:
         return None, frozenset()
-    except (OSError, ValueError, AttributeError) as e:
+    # MetadataError (larger than the bound) is a ValueError; IntegrityError: a pipe, a
+    # device, a directory.
+    except (OSError, ValueError, AttributeError, errors.IntegrityError) as e:
         raise errors.InvalidArgumentError(
             f"The local tier's record {path} is unreadable ({e}): remove it, and the "
             f"directory's steps, if they are not this run's."
@@ -109,16 +148,15 @@ def _recorded(path: str) -> tuple[str | None, frozenset[str]]:
     return (owner if isinstance(owner, str) else None), frozenset(runs)
 
 
-def _runs_present(directory: str) -> list[str]:
-    """The runs the valid manifests in ``directory`` name (the steps a new record adopts)."""
+def _runs_present(directory: str, steps: list[str]) -> list[str]:
+    """The runs the valid manifests of ``steps`` (the tier's step directories in
+    ``directory``) name: the steps a new record adopts."""
     found = set()
-    for step in os.listdir(directory):
-        if not (step.isascii() and step.isdigit()):
-            continue
+    for step in steps:
         try:
             names = os.listdir(os.path.join(directory, step))
         except OSError:
-            continue  # Not a step directory: retention removes it.
+            continue  # Gone since.
         for name in names:
             if name.endswith(_manifest.SUFFIX):
                 try:
@@ -130,6 +168,46 @@ def _runs_present(directory: str) -> list[str]:
     return sorted(found)
 
 
+def _is_own(name: str) -> bool:
+    """Whether a top-level ``name`` is the tier's (its record, lock, a record being
+    written, a step being removed) or a file system's (``lost+found``)."""
+    tmp = f"{OWNER_FILE}.tmp-"
+    return (
+        name in (OWNER_FILE, LOCK_FILE, "lost+found")
+        or (name.startswith(tmp) and name[len(tmp) :].isdigit())
+        or _store.is_trash(name)
+    )
+
+
+def _unclaimable(directory: str) -> tuple[list[str], list[str]]:
+    """(what in ``directory`` the tier did not write, described; its own steps)."""
+    foreign, steps = [], []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.isascii() and name.isdigit():
+            why = _store.foreign(path)
+            if why is None:
+                steps.append(name)
+                continue
+            if why.startswith("a directory") and layout.is_checkpoint(path):
+                why = "a committed checkpoint"
+            foreign.append(f"{name} ({why})")
+        elif not _is_own(name):
+            foreign.append(name)
+    return foreign, steps
+
+
+def _refuse_foreign(directory: str, foreign: list[str]) -> None:
+    more = f", and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+    raise errors.InvalidArgumentError(
+        f"LocalTier({directory!r}) holds what the local tier did not write: "
+        f"{'; '.join(foreign[:5])}{more}. The tier removes the numbered steps it does not "
+        f"keep from its directory, so it takes only an empty directory or one it used "
+        f"before: pick an empty or dedicated directory (e.g. a new one on the host's "
+        f"own disk), or move these out of it."
+    )
+
+
 def claim(directory: str, persistent_root: epath.Path) -> tuple[str, frozenset[str]]:
     """Records ``persistent_root`` as the owner of the local-tier ``directory``, or checks
     that it is the owner recorded, and takes its lock for this process (``release``
@@ -138,8 +216,9 @@ def claim(directory: str, persistent_root: epath.Path) -> tuple[str, frozenset[s
 
     Raises:
       cp.errors.InvalidArgumentError: ``directory`` is, or holds, the persistent
-        root; it serves the Checkpointer of another root; or another process
-        uses it.
+        root; it serves the Checkpointer of another root; it has no record and
+        holds what the tier did not write (a checkpoint, a user's file); its
+        record or lock file is unusable; or another process uses it.
     """
     root = _identity(persistent_root)
     if storage.scheme_of(root) is None:
@@ -153,9 +232,15 @@ def _check_owner(directory: str, root: str) -> frozenset[str]:
     path = os.path.join(directory, OWNER_FILE)
     owner, adopted = _recorded(path)
     if owner is None:
-        runs = [r for r in _runs_present(directory) if r != root]
+        foreign, steps = _unclaimable(directory)
+        if foreign:
+            _refuse_foreign(directory, foreign)
+        runs = [r for r in _runs_present(directory, steps) if r != root]
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)  # A killed claim's (or anything else): never written into.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
             json.dump({"persistent_root": root, "adopted_runs": runs}, f)
         os.replace(tmp, path)
         return frozenset(runs)

@@ -156,6 +156,8 @@ class LocalSaves:
         # The previous save's replication first: a peer still fetching a step must not see
         # it retired by newer ones, and copies never pile up faster than they move.
         self.wait_idle()
+        # Something the tier did not write under this step's number: refused, not replaced.
+        self._store.check_own(request.step)
         number, self._count = self._count, self._count + 1
         held, every = _manifest.describe_shards(request.checkpointables)
         # Read before the removals: they are what this save's manifest says it left.

@@ -14,6 +14,14 @@ each is logged and passed over. Nothing is ever removed as a copy but a
 directory named ``p<index>-of-<count>`` in a step directory. Steps are
 removed by renaming them to a hidden name first, so a half-removed step is
 never listed.
+
+Only what the tier wrote is ever removed (``foreign``): a numbered entry is a
+step only if it is a directory (not a symbolic link, which is never followed)
+holding nothing but copies, their manifests and the temporaries of the
+tier's saves, fetches and restores. Anything else under a step's number (a
+checkpoint saved there by other means, a user's file, a link) is left alone
+and logged once: it is not listed as a step, never counted towards ``keep``,
+and a local save of its step is refused (``check_own``).
 """
 
 from __future__ import annotations
@@ -21,16 +29,58 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
+import stat
 import uuid
 
+from checkpointables import errors
 from checkpointables.training.local_tier import _manifest
 from checkpointables.training.local_tier._manifest import InvalidManifest, Manifest
 
 logger = logging.getLogger("checkpointables.training")
-__all__ = ["Store", "writer_name"]
+__all__ = ["Store", "writer_name", "foreign", "is_trash"]
 
 _TRASH = ".removing-"
+# A step hidden for removal: .removing-<step>-<8 hex digits> (``Store.remove_step``).
+_TRASH_NAME = re.compile(r"\.removing-[0-9]+-[0-9a-f]{8}")
+# What the tier writes in a step directory: a copy (p<i>-of-<n>), and names that begin
+# with one and a dot: its manifest, and the temporaries of its save
+# (.checkpointables-tmp-...), of its manifest (.manifest.json.tmp-<pid>) and of a fetch
+# (.fetching-...); a restore's combined copy (combined-p<i>-of-<n>, ``_combine``) and its
+# temporaries.
+_OWN_NAME = re.compile(r"(?:combined-)?p(?:0|[1-9][0-9]*)-of-[1-9][0-9]*(?:\..*)?", re.DOTALL)
+
+
+def is_trash(name: str) -> bool:
+    """Whether ``name`` is that of a step being removed (the tier's own)."""
+    return _TRASH_NAME.fullmatch(name) is not None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "a file" if stat.S_ISREG(mode) else "not a directory"
+
+
+def foreign(path: str) -> str | None:
+    """Why the numbered entry at ``path`` is not a step the tier wrote (``None``: it is, or
+    nothing is there): it is no directory (a link is not followed), or it holds names
+    the tier never writes (the first few are named)."""
+    try:
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISDIR(mode):
+            return _kind(mode)
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    others = sorted(n for n in names if _OWN_NAME.fullmatch(n) is None)
+    if not others:
+        return None
+    more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+    return f"a directory holding {', '.join(others[:3])}{more}"
 
 
 def writer_name(process_index: int, process_count: int) -> str:
@@ -68,19 +118,25 @@ class Store:
         return self.copy_dir(step, writer) + _manifest.SUFFIX
 
     def steps(self) -> list[int]:
-        """The step directories present, sorted (also those without a finished copy)."""
+        """The step directories present, sorted (also those without a finished copy): the
+        directories with a number for name; a file or a link so named is none (not
+        followed: a link may loop, or lead out of the directory)."""
         try:
-            names = os.listdir(self.directory)
+            with os.scandir(self.directory) as entries:
+                return sorted(
+                    int(e.name)
+                    for e in entries
+                    if e.name.isascii() and e.name.isdigit() and e.is_dir(follow_symlinks=False)
+                )
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isascii() and n.isdigit())
 
     def copies(self, step: int) -> dict[str, Manifest]:
         """The finished copies of ``step`` of this run: writer -> manifest (their files not
         yet checked). A damaged or malformed manifest, or another run's, is logged."""
         try:
             names = os.listdir(self.step_dir(step))
-        except FileNotFoundError:
+        except OSError:  # Gone, or no directory (a file, a looping link put in its place).
             return {}
         found = {}
         for name in names:
@@ -131,19 +187,49 @@ class Store:
             os.remove(self.manifest_path(step, writer))
         shutil.rmtree(self.copy_dir(step, writer), ignore_errors=True)
 
-    def remove_step(self, step: int) -> None:
-        """Removes a step: hidden at once by a rename, then deleted."""
+    def check_own(self, step: int) -> None:
+        """Raises unless the entry of ``step`` is missing or a step the tier wrote.
+
+        Raises:
+          cp.errors.InvalidArgumentError: something else is there (see ``foreign``).
+        """
+        path = self.step_dir(step)
+        why = foreign(path)
+        if why is not None:
+            raise errors.InvalidArgumentError(
+                f"The local tier cannot save step {step}: {path} is {why}, which the tier "
+                f"did not write (it never removes what it did not write). Move it out of "
+                f"{self.directory}: a local tier's directory is its own."
+            )
+
+    def remove_step(self, step: int) -> bool:
+        """Removes a step: hidden at once by a rename, then deleted. What the tier did not
+        write under its number (``foreign``) is left alone, and logged once (``False``)."""
+        path = self.step_dir(step)
+        why = foreign(path)
+        if why is not None:
+            if path not in self._reported:
+                self._reported.add(path)
+                logger.warning(
+                    "Local tier: not removing %s, %s that the tier did not write; move it "
+                    "out of the local tier's directory.",
+                    path,
+                    why,
+                )
+            return False
         trash = os.path.join(self.directory, f"{_TRASH}{step}-{uuid.uuid4().hex[:8]}")
         try:
-            os.rename(self.step_dir(step), trash)
+            os.rename(path, trash)
         except FileNotFoundError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
+            return True
+        shutil.rmtree(trash, ignore_errors=True)  # Never follows a link inside.
+        return True
 
     def retain(self, keep: int, newest: int | None = None) -> list[int]:
         """Keeps the newest ``keep`` steps that have a finished copy; removes the other step
         directories (older steps, and what killed saves and fetches left) and leftovers
-        of removals; returns the steps removed.
+        of removals; returns the steps removed. What the tier did not write is never
+        removed (``remove_step``).
 
         ``newest``: the step just saved; steps after it are removed too. They belong to a
         trajectory the run left (it went on from an older step): kept, they would push
@@ -156,12 +242,11 @@ class Store:
         finished = [s for s in steps if self.copies(s)]
         kept = set(finished[-keep:])
         dropped = abandoned + [s for s in steps if s not in kept]
-        for step in dropped:
-            self.remove_step(step)
+        removed = [step for step in dropped if self.remove_step(step)]
         try:
-            leftovers = [n for n in os.listdir(self.directory) if n.startswith(_TRASH)]
+            leftovers = [n for n in os.listdir(self.directory) if is_trash(n)]
         except FileNotFoundError:
             leftovers = []
         for name in leftovers:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        return dropped
+        return removed
