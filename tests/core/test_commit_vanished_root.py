@@ -67,3 +67,45 @@ def test_a_json_write_into_a_deleted_temporary_directory_is_a_storage_error(
         assert cp.load_checkpointables(path) == {"notes": {"v": 1}}
     else:
         assert not cp.is_checkpoint(path)
+
+
+class _NeedsInput:
+    """A checkpointable whose handler reads an input file of its own that is missing."""
+
+    def __init__(self, awaits_directory: bool) -> None:
+        self.awaits_directory = awaits_directory
+
+
+class _InputReadingHandler:
+    """Opens a missing file of the user's in its blocking phase (``save`` itself)."""
+
+    async def save(self, directory, checkpointable):
+        if checkpointable.awaits_directory:  # The save's directory made first, then the read.
+            await directory.await_creation()
+        with open(os.path.join(os.path.dirname(__file__), "no-such-input.txt")) as f:
+            f.read()
+
+    async def load(self, directory, abstract_checkpointable=None) -> None:
+        return None
+
+    async def metadata(self, directory) -> None:
+        return None
+
+    def is_handleable(self, checkpointable) -> bool:
+        return isinstance(checkpointable, _NeedsInput)
+
+    def is_abstract_handleable(self, abstract_checkpointable) -> None:
+        return None
+
+
+@pytest.mark.parametrize("awaits_directory", [False, True])
+def test_a_handlers_own_missing_file_is_its_own_error(tmp_path, awaits_directory) -> None:
+    # The failed save's directory is deleted as it fails: that deletion is not what went wrong.
+    cp.handlers.register_handler(_InputReadingHandler, priority=5)
+    try:
+        with pytest.raises(FileNotFoundError, match="no-such-input.txt") as raised:
+            cp.save_checkpointables(tmp_path / "ck", {"input": _NeedsInput(awaits_directory)})
+    finally:
+        cp.handlers.unregister_handler(_InputReadingHandler)
+    assert not isinstance(raised.value, cp.errors.StorageError), raised.value
+    assert os.listdir(tmp_path) == []

@@ -559,10 +559,13 @@ class SaveTarget(abc.ABC):
 class RenameTarget(SaveTarget):
     """Local disks: a temporary directory, flushed and renamed into place."""
 
+    created = False  # ``create`` made the directory (saves make it when a handler asks).
+
     def create(self, names: Iterable[str], mode: int | None) -> None:
         """Creates the temporary directory and its subdirectories."""
         mode = 0o777 if mode is None else mode
         self.root.mkdir(mode=mode)
+        self.created = True
         for name in names:
             (self.root / name).mkdir(mode=mode)
 
@@ -627,8 +630,11 @@ class RenameTarget(SaveTarget):
     def explained(self, error: BaseException) -> BaseException:
         """``error``, or, for a ``FileNotFoundError`` met while the temporary directory is
         gone (a handler, another process or a cleanup of temporary directories deleted it),
-        the ``StorageError`` that says so: the file it names is only a symptom."""
-        if not isinstance(error, FileNotFoundError) or storage.is_dir(self.root):
+        the ``StorageError`` that says so: the file it names is only a symptom. (A directory
+        never made, or not yet discarded, is no explanation: the error is the handler's.)"""
+        if not isinstance(error, FileNotFoundError) or not self.created:
+            return error
+        if storage.is_dir(self.root):
             return error
         vanished = errors.StorageError(
             f"{self.root}, where this save wrote {self.final}, was deleted while it was "

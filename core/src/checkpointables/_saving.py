@@ -410,8 +410,9 @@ def start(request: SaveRequest) -> AsyncResponse[None]:
         try:
             background = _blocking_phase(save, directory)
         except BaseException as e:
+            explained = target.explained(e)  # Before the discard, which deletes the directory.
             _discard(save, target, e)
-            if (explained := target.explained(e)) is e:
+            if explained is e:
                 raise
             raise explained from e
 
