@@ -22,6 +22,8 @@ __all__ = [
     "EntryCache",
     "Groups",
     "group_leaves",
+    "no_leaf_handler_advice",
+    "unsupported_leaves",
     "saved_tree_metadata",
 ]
 
@@ -43,6 +45,9 @@ class EntryCache:
 
 # Leaf handler class -> its leaves.
 Groups = dict[type, LeafGroup]
+# One item of ``tree.Flat.leaves`` (``.keypath``, ``.value``, ``.names``): the room does not
+# export its class.
+Leaf = Any
 
 
 def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
@@ -62,16 +67,9 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     types = list(map(type, flat.values))
     entries = {t: lookup(t) for t in dict.fromkeys(types)}  # In the order of the leaves.
     if None in entries.values():
-        unsupported = [
-            f"{tree.keypath_str(leaf.keypath)} ({describe_type(leaf.value)})"
-            for leaf in flat.leaves
-            if entries[type(leaf.value)] is None
-        ]
         raise cp.errors.NoHandlerForObjectError(
-            f"Cannot save the pytree to {where}: no leaf handler accepts the leaves "
-            f"{listing(unsupported)}. Convert them to "
-            "arrays, scalars or strings, or register a leaf "
-            f"handler for their type. Nothing was written."
+            f"Cannot save the pytree to {where}: "
+            f"{no_leaf_handler_advice(unsupported_leaves(flat, lookup))}. Nothing was written."
         )
     by_class: dict[type, list[type]] = {}
     for t, entry in entries.items():
@@ -82,6 +80,93 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     for i, t in enumerate(types):
         indices[entries[t].handler_cls].append(i)  # type: ignore[union-attr]
     return {cls: LeafGroup(flat, indices[cls], entries) for cls in by_class}
+
+
+def unsupported_leaves(flat: tree.Flat, lookup: EntryCache) -> list[Leaf]:
+    """The leaves of ``flat`` no leaf handler accepts (one lookup per leaf type)."""
+    if all(lookup(t) for t in set(map(type, flat.values))):
+        return []
+    return [leaf for leaf in flat.leaves if lookup(type(leaf.value)) is None]
+
+
+def no_leaf_handler_advice(bad: list[Leaf]) -> str:
+    """Why a pytree holding the leaves ``bad`` cannot be saved, naming them, and what to do:
+    convert them, add a leaf handler, or, for objects a checkpointable handler saves (a
+    Grain iterator), save them beside the pytree."""
+    shown = [f"{tree.keypath_str(leaf.keypath)} ({describe_type(leaf.value)})" for leaf in bad]
+    return (
+        f"no leaf handler accepts the leaves {listing(shown)}. Convert them to arrays, "
+        "scalars or strings, or add a leaf handler for their type "
+        "(cp.serialization.StandardLeafHandlerRegistry().add(...) in "
+        f"cp.options.PyTreeOptions(leaf_handler_registry=...)){_beside_advice(bad)}"
+    )
+
+
+# Leaves whose checkpointable handler is looked for: each costs an is_handleable per handler.
+_MAX_BESIDE = 5
+
+
+def _beside_advice(bad: list[Leaf]) -> str:
+    """For leaves that a registered checkpointable handler saves, though not inside a
+    pytree: the handler, and the ``save_checkpointables`` call that saves them beside the
+    pytree, or ``""``. (A leaf's own pytree handler never accepts it: the leaf has no leaf
+    handler, so it needs no excluding.)"""
+    registrations = cp.handlers.registered_handlers()
+    found: list[tuple[Leaf, cp.plugins.HandlerRegistration]] = []
+    for leaf in bad[:_MAX_BESIDE]:
+        if not leaf.keypath:
+            continue  # The whole tree: the caller's resolution names the handler that saves it.
+        savers = cp.handlers.handlers_accepting(registrations, leaf.value, first=True)
+        if savers:
+            found.append((leaf, savers[0]))
+    if not found:
+        return ""
+    items, keys = [], {"pytree"}
+    for leaf, saver in found:
+        key = _checkpointable_name(leaf, saver, keys)
+        keys.add(key)
+        items.append(f"{key!r}: <the object at {tree.keypath_str(leaf.keypath)}>")
+    without = ", ".join(tree.keypath_str(leaf.keypath) for leaf, _ in found)
+    if len(found) == 1:
+        leaf, saver = found[0]
+        what = (
+            f"{tree.keypath_str(leaf.keypath)} is an object that {_handler_text(saver)} "
+            f"saves, though not inside a pytree: save it"
+        )
+    else:
+        which = "; ".join(
+            f"{tree.keypath_str(leaf.keypath)} by {_handler_text(saver)}" for leaf, saver in found
+        )
+        what = (
+            f"Some are objects that checkpointable handlers save, though not inside a pytree "
+            f"({which}): save each"
+        )
+    return (
+        f". {what} as a checkpointable of its own, beside the pytree: "
+        f"cp.save_checkpointables(path, {{'pytree': <the tree without {without}>, "
+        f"{', '.join(items)}}})"
+    )
+
+
+def _handler_text(saver: cp.plugins.HandlerRegistration) -> str:
+    """``the 'grain' handler (checkpointables_grain.GrainIteratorHandler, plugin 'grain')``."""
+    cls = f"{saver.handler_cls.__module__}.{saver.handler_cls.__qualname__}"
+    origin = f"plugin {saver.plugin!r}" if saver.distribution else "registered by you"
+    return f"the {saver.name!r} handler ({cls}, {origin})"
+
+
+def _checkpointable_name(leaf: Leaf, saver: Any, taken: set[str]) -> str:
+    """A checkpointable name for ``leaf`` saved beside the pytree: the name its handler is
+    registered for, else its last key, else its key path joined by dots, else the handler's
+    name (the first of these that is a valid name, not ``taken``)."""
+    for name in (saver.checkpointable_name, leaf.names[-1], ".".join(leaf.names), saver.name):
+        if name is None or name in taken:
+            continue
+        try:
+            return cp.layout.validate_checkpointable_name(name)
+        except cp.errors.InvalidArgumentError:
+            continue
+    return f"{saver.name}_{len(taken)}"
 
 
 def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | None:
