@@ -1,6 +1,9 @@
-"""Errors a newcomer meets: a mistyped ``reuse_from`` says what the folder really holds."""
+"""What a newcomer meets: a mistyped ``reuse_from`` says what the folder really holds; a
+pytree with no leaves (an NNX GraphDef) is saved, with a warning."""
 
 from __future__ import annotations
+
+import logging
 
 import checkpointables as cp
 import numpy as np
@@ -59,3 +62,58 @@ def test_a_training_root_names_its_steps_newest_first(tmp_path) -> None:
             f"{run} holds the steps 30, 10, 2 (newest first): pass one, e.g. "
             f"reuse_from={run / '30'} (the newest)."
         ) in str(raised.value)
+
+
+def _graphdef():
+    nnx = pytest.importorskip("flax.nnx")  # A test dependency; the core needs no Flax.
+    graphdef, _ = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    return graphdef
+
+
+def _leafless_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "has no leaves" in r.getMessage()]
+
+
+def test_a_pytree_without_leaves_is_saved_with_one_warning(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="checkpointables"):
+        cp.save_pytree(tmp_path / "g", {"g": _graphdef()})
+    [warning] = _leafless_warnings(caplog)
+    assert f"The pytree 'pytree' saved to {tmp_path / 'g'} has no leaves" in warning
+    assert "nothing but its structure was saved" in warning
+    assert "['g'] (flax.nnx." in warning and "nnx.split" in warning
+    assert ".checkpointables-tmp-" not in warning  # The checkpoint's own path.
+    assert cp.load_pytree(tmp_path / "g") == {"g": {}}  # Saved as JAX sees it.
+    # Through save_checkpointables too (the pytree handler picks it), named by its name.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="checkpointables"):
+        empty = pytest.importorskip("optax").EmptyState()
+        cp.save_checkpointables(tmp_path / "h", {"opt": (empty,)})
+    [warning] = _leafless_warnings(caplog)
+    assert f"The pytree 'opt' saved to {tmp_path / 'h'}" in warning
+    assert "[0] (optax" in warning
+
+
+def test_a_checkpointer_warns_once_per_root(tmp_path, caplog) -> None:
+    graphdef = _graphdef()
+    with (
+        caplog.at_level(logging.WARNING, logger="checkpointables"),
+        cp.training.Checkpointer(tmp_path / "run") as ckptr,
+    ):
+        for step in range(3):
+            ckptr.save_pytree(step, {"g": graphdef}, force=True)
+    [warning] = _leafless_warnings(caplog)
+    assert f"saved to {tmp_path / 'run' / '0'} has no leaves" in warning
+
+
+@pytest.mark.parametrize("tree", [{}, [], {"a": {}, "b": [], "c": None}])
+def test_explicitly_empty_containers_are_not_warned_about(tmp_path, caplog, tree) -> None:
+    with caplog.at_level(logging.WARNING, logger="checkpointables"):
+        cp.save_pytree(tmp_path / "e", tree)
+    assert _leafless_warnings(caplog) == []
+    assert cp.load_pytree(tmp_path / "e") == tree  # Exactly what was saved.
+
+
+def test_a_tree_with_leaves_and_empty_nodes_is_not_warned_about(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="checkpointables"):
+        cp.save_pytree(tmp_path / "p", {"w": np.ones(1), "g": _graphdef()})
+    assert _leafless_warnings(caplog) == []

@@ -40,6 +40,7 @@ from checkpointables_pytree._save_plan import (
     no_leaf_handler_advice,
     saved_tree_metadata,
     unsupported_leaves,
+    warn_if_leafless,
 )
 from checkpointables_pytree.leaves import (
     LoadSession,
@@ -292,6 +293,7 @@ class PyTreeHandler:
         flat = self._flatten(checkpointable)
         self._last_flat = None
         groups = group_leaves(flat, EntryCache(registry), directory.path)
+        warn_if_leafless(checkpointable, flat, directory.path)
         session = SaveSession.create(directory, context, flat.structure.derived)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         reused = None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -12,11 +15,14 @@ from checkpointables.serialization import (
     LeafEntry,
     LeafHandlerRegistry,
 )
+from etils import epath
 
 from checkpointables_pytree import tree
 from checkpointables_pytree.leaves import ArrayRecords, LeafGroup, SaveSession
 from checkpointables_pytree.storage import describe_type, listing
 from checkpointables_pytree.tree import OWN_VALUE_TYPE
+
+logger = logging.getLogger("checkpointables.pytree")
 
 __all__ = [
     "EntryCache",
@@ -24,6 +30,7 @@ __all__ = [
     "group_leaves",
     "no_leaf_handler_advice",
     "unsupported_leaves",
+    "warn_if_leafless",
     "saved_tree_metadata",
 ]
 
@@ -167,6 +174,50 @@ def _checkpointable_name(leaf: Leaf, saver: Any, taken: set[str]) -> str:
         except cp.errors.InvalidArgumentError:
             continue
     return f"{saver.name}_{len(taken)}"
+
+
+_warned_leafless: set[tuple[str, str]] = set()  # (where, name) warned about in this process.
+_warned_lock = threading.Lock()
+
+
+def warn_if_leafless(pytree: Any, flat: tree.Flat, directory: Any) -> None:
+    """Logs a warning if ``pytree`` (saved to ``directory``, a checkpointable's directory,
+    maybe in its save's temporary directory) has no leaves but nodes a load without an
+    abstract tree cannot rebuild (an ``nnx.GraphDef``, an ``optax.EmptyState``): only its
+    structure is saved, which loads as empty containers, so the save probably missed its
+    data. Explicitly empty dicts, lists and tuples (``{}``, ``{"a": []}``) round-trip
+    exactly and are not warned about. Once per checkpoint's parent directory and name, so
+    that a Checkpointer's steps warn once."""
+    if flat.values:
+        return
+    import jax
+
+    plain = (dict, list, tuple)
+    nodes, _ = jax.tree_util.tree_flatten_with_path(
+        pytree, is_leaf=lambda x: x is not None and type(x) not in plain
+    )
+    if not nodes:
+        return
+    path = epath.Path(directory)
+    checkpoint = path.parent
+    parsed = cp.layout.parse_temporary_name(checkpoint.name)
+    if parsed is not None:
+        checkpoint = checkpoint.parent / parsed[0]
+    with _warned_lock:
+        key = (os.fspath(checkpoint.parent), path.name)
+        if key in _warned_leafless:
+            return
+        _warned_leafless.add(key)
+    shown = listing([f"{tree.keypath_str(k)} ({describe_type(node)})" for k, node in nodes])
+    logger.warning(
+        "The pytree %r saved to %s has no leaves (no arrays, scalars or strings): nothing but "
+        "its structure was saved, and without an abstract tree it loads as empty containers. "
+        "Its nodes other than dicts, lists and tuples (%s) hold no data to save. If the data "
+        "lives elsewhere (Flax NNX: the State of nnx.split(model), not its GraphDef), save that.",
+        path.name,
+        checkpoint,
+        shown,
+    )
 
 
 def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | None:
