@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import difflib
 import inspect
 import logging
 import threading
@@ -124,20 +125,46 @@ class SaveReuse:
             self.bytes_reused += int(nbytes)
 
 
-def _steps_hint(directory: epath.Path, subject: str = "It") -> str:
-    """Where ``directory`` holds committed checkpoints (a Checkpointer's root), names the
-    newest: the step to pass."""
+_HELD_SHOWN = 5  # Checkpoints a hint names.
+
+
+def _held_hint(directory: epath.Path, typo: str | None = None) -> str:
+    """What ``directory`` holds, for a ``reuse_from`` that is no checkpoint: its committed
+    checkpoints, or ``""`` if none. Step names (a Checkpointer's root) are called steps,
+    newest first, and the newest suggested; other names are listed as checkpoints, those
+    resembling ``typo`` (the name that was not found) first, and one suggested only if it
+    resembles it: an arbitrary one would mislead."""
     if not storage.is_dir(directory):
         return ""
-    names = [e.name for e in storage.list_dir(directory) if e.is_dir]
-    steps = sorted(
-        (n for n in names if layout.is_checkpoint(directory / n)),
-        key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n),
+    held = sorted(
+        (
+            e.name
+            for e in storage.list_dir(directory)
+            if e.is_dir
+            and not layout.is_temporary_path(e.name)
+            and layout.is_checkpoint(directory / e.name)
+        ),
+        key=layout.natural_key,
     )
-    if not steps:
+    if not held:
         return ""
-    newest = directory / steps[-1]
-    return f" {subject} holds checkpoints (steps): pass one, e.g. reuse_from={newest}."
+    steps = all(layout.is_step_name(n) for n in held)
+    # Step numbers are compared as numbers by whoever picks one, not as spellings.
+    close = difflib.get_close_matches(typo, held, n=len(held)) if typo and not steps else []
+    rest = [n for n in (reversed(held) if steps else held) if n not in close]
+    ordered = close + rest
+    shown = ", ".join(ordered[:_HELD_SHOWN])
+    if len(ordered) > _HELD_SHOWN:
+        shown += f" and {len(ordered) - _HELD_SHOWN} more"
+    order = f"closest to {typo!r} first" if close else ("newest first" if steps else "")
+    text = f" {directory} holds the {'steps' if steps else 'checkpoints'} {shown}"
+    text += f" ({order})" if order else ""
+    if close:
+        return f"{text}: did you mean reuse_from={directory / close[0]}?"
+    if steps:
+        return f"{text}: pass one, e.g. reuse_from={directory / ordered[0]} (the newest)."
+    like = f", none named like {typo!r}" if typo else ""
+    return f"{text}{like}: pass the one to reuse from, reuse_from={directory}/<name>."
 
 
 def current() -> SaveReuse | None:
@@ -173,7 +200,7 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
             f"reuse_from={source} is the checkpoint being saved; pass an earlier checkpoint."
         )
     if not storage.exists(source):
-        hint = _steps_hint(source.parent, subject=str(source.parent))
+        hint = _held_hint(source.parent, typo=source.name)
         raise errors.CheckpointNotFoundError(
             f"reuse_from={source} does not exist; pass a committed checkpoint, or None to "
             f"write everything.{hint}"
@@ -181,7 +208,7 @@ def checked_source(reuse_from: Any, target: epath.Path) -> epath.Path:
     if not layout.is_checkpoint(source):
         raise errors.NotACheckpointError(
             f"reuse_from={source} is not a committed checkpoint (no commit marker); pass a "
-            f"committed checkpoint, or None to write everything.{_steps_hint(source)}"
+            f"committed checkpoint, or None to write everything.{_held_hint(source)}"
         )
     # As a load would: no file outside it is compared, linked or copied into the new one.
     _confinement.check_contained(source)

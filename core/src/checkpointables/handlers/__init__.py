@@ -20,6 +20,7 @@ from checkpointables.handlers._registry import (
     unregister_handler,
 )
 from checkpointables.handlers._resolution import (
+    handlers_accepting,
     install_hint,
     resolve_for_load,
     resolve_for_save,
@@ -39,4 +40,5 @@ __all__ = [
     "resolve_for_save",
     "resolve_for_load",
     "install_hint",
+    "handlers_accepting",
 ]

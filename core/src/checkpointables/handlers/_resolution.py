@@ -200,8 +200,10 @@ def _unforce_advice(
 ) -> str:
     """What to do instead when the handler forced for ``name`` cannot save the object: the
     registered handler that can, by name, where there is one."""
-    saver = next((r for r in registrations if _saves(r, forced, checkpointable)), None)
-    who = f"The {saver.name} handler saves it" if saver else "If the object is not a pytree"
+    savers = handlers_accepting(registrations, checkpointable, excluding=(forced,), first=True)
+    if not savers and _is_container(checkpointable):
+        return ""  # A pytree none saves whole: the reason (its bad leaves) says what to do.
+    who = f"The {savers[0].name} handler saves it" if savers else "If the object is not a pytree"
     return (
         f" {who}: save it with cp.save_checkpointables({{{name!r}: obj}}), "
         f"which picks the handler by the object (JSON, proto, your own), rather than "
@@ -210,15 +212,47 @@ def _unforce_advice(
     )
 
 
-def _saves(registration: HandlerRegistration, forced: type, checkpointable: Any) -> bool:
-    """Whether ``registration``'s handler, not the forced one, would save ``checkpointable``
-    (a handler that fails to tell counts as no)."""
-    if registration.handler_cls is forced:
-        return False
+def _is_container(checkpointable: Any) -> bool:
+    """Whether ``checkpointable`` is a pytree node (a dict, a list, a dataclass pytree...),
+    not a single leaf."""
+    import jax
+
     try:
-        return bool(registration.handler_cls().is_handleable(checkpointable))
-    except Exception:  # Only a hint: a third-party handler's failure must not hide the error.
+        leaves = jax.tree_util.tree_leaves(checkpointable, is_leaf=lambda x: x is None)
+    except Exception:  # Only for advice: an object jax cannot flatten is no container.
         return False
+    return not (len(leaves) == 1 and leaves[0] is checkpointable)
+
+
+def handlers_accepting(
+    registrations: Sequence[HandlerRegistration],
+    checkpointable: Any,
+    *,
+    excluding: Sequence[type] = (),
+    first: bool = False,
+) -> list[HandlerRegistration]:
+    """The registrations, in the order given (``registered_handlers()`` gives resolution
+    order), whose handler's ``is_handleable`` accepts ``checkpointable``, leaving out the
+    handler classes ``excluding``; with ``first``, only the first such one.
+
+    For advice in errors, e.g. a plugin naming the handler that would save an object it
+    refuses (``cp.handlers.handlers_accepting(cp.handlers.registered_handlers(), leaf,
+    excluding=(MyHandler,))``). A handler whose ``is_handleable`` raises counts as not
+    accepting: a third-party handler's failure must not hide the error being explained.
+    """
+    found = []
+    for registration in registrations:
+        if registration.handler_cls in excluding:
+            continue
+        try:
+            accepts = bool(registration.handler_cls().is_handleable(checkpointable))
+        except Exception:
+            accepts = False
+        if accepts:
+            found.append(registration)
+            if first:
+                break
+    return found
 
 
 def _orbax_args_name(checkpointable: Any) -> str | None:

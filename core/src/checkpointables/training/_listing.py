@@ -14,7 +14,9 @@ in parallel (one request each).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -202,7 +204,8 @@ def open_root(
     """Checks ``root`` can hold steps, writes its metadata if it has none, and lists it.
 
     Raises:
-      NotADirectoryError: ``root`` is a file.
+      storage.PathIsAFileError: ``root`` or (local) one of its parents is a file (also a
+        ``NotADirectoryError``, as a save there raises).
       cp.errors.InvalidArgumentError: ``root`` is a finished checkpoint, or lies in one
         (the same error every save there would raise; the step saves then skip that check).
     """
@@ -210,11 +213,7 @@ def open_root(
     if custom_metadata is not None:
         custom = _saving.json_or_raise(custom_metadata, "custom_metadata")
     with context:  # An object store is reached as the context says.
-        if storage.is_file(root):
-            raise NotADirectoryError(
-                f"The root directory {root} is a file; a Checkpointer needs a directory "
-                f"to hold one checkpoint per step."
-            )
+        _refuse_file_in(root)
         if layout.is_checkpoint(root):
             raise errors.InvalidArgumentError(
                 f"{root} is itself a checkpoint, not a root of step checkpoints. Pass the "
@@ -227,6 +226,40 @@ def open_root(
         if custom is not None and primary:
             _root_metadata.write_if_absent(root, custom)
         return list_root(root, name_format)
+
+
+def _blocking_file(root: epath.Path) -> str | None:
+    """``root`` if a file is there, or (local) its first parent that is a file, or ``None``.
+
+    Only local parents are checked: an object store holds ``a`` and ``a/b`` side by side.
+    """
+    if not storage.is_local(root):
+        return os.fspath(root) if storage.is_file(root) else None
+    path = os.path.normpath(os.fspath(root))  # As the user wrote it, to name it so.
+    while path:  # The deepest existing path decides: every parent above it is a directory.
+        if os.path.exists(path):
+            return None if os.path.isdir(path) else path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None
+
+
+def _refuse_file_in(root: epath.Path) -> None:
+    """Raises, before anything is created, if a file stands where ``root`` needs a directory
+    (the same error a free function's save there raises)."""
+    blocking = _blocking_file(root)
+    if blocking is None:
+        return
+    text = os.fspath(root)
+    where = "" if blocking in (text, os.path.normpath(text)) else f" (in the path {root})"
+    raise storage.PathIsAFileError(
+        errno.ENOTDIR,
+        f"{blocking} is a file, not a directory{where}: a Checkpointer needs a directory "
+        f"to hold one checkpoint per step. Pass a directory (or a path where one can be "
+        f"created), or move {blocking} away; nothing was created",
+    )
 
 
 def _list_object_store(root: epath.Path, name_format: StepNameFormat) -> Listing:

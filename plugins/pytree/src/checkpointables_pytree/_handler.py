@@ -33,7 +33,15 @@ from checkpointables_pytree import _verify, io, ocdbt, reuse, storage
 from checkpointables_pytree import leaves as leaves_room
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree._load_plan import LoadPlan, check_array_count, is_skip
-from checkpointables_pytree._save_plan import EntryCache, group_leaves, saved_tree_metadata
+from checkpointables_pytree._save_plan import (
+    EntryCache,
+    Leaf,
+    group_leaves,
+    no_leaf_handler_advice,
+    saved_tree_metadata,
+    unsupported_leaves,
+    warn_if_leafless,
+)
 from checkpointables_pytree.leaves import (
     LoadSession,
     PyTreeDeserializationContext,
@@ -222,16 +230,8 @@ class PyTreeHandler:
         self._last_flat = (tree, flat)
         return flat
 
-    def _unsupported(self, tree: Any) -> list[str]:
-        lookup = EntryCache(leaf_registry())
-        flat = self._flatten(tree)
-        if all(lookup(t) for t in set(map(type, flat.values))):
-            return []
-        return [
-            f"{tree_room.keypath_str(leaf.keypath)} ({storage.describe_type(leaf.value)})"
-            for leaf in flat.leaves
-            if lookup(type(leaf.value)) is None
-        ]
+    def _unsupported(self, tree: Any) -> list[Leaf]:
+        return unsupported_leaves(self._flatten(tree), EntryCache(leaf_registry()))
 
     def is_handleable(self, checkpointable: Any) -> bool:
         """True for a pytree (or a single leaf) whose every leaf has a leaf handler."""
@@ -244,14 +244,7 @@ class PyTreeHandler:
         if checkpointable is None:
             return "it is None"
         bad = self._unsupported(checkpointable)
-        if not bad:
-            return None
-        return (
-            f"no leaf handler accepts the leaves {storage.listing(bad)}. Convert them to arrays, "
-            "scalars or strings, or add a leaf handler for their type "
-            "(cp.serialization.StandardLeafHandlerRegistry"
-            f"().add(...) in cp.options.PyTreeOptions(leaf_handler_registry=...))"
-        )
+        return no_leaf_handler_advice(bad) if bad else None
 
     def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
         """True for abstract pytrees: containers, or a single abstract leaf a handler accepts.
@@ -300,6 +293,7 @@ class PyTreeHandler:
         flat = self._flatten(checkpointable)
         self._last_flat = None
         groups = group_leaves(flat, EntryCache(registry), directory.path)
+        warn_if_leafless(checkpointable, flat, directory.path)
         session = SaveSession.create(directory, context, flat.structure.derived)
         serialization_context = PyTreeSerializationContext(parent_dir=directory, session=session)
         reused = None

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -12,16 +15,22 @@ from checkpointables.serialization import (
     LeafEntry,
     LeafHandlerRegistry,
 )
+from etils import epath
 
 from checkpointables_pytree import tree
 from checkpointables_pytree.leaves import ArrayRecords, LeafGroup, SaveSession
 from checkpointables_pytree.storage import describe_type, listing
 from checkpointables_pytree.tree import OWN_VALUE_TYPE
 
+logger = logging.getLogger("checkpointables.pytree")
+
 __all__ = [
     "EntryCache",
     "Groups",
     "group_leaves",
+    "no_leaf_handler_advice",
+    "unsupported_leaves",
+    "warn_if_leafless",
     "saved_tree_metadata",
 ]
 
@@ -43,6 +52,9 @@ class EntryCache:
 
 # Leaf handler class -> its leaves.
 Groups = dict[type, LeafGroup]
+# One item of ``tree.Flat.leaves`` (``.keypath``, ``.value``, ``.names``): the room does not
+# export its class.
+Leaf = Any
 
 
 def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
@@ -62,16 +74,9 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     types = list(map(type, flat.values))
     entries = {t: lookup(t) for t in dict.fromkeys(types)}  # In the order of the leaves.
     if None in entries.values():
-        unsupported = [
-            f"{tree.keypath_str(leaf.keypath)} ({describe_type(leaf.value)})"
-            for leaf in flat.leaves
-            if entries[type(leaf.value)] is None
-        ]
         raise cp.errors.NoHandlerForObjectError(
-            f"Cannot save the pytree to {where}: no leaf handler accepts the leaves "
-            f"{listing(unsupported)}. Convert them to "
-            "arrays, scalars or strings, or register a leaf "
-            f"handler for their type. Nothing was written."
+            f"Cannot save the pytree to {where}: "
+            f"{no_leaf_handler_advice(unsupported_leaves(flat, lookup))}. Nothing was written."
         )
     by_class: dict[type, list[type]] = {}
     for t, entry in entries.items():
@@ -82,6 +87,137 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     for i, t in enumerate(types):
         indices[entries[t].handler_cls].append(i)  # type: ignore[union-attr]
     return {cls: LeafGroup(flat, indices[cls], entries) for cls in by_class}
+
+
+def unsupported_leaves(flat: tree.Flat, lookup: EntryCache) -> list[Leaf]:
+    """The leaves of ``flat`` no leaf handler accepts (one lookup per leaf type)."""
+    if all(lookup(t) for t in set(map(type, flat.values))):
+        return []
+    return [leaf for leaf in flat.leaves if lookup(type(leaf.value)) is None]
+
+
+def no_leaf_handler_advice(bad: list[Leaf]) -> str:
+    """Why a pytree holding the leaves ``bad`` cannot be saved, naming them, and what to do:
+    convert them, add a leaf handler, or, for objects a checkpointable handler saves (a
+    Grain iterator), save them beside the pytree."""
+    shown = [f"{tree.keypath_str(leaf.keypath)} ({describe_type(leaf.value)})" for leaf in bad]
+    return (
+        f"no leaf handler accepts the leaves {listing(shown)}. Convert them to arrays, "
+        "scalars or strings, or add a leaf handler for their type "
+        "(cp.serialization.StandardLeafHandlerRegistry().add(...) in "
+        f"cp.options.PyTreeOptions(leaf_handler_registry=...)){_beside_advice(bad)}"
+    )
+
+
+# Leaves whose checkpointable handler is looked for: each costs an is_handleable per handler.
+_MAX_BESIDE = 5
+
+
+def _beside_advice(bad: list[Leaf]) -> str:
+    """For leaves that a registered checkpointable handler saves, though not inside a
+    pytree: the handler, and the ``save_checkpointables`` call that saves them beside the
+    pytree, or ``""``. (A leaf's own pytree handler never accepts it: the leaf has no leaf
+    handler, so it needs no excluding.)"""
+    registrations = cp.handlers.registered_handlers()
+    found: list[tuple[Leaf, cp.plugins.HandlerRegistration]] = []
+    for leaf in bad[:_MAX_BESIDE]:
+        if not leaf.keypath:
+            continue  # The whole tree: the caller's resolution names the handler that saves it.
+        savers = cp.handlers.handlers_accepting(registrations, leaf.value, first=True)
+        if savers:
+            found.append((leaf, savers[0]))
+    if not found:
+        return ""
+    items, keys = [], {"pytree"}
+    for leaf, saver in found:
+        key = _checkpointable_name(leaf, saver, keys)
+        keys.add(key)
+        items.append(f"{key!r}: <the object at {tree.keypath_str(leaf.keypath)}>")
+    without = ", ".join(tree.keypath_str(leaf.keypath) for leaf, _ in found)
+    if len(found) == 1:
+        leaf, saver = found[0]
+        what = (
+            f"{tree.keypath_str(leaf.keypath)} is an object that {_handler_text(saver)} "
+            f"saves, though not inside a pytree: save it"
+        )
+    else:
+        which = "; ".join(
+            f"{tree.keypath_str(leaf.keypath)} by {_handler_text(saver)}" for leaf, saver in found
+        )
+        what = (
+            f"Some are objects that checkpointable handlers save, though not inside a pytree "
+            f"({which}): save each"
+        )
+    return (
+        f". {what} as a checkpointable of its own, beside the pytree: "
+        f"cp.save_checkpointables(path, {{'pytree': <the tree without {without}>, "
+        f"{', '.join(items)}}})"
+    )
+
+
+def _handler_text(saver: cp.plugins.HandlerRegistration) -> str:
+    """``the 'grain' handler (checkpointables_grain.GrainIteratorHandler, plugin 'grain')``."""
+    cls = f"{saver.handler_cls.__module__}.{saver.handler_cls.__qualname__}"
+    origin = f"plugin {saver.plugin!r}" if saver.distribution else "registered by you"
+    return f"the {saver.name!r} handler ({cls}, {origin})"
+
+
+def _checkpointable_name(leaf: Leaf, saver: Any, taken: set[str]) -> str:
+    """A checkpointable name for ``leaf`` saved beside the pytree: the name its handler is
+    registered for, else its last key, else its key path joined by dots, else the handler's
+    name (the first of these that is a valid name, not ``taken``)."""
+    for name in (saver.checkpointable_name, leaf.names[-1], ".".join(leaf.names), saver.name):
+        if name is None or name in taken:
+            continue
+        try:
+            return cp.layout.validate_checkpointable_name(name)
+        except cp.errors.InvalidArgumentError:
+            continue
+    return f"{saver.name}_{len(taken)}"
+
+
+_warned_leafless: set[tuple[str, str]] = set()  # (where, name) warned about in this process.
+_warned_lock = threading.Lock()
+
+
+def warn_if_leafless(pytree: Any, flat: tree.Flat, directory: Any) -> None:
+    """Logs a warning if ``pytree`` (saved to ``directory``, a checkpointable's directory,
+    maybe in its save's temporary directory) has no leaves but nodes a load without an
+    abstract tree cannot rebuild (an ``nnx.GraphDef``, an ``optax.EmptyState``): only its
+    structure is saved, which loads as empty containers, so the save probably missed its
+    data. Explicitly empty dicts, lists and tuples (``{}``, ``{"a": []}``) round-trip
+    exactly and are not warned about. Once per checkpoint's parent directory and name, so
+    that a Checkpointer's steps warn once."""
+    if flat.values:
+        return
+    import jax
+
+    plain = (dict, list, tuple)
+    nodes, _ = jax.tree_util.tree_flatten_with_path(
+        pytree, is_leaf=lambda x: x is not None and type(x) not in plain
+    )
+    if not nodes:
+        return
+    path = epath.Path(directory)
+    checkpoint = path.parent
+    parsed = cp.layout.parse_temporary_name(checkpoint.name)
+    if parsed is not None:
+        checkpoint = checkpoint.parent / parsed[0]
+    with _warned_lock:
+        key = (os.fspath(checkpoint.parent), path.name)
+        if key in _warned_leafless:
+            return
+        _warned_leafless.add(key)
+    shown = listing([f"{tree.keypath_str(k)} ({describe_type(node)})" for k, node in nodes])
+    logger.warning(
+        "The pytree %r saved to %s has no leaves (no arrays, scalars or strings): nothing but "
+        "its structure was saved, and without an abstract tree it loads as empty containers. "
+        "Its nodes other than dicts, lists and tuples (%s) hold no data to save. If the data "
+        "lives elsewhere (Flax NNX: the State of nnx.split(model), not its GraphDef), save that.",
+        path.name,
+        checkpoint,
+        shown,
+    )
 
 
 def _own_value_type(registry: LeafHandlerRegistry, entry: LeafEntry) -> str | None:
