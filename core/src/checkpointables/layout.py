@@ -39,6 +39,7 @@ __all__ = [
     "METRICS_NAME",
     "validate_checkpointable_name",
     "is_temporary_path",
+    "parse_temporary_name",
     "temporary_path_for",
     "validate_checkpoint_directory",
     "is_checkpoint",

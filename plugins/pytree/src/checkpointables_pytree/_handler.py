@@ -35,7 +35,6 @@ from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree._load_plan import LoadPlan, check_array_count, is_skip
 from checkpointables_pytree._save_plan import (
     EntryCache,
-    Leaf,
     group_leaves,
     no_leaf_handler_advice,
     saved_tree_metadata,
@@ -230,7 +229,7 @@ class PyTreeHandler:
         self._last_flat = (tree, flat)
         return flat
 
-    def _unsupported(self, tree: Any) -> list[Leaf]:
+    def _unsupported(self, tree: Any) -> list[tree_room.Leaf]:
         return unsupported_leaves(self._flatten(tree), EntryCache(leaf_registry()))
 
     def is_handleable(self, checkpointable: Any) -> bool:

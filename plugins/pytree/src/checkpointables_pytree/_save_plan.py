@@ -52,9 +52,6 @@ class EntryCache:
 
 # Leaf handler class -> its leaves.
 Groups = dict[type, LeafGroup]
-# One item of ``tree.Flat.leaves`` (``.keypath``, ``.value``, ``.names``): the room does not
-# export its class.
-Leaf = Any
 
 
 def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
@@ -89,14 +86,14 @@ def group_leaves(flat: tree.Flat, lookup: EntryCache, where: Any) -> Groups:
     return {cls: LeafGroup(flat, indices[cls], entries) for cls in by_class}
 
 
-def unsupported_leaves(flat: tree.Flat, lookup: EntryCache) -> list[Leaf]:
+def unsupported_leaves(flat: tree.Flat, lookup: EntryCache) -> list[tree.Leaf]:
     """The leaves of ``flat`` no leaf handler accepts (one lookup per leaf type)."""
     if all(lookup(t) for t in set(map(type, flat.values))):
         return []
     return [leaf for leaf in flat.leaves if lookup(type(leaf.value)) is None]
 
 
-def no_leaf_handler_advice(bad: list[Leaf]) -> str:
+def no_leaf_handler_advice(bad: list[tree.Leaf]) -> str:
     """Why a pytree holding the leaves ``bad`` cannot be saved, naming them, and what to do:
     convert them, add a leaf handler, or, for objects a checkpointable handler saves (a
     Grain iterator), save them beside the pytree."""
@@ -113,13 +110,13 @@ def no_leaf_handler_advice(bad: list[Leaf]) -> str:
 _MAX_BESIDE = 5
 
 
-def _beside_advice(bad: list[Leaf]) -> str:
+def _beside_advice(bad: list[tree.Leaf]) -> str:
     """For leaves that a registered checkpointable handler saves, though not inside a
     pytree: the handler, and the ``save_checkpointables`` call that saves them beside the
     pytree, or ``""``. (A leaf's own pytree handler never accepts it: the leaf has no leaf
     handler, so it needs no excluding.)"""
     registrations = cp.handlers.registered_handlers()
-    found: list[tuple[Leaf, cp.plugins.HandlerRegistration]] = []
+    found: list[tuple[tree.Leaf, cp.plugins.HandlerRegistration]] = []
     for leaf in bad[:_MAX_BESIDE]:
         if not leaf.keypath:
             continue  # The whole tree: the caller's resolution names the handler that saves it.
@@ -162,7 +159,7 @@ def _handler_text(saver: cp.plugins.HandlerRegistration) -> str:
     return f"the {saver.name!r} handler ({cls}, {origin})"
 
 
-def _checkpointable_name(leaf: Leaf, saver: Any, taken: set[str]) -> str:
+def _checkpointable_name(leaf: tree.Leaf, saver: Any, taken: set[str]) -> str:
     """A checkpointable name for ``leaf`` saved beside the pytree: the name its handler is
     registered for, else its last key, else its key path joined by dots, else the handler's
     name (the first of these that is a valid name, not ``taken``)."""

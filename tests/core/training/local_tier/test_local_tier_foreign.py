@@ -137,6 +137,17 @@ def test_an_empty_or_own_directory_is_taken(tmp_path) -> None:
         assert w(ckptr.load_pytree(10)) == 10 and ckptr.last_restore_stats.tier == "local"
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_a_directory_that_is_a_file_or_under_one_is_refused(tmp_path, under) -> None:
+    blocking = tmp_path / "notes.txt"
+    blocking.write_text("mine")
+    local = blocking / "local" if under else blocking
+    with pytest.raises(cp.storage.PathIsAFileError, match=r"notes.txt is a file") as raised:
+        tier(tmp_path, local).__enter__()
+    assert isinstance(raised.value, cp.errors.InvalidArgumentError)
+    assert blocking.read_text() == "mine"
+
+
 # 1 (defence in depth) and 4. What appears in the tier's own directory later is left alone.
 
 

@@ -8,6 +8,7 @@ own path (with its read leases) when that step wins.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 import attrs
 from etils import epath
 
-from checkpointables import errors, multihost
+from checkpointables import errors, multihost, storage
 from checkpointables._asyncio import AsyncResponse, start_background
 from checkpointables.context import Context
 from checkpointables.training.errors import StepNotFoundError
@@ -80,6 +81,26 @@ _LOCAL_DAMAGE = (
 _opened = itertools.count()
 
 
+def _make_directory(directory: str) -> None:
+    """Creates the tier's directory (and its parents) if missing.
+
+    Raises:
+      cp.storage.PathIsAFileError: a file stands at ``directory`` or one of its parents.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = directory
+        while not os.path.lexists(blocking) and os.path.dirname(blocking) != blocking:
+            blocking = os.path.dirname(blocking)  # Up to the file in the way.
+        raise storage.PathIsAFileError(
+            errno.ENOTDIR,
+            f"The local tier's directory {directory} cannot be made: {blocking} is a file. "
+            f"Pass LocalTier a directory (or a path where one can be created) on this "
+            f"machine's local disk",
+        ) from None
+
+
 class LocalTierRuntime:
     """See the module's docstring."""
 
@@ -90,7 +111,7 @@ class LocalTierRuntime:
         on_error: Callable[[BaseException], None],
     ) -> None:
         self.config = config
-        os.makedirs(os.fspath(config.directory), exist_ok=True)
+        _make_directory(os.fspath(config.directory))
         run, adopted = _owner.claim(os.fspath(config.directory), persistent_root)
         self.store = Store(os.fspath(config.directory), run, adopted)
         self.exchange = Exchange(

@@ -17,6 +17,7 @@ from checkpointables_pytree.tree._keypaths import (
     EMPTY_TYPES,
     SEQUENCE,
     Flat,
+    Leaf,
     Structure,
     flatten,
     flatten_abstract,
@@ -56,6 +57,7 @@ from checkpointables_pytree.tree._sharding import (
 )
 
 __all__ = [
+    "Leaf",
     "DICT",
     "EMPTY_DICT",
     "EMPTY_TYPES",
