@@ -71,3 +71,31 @@ def test_a_listing_counts_a_link_that_loops_as_no_directory(tmp_path) -> None:
     with pytest.raises(cp.errors.IntegrityError) as raised:
         storage.read_bytes(tmp_path / "loop" / "file")
     assert _names_loop(str(raised.value), str(tmp_path / "loop"))
+
+
+@pytest.mark.parametrize("where", ["the path", "a parent"])
+def test_a_loop_on_the_path_given_is_no_checkpoint_there_naming_the_link(
+    tmp_path, capsys, where
+) -> None:
+    loop = tmp_path / "lp"
+    os.symlink("lp", loop)
+    path = loop if where == "the path" else loop / "run" / "ck"
+    for read in (cp.load_checkpointables, cp.checkpointables_metadata, cp.load_pytree):
+        with pytest.raises(cp.errors.CheckpointNotFoundError) as raised:
+            read(path)
+        assert f"{loop} is a symbolic link that leads back to itself" in str(raised.value)
+    assert cli.main(["verify", "-q", str(path)]) == 1  # A load would fail: FAILED, exit 1.
+    assert "checkpoint: FAILED No checkpoint at" in capsys.readouterr().out
+
+
+def test_a_chain_longer_than_the_system_follows_is_not_called_only_a_loop(tmp_path) -> None:
+    path = _saved(tmp_path)
+    data = os.path.join(path, "cfg", "data.json")
+    os.rename(data, data + ".real")
+    previous = "data.json.real"
+    for i in range(45):  # Linux follows 40.
+        os.symlink(previous, os.path.join(path, "cfg", f"l{i}"))
+        previous = f"l{i}"
+    os.symlink(previous, data)
+    with pytest.raises(cp.errors.IntegrityError, match="or through more links than the system"):
+        cp.load_checkpointables(path)

@@ -243,6 +243,22 @@ def refuse_partial_piece(path: epath.PathLike) -> None:
     )
 
 
+def _listed(store: storage.Storage, path: str) -> list[storage.Entry]:
+    """``store.list_dir(path)``; a path that goes through a symbolic link the system cannot
+    follow (a loop) is ``CheckpointNotFoundError`` naming the link: nothing is there."""
+    try:
+        return store.list_dir(path)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        link = storage.unfollowable_link(path)
+        raise errors.CheckpointNotFoundError(
+            f"No checkpoint at {path}: {link} is a symbolic link that leads back to itself (a "
+            f"loop) or through more links than the system follows, so nothing is reached "
+            f"through it. Fix or remove the link, or pass another path."
+        ) from None
+
+
 def validate_checkpoint_directory(path: epath.Path, command: str | None = None) -> None:
     """Raises unless ``path`` is a finished checkpoint.
 
@@ -251,7 +267,8 @@ def validate_checkpoint_directory(path: epath.Path, command: str | None = None) 
     that ``checkpointables`` subcommand is run on it.
 
     Raises:
-      FileNotFoundError: nothing exists at ``path``.
+      FileNotFoundError: nothing exists at ``path`` (``errors.CheckpointNotFoundError``;
+        also where a symbolic link on it loops, naming that link).
       errors.NotACheckpointError: ``path`` is a file, a temporary directory, one
         partial save of ``cp.partial`` (``partial_piece_of``), or has no
         ``_CHECKPOINT_METADATA`` (on an object store: no commit marker).
@@ -273,7 +290,7 @@ def validate_checkpoint_directory(path: epath.Path, command: str | None = None) 
     store = storage.for_path(text)
     if store.is_file(_commit_file(text)):
         return  # The usual case, checked with one stat (or request); else the full story.
-    names = sorted(e.name for e in store.list_dir(text))
+    names = sorted(e.name for e in _listed(store, text))
     if not names and (store.is_file(text) or _local_non_directory(text)):
         raise errors.NotACheckpointError(f"{path} is a file, not a checkpoint directory.")
     if not names and not (storage.is_local(text) and os.path.isdir(text)):

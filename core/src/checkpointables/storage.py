@@ -84,6 +84,7 @@ __all__ = [
     "remove_file",
     "remove_tree",
     "make_dirs",
+    "unfollowable_link",
 ]
 
 # What to install for the schemes our own plugins serve.
@@ -329,8 +330,10 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def _looping_link(path: str) -> str:
-    """The first link on ``path`` that loops (``path`` itself where none is found)."""
+def unfollowable_link(path: str) -> str:
+    """The first symbolic link on the local ``path`` that the system cannot follow (it
+    loops, or leads through more links than the system follows: ``ELOOP``); ``path``
+    itself where none is found. A ``stat`` per component: for error messages only."""
     prefix = ""
     for part in path.split(os.sep):
         prefix = os.path.join(prefix, part) if prefix else (part or os.sep)
@@ -345,17 +348,17 @@ def _looping_link(path: str) -> str:
 def link_loop(path: os.PathLike[str] | str) -> errors.IntegrityError:
     """The error for a local ``path`` the system cannot resolve: a symbolic link on it
     leads back to itself (``ELOOP``). The message names that link."""
-    link = _looping_link(os.fspath(path))
+    link = unfollowable_link(os.fspath(path))
     try:
         target = f" (to {os.readlink(link)!r})"
     except OSError:  # Replaced since: the message stands without it.
         target = ""
     return errors.IntegrityError(
-        f"{link} is a symbolic link{target} that leads back to itself (a loop), so nothing "
-        f"can be read through it. A link in a checkpoint must lead to a file or "
-        f"directory in it: it was damaged or tampered with. Replace the link "
-        f"with what it stands for (restore the checkpoint from a copy), or load an older "
-        f"checkpoint."
+        f"{link} is a symbolic link{target} that leads back to itself (a loop) or through "
+        f"more links than the system follows, so nothing can be read through it. A link in "
+        f"a checkpoint must lead to a file or directory in it: it was damaged or tampered "
+        f"with. Replace the link with what it stands for (restore the checkpoint from a "
+        f"copy), or load an older checkpoint."
     )
 
 
