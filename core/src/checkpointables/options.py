@@ -255,12 +255,22 @@ def _process_indices(value: Any) -> frozenset[int] | None:
 
 @attrs.frozen
 class AsyncOptions:
-    """How background work is bounded.
+    """How waits between saves, loads and processes are bounded.
 
     Attributes:
-      timeout_secs: the longest any wait on background work or on other
-        processes may last before it fails with a ``TimeoutError`` that says
-        what was being waited for: a finite number of seconds > 0.
+      timeout_secs: a finite number of seconds > 0. The longest a wait on
+        other processes (every multi-host barrier), a Checkpointer's wait for
+        its previous save, or a load's wait for a save of the same path in
+        this process may last before it fails with a ``TimeoutError`` that
+        says what was being waited for; also the age after which an unfinished
+        save whose heartbeat stopped is a leftover (``docs/multi-host.md``).
+        A handler's own background work is not cut short by it: bound a wait
+        on one save or load with ``AsyncResponse.result(timeout=...)``.
+
+    Example::
+
+        with cp.Context(async_options=cp.options.AsyncOptions(timeout_secs=300)):
+            cp.save_pytree(path, state)
     """
 
     timeout_secs: float = attrs.field(default=1200, validator=positive_seconds())
