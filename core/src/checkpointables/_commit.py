@@ -187,6 +187,10 @@ def clear_to_save(
         if not answer["inside"]:
             found = Occupant.at(path)
             answer["exists"] = found.refusal(overwrite, replace_unfinished, timeout_secs)
+            if answer["exists"]:
+                # Not kept by the error's traceback (a caller's, an interactive session's):
+                # on an object store it holds every key listed.
+                found = None
     told = json.loads(
         multihost.broadcast_from_primary(
             f"{operation}/check", json.dumps(answer) if multihost.is_primary_host() else None
@@ -272,7 +276,8 @@ class Occupant:
       names: the names directly inside it (``None``: a local file, not a directory).
       files: those of ``names`` that are files.
       keys: on an object store, every object under it (relative keys): all that a save to
-        it may delete as it starts (``MarkerTarget.create``); ``None`` on a local disk.
+        it may delete as it starts (``MarkerTarget.create``, which then empties them);
+        ``None`` on a local disk.
     """
 
     path: epath.Path
@@ -283,8 +288,9 @@ class Occupant:
 
     @classmethod
     def at(cls, path: epath.Path) -> Occupant:
-        """Lists ``path`` (on an object store one listing, of every key, paged by 1,000,
-        whether the top-level names or the keys are asked for)."""
+        """Lists ``path`` (on an object store one listing, of every key, paged by 1,000: the
+        store lists keys, not top-level names, so ``storage.list_dir`` would page through
+        every key too; one listing gives the names and the keys)."""
         text = os.fspath(path)
         local = uses_rename(text)
         if local and os.path.lexists(text) and not os.path.isdir(text):
@@ -666,8 +672,12 @@ class MarkerTarget(SaveTarget):
 
         The old checkpoint's marker goes first: from then on nobody reads it.
         """
+        seen = None if self.found is None else self.found.keys
+        if self.found is not None and seen is not None:  # Used once: not held as it writes.
+            self.found = attrs.evolve(self.found, keys=frozenset())
         old = [f for f in storage.list_files(self.final) if f != SAVE_RECORD_FILE]
-        self._refuse_objects_put_since_the_check(old)
+        self._refuse_objects_put_since_the_check(old, seen)
+        del seen  # Not held through the DELETEs (a large checkpoint's take a while).
         # Objects put after this listing are not deleted; at the top, they stop the commit.
         self.claim()
         if layout.COMMIT_SUCCESS_FILE in old:
@@ -675,12 +685,13 @@ class MarkerTarget(SaveTarget):
             old.remove(layout.COMMIT_SUCCESS_FILE)
         concurrently(storage.remove_file, [_join(self.final, f) for f in old])
 
-    def _refuse_objects_put_since_the_check(self, listed: Iterable[str]) -> None:
+    def _refuse_objects_put_since_the_check(
+        self, listed: Iterable[str], seen: frozenset[str] | None
+    ) -> None:
         """Raises ``CheckpointExistsError`` if ``listed`` (the prefix's objects, as ``create``
-        is about to delete them) holds objects the start's check did not list (``found``):
-        a user's, put there since, at the top or inside a folder. The check found the prefix
-        replaceable, not them; no request is made."""
-        seen = None if self.found is None else self.found.keys
+        is about to delete them) holds objects the start's check did not list (``seen``, its
+        keys): a user's, put there since, at the top or inside a folder. The check found the
+        prefix replaceable, not them; no request is made."""
         if seen is None:  # No start check (a target made without one): the listing is it.
             return
         appeared = sorted(set(listed) - seen)
