@@ -107,15 +107,42 @@ def test_disabled_plugins_are_not_imported(plugin_modules) -> None:
     assert info.status == "disabled" and plugins.DISABLE_ENV_VAR in info.error
 
 
-def test_duplicate_handler_names_fail_the_later_plugin(plugin_modules) -> None:
+def test_duplicate_handler_names_fail_both_plugins_in_either_order(plugin_modules) -> None:
+    # tests/core/test_plugin_name_clashes.py has the rule, with installed distributions.
     first = plugin_modules("cpt_plugin_first", _GOOD.format(cls="SameHandler", priority=10))
     second = plugin_modules("cpt_plugin_second", _GOOD.format(cls="SameHandler", priority=20))
-    with pytest.warns(RuntimeWarning, match="already taken"):
-        found = plugins.discover([_ep("first", first), _ep("second", second)], disabled=set())
-    assert [(p.name, p.status) for p in found.plugins] == [
-        ("first", "loaded"),
-        ("second", "failed"),
-    ]
+    in_order = [_ep("first", first), _ep("second", second)]
+    for eps in (in_order, in_order[::-1]):
+        with pytest.warns(RuntimeWarning, match="registers too"):
+            found = plugins.discover(eps, disabled=set())
+        assert {p.name: p.status for p in found.plugins} == {"first": "failed", "second": "failed"}
+        assert found.handlers == ()
+
+
+def test_a_failing_plugin_is_warned_of_at_its_own_line_in_one_sentence(plugin_modules) -> None:
+    module = plugin_modules(
+        "cpt_plugin_bad_priority",
+        """
+        import checkpointables as cp
+
+        @cp.hookimpl
+        def register_checkpointable_handlers(register):
+            register(cp.builtin_plugin.StatefulCheckpointableHandler, priority="high")
+        """,
+    )
+    with pytest.warns(RuntimeWarning) as record:
+        plugins.discover([_ep("bad-priority", module)], disabled=set())
+    (warning,) = record
+    assert "priority must be an int, got 'high'. Reinstall or fix it" in str(warning.message)
+    # It points at the plugin's register(...) call, not at the library's discovery.
+    assert warning.filename.endswith("cpt_plugin_bad_priority.py") and warning.lineno == 6
+
+
+def test_a_plugin_that_is_not_there_is_warned_of_at_its_entry_point() -> None:
+    with pytest.warns(RuntimeWarning) as record:
+        plugins.discover([_ep("gone", "cpt_no_such_module_here")], disabled=set())
+    (warning,) = record
+    assert warning.filename == "<checkpointables entry point gone = cpt_no_such_module_here>"
 
 
 def test_installed_plugins_are_listed_with_distribution_and_version() -> None:

@@ -116,11 +116,13 @@ def add_plugin_commands(
 ) -> None:
     """Adds the commands plugins registered (``register_commands``; ``commands``: these
     instead); a clash is skipped."""
+    from checkpointables.plugins import sentence
+
     for command, skipped in plugin_commands(sub.choices, commands):
         if skipped is not None:
             warnings.warn(
                 f"plugin {command.plugin!r} registers the command {command.name!r}, which is "
-                f"skipped: {skipped}.",
+                f"skipped: {sentence(skipped)}",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -5,11 +5,16 @@ Discovery is lazy (the first save, load or listing triggers it, never
 that fails to import or to register is skipped with a ``RuntimeWarning`` and
 shows in :func:`list_plugins` with its error; the others keep working.
 ``CHECKPOINTABLES_DISABLE_PLUGINS=a,b`` blocks plugins by entry-point name.
+A handler name two plugins register is settled over all plugins at once: ours
+(``PROJECT_DISTRIBUTIONS``) keep theirs, and third parties sharing one are all
+skipped (docs/handler-resolution.md, "Handler names").
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 import threading
 import traceback
 import warnings
@@ -27,6 +32,7 @@ from checkpointables.protocols import typestr as typestr_of
 __all__ = [
     "ENTRY_POINT_GROUP",
     "DISABLE_ENV_VAR",
+    "PROJECT_DISTRIBUTIONS",
     "HandlerRegistration",
     "LeafRegistration",
     "ReaderRegistration",
@@ -48,6 +54,19 @@ ENTRY_POINT_GROUP = "checkpointables"
 DISABLE_ENV_VAR = "CHECKPOINTABLES_DISABLE_PLUGINS"
 DEFAULT_PRIORITY = 50
 USER_PLUGIN = "<register_handler>"
+# The distributions this repository ships. Their plugins keep the handler names they
+# register: a third-party plugin registering one of those names is the one refused,
+# whatever the order entry points come in (docs/handler-resolution.md, "Handler names").
+PROJECT_DISTRIBUTIONS = frozenset(
+    {
+        "checkpointables-core",
+        "checkpointables-pytree",
+        "checkpointables-json",
+        "checkpointables-proto",
+        "checkpointables-grain",
+        "checkpointables-safetensors",
+    }
+)
 
 
 @attrs.frozen
@@ -151,6 +170,13 @@ class PluginInfo:
     commands: tuple[CommandRegistration, ...] = ()
     storages: tuple[StorageRegistration, ...] = ()
     options: tuple[OptionRegistration, ...] = ()
+
+
+def sentence(text: str) -> str:
+    """``text`` ending with a full stop, added only where it has none (messages that quote
+    an error, itself a sentence, must not end with two)."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else f"{text}."
 
 
 def _default_handler_name(handler_cls: type) -> str:
@@ -329,6 +355,9 @@ class _Registered:
     commands: list[CommandRegistration] = attrs.Factory(list)
     storages: list[StorageRegistration] = attrs.Factory(list)
     options: list[OptionRegistration] = attrs.Factory(list)
+    # Where the plugin's register_checkpointable_handlers is (file, line): what a warning
+    # refusing one of its handler names points at.
+    handler_hook: tuple[str, int] | None = None
 
     def extend(self, other: _Registered) -> None:
         """Adds what ``other`` registered to this."""
@@ -368,15 +397,8 @@ def _sort_handlers(registrations: Iterable[HandlerRegistration]) -> tuple[Handle
     return tuple(sorted(registrations, key=lambda r: r.sort_key))
 
 
-def _check_clashes(registered: _Registered, earlier: _Registered) -> None:
-    """Raises if a plugin takes a handler name or option keyword an earlier plugin took."""
-    for h in registered.handlers:
-        other = next((o for o in earlier.handlers if o.name == h.name), None)
-        if other is not None and other.handler_cls is not h.handler_cls:
-            raise ValueError(
-                f"handler name {h.name!r} is already taken by {other.typestr} from plugin "
-                f"{other.plugin!r}; pass register(..., name=...) to choose another"
-            )
+def _check_option_clashes(registered: _Registered, earlier: _Registered) -> None:
+    """Raises if a plugin takes an option keyword an earlier plugin took."""
     for o in registered.options:
         taken = next((e for e in earlier.options if e.keyword == o.keyword), None)
         if taken is not None:
@@ -384,6 +406,73 @@ def _check_clashes(registered: _Registered, earlier: _Registered) -> None:
                 f"option keyword {o.keyword!r} is already registered by plugin {taken.plugin!r} "
                 f"(for {typestr_of(taken.options_cls)}); register another keyword"
             )
+
+
+def is_project_distribution(distribution: str | None) -> bool:
+    """Whether ``distribution`` is one this repository ships (``PROJECT_DISTRIBUTIONS``)."""
+    if distribution is None:
+        return False
+    return re.sub(r"[-_.]+", "-", distribution).lower() in PROJECT_DISTRIBUTIONS
+
+
+def _origin(r: HandlerRegistration) -> str:
+    """The plugin of ``r`` with its distribution, for clash messages."""
+    return f"plugin {r.plugin!r} ({r.distribution or 'no distribution'})"
+
+
+def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
+    """Which loaded plugins (by index in ``loaded``) are refused for a handler name another
+    plugin's handler of another class registers, with why. A function of the registrations
+    alone, never of the order the plugins came in:
+
+    - a name a plugin of ours (``PROJECT_DISTRIBUTIONS``) registers stays ours: every other
+      plugin registering it is refused;
+    - a name that plugins not of ours, and only they, register for different classes is
+      given to none of them: each is refused (which one the user meant cannot be told).
+    """
+    claims: dict[str, dict[int, HandlerRegistration]] = {}
+    for index, registered in loaded.items():
+        for r in registered.handlers:
+            claims.setdefault(r.name, {}).setdefault(index, r)
+    refused: dict[int, str] = {}
+    for _, by_plugin in sorted(claims.items()):
+        ours = [r for r in by_plugin.values() if is_project_distribution(r.distribution)]
+        for index, r in by_plugin.items():
+            if ours and r.handler_cls is not ours[0].handler_cls:
+                refused.setdefault(index, _taken_from_us(r, ours[0]))
+    taken_from_us = set(refused)  # Those refused already do not keep others from a name.
+    for _, by_plugin in sorted(claims.items()):
+        left = {i: r for i, r in by_plugin.items() if i not in taken_from_us}
+        if len({r.handler_cls for r in left.values()}) < 2:
+            continue
+        for index, r in left.items():
+            others = [o for o in left.values() if o.handler_cls is not r.handler_cls]
+            refused.setdefault(index, _shared_name(r, others))
+    return refused
+
+
+def _taken_from_us(r: HandlerRegistration, ours: HandlerRegistration) -> str:
+    return (
+        f"it registers its handler {typestr_of(r.handler_cls)} under the name {r.name!r}, "
+        f"which belongs to {typestr_of(ours.handler_cls)} of checkpointables' own "
+        f"{_origin(ours)}; our plugins keep their handler names whatever the order plugins "
+        f"load in. The plugin must register its handler under another name "
+        f"(register(..., name='...')): tell the authors of {r.distribution or r.plugin!r}; "
+        f"until then uninstall it, or set {DISABLE_ENV_VAR}={r.plugin} to skip it silently"
+    )
+
+
+def _shared_name(r: HandlerRegistration, others: Sequence[HandlerRegistration]) -> str:
+    named = " and ".join(f"{typestr_of(o.handler_cls)} of {_origin(o)}" for o in others)
+    blocked = ",".join(dict.fromkeys(o.plugin for o in others))
+    return (
+        f"it registers its handler {typestr_of(r.handler_cls)} under the name {r.name!r}, "
+        f"which {named} registers too; a name belongs to one handler and which one you "
+        f"mean cannot be told, so every plugin registering it is skipped. Keep one: to keep "
+        f"this one, uninstall the other or set {DISABLE_ENV_VAR}={blocked}; to keep the "
+        f"other, {DISABLE_ENV_VAR}={r.plugin}. And tell the authors to register under "
+        f"another name (register(..., name='...'))"
+    )
 
 
 def _load_plugin(
@@ -437,7 +526,10 @@ def _load_plugin(
         for impl in hook.get_hookimpls():
             if impl.plugin_name == ep.name:
                 into += _collect(impl.function, make)
-    _check_clashes(registered, earlier)
+                if make is make_handler:
+                    code = impl.function.__code__
+                    registered.handler_hook = (code.co_filename, code.co_firstlineno)
+    _check_option_clashes(registered, earlier)
     return registered
 
 
@@ -482,34 +574,20 @@ def discover(
     the environment variable; tests may pass their own.
     """
     eps = _entry_points() if entry_points is None else list(entry_points)
-    disabled = _disabled_names() if disabled is None else disabled
-    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    manager.add_hookspecs(hookspecs)
+    outcomes = _load_all(eps, _disabled_names() if disabled is None else disabled)
+    loaded = {i: o for i, o in enumerate(outcomes) if isinstance(o, _Registered)}
+    refused = _name_refusals(loaded)
     infos: list[PluginInfo] = []
     everything = _Registered()
-    for ep in eps:
-        if ep.name in disabled:
-            infos.append(_plugin_info(ep, "disabled", f"disabled by {DISABLE_ENV_VAR}"))
-            continue
-        try:
-            registered = _load_plugin(ep, manager, everything)
-        except Exception as e:  # A broken plugin must not break the others.
-            if manager.get_plugin(ep.name) is not None:
-                manager.unregister(name=ep.name)
-            message = _short_error(e)
-            dist = getattr(ep, "dist", None)
-            warnings.warn(
-                f"checkpointables plugin {ep.name!r} ({ep.value}) from distribution "
-                f"{dist.metadata['Name'] if dist is not None else 'unknown'} failed to load and "
-                f"is skipped: {message}. Reinstall or fix it, or set {DISABLE_ENV_VAR}={ep.name} "
-                f"to silence this.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            infos.append(_plugin_info(ep, "failed", message))
-            continue
-        everything.extend(registered)
-        infos.append(_plugin_info(ep, "loaded", None, registered))
+    for index, (ep, outcome) in enumerate(zip(eps, outcomes, strict=True)):
+        if index in refused:
+            _warn_plugin(ep, f"is skipped: {sentence(refused[index])}", None, outcome)
+            infos.append(_plugin_info(ep, "failed", refused[index]))
+        elif isinstance(outcome, _Registered):
+            everything.extend(outcome)
+            infos.append(_plugin_info(ep, "loaded", None, outcome))
+        else:
+            infos.append(_plugin_info(ep, *outcome))
     _warn_contested(everything.handlers)
     return _Discovery(
         plugins=tuple(infos),
@@ -520,6 +598,83 @@ def discover(
         storages=tuple(everything.storages),
         options=tuple(everything.options),
     )
+
+
+def _load_all(
+    eps: Sequence[importlib_metadata.EntryPoint], disabled: set[str]
+) -> list[_Registered | tuple[Literal["disabled", "failed"], str]]:
+    """Each plugin's registrations, or why it has none (its status and error); a plugin that
+    fails is warned of. Handler names are checked after, over all plugins at once."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    outcomes: list[_Registered | tuple[Literal["disabled", "failed"], str]] = []
+    so_far = _Registered()
+    for ep in eps:
+        if ep.name in disabled:
+            outcomes.append(("disabled", f"disabled by {DISABLE_ENV_VAR}"))
+            continue
+        try:
+            registered = _load_plugin(ep, manager, so_far)
+        except Exception as e:  # A broken plugin must not break the others.
+            if manager.get_plugin(ep.name) is not None:
+                manager.unregister(name=ep.name)
+            message = _short_error(e)
+            _warn_plugin(
+                ep,
+                f"failed to load and is skipped: {sentence(message)} Reinstall or fix it, or "
+                f"set {DISABLE_ENV_VAR}={ep.name} to silence this.",
+                e,
+                None,
+            )
+            outcomes.append(("failed", message))
+            continue
+        so_far.extend(registered)
+        outcomes.append(registered)
+    return outcomes
+
+
+def _warn_plugin(
+    ep: importlib_metadata.EntryPoint,
+    what: str,
+    error: BaseException | None,
+    registered: object,
+) -> None:
+    """Warns that plugin ``ep`` ``what`` (e.g. "is skipped: ..."), at the plugin's own code
+    rather than at ours, so that the warning (and a filter by module) names the plugin."""
+    distribution, _ = distribution_of(ep)
+    filename, lineno = _warning_site(ep, error, registered)
+    warnings.warn_explicit(
+        f"checkpointables plugin {ep.name!r} ({ep.value}) from distribution "
+        f"{distribution or 'unknown'} {what}",
+        RuntimeWarning,
+        filename,
+        lineno,
+        module=ep.module,
+    )
+
+
+def _warning_site(
+    ep: importlib_metadata.EntryPoint, error: BaseException | None, registered: object
+) -> tuple[str, int]:
+    """Where a warning about plugin ``ep`` points: the innermost line of the plugin's package
+    that ``error`` passed through, else its handler hook, else its module, else the entry
+    point itself (a module that is not there)."""
+    package = ep.module.rpartition(".")[0] or ep.module
+    if error is not None:
+        frames = [
+            (frame.f_code.co_filename, lineno)
+            for frame, lineno in traceback.walk_tb(error.__traceback__)
+            if frame.f_globals.get("__name__", "") in (package, ep.module)
+            or str(frame.f_globals.get("__name__", "")).startswith(package + ".")
+        ]
+        if frames:
+            return frames[-1]
+    if isinstance(registered, _Registered) and registered.handler_hook is not None:
+        return registered.handler_hook
+    file = getattr(sys.modules.get(ep.module), "__file__", None)
+    if file:
+        return file, 1
+    return f"<checkpointables entry point {ep.name} = {ep.value}>", 0
 
 
 def _warn_contested(registrations: Iterable[HandlerRegistration]) -> None:

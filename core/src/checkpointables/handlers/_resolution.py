@@ -195,6 +195,41 @@ def _equinox_advice(checkpointable: Any) -> str:
     )
 
 
+def _forced_refusal(
+    registrations: Sequence[HandlerRegistration], forced: Any, checkpointable: Any, name: str
+) -> str:
+    """Why the handler forced for ``name`` (``forced``, an instance) refuses the object, and
+    what to do: pytree advice only where it is the pytree handler (``cp.save_pytree``'s),
+    which a user of another handler, forced with ``create_with_handlers``, has no use for."""
+    cls = type(forced)
+    why = _reason(forced, checkpointable)
+    pytree = any(r.handler_cls is cls and r.name == "pytree" for r in registrations)
+    which = (
+        "save_pytree's handler, or the one CheckpointablesOptions forces for it"
+        if pytree
+        else f"the handler CheckpointablesOptions.create_with_handlers({name}=...) forces for it"
+    )
+    head = (
+        f"Checkpointable {name!r} is saved by {cls.__module__}.{cls.__qualname__} ({which}), "
+        f"which cannot save an object of type "
+        f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
+        f"{f' ({why})' if why else ''}."
+    )
+    if pytree:
+        return (
+            f"{head} Pass an object it accepts: a pytree of arrays "
+            f"({_equinox_advice(checkpointable) or _FLAX_ADVICE})."
+            f"{_unforce_advice(registrations, cls, checkpointable, name)}"
+        )
+    savers = handlers_accepting(registrations, checkpointable, excluding=(cls,), first=True)
+    chosen = f" (the {savers[0].name} handler saves it)" if savers else ""
+    return (
+        f"{head} Pass an object it accepts, or drop {name}= from "
+        f"CheckpointablesOptions.create_with_handlers so that the handler is chosen by the "
+        f"object{chosen}."
+    )
+
+
 def _unforce_advice(
     registrations: Sequence[HandlerRegistration], forced: type, checkpointable: Any, name: str
 ) -> str:
@@ -335,15 +370,8 @@ def resolve_for_save(
     if forced is not None:
         instance = forced()
         if not instance.is_handleable(checkpointable):
-            why = _reason(instance, checkpointable)
             raise errors.NoHandlerForObjectError(
-                f"Checkpointable {name!r} is saved by {forced.__module__}.{forced.__qualname__} "
-                f"(save_pytree's handler, or the one CheckpointablesOptions forces for it), "
-                f"which cannot save an object of type "
-                f"{type(checkpointable).__module__}.{type(checkpointable).__qualname__}"
-                f"{f' ({why})' if why else ''}. Pass an object it accepts: a pytree of arrays "
-                f"({_equinox_advice(checkpointable) or _FLAX_ADVICE})."
-                f"{_unforce_advice(registrations, forced, checkpointable, name)}"
+                _forced_refusal(registrations, instance, checkpointable, name)
             )
         match = next((r for r in registrations if r.handler_cls is forced), None)
         if match is not None:
@@ -359,7 +387,7 @@ def resolve_for_save(
             return r, instance
         why = _reason(instance, checkpointable)
         if why:
-            reasons += f" {r.name}: {why}."
+            reasons += f" {r.name}: {plugins.sentence(why)}"
     equinox = _equinox_advice(checkpointable)
     raise errors.NoHandlerForObjectError(
         f"No handler can save checkpointable {name!r} of type "
