@@ -75,12 +75,32 @@ def test_bad_option_registrations_skip_the_plugin(plugin_module, calls, error) -
     assert found.options == ()
 
 
-def test_a_keyword_two_plugins_register_is_kept_by_the_first(plugin_module) -> None:
-    first = plugin_module("cpt_options_first", "register('tracing_options', TracingOptions)")
-    second = plugin_module("cpt_options_second", "register('tracing_options', TracingOptions)")
-    with pytest.warns(RuntimeWarning, match="already registered by plugin 'cpt_options_first'"):
-        found = plugins.discover([first, second], disabled=set())
-    assert [r.plugin for r in found.options] == ["cpt_options_first"]
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_keyword_two_plugins_register_is_given_to_neither(plugin_module, order) -> None:
+    # Which one the user meant cannot be told; entry-point order must not decide it.
+    eps = [
+        plugin_module("cpt_options_first", "register('tracing_options', TracingOptions)"),
+        plugin_module("cpt_options_second", "register('tracing_options', TracingOptions)"),
+    ]
+    with pytest.warns(RuntimeWarning, match="under the keyword 'tracing_options'"):
+        found = plugins.discover([eps[i] for i in order], disabled=set())
+    assert found.options == ()
+    assert {p.status for p in found.plugins} == {"failed"}
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_third_party_taking_a_keyword_of_ours_is_refused_in_either_order(
+    plugin_module, first
+) -> None:
+    taker = plugin_module("cpt_takes_storage", "register('storage_options', TracingOptions)")
+    installed = importlib_metadata.entry_points(group=plugins.ENTRY_POINT_GROUP)
+    ours = [ep for ep in installed if ep.name == "pytree"]
+    with pytest.warns(RuntimeWarning, match="which belongs to checkpointables_pytree"):
+        found = plugins.discover([taker, *ours] if first else [*ours, taker], disabled=set())
+    status = {p.name: p.status for p in found.plugins}
+    assert status == {"pytree": "loaded", "cpt_takes_storage": "failed"}
+    (storage,) = [r for r in found.options if r.keyword == "storage_options"]
+    assert storage.plugin == "pytree"
 
 
 def test_the_pytree_plugin_owns_the_tensorstore_and_s3_settings() -> None:

@@ -358,6 +358,7 @@ class _Registered:
     # Where the plugin's register_checkpointable_handlers is (file, line): what a warning
     # refusing one of its handler names points at.
     handler_hook: tuple[str, int] | None = None
+    distribution: str | None = None  # The plugin's distribution (its option keywords').
 
     def extend(self, other: _Registered) -> None:
         """Adds what ``other`` registered to this."""
@@ -397,17 +398,6 @@ def _sort_handlers(registrations: Iterable[HandlerRegistration]) -> tuple[Handle
     return tuple(sorted(registrations, key=lambda r: r.sort_key))
 
 
-def _check_option_clashes(registered: _Registered, earlier: _Registered) -> None:
-    """Raises if a plugin takes an option keyword an earlier plugin took."""
-    for o in registered.options:
-        taken = next((e for e in earlier.options if e.keyword == o.keyword), None)
-        if taken is not None:
-            raise ValueError(
-                f"option keyword {o.keyword!r} is already registered by plugin {taken.plugin!r} "
-                f"(for {typestr_of(taken.options_cls)}); register another keyword"
-            )
-
-
 def is_project_distribution(distribution: str | None) -> bool:
     """Whether ``distribution`` is one this repository ships (``PROJECT_DISTRIBUTIONS``)."""
     if distribution is None:
@@ -415,74 +405,102 @@ def is_project_distribution(distribution: str | None) -> bool:
     return re.sub(r"[-_.]+", "-", distribution).lower() in PROJECT_DISTRIBUTIONS
 
 
-def _origin(r: HandlerRegistration) -> str:
-    """The plugin of ``r`` with its distribution, for clash messages."""
-    return f"plugin {r.plugin!r} ({r.distribution or 'no distribution'})"
+@attrs.frozen
+class _Claim:
+    """One plugin's claim on a name that only one class may hold: a handler name, or an
+    option keyword."""
+
+    kind: Literal["handler", "option class"]
+    name: str
+    cls: type
+    plugin: str
+    distribution: str | None
+
+    @property
+    def label(self) -> str:
+        return "name" if self.kind == "handler" else "keyword"
+
+    @property
+    def origin(self) -> str:
+        return f"plugin {self.plugin!r} ({self.distribution or 'no distribution'})"
+
+    @property
+    def rename(self) -> str:
+        return "register(..., name='...')" if self.kind == "handler" else "register('...', ...)"
+
+
+def _claims(registered: _Registered) -> list[_Claim]:
+    handlers = [
+        _Claim("handler", r.name, r.handler_cls, r.plugin, r.distribution)
+        for r in registered.handlers
+    ]
+    options = [
+        _Claim("option class", o.keyword, o.options_cls, o.plugin, registered.distribution)
+        for o in registered.options
+    ]
+    return handlers + options
 
 
 def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
-    """Which loaded plugins (by index in ``loaded``) are refused for a handler name another
-    plugin's handler of another class registers, with why. A function of the registrations
-    alone, never of the order the plugins came in:
+    """Which loaded plugins (by index in ``loaded``) are refused for a handler name or an
+    option keyword another plugin registers for another class, with why. A function of the
+    registrations alone, never of the order the plugins came in:
 
     - a name a plugin of ours (``PROJECT_DISTRIBUTIONS``) registers stays ours: every other
       plugin registering it is refused;
     - a name that plugins not of ours, and only they, register for different classes is
       given to none of them: each is refused (which one the user meant cannot be told).
     """
-    claims: dict[str, dict[int, HandlerRegistration]] = {}
+    claims: dict[tuple[str, str], dict[int, _Claim]] = {}
     for index, registered in loaded.items():
-        for r in registered.handlers:
-            claims.setdefault(r.name, {}).setdefault(index, r)
+        for c in _claims(registered):
+            claims.setdefault((c.kind, c.name), {}).setdefault(index, c)
     refused: dict[int, str] = {}
     for _, by_plugin in sorted(claims.items()):
-        ours = [r for r in by_plugin.values() if is_project_distribution(r.distribution)]
-        for index, r in by_plugin.items():
-            if ours and r.handler_cls is not ours[0].handler_cls:
-                refused.setdefault(index, _taken_from_us(r, ours[0]))
+        ours = [c for c in by_plugin.values() if is_project_distribution(c.distribution)]
+        for index, c in by_plugin.items():
+            if ours and c.cls is not ours[0].cls:
+                refused.setdefault(index, _taken_from_us(c, ours[0]))
     taken_from_us = set(refused)  # Those refused already do not keep others from a name.
     for _, by_plugin in sorted(claims.items()):
-        left = {i: r for i, r in by_plugin.items() if i not in taken_from_us}
-        if len({r.handler_cls for r in left.values()}) < 2:
+        left = {i: c for i, c in by_plugin.items() if i not in taken_from_us}
+        if len({c.cls for c in left.values()}) < 2:
             continue
-        for index, r in left.items():
-            others = [o for o in left.values() if o.handler_cls is not r.handler_cls]
-            refused.setdefault(index, _shared_name(r, others))
+        for index, c in left.items():
+            others = [o for o in left.values() if o.cls is not c.cls]
+            refused.setdefault(index, _shared_name(c, others))
     return refused
 
 
-def _taken_from_us(r: HandlerRegistration, ours: HandlerRegistration) -> str:
+def _taken_from_us(c: _Claim, ours: _Claim) -> str:
     return (
-        f"it registers its handler {typestr_of(r.handler_cls)} under the name {r.name!r}, "
-        f"which belongs to {typestr_of(ours.handler_cls)} of checkpointables' own "
-        f"{_origin(ours)}; our plugins keep their handler names whatever the order plugins "
-        f"load in. The plugin must register its handler under another name "
-        f"(register(..., name='...')): tell the authors of {r.distribution or r.plugin!r}; "
-        f"until then uninstall it, or set {DISABLE_ENV_VAR}={r.plugin} to skip it silently"
+        f"it registers its {c.kind} {typestr_of(c.cls)} under the {c.label} {c.name!r}, "
+        f"which belongs to {typestr_of(ours.cls)} of checkpointables' own {ours.origin}; "
+        f"our plugins keep their {c.kind} {c.label}s whatever the order plugins load in. The "
+        f"plugin must register its {c.kind} under another {c.label} ({c.rename}): tell the "
+        f"authors of {c.distribution or c.plugin!r}; until then uninstall it, or set "
+        f"{DISABLE_ENV_VAR}={c.plugin} to skip it silently"
     )
 
 
-def _shared_name(r: HandlerRegistration, others: Sequence[HandlerRegistration]) -> str:
-    named = " and ".join(f"{typestr_of(o.handler_cls)} of {_origin(o)}" for o in others)
+def _shared_name(c: _Claim, others: Sequence[_Claim]) -> str:
+    named = " and ".join(f"{typestr_of(o.cls)} of {o.origin}" for o in others)
     blocked = ",".join(dict.fromkeys(o.plugin for o in others))
     return (
-        f"it registers its handler {typestr_of(r.handler_cls)} under the name {r.name!r}, "
-        f"which {named} registers too; a name belongs to one handler and which one you "
-        f"mean cannot be told, so every plugin registering it is skipped. Keep one: to keep "
-        f"this one, uninstall the other or set {DISABLE_ENV_VAR}={blocked}; to keep the "
-        f"other, {DISABLE_ENV_VAR}={r.plugin}. And tell the authors to register under "
-        f"another name (register(..., name='...'))"
+        f"it registers its {c.kind} {typestr_of(c.cls)} under the {c.label} {c.name!r}, "
+        f"which {named} registers too; a {c.label} belongs to one {c.kind} and which one "
+        f"you mean cannot be told, so every plugin registering it is skipped. Keep one: to "
+        f"keep this one, uninstall the other or set {DISABLE_ENV_VAR}={blocked}; to keep the "
+        f"other, {DISABLE_ENV_VAR}={c.plugin}. And tell the authors to register under "
+        f"another {c.label} ({c.rename})"
     )
 
 
-def _load_plugin(
-    ep: importlib_metadata.EntryPoint, manager: pluggy.PluginManager, earlier: _Registered
-) -> _Registered:
+def _load_plugin(ep: importlib_metadata.EntryPoint, manager: pluggy.PluginManager) -> _Registered:
     """Imports one plugin and calls its hooks; raises if anything about it is wrong."""
     manager.register(ep.load(), name=ep.name)
-    registered = _Registered()
-
     distribution, version = distribution_of(ep)
+    registered = _Registered(distribution=distribution)
 
     def make_handler(cls: type, **kwargs: Any) -> HandlerRegistration:
         registration = make_handler_registration(cls, plugin=ep.name, **kwargs)
@@ -529,7 +547,6 @@ def _load_plugin(
                 if make is make_handler:
                     code = impl.function.__code__
                     registered.handler_hook = (code.co_filename, code.co_firstlineno)
-    _check_option_clashes(registered, earlier)
     return registered
 
 
@@ -608,13 +625,12 @@ def _load_all(
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     outcomes: list[_Registered | tuple[Literal["disabled", "failed"], str]] = []
-    so_far = _Registered()
     for ep in eps:
         if ep.name in disabled:
             outcomes.append(("disabled", f"disabled by {DISABLE_ENV_VAR}"))
             continue
         try:
-            registered = _load_plugin(ep, manager, so_far)
+            registered = _load_plugin(ep, manager)
         except Exception as e:  # A broken plugin must not break the others.
             if manager.get_plugin(ep.name) is not None:
                 manager.unregister(name=ep.name)
@@ -628,7 +644,6 @@ def _load_all(
             )
             outcomes.append(("failed", message))
             continue
-        so_far.extend(registered)
         outcomes.append(registered)
     return outcomes
 
