@@ -321,3 +321,29 @@ def test_each_built_in_command_help_opens_with_its_description(
     assert exited.value.code == 0
     usage, _, rest = capsys.readouterr().out.partition("\n\n")
     assert usage.startswith("usage:") and rest.startswith(description), rest
+
+
+@pytest.mark.parametrize("theirs_first", [True, False])
+def test_a_third_party_command_never_takes_the_name_of_ours(
+    tmp_path, monkeypatch, theirs_first
+) -> None:
+    # The safetensors plugin's `export`, before and after the third party's entry point.
+    (tmp_path / "cpt_export_plugin.py").write_text(
+        "import checkpointables as cp\n"
+        "@cp.hookimpl\n"
+        "def register_commands(register):\n"
+        "    register('export', print, help='their export')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    theirs = importlib_metadata.EntryPoint(
+        name="their_export", value="cpt_export_plugin", group=plugins.ENTRY_POINT_GROUP
+    )
+    installed = importlib_metadata.entry_points(group=plugins.ENTRY_POINT_GROUP)
+    ours = [ep for ep in installed if ep.name == "safetensors"]
+    eps = [theirs, *ours] if theirs_first else [*ours, theirs]
+    monkeypatch.setattr(plugins, "_cached", plugins.discover(eps, disabled=set()))
+    with pytest.warns(RuntimeWarning, match="'export' is already taken by the command of plugin"):
+        parser = cli.build_parser()
+    assert parser.parse_args(["export", "a", "b"]).run.__module__.startswith(
+        "checkpointables_safetensors"
+    )

@@ -75,17 +75,22 @@ def plugin_commands(
     """Each command plugins registered, with why it is skipped (``None``: it is added).
 
     ``built_in`` names the commands of ``checkpointables`` itself; ``commands`` are
-    those plugins registered (default: ``plugins.command_registrations()``). Commands
-    are taken in plugin order, so of two with one name the first is added; one
-    whose ``add_arguments`` fails is skipped. ``checkpointables plugins`` shows
-    the same answers the parser acts on.
+    those plugins registered (default: ``plugins.command_registrations()``). Our
+    plugins' commands come first (``PROJECT_DISTRIBUTIONS``: a third party never
+    takes one of their names, whatever the order), then the others in plugin
+    order, so of two third parties' commands with one name the first is added;
+    one whose ``add_arguments`` fails is skipped. ``checkpointables plugins``
+    shows the same answers the parser acts on.
     """
     from checkpointables import plugins
 
     taken = dict.fromkeys(built_in, "a built-in command")
     planned: list[tuple[CommandRegistration, str | None]] = []
+    ours = {
+        p.name for p in plugins.list_plugins() if plugins.is_project_distribution(p.distribution)
+    }
     registered = plugins.command_registrations() if commands is None else commands
-    for command in registered:
+    for command in sorted(registered, key=lambda c: c.plugin not in ours):  # Stable.
         reason: str | None
         if command.name in taken:
             reason = f"the name {command.name!r} is already taken by {taken[command.name]}"
