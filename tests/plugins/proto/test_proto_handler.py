@@ -340,3 +340,79 @@ def test_a_message_given_to_save_pytree_names_the_handler_that_saves_it(tmp_path
     with pytest.raises(cp.errors.NoHandlerForObjectError, match=hint):
         cp.save_pytree(tmp_path / "c", duration_pb2.Duration(seconds=1))
     assert not (tmp_path / "c").exists()
+
+
+def _with_recorded_type(checkpoint, recorded: str, *, keep_checksums: bool = True) -> None:
+    """Rewrites the '# proto-message:' header of checkpointable 'd', as a forger would."""
+    file = checkpoint / "d" / "proto.pbtxt"
+    header = "# proto-message: google.protobuf.Duration"
+    file.write_text(file.read_text().replace(header, f"# proto-message: {recorded}"))
+    if keep_checksums:
+        with_metadata_checksums_recomputed(checkpoint)
+    else:
+        without_metadata_checksums(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    [
+        "x" * 10_000_000,  # Quoted three times, a 30 MB MessageTypeNotFoundError.
+        "a" * 4097,
+        "google..Duration",
+        ".google.protobuf.Duration",
+        "google.protobuf.Duration.",
+        "1google.Duration",
+        "google.protobuf.Duration extra",
+        "google-protobuf.Duration",
+        "google.protobuf.Dur\u00e9e",
+        "",
+    ],
+    ids=lambda r: repr(r[:30]),
+)
+@pytest.mark.parametrize("keep_checksums", [True, False])
+def test_a_recorded_type_that_is_no_full_name_is_an_integrity_error(
+    tmp_path, capsys, recorded, keep_checksums
+) -> None:
+    from checkpointables import cli
+
+    cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=1)})
+    _with_recorded_type(tmp_path / "c", recorded, keep_checksums=keep_checksums)
+    for call in (
+        lambda: cp.load_checkpointables(tmp_path / "c"),
+        lambda: cp.load_checkpointables(tmp_path / "c", {"d": timestamp_pb2.Timestamp}),
+        lambda: cp.checkpointables_metadata(tmp_path / "c"),
+    ):
+        with pytest.raises(cp.errors.IntegrityError, match="proto-message.*no protobuf full") as e:
+            call()
+        assert str(tmp_path / "c" / "d" / "proto.pbtxt") in str(e.value)
+        assert "damaged" in str(e.value) and len(str(e.value)) < 1000
+    assert cli.main(["verify", str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert "no protobuf full name" in out and len(out) < 2000
+
+
+def test_the_longest_full_name_is_read_and_quoted_briefly(tmp_path) -> None:
+    # As long as a recorded name may be: metadata reports it; errors quote 200 characters.
+    longest = ".".join(["a" * 99] * 41)[:4096].rstrip(".")
+    cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=1)})
+    _with_recorded_type(tmp_path / "c", longest)
+    assert cp.checkpointables_metadata(tmp_path / "c").metadata == {"d": longest}
+    with pytest.raises(MessageTypeNotFoundError, match="cut from") as e:
+        cp.load_checkpointables(tmp_path / "c")
+    assert len(str(e.value)) < 1500
+    with pytest.raises(MessageTypeMismatchError, match="cut from") as mismatch:
+        cp.load_checkpointables(tmp_path / "c", {"d": timestamp_pb2.Timestamp})
+    assert len(str(mismatch.value)) < 1500
+
+
+def test_a_huge_type_name_given_to_load_is_quoted_briefly(tmp_path) -> None:
+    cp.save_checkpointables(tmp_path / "c", {"d": duration_pb2.Duration(seconds=1)})
+    with pytest.raises(MessageTypeMismatchError, match="cut from") as e:
+        cp.load_checkpointables(tmp_path / "c", {"d": "x" * 10_000_000})
+    assert len(str(e.value)) < 1000
+    file = tmp_path / "c" / "d" / "proto.pbtxt"
+    file.write_text(file.read_text().replace("# proto-message: google.protobuf.Duration\n", ""))
+    with_metadata_checksums_recomputed(tmp_path / "c")  # As Orbax writes it: no header.
+    with pytest.raises(MessageTypeNotFoundError, match="cut from") as e:
+        cp.load_checkpointables(tmp_path / "c", {"d": "x" * 10_000_000})
+    assert len(str(e.value)) < 1000

@@ -25,10 +25,9 @@ from typing import Any
 
 import attrs
 import checkpointables as cp
-import numpy as np
 from etils import epath
 
-from checkpointables_grain import _files, _grain_types, _state_json
+from checkpointables_grain import _files, _grain_types, _positions, _state_json
 from checkpointables_grain._grain_types import DATA_LOADER_ITERATOR, DATASET_ITERATOR
 
 __all__ = [
@@ -134,12 +133,12 @@ def _state_text(iterator: Any, kind: str, name: str) -> str:
 
 def _refuse_bad_position(state: Any, kind: str, name: str) -> None:
     """Refuses a state that a load would refuse as damaged: a position that is no position."""
-    found = _bad_position(state, kind)
+    found = _positions.bad_position(state, kind)
     if found is not None:
-        where, value, least = found
+        where, value, expected = found
         raise UnsupportedStateError(
             f"Cannot save the state of iterator {name!r}: {where} is {_brief(value)}, but it "
-            f"is a position in the data and must be {_position_kind(least)}."
+            f"is a position in the data and must be {expected}."
         )
 
 
@@ -224,89 +223,22 @@ def _parse_state(file: epath.Path, kind: str) -> Any:
 
 def _check_positions(state: Any, file: epath.Path, kind: str) -> None:
     """Refuses a stored position that is no whole number in range (Grain's own set_state
-    takes 8.5, NaN and true, and the first ``next()`` then fails with a bare IndexError
-    or TypeError, or yields an element the data does not hold). No save writes one (it
-    is refused there), so the file is damaged or forged: an ``IntegrityError``, as a
-    malformed tag is, not an ``IteratorStateError`` (a state that does not fit the
-    iterator given)."""
-    found = _bad_position(state, kind)
+    takes 8.5, NaN, true, 2**64 and None, and the first ``next()`` then fails with a bare
+    IndexError or TypeError, or yields other elements than the saved iterator would; see
+    ``_positions``). No save writes one (it is refused there), so the file is damaged or
+    forged: an ``IntegrityError``, as a malformed tag is, not an ``IteratorStateError``
+    (a state that does not fit the iterator given)."""
+    found = _positions.bad_position(state, kind)
     if found is not None:
-        where, value, least = found
+        where, value, expected = found
         raise cp.errors.IntegrityError(
             f"{file} holds {where} = {_brief(value)}, which is not a position (or count) in "
-            f"the data: it must be {_position_kind(least)}, as in every state Grain writes "
+            f"the data: it must be {expected}, as in every state Grain writes "
             f"(Grain would take it and fail at the first next()). The state is damaged or "
             f"was not written by Grain; load an older checkpoint, or leave "
             f"{file.parent.name!r} out of the abstract checkpointables and start the data "
             f"pipeline afresh."
         )
-
-
-# The positions in a dataset iterator's state (at any depth: a pipeline nests its
-# parents' states), and the least value each takes. Grain writes them as JSON integers.
-_DATASET_POSITIONS: dict[str, int] = {
-    "next_index": 0,
-    "global_next_index": 0,  # grain's ElasticIterator
-    "next_index_in_cycle": 0,  # interleave
-    "next_index_in_datasets": 0,
-}
-# The positions at the top of a DataLoader iterator's state; its ``last_seen_indices``
-# values are integers of any sign (-1 and below before a worker's first element).
-_LOADER_POSITIONS: dict[str, int] = {"last_worker_index": -1, "worker_count": 0}
-
-
-def _bad_position(state: Any, kind: str) -> tuple[str, Any, int | None] | None:
-    """Where in ``state`` a position is no whole number in range, its value and least value."""
-    if kind == DATA_LOADER_ITERATOR:
-        return _bad_loader_position(state)
-    pending: list[tuple[Any, str]] = [(state, "state")]
-    while pending:
-        value, where = pending.pop()
-        if isinstance(value, dict):
-            items: Any = value.items()
-        elif isinstance(value, list | tuple):
-            items = enumerate(value)
-        else:
-            continue
-        for key, item in items:
-            here = f"{where}[{key!r}]"
-            least = _DATASET_POSITIONS.get(key) if isinstance(key, str) else None
-            if least is not None and not _is_position(item, least):
-                return here, item, least
-            pending.append((item, here))
-    return None
-
-
-def _bad_loader_position(state: Any) -> tuple[str, Any, int | None] | None:
-    if not isinstance(state, dict):
-        return None  # Grain's set_state refuses it.
-    for key, least in _LOADER_POSITIONS.items():
-        if key in state and not _is_position(state[key], least):
-            return f"state[{key!r}]", state[key], least
-    seen = state.get("last_seen_indices")
-    for worker, index in seen.items() if isinstance(seen, dict) else ():
-        if not _is_position(index, None):
-            return f"state['last_seen_indices'][{worker!r}]", index, None
-    return None
-
-
-def _is_position(value: Any, least: int | None) -> bool:
-    """Whether ``value`` is an integer (Python or NumPy scalar, not a bool) of at least
-    ``least``. Not an array, even a 0-d integer one: Grain adds to it in place, and the
-    restored iterator skips elements."""
-    not_integers = (bool, np.bool_, float, np.floating, complex, np.complexfloating, np.ndarray)
-    if isinstance(value, not_integers):
-        return False
-    if isinstance(value, int | np.integer):
-        return least is None or bool(value >= least)
-    # Other types (None, str, lists) are left to the iterator's set_state, which refuses them.
-    return True
-
-
-def _position_kind(least: int | None) -> str:
-    if least is None:
-        return "an integer"
-    return "a non-negative integer" if least == 0 else f"an integer of at least {least}"
 
 
 def _brief(value: Any) -> str:

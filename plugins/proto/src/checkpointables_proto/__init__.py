@@ -75,7 +75,7 @@ class ProtoHandler:
         """Checks the type now; returns an awaitable that reads and parses the message."""
         file = _data_file(directory)
         text = _checked_text(file, directory)  # Before its header is trusted.
-        recorded = _textproto.recorded_type_name(text)
+        recorded = _textproto.recorded_type_name(text, file)
         message_class = _message_class_for(directory, recorded, abstract_checkpointable)
 
         async def read() -> Any:
@@ -87,7 +87,7 @@ class ProtoHandler:
         """The saved message type: its class if the program has imported it, else its
         full name; ``None`` for files that do not record it (written by Orbax)."""
         file = _data_file(directory)
-        recorded = _textproto.recorded_type_name(_checked_text(file, directory))
+        recorded = _textproto.recorded_type_name(_checked_text(file, directory), file)
         if recorded is None:
             return None
         return _types.find_message_class(recorded) or recorded
@@ -130,7 +130,7 @@ class ProtoHandler:
         try:
             file = _data_file(directory)
             text = _checked_text(file, directory)
-            recorded = _textproto.recorded_type_name(text)
+            recorded = _textproto.recorded_type_name(text, file)
             message_class = None if recorded is None else _types.find_message_class(recorded)
             if message_class is not None:
                 _parse(text, message_class, file)
@@ -193,14 +193,16 @@ def _data_file(directory: epath.Path) -> epath.Path:
 def _message_class_for(directory: epath.Path, recorded: str | None, abstract: Any) -> type:
     """The class to parse into, from the abstract checkpointable and the recorded type."""
     name = directory.name
+    quoted = _textproto.quoted_name  # A name given to load may be any string, however long.
     if _types.is_message(abstract):
         abstract = type(abstract)
     if _types.is_message_class(abstract):
         given = _types.type_name(abstract)
         if recorded is not None and given != recorded:
             raise MessageTypeMismatchError(
-                f"Checkpointable {name!r} holds a {recorded} message, but {given} was given to "
-                f"load it into. Pass {recorded} (or None to use the recorded type)."
+                f"Checkpointable {name!r} holds a {quoted(recorded)} message, but {given} was "
+                f"given to load it into. Pass {quoted(recorded)} (or None to use the recorded "
+                f"type)."
             )
         return abstract
     if abstract is not None and not isinstance(abstract, str):
@@ -215,7 +217,7 @@ def _message_class_for(directory: epath.Path, recorded: str | None, abstract: An
         )
     if isinstance(abstract, str) and recorded is not None and abstract != recorded:
         raise MessageTypeMismatchError(
-            f"Checkpointable {name!r} holds a {recorded} message, not {abstract}."
+            f"Checkpointable {name!r} holds a {quoted(recorded)} message, not {quoted(abstract)}."
         )
     wanted = abstract if isinstance(abstract, str) else recorded
     if wanted is None:
@@ -226,12 +228,13 @@ def _message_class_for(directory: epath.Path, recorded: str | None, abstract: An
         )
     found = _types.find_message_class(wanted)
     if found is None:
-        short = wanted.rsplit(".", 1)[-1]
+        short = quoted(wanted.rsplit(".", 1)[-1])
         raise MessageTypeNotFoundError(
-            f"Checkpointable {name!r} holds a {wanted} message, and no module defining {wanted} "
-            f"has been imported. Import the module that defines it (its _pb2 module) before "
-            f"loading, or pass the class: load_checkpointables(path, {{{name!r}: {short}}}). "
-            f"Checkpoints never import modules themselves."
+            f"Checkpointable {name!r} holds a {quoted(wanted)} message, and no module defining "
+            f"{quoted(wanted)} has been imported. Import the module that defines it (its _pb2 "
+            f"module) before loading, or pass the class: "
+            f"load_checkpointables(path, {{{name!r}: {short}}}). Checkpoints never import "
+            f"modules themselves."
         )
     return found
 

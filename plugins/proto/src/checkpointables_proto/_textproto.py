@@ -21,13 +21,23 @@ __all__ = [
     "skim",
     "write_durably",
     "quoted_problem",
+    "quoted_name",
+    "MAX_NAME_CHARS",
 ]
 
 PROTO_FILE = "proto.pbtxt"
 # The header is at the top; stop looking after this many comment lines so a
 # damaged or huge file is never read whole just to find its type.
 _MAX_HEADER_LINES = 32
-_MESSAGE_LINE = re.compile(r"#\s*proto-message:\s*(\S+)\s*$")
+_MESSAGE_LINE = re.compile(r"#\s*proto-message:(.*)")
+# A message type's full name: dot-separated identifiers (``google.protobuf.Duration``).
+_FULL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+# protoc refuses packages of 512 characters or more and messages nested 32 deep; no
+# real full name comes near this, and a recorded one beyond it is damage (or a forged
+# header whose name every error would otherwise quote, megabytes at a time).
+MAX_NAME_CHARS = 4096
+# How much of a type name an error quotes (a name given to load may be any string).
+_MAX_QUOTED_NAME = 200
 # How much of a parser's message an error quotes: it quotes the offending line whole.
 _MAX_QUOTED = 300
 
@@ -82,20 +92,43 @@ def quoted_problem(error: BaseException) -> str:
     return f"{text[:_MAX_QUOTED]}... (cut from {len(text):,} characters)"
 
 
-def recorded_type_name(text: str) -> str | None:
-    """The full message type name in the header of a file's ``text``, or ``None`` if
+def quoted_name(name: str) -> str:
+    """A message type name for an error message, cut to a couple of hundred characters."""
+    if len(name) <= _MAX_QUOTED_NAME:
+        return name
+    return f"{name[:_MAX_QUOTED_NAME]}... (cut from {len(name):,} characters)"
+
+
+def recorded_type_name(text: str, file: epath.Path) -> str | None:
+    """The full message type name in the header of ``file``'s ``text``, or ``None`` if
     unrecorded.
 
     Files written by Orbax have no header, hence no recorded type.
+
+    Raises:
+      cp.errors.IntegrityError: the ``# proto-message:`` header records something that
+        is no message type's full name (a save always records one).
     """
     lines = text.split("\n", _MAX_HEADER_LINES)
     for line in lines[:_MAX_HEADER_LINES]:
         if not line.startswith("#"):
             return None
-        match = _MESSAGE_LINE.match(line.rstrip("\r"))
+        match = _MESSAGE_LINE.match(line)
         if match is not None:
-            return match.group(1)
+            return _checked_name(match.group(1).strip(), file)
     return None
+
+
+def _checked_name(name: str, file: epath.Path) -> str:
+    if len(name) <= MAX_NAME_CHARS and _FULL_NAME.fullmatch(name):
+        return name
+    raise cp.errors.IntegrityError(
+        f"{file} records the message type {quoted_name(name)!r} in its '# proto-message:' "
+        f"header, which is no protobuf full name (identifiers joined by dots, at most "
+        f"{MAX_NAME_CHARS:,} characters, as every save writes). The checkpointable "
+        f"{file.parent.name!r} is damaged: load an older checkpoint, or put the message's "
+        f"full type name (e.g. google.protobuf.Duration) back in the header."
+    )
 
 
 def skim(text: str) -> str | None:
