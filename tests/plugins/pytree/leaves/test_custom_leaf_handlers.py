@@ -216,3 +216,50 @@ def test_the_doc_leaf_handler_refuses_a_damaged_file(tmp_path) -> None:
         (tmp_path / "c" / "pytree" / "origin.point.json").write_text('{"x": 5.0, "y": 0.0}')
         with pytest.raises(cp.errors.IntegrityError, match=r"origin\.point\.json"):
             cp.load_pytree(tmp_path / "c")
+
+
+def test_an_abstract_leaf_for_another_leaf_handler_is_a_tree_mismatch(tmp_path) -> None:
+    doc = _doc_leaf_handler()
+    with _doc_registry(doc):
+        cp.save_pytree(tmp_path / "c", {"p": doc["Point"](1.0, 2.0), "w": np.ones(3)})
+        with pytest.raises(cp.errors.TreeMismatchError) as raised:
+            cp.load_pytree(tmp_path / "c", {"p": np.empty(3), "w": doc["AbstractPoint"]()})
+    message = str(raised.value)
+    assert (
+        "['w'] (saved as np.ndarray; the abstract leaf, a docs_pytree_leaves.AbstractPoint, asks "
+        "for the leaf handler docs_pytree_leaves.PointLeafHandler, which does not read "
+        "np.ndarray)" in message
+    ), message
+    assert "['p'] (saved by the leaf handler docs_pytree_leaves.PointLeafHandler; " in message
+    assert str(tmp_path / "c" / "pytree") in message
+
+
+def test_a_leaf_handler_that_declares_the_saved_type_reads_it(tmp_path) -> None:
+    doc = _doc_leaf_handler()
+    saved_by = cp.handlers.typestr(doc["PointLeafHandler"])
+
+    class AbstractPointV2(doc["AbstractPoint"]):
+        pass
+
+    class PointV2LeafHandler(doc["PointLeafHandler"]):
+        """Reads what PointLeafHandler wrote, as it declares."""
+
+    with _doc_registry(doc):
+        cp.save_pytree(tmp_path / "c", {"p": doc["Point"](1.0, 2.0)})
+    registry = serialization.StandardLeafHandlerRegistry()
+    v2 = cp.handlers.typestr(PointV2LeafHandler)
+    registry.add(doc["Point"], AbstractPointV2, PointV2LeafHandler, secondary_typestrs=(v2,))
+    options = cp.options.PyTreeOptions(leaf_handler_registry=registry)
+    with cp.Context(pytree_options=options), pytest.raises(cp.errors.TreeMismatchError):
+        cp.load_pytree(tmp_path / "c", {"p": AbstractPointV2()})  # Not declared: refused.
+    registry.add(
+        doc["Point"],
+        AbstractPointV2,
+        PointV2LeafHandler,
+        secondary_typestrs=(v2, saved_by),
+        override=True,
+    )
+    with cp.Context(pytree_options=options):
+        assert cp.load_pytree(tmp_path / "c", {"p": AbstractPointV2()}) == {
+            "p": doc["Point"](1.0, 2.0)
+        }
