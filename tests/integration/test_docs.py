@@ -44,6 +44,7 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
         point = namespace["Point"](1.0, 2.0)
         cp.save_checkpointables(tmp_path / "c", {"p": point})
         assert cp.load_checkpointables(tmp_path / "c") == {"p": point}
+        _check_refuses_damage(namespace, tmp_path)
         _check_command_and_reader(namespace, tmp_path)
         # The conformance class from the page passes against the page's handler.
         suite = namespace["TestPointHandler"]()
@@ -58,6 +59,16 @@ def test_writing_a_plugin_runs(tmp_path, monkeypatch) -> None:
         _check_capabilities(namespace, tmp_path)
     finally:
         cp.handlers.unregister_handler(namespace["PointHandler"])
+
+
+def _check_refuses_damage(namespace: dict, tmp_path) -> None:
+    """The page's PointHandler reads through the checksum check: an edited file is refused."""
+    path = tmp_path / "damaged"
+    cp.save_checkpointables(path, {"p": namespace["Point"](1.0, 2.0)})
+    (path / "p" / "point.json").write_text('{"x": 9.0, "y": 2.0}')
+    for load in (cp.load_checkpointables, cp.checkpointables_metadata):
+        with pytest.raises(cp.errors.IntegrityError, match=r"point\.json"):
+            load(path)
 
 
 def _check_capabilities(namespace: dict, tmp_path) -> None:

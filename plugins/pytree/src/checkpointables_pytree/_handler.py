@@ -357,7 +357,7 @@ class PyTreeHandler:
             check_array_count(tree, directory)  # Before planning what the metadata claims.
             session = LoadSession(directory, tree, context, opened, index)
             if abstract_checkpointable is None:
-                plan = LoadPlan.without_abstract(tree, registry)
+                plan = LoadPlan.without_abstract(tree, registry, directory)
             else:
                 flat = self._flatten_abstract(abstract_checkpointable)
                 self._last_abstract = None
@@ -416,7 +416,7 @@ class PyTreeHandler:
         registry = leaf_registry(context)
         tree = _read_tree_metadata(directory)
         session = LoadSession(directory, tree, context)
-        plan = LoadPlan.without_abstract(tree, registry)
+        plan = LoadPlan.without_abstract(tree, registry, directory)
         deserialization_context = _deserialization_context(session)
         for handler_cls, items in plan.groups.items():
             handler = _make_leaf_handler(handler_cls, context)

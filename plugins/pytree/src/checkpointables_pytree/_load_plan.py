@@ -18,10 +18,12 @@ import numpy as np
 from checkpointables.serialization import DeserializationParam, LeafHandlerRegistry
 from etils import epath
 
-from checkpointables_pytree import ocdbt
+from checkpointables_pytree import _leaf_distributions, ocdbt
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree.leaves import (
     ARRAY_VALUE_TYPES,
+    PRNG_KEY,
+    STRING,
     AbstractPRNGKey,
     NamedDeserializationParam,
 )
@@ -92,20 +94,6 @@ def is_skip(abstract: Any) -> bool:
     )
 
 
-def _missing_handlers(unknown: dict[str, list[str]]) -> cp.errors.MissingHandlerError:
-    described = "; ".join(f"{t!r} for {listing(paths)}" for t, paths in unknown.items())
-    # Where a disabled or broken plugin provides a value type, the hint says so.
-    hints = "".join(dict.fromkeys(cp.handlers.install_hint(t) for t in unknown))
-    return cp.errors.MissingHandlerError(
-        "No leaf handler registered here reads the "
-        f"value types {described}. They were saved by "
-        "custom leaf handlers: pass a registry "
-        "holding them, e.g. cp.Context(pytree_options="
-        "cp.options.PyTreeOptions(leaf_handler_registry=registry)), "
-        f"or skip those leaves with cp.PLACEHOLDER in an abstract tree.{hints}"
-    )
-
-
 @attrs.define
 class _Mismatch:
     """How an abstract tree differs from the stored one (key paths, as errors show them)."""
@@ -113,6 +101,8 @@ class _Mismatch:
     extra: list[str] = attrs.Factory(list)  # Abstract leaves with nothing stored.
     structure: list[str] = attrs.Factory(list)  # A leaf on one side, a subtree on the other.
     unsupported: list[str] = attrs.Factory(list)  # Abstract leaves no leaf handler accepts.
+    # Abstract leaves whose leaf handler does not read what was saved there.
+    other_type: list[str] = attrs.Factory(list)
     missing: list[str] = attrs.Factory(list)  # Stored leaves the abstract tree leaves out.
 
     def raise_if_any(self, *, partial: bool, where: epath.Path) -> None:
@@ -123,6 +113,14 @@ class _Mismatch:
                 "Use jax.ShapeDtypeStruct, np.empty(...), a "
                 "scalar, a str, None or cp.PLACEHOLDER, or a "
                 f"registered custom abstract type."
+            )
+        if self.other_type:
+            raise cp.errors.TreeMismatchError(
+                f"The abstract tree asks for other types than the pytree stored in {where} "
+                f"holds: {listing(self.other_type)}. Give those leaves an abstract leaf of the "
+                "saved type (cp.pytree_metadata(path).metadata shows them), or cp.PLACEHOLDER "
+                "to skip them. (A leaf handler that reads leaves another one saved declares "
+                "their value type in its registration's secondary_typestrs.)"
             )
         missing = [] if partial else self.missing
         if not (self.extra or self.structure or missing):
@@ -176,9 +174,12 @@ class LoadPlan:
 
     @classmethod
     def without_abstract(
-        cls, tree: tree_room.TreeMetadata, registry: LeafHandlerRegistry
+        cls,
+        tree: tree_room.TreeMetadata,
+        registry: LeafHandlerRegistry,
+        where: epath.Path | None = None,
     ) -> LoadPlan:
-        """Every recorded leaf, read as saved.
+        """Every recorded leaf, read as saved (``where``: the pytree directory, for errors).
 
         The plan depends only on the ``_METADATA`` text and on which leaf handler
         reads each value type: it is made once per text and handler choice
@@ -193,7 +194,7 @@ class LoadPlan:
         handlers = tuple((t, _handler_for(registry, t)) for t in types)
         template = tree.derived.get(handlers)
         if template is None:
-            template = tree.derived[handlers] = cls._recorded(tree, dict(handlers))
+            template = tree.derived[handlers] = cls._recorded(tree, dict(handlers), where)
         plan = cls()
         plan.values = list(template.values)
         for slot, value_type in template.empties:  # Fresh ones: the caller may change them.
@@ -202,7 +203,12 @@ class LoadPlan:
         return plan
 
     @classmethod
-    def _recorded(cls, tree: tree_room.TreeMetadata, handlers: dict[str, type | None]) -> LoadPlan:
+    def _recorded(
+        cls,
+        tree: tree_room.TreeMetadata,
+        handlers: dict[str, type | None],
+        where: epath.Path | None = None,
+    ) -> LoadPlan:
         """The plan of ``without_abstract``, with each value type's leaf handler."""
         plan = cls()
         unknown: dict[str, list[str]] = {}
@@ -230,7 +236,9 @@ class LoadPlan:
             param = NamedDeserializationParam(keypath=keypath, value=None, names=names)
             plan.groups.setdefault(handler, []).append((len(values) - 1, param))
         if unknown:
-            raise _missing_handlers(unknown)
+            raise cp.errors.MissingHandlerError(
+                _leaf_distributions.missing_message(unknown, tree.extra, where)
+            )
         return plan
 
     @classmethod
@@ -256,7 +264,7 @@ class LoadPlan:
         mismatch = _Mismatch()
         used: set[tuple[str, ...]] = set()
         skipped: set[tuple[str, ...]] = set()
-        handler_of = _abstract_handlers(registry)
+        handler_of, reads = _abstract_handlers(registry), _ReadsSaved(registry)
         for keypath, leaf in leaves:
             names = tree_room.key_names(keypath)
             plan.values.append(leaf)
@@ -273,6 +281,9 @@ class LoadPlan:
             handler = handler_of(leaf)
             if handler is None:
                 mismatch.unsupported.append(f"{_shown(keypath)} ({describe_type(leaf)})")
+                continue
+            if not reads(handler, entry, tree.own_value_types):
+                mismatch.other_type.append(reads.describe(_shown(keypath), leaf, handler, entry))
                 continue
             used.add(names)
             param = NamedDeserializationParam(keypath=tuple(keypath), value=leaf, names=names)
@@ -358,6 +369,53 @@ def _abstract_handlers(registry: LeafHandlerRegistry) -> Callable[[Any], type | 
         return handler
 
     return handler_of
+
+
+# The value types the pytree plugin's own leaf handlers write: each of them reads them all
+# (arrays into any array-like abstract leaf, with casts), as before value types were checked.
+_STANDARD_TYPES = ARRAY_VALUE_TYPES | {STRING, PRNG_KEY, _PLACEHOLDER_TYPE}
+
+
+class _ReadsSaved:
+    """Whether the leaf handler an abstract leaf picks reads what was saved there: it wrote
+    that value type or declares it (secondary typestrs); among the standard value types,
+    any standard leaf handler (a ``jax.Array`` loads into ``np.empty(...)``). A leaf that
+    records its own value type besides its Orbax one is read by a handler of either (as a
+    load without an abstract tree falls back to the Orbax one)."""
+
+    def __init__(self, registry: LeafHandlerRegistry) -> None:
+        self._registry = registry
+        self._known: dict[tuple[type, str], bool] = {}
+
+    def _typestrs(self, handler: type) -> set[str]:
+        entries = [e for e in self._registry.get_all() if e.handler_cls is handler]
+        return {cp.handlers.typestr(handler)}.union(*(e.secondary_typestrs for e in entries))
+
+    def __call__(self, handler: type, entry: tree_room.Entry, own_value_types: bool) -> bool:
+        own = entry.extra.get(tree_room.OWN_VALUE_TYPE) if own_value_types else None
+        if isinstance(own, str) and own != entry.value_type and self._reads(handler, own):
+            return True
+        return self._reads(handler, entry.value_type)
+
+    def _reads(self, handler: type, saved: str) -> bool:
+        known = self._known.get((handler, saved))
+        if known is None:
+            typestrs = self._typestrs(handler)
+            known = saved in typestrs or (
+                saved in _STANDARD_TYPES and not typestrs.isdisjoint(_STANDARD_TYPES)
+            )
+            self._known[(handler, saved)] = known
+        return known
+
+    def describe(self, shown: str, leaf: Any, handler: type, entry: tree_room.Entry) -> str:
+        """A mismatched leaf for the error: its key path, what was saved, what is asked."""
+        own = entry.extra.get(tree_room.OWN_VALUE_TYPE)
+        saved = own if isinstance(own, str) else entry.value_type
+        how = f"as {saved}" if saved in _STANDARD_TYPES else f"by the leaf handler {saved}"
+        return (
+            f"{shown} (saved {how}; the abstract leaf, a {describe_type(leaf)}, asks for the "
+            f"leaf handler {cp.handlers.typestr(handler)}, which does not read {saved})"
+        )
 
 
 def _no_leaf_stored(

@@ -33,7 +33,7 @@ import checkpointables as cp
 import crc32c
 from etils import epath
 
-from checkpointables_pytree import ocdbt
+from checkpointables_pytree import _leaf_distributions, ocdbt
 from checkpointables_pytree import tree as tree_room
 from checkpointables_pytree.leaves import ARRAY_METADATAS_DIR, STRINGS_FILE, write_text
 from checkpointables_pytree.storage import storage_error, write_error
@@ -65,7 +65,18 @@ _RECOMPUTED_FIELDS = (
     tree_room.INT_KEYS,
     "strings_crc32c",
     "own_value_types",
+    _leaf_distributions.FIELD,
 )
+
+
+def _merged_extra(trees: Sequence[tree_room.TreeMetadata]) -> dict[str, Any]:
+    """The merged tree's own fields: the last source's, with every source's record of the
+    distributions whose leaf handlers wrote its leaves (a leaf may come from any source)."""
+    extra = {k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS}
+    distributions = _leaf_distributions.merged(t.extra for t in trees)
+    if distributions:
+        extra[_leaf_distributions.FIELD] = distributions
+    return extra
 
 
 @attrs.frozen
@@ -254,7 +265,7 @@ def merge_partial_saves(sources: Sequence[epath.Path], target: epath.Path) -> No
         entries=sorted((w.entry for w in winners.values()), key=lambda e: e.names),
         tuple_paths=tuples,
         int_keys=_int_keys(trees, winners.values()),
-        extra={k: v for k, v in trees[-1].extra.items() if k not in _RECOMPUTED_FIELDS},
+        extra=_merged_extra(trees),
         own_value_types=any(t.own_value_types for t in trees),
     )
     # Storage names each source wins (a name's keys in a database all start with "<name>/").

@@ -17,7 +17,7 @@ from checkpointables.serialization import (
 )
 from etils import epath
 
-from checkpointables_pytree import tree
+from checkpointables_pytree import _leaf_distributions, tree
 from checkpointables_pytree.leaves import ArrayRecords, LeafGroup, SaveSession
 from checkpointables_pytree.storage import describe_type, listing
 from checkpointables_pytree.tree import OWN_VALUE_TYPE
@@ -322,8 +322,16 @@ def saved_tree_metadata(
                 )
             tails[places[i]] = text
     pieces = itertools.chain.from_iterable(zip(template.heads, tails, strict=True))
+    # Which distributions' leaf handlers wrote the custom leaves: a load without them says
+    # what to install.
+    distributions = _leaf_distributions.of_handlers(
+        (own_types[id(entry)] or entry.typestr, entry.handler_cls)
+        for group in groups.values()
+        for entry in group.entries.values()
+    )
     return tree.TreeMetadata(
         entries=[],
+        extra={_leaf_distributions.FIELD: distributions} if distributions else {},
         tuple_paths=template.tuple_paths,
         int_keys=template.int_keys,
         own_value_types=any(t is not None for t in own_types.values()),

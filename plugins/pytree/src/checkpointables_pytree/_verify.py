@@ -166,7 +166,7 @@ def _check_loadable(
     """What a load without an abstract tree refuses before reading any array."""
     try:
         check_array_count(tree, directory)
-        plan = LoadPlan.without_abstract(tree, registry)
+        plan = LoadPlan.without_abstract(tree, registry, directory)
         plan.build(tree, directory)
         tree_room.read_sharding_file(directory)
     except cp.errors.CheckpointError as e:
@@ -388,7 +388,7 @@ async def _check_typed_leaves(
 ) -> list[str]:
     """Loads every leaf of a ``_TYPED_HANDLERS`` handler as a load without an abstract tree
     does (in batches of about ``BATCH_BYTES``), and drops the values."""
-    plan = LoadPlan.without_abstract(tree, registry)
+    plan = LoadPlan.without_abstract(tree, registry, directory)
     context = cp.context.get_context()
     sizes = LoadSession(directory, tree, context)
     problems = []

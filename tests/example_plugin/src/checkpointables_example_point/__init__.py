@@ -78,10 +78,14 @@ _TYPES = {"int": int, "float": float}
 
 
 def _write_json(path: epath.Path, value: Any) -> None:
-    with open(os.fspath(path), "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
+    # cp.storage reaches local disks and s3:// or gs:// alike; open() and epath only disks.
+    cp.storage.write_text(path, json.dumps(value), durable=True)
+
+
+def _read_json(path: epath.Path) -> Any:
+    """A file this plugin wrote, checked against the checksum recorded at the commit
+    (``cp.storage.read_text`` would read a damaged file unchecked)."""
+    return cp.safe_json.loads(cp.metadata_checksums.read_file(path), source=path)
 
 
 class PointHandler:
@@ -110,7 +114,7 @@ class PointHandler:
         """Reads the point, casting coordinates to the abstract point's types if given."""
 
         async def read() -> Point:
-            values = json.loads((directory / "point.json").read_text())
+            values = _read_json(directory / "point.json")
             if abstract_checkpointable is None:
                 return Point(**values)
             return Point(
@@ -121,7 +125,7 @@ class PointHandler:
 
     async def metadata(self, directory: epath.Path) -> AbstractPoint:
         """The stored coordinate types."""
-        types = json.loads((directory / "point_metadata.json").read_text())
+        types = _read_json(directory / "point_metadata.json")
         return AbstractPoint(**{k: _TYPES[v] for k, v in types.items()})
 
     def is_handleable(self, checkpointable: Any) -> bool:
@@ -165,9 +169,7 @@ class PointLeafHandler:
         async def read() -> list[Point]:
             points = []
             for p in params:
-                values = json.loads(
-                    (deserialization_context.parent_dir / f"{p.name}.point.json").read_text()
-                )
+                values = _read_json(deserialization_context.parent_dir / f"{p.name}.point.json")
                 point = Point(**values)
                 if isinstance(p.value, AbstractPoint):
                     point = Point(p.value.x(point.x), p.value.y(point.y))
@@ -184,9 +186,7 @@ class PointLeafHandler:
         """The abstract form of each stored point."""
         result = []
         for p in params:
-            values = json.loads(
-                (deserialization_context.parent_dir / f"{p.name}.point.json").read_text()
-            )
+            values = _read_json(deserialization_context.parent_dir / f"{p.name}.point.json")
             result.append(AbstractPoint(type(values["x"]), type(values["y"])))
         return result
 
@@ -198,13 +198,13 @@ class PointFileReader:
 
     def recognizes(self, path: epath.Path) -> bool:
         """True for existing files named ``*.point.json``."""
-        return path.name.endswith(self.SUFFIX) and path.is_file()
+        return path.name.endswith(self.SUFFIX) and cp.storage.is_file(path)
 
     async def load(self, path: epath.Path, abstract_pytree: Any = None) -> Awaitable[Any]:
         """Reads the coordinates; an abstract tree of types casts them."""
 
         async def read() -> dict[str, Any]:
-            values = json.loads(path.read_text())
+            values = json.loads(cp.storage.read_text(path))
             if abstract_pytree is None:
                 return values
             return {k: abstract_pytree[k](values[k]) for k in abstract_pytree}
@@ -213,7 +213,7 @@ class PointFileReader:
 
     async def metadata(self, path: epath.Path) -> cp.CheckpointMetadata[dict[str, type]]:
         """The coordinates' types."""
-        values = json.loads(path.read_text())
+        values = json.loads(cp.storage.read_text(path))
         return cp.CheckpointMetadata(path, metadata={k: type(v) for k, v in values.items()})
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import json
+import re
 from collections.abc import Awaitable, Sequence
+from pathlib import Path
 
 import aiofiles
 import checkpointables as cp
 import numpy as np
+import pytest
 from checkpointables import serialization
 from checkpointables.checkpoint_metadata import read_checkpoint_metadata
 
@@ -187,3 +190,76 @@ def test_a_plugins_leaf_handler_works_without_any_setup(tmp_path) -> None:
     assert cp.pytree_metadata(tmp_path / "c").metadata["p"] == PluginAbstractPoint(int, float)
     cast = cp.load_pytree(tmp_path / "c", {"p": PluginAbstractPoint(float, int), "a": np.empty(3)})
     assert cast["p"] == PluginPoint(1.0, 2) and type(cast["p"].x) is float
+
+
+def _doc_leaf_handler() -> dict:
+    """docs/pytree.md's Point, AbstractPoint and PointLeafHandler, as the page defines them."""
+    page = Path(__file__).resolve().parents[4] / "docs" / "pytree.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "class PointLeafHandler" in b]
+    namespace: dict = {"__name__": "docs_pytree_leaves"}
+    exec(compile(block, str(page), "exec", dont_inherit=True), namespace)
+    return namespace
+
+
+def _doc_registry(doc: dict) -> cp.Context:
+    registry = serialization.StandardLeafHandlerRegistry()
+    registry.add(doc["Point"], doc["AbstractPoint"], doc["PointLeafHandler"])
+    return cp.Context(pytree_options=cp.options.PyTreeOptions(leaf_handler_registry=registry))
+
+
+def test_the_doc_leaf_handler_refuses_a_damaged_file(tmp_path) -> None:
+    doc = _doc_leaf_handler()
+    with _doc_registry(doc):
+        cp.save_pytree(tmp_path / "c", {"origin": doc["Point"](0.0, 0.0), "w": np.ones(3)})
+        assert cp.load_pytree(tmp_path / "c")["origin"] == doc["Point"](0.0, 0.0)
+        (tmp_path / "c" / "pytree" / "origin.point.json").write_text('{"x": 5.0, "y": 0.0}')
+        with pytest.raises(cp.errors.IntegrityError, match=r"origin\.point\.json"):
+            cp.load_pytree(tmp_path / "c")
+
+
+def test_an_abstract_leaf_for_another_leaf_handler_is_a_tree_mismatch(tmp_path) -> None:
+    doc = _doc_leaf_handler()
+    with _doc_registry(doc):
+        cp.save_pytree(tmp_path / "c", {"p": doc["Point"](1.0, 2.0), "w": np.ones(3)})
+        with pytest.raises(cp.errors.TreeMismatchError) as raised:
+            cp.load_pytree(tmp_path / "c", {"p": np.empty(3), "w": doc["AbstractPoint"]()})
+    message = str(raised.value)
+    assert (
+        "['w'] (saved as np.ndarray; the abstract leaf, a docs_pytree_leaves.AbstractPoint, asks "
+        "for the leaf handler docs_pytree_leaves.PointLeafHandler, which does not read "
+        "np.ndarray)" in message
+    ), message
+    assert "['p'] (saved by the leaf handler docs_pytree_leaves.PointLeafHandler; " in message
+    assert str(tmp_path / "c" / "pytree") in message
+
+
+def test_a_leaf_handler_that_declares_the_saved_type_reads_it(tmp_path) -> None:
+    doc = _doc_leaf_handler()
+    saved_by = cp.handlers.typestr(doc["PointLeafHandler"])
+
+    class AbstractPointV2(doc["AbstractPoint"]):
+        pass
+
+    class PointV2LeafHandler(doc["PointLeafHandler"]):
+        """Reads what PointLeafHandler wrote, as it declares."""
+
+    with _doc_registry(doc):
+        cp.save_pytree(tmp_path / "c", {"p": doc["Point"](1.0, 2.0)})
+    registry = serialization.StandardLeafHandlerRegistry()
+    v2 = cp.handlers.typestr(PointV2LeafHandler)
+    registry.add(doc["Point"], AbstractPointV2, PointV2LeafHandler, secondary_typestrs=(v2,))
+    options = cp.options.PyTreeOptions(leaf_handler_registry=registry)
+    with cp.Context(pytree_options=options), pytest.raises(cp.errors.TreeMismatchError):
+        cp.load_pytree(tmp_path / "c", {"p": AbstractPointV2()})  # Not declared: refused.
+    registry.add(
+        doc["Point"],
+        AbstractPointV2,
+        PointV2LeafHandler,
+        secondary_typestrs=(v2, saved_by),
+        override=True,
+    )
+    with cp.Context(pytree_options=options):
+        assert cp.load_pytree(tmp_path / "c", {"p": AbstractPointV2()}) == {
+            "p": doc["Point"](1.0, 2.0)
+        }
