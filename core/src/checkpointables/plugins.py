@@ -30,6 +30,7 @@ from checkpointables.protocols import CheckpointableHandler, PyTreeReader, missi
 from checkpointables.protocols import typestr as typestr_of
 
 __all__ = [
+    "canonical_distribution",
     "ENTRY_POINT_GROUP",
     "DISABLE_ENV_VAR",
     "PROJECT_DISTRIBUTIONS",
@@ -398,11 +399,16 @@ def _sort_handlers(registrations: Iterable[HandlerRegistration]) -> tuple[Handle
     return tuple(sorted(registrations, key=lambda r: r.sort_key))
 
 
+def canonical_distribution(name: str) -> str:
+    """A distribution's name as pip compares names (PEP 503: ``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def is_project_distribution(distribution: str | None) -> bool:
     """Whether ``distribution`` is one this repository ships (``PROJECT_DISTRIBUTIONS``)."""
     if distribution is None:
         return False
-    return re.sub(r"[-_.]+", "-", distribution).lower() in PROJECT_DISTRIBUTIONS
+    return canonical_distribution(distribution) in PROJECT_DISTRIBUTIONS
 
 
 @attrs.frozen

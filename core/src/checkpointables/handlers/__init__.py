@@ -24,6 +24,7 @@ from checkpointables.handlers._resolution import (
     install_hint,
     resolve_for_load,
     resolve_for_save,
+    unavailable_plugin,
 )
 from checkpointables.plugins import HandlerRegistration
 from checkpointables.protocols import CheckpointableHandler, StatefulCheckpointable, typestr
@@ -40,5 +41,6 @@ __all__ = [
     "resolve_for_save",
     "resolve_for_load",
     "install_hint",
+    "unavailable_plugin",
     "handlers_accepting",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,10 +28,6 @@ _KNOWN_DISTRIBUTIONS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _canonical(distribution: str) -> str:
-    return re.sub(r"[-_.]+", "-", distribution).lower()
-
-
 def _known_distribution(recorded_typestr: str) -> str | None:
     for prefix, distribution in _KNOWN_DISTRIBUTIONS:
         if recorded_typestr.startswith(prefix):
@@ -40,16 +35,18 @@ def _known_distribution(recorded_typestr: str) -> str | None:
     return None
 
 
-def _unavailable_plugin(recorded_typestr: str, distribution: str | None) -> PluginInfo | None:
+def unavailable_plugin(recorded_typestr: str, distribution: str | None) -> PluginInfo | None:
     """The installed plugin that would provide the typestr but is disabled or failed to load:
-    the one of the distribution, or the one whose module the typestr is in."""
+    the one of the distribution, or the one whose module the typestr is in; ``None`` if
+    none is (the plugin is absent, or loaded)."""
     for info in plugins.list_plugins():
         if info.status == "loaded":
             continue
         same_distribution = (
             distribution is not None
             and info.distribution is not None
-            and _canonical(info.distribution) == _canonical(distribution)
+            and plugins.canonical_distribution(info.distribution)
+            == plugins.canonical_distribution(distribution)
         )
         module = info.value.partition(":")[0]
         if same_distribution or recorded_typestr.startswith(module + "."):
@@ -69,7 +66,7 @@ def install_hint(recorded_typestr: str, distribution: tuple[str, str | None] | N
     known = _known_distribution(recorded_typestr)
     # Our own typestrs name our distribution, whatever a (maybe crafted) checkpoint says.
     name, version = (known, None) if known else (distribution or (None, None))
-    unavailable = _unavailable_plugin(recorded_typestr, name)
+    unavailable = unavailable_plugin(recorded_typestr, name)
     if unavailable is not None:
         origin = f" of {unavailable.distribution}" if unavailable.distribution else ""
         if unavailable.status == "disabled":

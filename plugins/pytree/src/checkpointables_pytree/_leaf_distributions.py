@@ -17,7 +17,6 @@ plugin's own leaf handlers are not recorded: every load of a pytree has them.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -93,18 +92,12 @@ def merged(extras: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return dict(list(record.items())[:MAX_RECORDED])
 
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def _installable(value_type: str, distribution: tuple[str, str | None]) -> str:
     """The end of a sentence: what to install for ``value_type``, or, where its plugin is
     installed but disabled or broken, what to fix (``cp.handlers.install_hint`` says which)."""
     name, version = distribution
-    for info in cp.plugins.list_plugins():
-        same = info.distribution is not None and _canonical(info.distribution) == _canonical(name)
-        if same and info.status != "loaded":
-            return ". " + cp.handlers.install_hint(value_type, distribution).strip()
+    if cp.handlers.unavailable_plugin(value_type, name) is not None:
+        return ". " + cp.handlers.install_hint(value_type, distribution).strip()
     pinned = f"{name}=={version}" if version else name
     return f": pip install '{pinned}' (if you trust it), then run again."
 
