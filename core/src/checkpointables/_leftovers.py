@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 from etils import epath
@@ -64,6 +66,8 @@ __all__ = [
 ]
 
 SAVE_RECORD_FILE = ".checkpointables-save"
+
+logger = logging.getLogger(__name__)
 
 
 def process_exists(pid: int) -> bool:
@@ -251,11 +255,59 @@ def heartbeat_ns(directory: epath.PathLike, name: str) -> int | None:
         return None
 
 
-def remove_unfinished(path: epath.PathLike) -> None:
-    """Deletes an object-store prefix that holds no committed checkpoint, record last."""
-    files = storage.list_files(path)
+def remove_unfinished(
+    path: epath.PathLike, only_if: Callable[[SaveRecord | None], bool] | None = None
+) -> bool:
+    """Deletes an object-store prefix that holds no committed checkpoint, record last;
+    returns whether it did (``False``: it found a commit marker, or a record ``only_if``
+    refuses, and deleted nothing).
+
+    A save may take the prefix over at any time (another process's, which claims it with
+    its own record): the record and the listing are read together right before deleting
+    (one round trip, a GET and a LIST), and only the objects listed then are deleted, never
+    a commit marker. The record goes last, and only if it is still the one read (one GET
+    more): a crash midway leaves it, so the next cleanup finds the leftover again; a save
+    that claimed the prefix meanwhile keeps its record (said in the log: objects it wrote
+    under the same names since may be gone, which nothing can tell without a conditional
+    delete, and it is one writer per path).
+    """
+    record, files = concurrently(
+        _call, [lambda: read_record(path), lambda: storage.list_files(path)]
+    )
+    if layout.COMMIT_SUCCESS_FILE in files or (only_if is not None and not only_if(record)):
+        return False
     concurrently(storage.remove_file, [_join(path, f) for f in files if f != SAVE_RECORD_FILE])
-    storage.remove_file(_join(path, SAVE_RECORD_FILE))
+    if record is None:  # None was read: one that came since is a new save's.
+        return True
+    now = read_record(path)
+    if now is not None and _same(now, record):
+        storage.remove_file(_join(path, SAVE_RECORD_FILE))
+    elif now is not None:
+        _warn_taken_over(path, f"{now.describe()}; its record was kept")
+    elif storage.is_file(_join(path, layout.COMMIT_SUCCESS_FILE)):  # Gone: committed since?
+        _warn_taken_over(path, "it committed since")
+    return True
+
+
+def _warn_taken_over(path: epath.PathLike, what: str) -> None:
+    """Says that a save took ``path`` over while ``remove_unfinished`` deleted there."""
+    logger.warning(
+        "A save claimed %s while a cleanup removed what an unfinished save had left there "
+        "(%s). Objects it wrote meanwhile under the names of the removed ones may be gone: "
+        "run `checkpointables verify %s`, or save again.",
+        path,
+        what,
+        path,
+    )
+
+
+def _same(a: SaveRecord, b: SaveRecord) -> bool:
+    """Whether two records are the same text (heartbeat included: a beat is a live save)."""
+    return a == b and a.alive_ns == b.alive_ns
+
+
+def _call(ask: Callable[[], Any]) -> Any:
+    return ask()
 
 
 def abandoned_entries(

@@ -9,17 +9,20 @@ listed), then removed. A new Checkpointer decides too, on the steps it found
 makes the dropped steps invisible before it returns and removes them in the
 background. A step being loaded by this process is deleted only after the
 load finished (see ``_readers``). Every process decides, so that all list the
-same steps; only the primary host touches the files.
+same steps; only the primary host touches the files. A save of a step that the
+worker is to remove, or is removing, claims it first (``Removals``): on an object
+store the save writes where the removal deletes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 
 from etils import epath
 
-from checkpointables import _commit, _leftovers
+from checkpointables import _commit, _leftovers, storage
 from checkpointables.context import Context
 from checkpointables.training import _readers, _root_metadata
 from checkpointables.training import preservation_policies as preservation_lib
@@ -50,6 +53,7 @@ class Retention:
         self._context = context
         self._primary = primary
         self._deferred = False  # A step was kept for a load: try again when loads end.
+        self._removals = Removals()
         self._stopped = False
         # The steps of the last decision (at first, those found): a step the policy drops
         # that is not among them was committed since, below the latest, and is said so.
@@ -124,6 +128,7 @@ class Retention:
         with self._context:
             ran, retired = _readers.run_if_unread(info.path, retire)
         if ran and retired is not None:
+            self._removals.queue([retired.path])
             if remove_in_background:
                 self._worker.submit(lambda: self._remove(retired))
             else:
@@ -131,14 +136,27 @@ class Retention:
         return ran
 
     def _remove(self, retired: _commit.Retired) -> None:
-        with self._context:
-            retired.remove()
+        if not self._removals.begin(retired.path):  # A save of the step took it over.
+            return
+        try:
+            with self._context:
+                retired.remove()
+        finally:
+            self._removals.end(retired.path)
+
+    def claim(self, path: epath.Path, timeout: float) -> None:
+        """Called by a save of the step at ``path`` before it looks there: a removal of
+        ``path`` still queued is dropped (the save replaces what is there), one running is
+        waited for (at most ``timeout`` seconds), so that no removal deletes what the save
+        writes (see ``Removals``)."""
+        self._removals.claim(path, timeout)
 
     def clean_leftovers(self, unfinished: Sequence[epath.Path]) -> None:
         """Removes, in the background, what dead saves and deletions left under the root.
 
         ``unfinished``: object-store step prefixes without a commit (each is
-        removed if its record proves it abandoned).
+        removed if its record proves it abandoned when its turn comes, unless a save of
+        the step claimed it first: ``Removals``).
         """
         timeout = self._context.async_options.timeout_secs
         directories = [self._root, self._root / _root_metadata.METADATA_DIR]
@@ -146,11 +164,82 @@ class Retention:
         if not entries and not unfinished:
             return
 
+        self._removals.queue(unfinished)
+
         def clean() -> None:
             with self._context:
-                found = entries + _leftovers.abandoned_prefixes(unfinished, timeout_secs=timeout)
-                _leftovers.remove(found)
-            if found:
-                logger.info("Removed %d abandoned leftovers under %s.", len(found), self._root)
+                _leftovers.remove(entries)  # Temporary names: no save writes there again.
+                removed = [p for p in unfinished if self._remove_if_abandoned(p, timeout)]
+            if entries or removed:
+                count = len(entries) + len(removed)
+                logger.info("Removed %d abandoned leftovers under %s.", count, self._root)
 
         self._worker.submit(clean)
+
+    def _remove_if_abandoned(self, prefix: epath.Path, timeout: float) -> bool:
+        """Removes an unfinished object-store step whose record proves it abandoned, as it
+        is when it is removed (not when the cleanup was queued); skipped once a save of
+        the step claimed it."""
+        if not self._removals.begin(prefix):
+            return False
+        try:
+            return _leftovers.remove_unfinished(
+                prefix, lambda r: _leftovers.record_is_abandoned(r, timeout_secs=timeout)
+            )
+        finally:
+            self._removals.end(prefix)
+
+
+class Removals:
+    """The steps a Checkpointer's worker is to remove (queued) or is removing (running).
+
+    On an object store a step is removed where its next save writes (the same prefix), so
+    a save of the step that the worker is removing (an unfinished save's leftover, or a
+    step the preservation policy dropped) would lose what it writes to the removal. A save
+    claims its step first (``claim``): a queued removal is dropped, one running is waited
+    for. On a local disk the worker removes temporary names no save writes again.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._queued: set[str] = set()
+        self._running: set[str] = set()
+
+    def queue(self, paths: Iterable[epath.Path]) -> None:
+        """Notes that ``paths`` are to be removed."""
+        with self._condition:
+            self._queued.update(storage.key(p) for p in paths)
+
+    def begin(self, path: epath.Path) -> bool:
+        """Whether the removal of ``path`` may start now (no save claimed it); if so, a
+        save of it waits until ``end``."""
+        key = storage.key(path)
+        with self._condition:
+            if key not in self._queued:
+                return False
+            self._queued.remove(key)
+            self._running.add(key)
+            return True
+
+    def end(self, path: epath.Path) -> None:
+        """The removal of ``path`` is over (done or failed)."""
+        with self._condition:
+            self._running.discard(storage.key(path))
+            self._condition.notify_all()
+
+    def claim(self, path: epath.Path, timeout: float) -> None:
+        """Drops a queued removal of ``path``, waits for one running.
+
+        Raises:
+          TimeoutError: the removal is still running after ``timeout`` seconds.
+        """
+        key = storage.key(path)
+        with self._condition:
+            self._queued.discard(key)
+            if not self._condition.wait_for(lambda: key not in self._running, timeout):
+                raise TimeoutError(
+                    f"The removal of what an unfinished save (or a deleted step) left at "
+                    f"{path} is still running after {timeout} s, so a save there must wait. "
+                    f"Save again later, or raise the timeout "
+                    f"(cp.options.AsyncOptions(timeout_secs=...))."
+                )

@@ -160,6 +160,9 @@ class Saves:
             forced = {request.pytree_name: _pytree_api.pytree_registration().handler_cls}
         self.wait(context.async_options.timeout_secs)
         self._errors.raise_pending()
+        # Before the step is looked at: a removal by this Checkpointer's worker of what is
+        # there (a leftover, a dropped step) must not run while the save writes there.
+        self._retention.claim(self._path_of(request.step), context.async_options.timeout_secs)
         path = self._check_step(request, context)
         reuse, lease = self._reuse_source(request.step, context)
         staging = staging_lib.SaveStaging()
