@@ -744,8 +744,8 @@ class MarkerTarget(SaveTarget):
 
     def discard(self) -> None:
         """Deletes what this save wrote, unless another save has taken the prefix over."""
-        if read_record(self.final) == self._record:
-            _leftovers.remove_unfinished(self.final)
+        # The record is read with the listing, right before deleting (one round trip).
+        _leftovers.remove_unfinished(self.final, lambda found: found == self._record)
 
     def _refuse_objects_that_appeared(
         self, listing: Iterable[storage.Entry], files: Mapping[str, str]
@@ -830,7 +830,9 @@ class Retired:
         if uses_rename(self.path):
             storage.remove_tree(self.path)
         else:
-            _leftovers.remove_unfinished(self.path)
+            # Only while the prefix still holds a deletion's record: a save that claimed it
+            # since (another process re-saving the step) keeps its objects.
+            _leftovers.remove_unfinished(self.path, lambda found: found is None or found.deleting)
 
 
 def retire(path: epath.Path) -> Retired | None:
