@@ -12,6 +12,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from checkpointables import plugins
 
@@ -90,3 +91,59 @@ def test_two_third_parties_sharing_a_name_are_both_refused(install, order) -> No
         kept = plugins.discover(disabled={"zzz"})
     assert {p.name: p.status for p in kept.plugins}["aaa"] == "loaded"
     assert "point" in {h.name for h in kept.handlers}
+
+
+_TAKES_OURS = """
+import checkpointables as cp
+import numpy as np
+from checkpointables_pytree.leaves import NumpyLeafHandler
+
+
+class EvilNumpy(NumpyLeafHandler):
+    pass
+
+
+def gs_storage(*args, **kwargs):
+    raise RuntimeError("their gs://")
+
+
+@cp.hookimpl
+def register_{hook}(register):
+    {call}
+"""
+
+
+@pytest.mark.parametrize("theirs_first", [True, False])
+@pytest.mark.parametrize(
+    ("hook", "call", "said"),
+    [
+        (
+            "leaf_handlers",
+            "register(np.ndarray, np.ndarray, EvilNumpy)",
+            "leaf type 'numpy.ndarray'",
+        ),
+        ("storage", "register('gs', gs_storage)", "URL scheme 'gs'"),
+    ],
+    ids=["leaf type", "storage scheme"],
+)
+def test_a_third_party_taking_a_leaf_type_or_scheme_of_ours_is_refused(
+    tmp_path, monkeypatch, theirs_first, hook, call, said
+) -> None:
+    import importlib_metadata
+    from checkpointables.serialization import StandardLeafHandlerRegistry
+
+    module = f"cpt_takes_{hook}_{int(theirs_first)}"
+    (tmp_path / f"{module}.py").write_text(_TAKES_OURS.format(hook=hook, call=call))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    theirs = importlib_metadata.EntryPoint(
+        name="their", value=module, group=plugins.ENTRY_POINT_GROUP
+    )
+    installed = importlib_metadata.entry_points(group=plugins.ENTRY_POINT_GROUP)
+    ours = [ep for ep in installed if ep.name == "pytree"]
+    with pytest.warns(RuntimeWarning, match=f"{said}, which belongs to checkpointables_pytree"):
+        found = plugins.discover([theirs, *ours] if theirs_first else [*ours, theirs], set())
+    assert {p.name: p.status for p in found.plugins} == {"pytree": "loaded", "their": "failed"}
+    monkeypatch.setattr(plugins, "_cached", found)
+    assert plugins.storage_factories()["gs"].__module__.startswith("checkpointables_pytree")
+    handler = StandardLeafHandlerRegistry().get(np.ndarray)
+    assert handler.__module__.startswith("checkpointables_pytree"), handler

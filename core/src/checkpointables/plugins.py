@@ -411,45 +411,67 @@ def is_project_distribution(distribution: str | None) -> bool:
     return canonical_distribution(distribution) in PROJECT_DISTRIBUTIONS
 
 
+# What a claim's name is, for each kind of claim (how a message says it), and how a plugin
+# avoids the clash.
+_CLAIM_WORDS: dict[str, tuple[str, str, str]] = {
+    "handler": ("under the name", "names", "register(..., name='...')"),
+    "option class": ("under the keyword", "keywords", "register('...', ...)"),
+    "leaf handler": ("for the leaf type", "leaf types", "register leaf handlers of its own types"),
+    "storage backend": ("for the URL scheme", "URL schemes", "register another scheme"),
+}
+
+
 @attrs.frozen
 class _Claim:
-    """One plugin's claim on a name that only one class may hold: a handler name, or an
-    option keyword."""
+    """One plugin's claim on a name that only one class (or factory) may hold: a handler
+    name, an option keyword, a leaf type, a storage URL scheme."""
 
-    kind: Literal["handler", "option class"]
+    kind: str  # A key of ``_CLAIM_WORDS``.
     name: str
-    cls: type
+    cls: Any
     plugin: str
     distribution: str | None
 
     @property
     def label(self) -> str:
-        return "name" if self.kind == "handler" else "keyword"
+        return _CLAIM_WORDS[self.kind][0]
+
+    @property
+    def plural(self) -> str:
+        return _CLAIM_WORDS[self.kind][1]
+
+    @property
+    def rename(self) -> str:
+        return _CLAIM_WORDS[self.kind][2]
 
     @property
     def origin(self) -> str:
         return f"plugin {self.plugin!r} ({self.distribution or 'no distribution'})"
 
-    @property
-    def rename(self) -> str:
-        return "register(..., name='...')" if self.kind == "handler" else "register('...', ...)"
-
 
 def _claims(registered: _Registered) -> list[_Claim]:
-    handlers = [
-        _Claim("handler", r.name, r.handler_cls, r.plugin, r.distribution)
-        for r in registered.handlers
+    dist = registered.distribution
+    return [
+        *(_Claim("handler", r.name, r.handler_cls, r.plugin, dist) for r in registered.handlers),
+        *(
+            _Claim("option class", o.keyword, o.options_cls, o.plugin, dist)
+            for o in registered.options
+        ),
+        *(
+            _Claim("leaf handler", typestr_of(r.leaf_type), r.handler_cls, r.plugin, dist)
+            for r in registered.leaves
+        ),
+        *(
+            _Claim("storage backend", r.scheme, r.factory, r.plugin, dist)
+            for r in registered.storages
+        ),
     ]
-    options = [
-        _Claim("option class", o.keyword, o.options_cls, o.plugin, registered.distribution)
-        for o in registered.options
-    ]
-    return handlers + options
 
 
 def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
-    """Which loaded plugins (by index in ``loaded``) are refused for a handler name or an
-    option keyword another plugin registers for another class, with why. A function of the
+    """Which loaded plugins (by index in ``loaded``) are refused for a handler name, an
+    option keyword, a leaf type or a storage URL scheme another plugin registers for another
+    class (or factory), with why. A function of the
     registrations alone, never of the order the plugins came in:
 
     - a name a plugin of ours (``PROJECT_DISTRIBUTIONS``) registers stays ours: every other
@@ -480,26 +502,29 @@ def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
 
 def _taken_from_us(c: _Claim, ours: _Claim) -> str:
     return (
-        f"it registers its {c.kind} {typestr_of(c.cls)} under the {c.label} {c.name!r}, "
-        f"which belongs to {typestr_of(ours.cls)} of checkpointables' own {ours.origin}; "
-        f"our plugins keep their {c.kind} {c.label}s whatever the order plugins load in. The "
-        f"plugin must register its {c.kind} under another {c.label} ({c.rename}): tell the "
-        f"authors of {c.distribution or c.plugin!r}; until then uninstall it, or set "
-        f"{DISABLE_ENV_VAR}={c.plugin} to skip it silently"
+        f"it registers its {c.kind} {_named(c.cls)} {c.label} {c.name!r}, which belongs to "
+        f"{_named(ours.cls)} of checkpointables' own {ours.origin}; our plugins keep their "
+        f"{c.kind} {c.plural} whatever the order plugins load in. The plugin must "
+        f"{c.rename} instead: tell the authors of {c.distribution or c.plugin!r}; until then "
+        f"uninstall it, or set {DISABLE_ENV_VAR}={c.plugin} to skip it silently"
     )
 
 
 def _shared_name(c: _Claim, others: Sequence[_Claim]) -> str:
-    named = " and ".join(f"{typestr_of(o.cls)} of {o.origin}" for o in others)
+    named = " and ".join(f"{_named(o.cls)} of {o.origin}" for o in others)
     blocked = ",".join(dict.fromkeys(o.plugin for o in others))
     return (
-        f"it registers its {c.kind} {typestr_of(c.cls)} under the {c.label} {c.name!r}, "
-        f"which {named} registers too; a {c.label} belongs to one {c.kind} and which one "
-        f"you mean cannot be told, so every plugin registering it is skipped. Keep one: to "
-        f"keep this one, uninstall the other or set {DISABLE_ENV_VAR}={blocked}; to keep the "
-        f"other, {DISABLE_ENV_VAR}={c.plugin}. And tell the authors to register under "
-        f"another {c.label} ({c.rename})"
+        f"it registers its {c.kind} {_named(c.cls)} {c.label} {c.name!r}, which {named} "
+        f"registers too; which one you mean cannot be told, so every plugin registering it "
+        f"is skipped. Keep one: to keep this one, uninstall the other or set "
+        f"{DISABLE_ENV_VAR}={blocked}; to keep the other, {DISABLE_ENV_VAR}={c.plugin}. And "
+        f"tell the authors to {c.rename}"
     )
+
+
+def _named(obj: Any) -> str:
+    """A class or factory function as ``module.qualname``."""
+    return typestr_of(obj) if isinstance(obj, type) else f"{obj.__module__}.{obj.__qualname__}"
 
 
 def _load_plugin(ep: importlib_metadata.EntryPoint, manager: pluggy.PluginManager) -> _Registered:
@@ -776,7 +801,8 @@ def option_registrations() -> tuple[OptionRegistration, ...]:
 
 
 def storage_factories() -> dict[str, Callable[..., Any]]:
-    """Storage backends registered by plugins, by URL scheme (the first plugin by name wins)."""
+    """Storage backends registered by plugins, by URL scheme (a scheme two plugins register
+    for different factories is settled as handler names are: ``docs/handler-resolution.md``)."""
     found: dict[str, Callable[..., Any]] = {}
     for registration in _discovery().storages:
         found.setdefault(registration.scheme, registration.factory)
