@@ -13,7 +13,12 @@ strings, arrays), so the rule is not "every number": it covers the fields of
 Grain's own iterator states, found by their names. ``next_index`` and the
 other distinctive names are positions wherever they appear; a generic name
 (``index``, ``epoch``, ``counter``) only in a dict that has the shape of the
-Grain iterator state that holds it (all of that state's keys).
+Grain iterator state that holds it (all of that state's keys), and only for a
+shape that is Grain's own: one with a key outside ``GENERIC_KEYS`` or with 3
+keys or more. A shape of one or two generic keys (repeat's ``{parent,
+epoch}``, map_with_index's ``{parent, counter}``, TFRecord's
+``{reader_offset}``) is what a custom iterator's state may well be, and is not
+checked (its ``parent`` still is, wherever it nests Grain's states).
 """
 
 from __future__ import annotations
@@ -70,6 +75,21 @@ _GRAIN_STATES: tuple[dict[str, Kind], ...] = (
 # worker's first element).
 _LOADER_POSITIONS: dict[str, int] = {"last_worker_index": -1, "worker_count": 0}
 
+# Keys a custom iterator's state may well use for anything: a shape of Grain's made only of
+# these claims a dict of a custom state only with 3 keys or more (mix, packing, cache).
+GENERIC_KEYS = frozenset(
+    {"parent", "parents", "parent_state", "index", "stop", "epoch", "counter", "position"}
+    | {"reader_offset"}  # A file offset: what a custom reader's state would call it too.
+)
+_LEAST_GENERIC_KEYS = 3
+
+# The shapes checked: Grain's own, less those a custom state may have.
+_CHECKED_STATES = tuple(
+    shape
+    for shape in _GRAIN_STATES
+    if len(shape) >= _LEAST_GENERIC_KEYS or not GENERIC_KEYS.issuperset(shape)
+)
+
 # Where in the state, the value found there, and what it should be.
 Problem = tuple[str, Any, str]
 
@@ -95,7 +115,7 @@ def _fields(state: dict[Any, Any]) -> Iterable[tuple[str, Kind]]:
     """The checked fields of one dict of a state, with what each holds."""
     for key in _POSITIONS_ANYWHERE.intersection(state):
         yield key, "position"
-    for shape in _GRAIN_STATES:
+    for shape in _CHECKED_STATES:
         if all(key in state for key in shape):
             yield from shape.items()
 

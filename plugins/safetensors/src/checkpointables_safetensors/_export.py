@@ -123,17 +123,32 @@ def _relative_name(leaf: _names.NamedLeaf, depth: int) -> str:
     return keys[kept_above - 1] if kept_above else _names.name_of(leaf.keypath[depth - 1 : depth])
 
 
-def _selected(tree: Any, prefix: str | None) -> list[tuple[int, str, _names.NamedLeaf]]:
-    """The leaves under ``prefix`` with their positions and tensor names (NNX Variables'
-    ``value`` keys left out: see ``_names``)."""
+def _selected(tree: Any, prefix: str | None) -> list[tuple[int, str, _names.NamedLeaf, str]]:
+    """The leaves under ``prefix`` with their positions, tensor names (NNX Variables'
+    ``value`` keys left out: see ``_names``) and full names (every key below ``prefix``)."""
     every = _names.named_leaves(tree)
     chosen = [(p, leaf, _under(leaf, prefix)) for p, leaf in enumerate(every)]
     chosen = [(p, leaf, depth) for p, leaf, depth in chosen if depth is not None]
     renamed = _names.dict_form([leaf for _, leaf, _ in chosen], every)
-    return [
-        (position, _relative_name(leaf, depth or 0), leaf)
-        for (position, _, depth), leaf in zip(chosen, renamed, strict=True)
-    ]
+    selected = []
+    for (position, _, depth), leaf in zip(chosen, renamed, strict=True):
+        name = _relative_name(leaf, depth or 0)
+        # A one-leaf subtree is named by its own key, whatever it is.
+        full = _names.name_of(leaf.keypath[depth or 0 :]) or name
+        selected.append((position, name, leaf, full))
+    return selected
+
+
+def _shadowed(shortened: Sequence[tuple[str, str, str]], written: set[str]) -> None:
+    """Refuses a leaf named short (``a`` for ``a.value``) beside a tensor named with its full
+    key path: a load takes a leaf's full name first, so it would read the other tensor."""
+    for shown, name, full in shortened:
+        if full in written:
+            raise cp.errors.InvalidArgumentError(
+                f"The leaf {shown} would be written as {name!r} beside another leaf's tensor "
+                f"{full!r}, its own full key path, which a load reads for it first "
+                f"(safetensors names must load back into the tree). Rename a key."
+            )
 
 
 def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], list[str], Any, int]:
@@ -141,12 +156,14 @@ def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], li
 
     Raises:
       cp.errors.InvalidArgumentError: arrays safetensors cannot store (saying ``advice``),
-        two leaves of one name, or ``prefix`` selects no leaf (``_names.SubtreeNotFoundError``,
-        also a ``KeyError``).
+        two leaves of one name, a shortened name beside another leaf's tensor of that
+        leaf's full key path (it would not load back), or ``prefix`` selects no leaf
+        (``_names.SubtreeNotFoundError``, also a ``KeyError``).
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     leaves, skipped, unsupported, seen = [], [], [], set()
-    for position, name, leaf in _selected(tree, prefix):
+    shortened: list[tuple[str, str, str]] = []  # Leaves not named by their full key path.
+    for position, name, leaf, full in _selected(tree, prefix):
         try:
             found = _as_entry(name, leaf.leaf)
         except ValueError as e:
@@ -161,7 +178,10 @@ def _leaves(tree: Any, prefix: str | None, advice: str) -> tuple[list[_Leaf], li
                 f"holds a dot); safetensors names must be unique. Rename the key."
             )
         seen.add(name)
+        if full != name:
+            shortened.append((jax.tree_util.keystr(leaf.keypath), name, full))
         leaves.append(_Leaf(position, *found))
+    _shadowed(shortened, seen)
     if unsupported:
         raise cp.errors.InvalidArgumentError(
             f"{len(unsupported)} arrays have dtypes safetensors cannot store: "

@@ -14,6 +14,11 @@ flattening: flax is never imported here, and another class with a ``value``
 attribute keeps its key. A checkpoint's metadata tree records Variables as
 dicts (``{"kernel": {"value": ...}}``); such a tree (or subtree) whose every
 leaf is the lone ``"value"`` entry of its dict is named the same way.
+
+A load gives each leaf the first of its ``NamedLeaf.candidates`` that the file
+holds: its full key path (``a.value`` loads tensor ``a.value`` even beside
+``a``), then the shortened name, then the name less a last ``value`` key (what
+exporting a checkpoint of a dataclass with a ``value`` field writes).
 """
 
 from __future__ import annotations
@@ -163,6 +168,21 @@ class NamedLeaf:
         """Every key joined with dots (the name before NNX Variables were recognised)."""
         return name_of(self.keypath)
 
+    @property
+    def bare(self) -> str:
+        """The full name less a last key ``value`` (attribute or dict key): the name a
+        checkpoint's export gives a node's ``value`` field, recorded as ``{"value": x}``."""
+        last = self.keypath[-1] if len(self.keypath) > 1 else None
+        if _is_attribute_value(last) or _is_dict_value(last):
+            return name_of(self.keypath[:-1])
+        return self.full
+
+    @property
+    def candidates(self) -> list[str]:
+        """The names the leaf loads from, the first that a file holds winning: its full
+        key path, then its shortened ``name``, then ``bare`` (each once)."""
+        return list(dict.fromkeys((self.full, self.name, self.bare)))
+
 
 def named_leaves(tree: Any) -> list[NamedLeaf]:
     """The leaves of ``tree`` in ``jax.tree_util`` order (``None`` leaves included, as
@@ -217,11 +237,12 @@ def dict_form(leaves: Sequence[NamedLeaf], among: Sequence[NamedLeaf]) -> list[N
 
 
 def tensor_names(tree: Any, available: Container[str]) -> list[str]:
-    """The tensor each leaf of ``tree`` loads from, in ``named_leaves`` order: its name
-    (NNX Variables' ``value`` left out), or its full key path where only that is in
-    ``available`` (a file exported before Variables were recognised)."""
+    """The tensor each leaf of ``tree`` loads from, in ``named_leaves`` order: the first of
+    its ``candidates`` in ``available`` (the full key path where the file holds it, so
+    ``a.value`` loads tensor ``a.value``, never ``a``), or its shortened name, the one
+    reported missing, where none is."""
     leaves = named_leaves(tree)
     return [
-        leaf.full if leaf.name not in available and leaf.full in available else leaf.name
+        next((n for n in leaf.candidates if n in available), leaf.name)
         for leaf in dict_form(leaves, leaves)
     ]
