@@ -103,6 +103,17 @@ class EvilNumpy(NumpyLeafHandler):
     pass
 
 
+class TheirReader:
+    def recognizes(self, path):
+        return str(path).endswith(".safetensors")
+
+    async def load(self, path, abstract_pytree=None):
+        raise RuntimeError("their reader")
+
+    async def metadata(self, path):
+        raise RuntimeError("their reader")
+
+
 def gs_storage(*args, **kwargs):
     raise RuntimeError("their gs://")
 
@@ -115,35 +126,57 @@ def register_{hook}(register):
 
 @pytest.mark.parametrize("theirs_first", [True, False])
 @pytest.mark.parametrize(
-    ("hook", "call", "said"),
+    ("hook", "call", "ours", "said"),
     [
         (
             "leaf_handlers",
             "register(np.ndarray, np.ndarray, EvilNumpy)",
-            "leaf type 'numpy.ndarray'",
+            "pytree",
+            "leaf type 'numpy.ndarray', which belongs to checkpointables_pytree",
         ),
-        ("storage", "register('gs', gs_storage)", "URL scheme 'gs'"),
+        (  # Our class, registered differently: what it writes and reads would change.
+            "leaf_handlers",
+            "register(np.ndarray, dict, NumpyLeafHandler, secondary_typestrs=())",
+            "pytree",
+            "leaf type 'numpy.ndarray', which belongs to checkpointables_pytree",
+        ),
+        ("storage", "register('gs', gs_storage)", "pytree", "URL scheme 'gs', which belongs"),
+        (
+            "pytree_readers",
+            "register(TheirReader, priority=0, name='safetensors')",
+            "safetensors",
+            "name 'safetensors', which belongs to checkpointables_safetensors",
+        ),
     ],
-    ids=["leaf type", "storage scheme"],
+    ids=["leaf type", "our leaf class otherwise", "storage scheme", "reader name"],
 )
-def test_a_third_party_taking_a_leaf_type_or_scheme_of_ours_is_refused(
-    tmp_path, monkeypatch, theirs_first, hook, call, said
+def test_a_third_party_taking_a_leaf_type_scheme_or_reader_of_ours_is_refused(
+    tmp_path, monkeypatch, theirs_first, hook, call, ours, said
 ) -> None:
     import importlib_metadata
     from checkpointables.serialization import StandardLeafHandlerRegistry
 
-    module = f"cpt_takes_{hook}_{int(theirs_first)}"
+    module = f"cpt_takes_{hook}_{abs(hash(call))}_{int(theirs_first)}"
     (tmp_path / f"{module}.py").write_text(_TAKES_OURS.format(hook=hook, call=call))
     monkeypatch.syspath_prepend(str(tmp_path))
     theirs = importlib_metadata.EntryPoint(
         name="their", value=module, group=plugins.ENTRY_POINT_GROUP
     )
     installed = importlib_metadata.entry_points(group=plugins.ENTRY_POINT_GROUP)
-    ours = [ep for ep in installed if ep.name == "pytree"]
-    with pytest.warns(RuntimeWarning, match=f"{said}, which belongs to checkpointables_pytree"):
-        found = plugins.discover([theirs, *ours] if theirs_first else [*ours, theirs], set())
-    assert {p.name: p.status for p in found.plugins} == {"pytree": "loaded", "their": "failed"}
+    our_eps = [ep for ep in installed if ep.name in {"pytree", ours}]
+    eps = [theirs, *our_eps] if theirs_first else [*our_eps, theirs]
+    with pytest.warns(RuntimeWarning, match=said):
+        found = plugins.discover(eps, set())
+    assert {p.name: p.status for p in found.plugins} == {
+        **{ep.name: "loaded" for ep in our_eps},
+        "their": "failed",
+    }
     monkeypatch.setattr(plugins, "_cached", found)
     assert plugins.storage_factories()["gs"].__module__.startswith("checkpointables_pytree")
-    handler = StandardLeafHandlerRegistry().get(np.ndarray)
-    assert handler.__module__.startswith("checkpointables_pytree"), handler
+    assert (
+        StandardLeafHandlerRegistry()
+        .get(np.ndarray)
+        .__module__.startswith("checkpointables_pytree")
+    )
+    readers = {r.name: r.reader_cls for r in found.readers}
+    assert "TheirReader" not in {cls.__name__ for cls in readers.values()}

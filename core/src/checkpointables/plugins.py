@@ -418,6 +418,7 @@ _CLAIM_WORDS: dict[str, tuple[str, str, str]] = {
     "option class": ("under the keyword", "keywords", "register('...', ...)"),
     "leaf handler": ("for the leaf type", "leaf types", "register leaf handlers of its own types"),
     "storage backend": ("for the URL scheme", "URL schemes", "register another scheme"),
+    "reader": ("under the name", "names", "register(..., name='...')"),
 }
 
 
@@ -428,9 +429,16 @@ class _Claim:
 
     kind: str  # A key of ``_CLAIM_WORDS``.
     name: str
-    cls: Any
+    cls: Any  # What holds the name: a class, or a storage factory.
     plugin: str
     distribution: str | None
+    # What two claims must share not to clash (``cls``, or a leaf handler's whole
+    # registration: its abstract type and typestrs decide what it writes and reads).
+    identity: Any = None
+
+    @property
+    def held_by(self) -> Any:
+        return self.cls if self.identity is None else self.identity
 
     @property
     def label(self) -> str:
@@ -458,20 +466,28 @@ def _claims(registered: _Registered) -> list[_Claim]:
             for o in registered.options
         ),
         *(
-            _Claim("leaf handler", typestr_of(r.leaf_type), r.handler_cls, r.plugin, dist)
+            _Claim(
+                "leaf handler",
+                typestr_of(r.leaf_type),
+                r.handler_cls,
+                r.plugin,
+                dist,
+                (r.handler_cls, r.abstract_type, r.secondary_typestrs),
+            )
             for r in registered.leaves
         ),
         *(
             _Claim("storage backend", r.scheme, r.factory, r.plugin, dist)
             for r in registered.storages
         ),
+        *(_Claim("reader", r.name, r.reader_cls, r.plugin, dist) for r in registered.readers),
     ]
 
 
 def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
     """Which loaded plugins (by index in ``loaded``) are refused for a handler name, an
-    option keyword, a leaf type or a storage URL scheme another plugin registers for another
-    class (or factory), with why. A function of the
+    option keyword, a leaf type, a storage URL scheme or a reader name another plugin
+    registers differently, with why. A function of the
     registrations alone, never of the order the plugins came in:
 
     - a name a plugin of ours (``PROJECT_DISTRIBUTIONS``) registers stays ours: every other
@@ -487,15 +503,15 @@ def _name_refusals(loaded: dict[int, _Registered]) -> dict[int, str]:
     for _, by_plugin in sorted(claims.items()):
         ours = [c for c in by_plugin.values() if is_project_distribution(c.distribution)]
         for index, c in by_plugin.items():
-            if ours and c.cls is not ours[0].cls:
+            if ours and c.held_by != ours[0].held_by:
                 refused.setdefault(index, _taken_from_us(c, ours[0]))
     taken_from_us = set(refused)  # Those refused already do not keep others from a name.
     for _, by_plugin in sorted(claims.items()):
         left = {i: c for i, c in by_plugin.items() if i not in taken_from_us}
-        if len({c.cls for c in left.values()}) < 2:
+        if len({c.held_by for c in left.values()}) < 2:
             continue
         for index, c in left.items():
-            others = [o for o in left.values() if o.cls is not c.cls]
+            others = [o for o in left.values() if o.held_by != c.held_by]
             refused.setdefault(index, _shared_name(c, others))
     return refused
 
@@ -523,8 +539,11 @@ def _shared_name(c: _Claim, others: Sequence[_Claim]) -> str:
 
 
 def _named(obj: Any) -> str:
-    """A class or factory function as ``module.qualname``."""
-    return typestr_of(obj) if isinstance(obj, type) else f"{obj.__module__}.{obj.__qualname__}"
+    """A class or factory function as ``module.qualname`` (any other callable: its repr)."""
+    if isinstance(obj, type):
+        return typestr_of(obj)
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else repr(obj)
 
 
 def _load_plugin(ep: importlib_metadata.EntryPoint, manager: pluggy.PluginManager) -> _Registered:
