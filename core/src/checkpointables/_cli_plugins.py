@@ -86,9 +86,7 @@ def plugin_commands(
 
     taken = dict.fromkeys(built_in, "a built-in command")
     planned: list[tuple[CommandRegistration, str | None]] = []
-    ours = {
-        p.name for p in plugins.list_plugins() if plugins.is_project_distribution(p.distribution)
-    }
+    ours = _our_entry_points()
     registered = plugins.command_registrations() if commands is None else commands
     for command in sorted(registered, key=lambda c: c.plugin not in ours):  # Stable.
         reason: str | None
@@ -100,6 +98,21 @@ def plugin_commands(
             taken[command.name] = f"the command of plugin {command.plugin!r}"
         planned.append((command, reason))
     return planned
+
+
+def _our_entry_points() -> set[str]:
+    """The entry points of our plugins (``PROJECT_DISTRIBUTIONS``), from the installed
+    metadata alone: ``--help`` imports no plugin's handlers (nor JAX)."""
+    import importlib_metadata
+
+    from checkpointables import plugins
+
+    installed = importlib_metadata.entry_points(group=plugins.ENTRY_POINT_GROUP)
+    return {
+        ep.name
+        for ep in installed
+        if plugins.is_project_distribution(plugins.distribution_of(ep)[0])
+    }
 
 
 def _arguments_failure(command: CommandRegistration) -> str | None:

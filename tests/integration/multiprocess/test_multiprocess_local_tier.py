@@ -323,6 +323,11 @@ def test_forged_manifests_on_a_peer_remove_nothing_and_are_passed_over(run_dir) 
     del fields["checksum"]
     (step / "...manifest.json").write_text(json.dumps({**fields, "writer": "..", "files": {}}))
     (step / "..manifest.json").write_text(sealed({**fields, "writer": ".", "files": {}}))
+    # Host 1's directory stays the tier's (its record, as a run not moved keeps it): without
+    # one, the claim refuses the forged files outright (tests/core/training/local_tier).
+    record = {"persistent_root": os.path.realpath(run_dir / "persistent")}
+    record["adopted_runs"] = [fields["run"]]
+    (run_dir / "local" / "host1" / OWNER_FILE).write_text(json.dumps(record))
     flip_a_bit(run_dir / "local" / "host0" / "30" / "p0-of-2")
     first, second = _job(run_dir, "restore")
     assert (first["step"], first["tier"], first["persistent"]) == (30, "local", 0)
