@@ -10,6 +10,8 @@ import checkpointables as cp
 import jax
 import pytest
 
+from ..metadata_edits import with_metadata_checksums_recomputed
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -90,6 +92,10 @@ def _check_capabilities(namespace: dict, tmp_path) -> None:
             cp.handlers.unregister_handler(handler)
     damaged = tmp_path / "CheckedPointHandler" / "p"
     (damaged / "point.json").write_text('{"x": "one", "y": 2.0}')
+    problems = asyncio.run(namespace["CheckedPointHandler"]().verify(damaged))
+    assert len(problems) == 1 and "point.json is unreadable" in problems[0], problems
+    assert "checksum" in problems[0], problems  # The edit is caught by its checksum first...
+    with_metadata_checksums_recomputed(damaged.parent)  # ... made on purpose, by the values.
     problems = asyncio.run(namespace["CheckedPointHandler"]().verify(damaged))
     assert problems == [f"{damaged / 'point.json'}: x is not a number"]
 
