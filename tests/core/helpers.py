@@ -6,7 +6,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import checkpointables as cp
 import jax.numpy as jnp
@@ -37,6 +37,26 @@ class StatefulPoint:
             self.x, self.y = values["x"], values["y"]
 
         return read()
+
+
+class SaveOnlyHandler:
+    """A checkpointable handler whose tests exercise its ``save`` alone: it accepts
+    instances of ``handles`` and loads and describes nothing. Subclasses set ``handles``
+    and write ``save``."""
+
+    handles: ClassVar[type]
+
+    async def load(self, directory: Any, abstract_checkpointable: Any = None) -> None:
+        return None
+
+    async def metadata(self, directory: Any) -> None:
+        return None
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        return isinstance(checkpointable, self.handles)
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> None:
+        return None
 
 
 class Boom:

@@ -17,6 +17,8 @@ import importlib_metadata
 import pytest
 from checkpointables import _commit, plugins
 
+from .helpers import SaveOnlyHandler
+
 _PLUGIN = """
 import os
 import checkpointables as cp
@@ -144,8 +146,10 @@ class _CleanedAway:
     deleted (as another process's cleanup of temporary directories would)."""
 
 
-class _CleaningHandler:
+class _CleaningHandler(SaveOnlyHandler):
     """Deletes the save's temporary directory in its background phase."""
+
+    handles = _CleanedAway
 
     async def save(self, directory, checkpointable):
         async def write() -> None:
@@ -153,18 +157,6 @@ class _CleaningHandler:
             shutil.rmtree(path.parent)
 
         return write()
-
-    async def load(self, directory, abstract_checkpointable=None) -> None:
-        return None
-
-    async def metadata(self, directory) -> None:
-        return None
-
-    def is_handleable(self, checkpointable) -> bool:
-        return isinstance(checkpointable, _CleanedAway)
-
-    def is_abstract_handleable(self, abstract_checkpointable) -> None:
-        return None
 
 
 @pytest.mark.parametrize("metrics", [None, {"loss": 1.0}])

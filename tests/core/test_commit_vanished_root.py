@@ -11,6 +11,8 @@ import checkpointables as cp
 import pytest
 from etils import epath
 
+from .helpers import SaveOnlyHandler
+
 
 class Remover:
     """A pytree leaf whose save deletes the save's temporary directory."""
@@ -76,26 +78,16 @@ class _NeedsInput:
         self.awaits_directory = awaits_directory
 
 
-class _InputReadingHandler:
+class _InputReadingHandler(SaveOnlyHandler):
     """Opens a missing file of the user's in its blocking phase (``save`` itself)."""
+
+    handles = _NeedsInput
 
     async def save(self, directory, checkpointable):
         if checkpointable.awaits_directory:  # The save's directory made first, then the read.
             await directory.await_creation()
         with open(os.path.join(os.path.dirname(__file__), "no-such-input.txt")) as f:
             f.read()
-
-    async def load(self, directory, abstract_checkpointable=None) -> None:
-        return None
-
-    async def metadata(self, directory) -> None:
-        return None
-
-    def is_handleable(self, checkpointable) -> bool:
-        return isinstance(checkpointable, _NeedsInput)
-
-    def is_abstract_handleable(self, abstract_checkpointable) -> None:
-        return None
 
 
 @pytest.mark.parametrize("awaits_directory", [False, True])

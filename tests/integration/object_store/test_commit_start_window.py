@@ -10,6 +10,7 @@ import checkpointables as cp
 import numpy as np
 import pytest
 
+from ...core.helpers import SaveOnlyHandler
 from ...object_store_server import S3Proxy
 
 OLD = {"w": np.arange(4.0)}
@@ -25,9 +26,11 @@ class Intrusion:
         self.endpoint = endpoint  # The server's: not through the save's (counting) proxy.
 
 
-class IntrudingHandler:
+class IntrudingHandler(SaveOnlyHandler):
     """Writes the ``Intrusion``'s objects in its blocking phase, then awaits the save's
     directory (its creation claims and clears the prefix)."""
+
+    handles = Intrusion
 
     async def save(self, directory, checkpointable):
         direct = cp.options.StorageOptions(endpoint=checkpointable.endpoint)
@@ -35,18 +38,6 @@ class IntrudingHandler:
             for key, data in checkpointable.objects.items():
                 cp.storage.write_bytes(f"{checkpointable.prefix}/{key}", data)
         await directory.await_creation()
-        return None
-
-    async def load(self, directory, abstract_checkpointable=None) -> None:
-        return None
-
-    async def metadata(self, directory) -> None:
-        return None
-
-    def is_handleable(self, checkpointable) -> bool:
-        return isinstance(checkpointable, Intrusion)
-
-    def is_abstract_handleable(self, abstract_checkpointable) -> None:
         return None
 
 
